@@ -1,0 +1,75 @@
+"""Grouped-query self-attention through SDPA, with RoPE (Llama family) or none (Nemotron-H)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm
+
+
+def rope_inv_freq(cfg) -> torch.Tensor:
+    """Inverse frequencies; the "llama3" type rescales long wavelengths as transformers does."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return torch.where(mid, smoothed, scaled)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=cfg.attention_out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        if cfg.rope_theta is not None:
+            self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        cfg = self.cfg
+        b, l, _ = x.shape
+        q = self.q_proj(x).view(b, l, -1, cfg.head_dim)
+        k = self.k_proj(x).view(b, l, -1, cfg.head_dim)
+        v = self.v_proj(x).view(b, l, -1, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cfg.rope_theta is not None:
+            pos = torch.arange(l, device=x.device) if position_ids is None else position_ids
+            freqs = pos[..., None].float() * self.inv_freq.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+            if cos.dim() == 3:  # per-batch positions
+                cos, sin = cos[:, None], sin[:, None]
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        gqa = cfg.num_attention_heads != cfg.num_key_value_heads
+        if attention_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # padding: causal AND key not padded
+            keep = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()[None, None]
+            keep = keep & attention_mask[:, None, None, :].bool()
+            keep = keep | torch.eye(l, dtype=torch.bool, device=x.device)  # no fully-masked rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
+        return self.o_proj(o.transpose(1, 2).reshape(b, l, -1))

@@ -1,0 +1,160 @@
+"""The one configuration every remodel model is described by.
+
+A model is a stack of pre-norm residual layers, one character each in `pattern`:
+  M  Mamba-2 mixer            *  GQA self-attention (RoPE or none)
+  -  dense MLP (relu2/SwiGLU)  E  mixture of experts (+ optional shared expert)
+A Llama decoder layer is the pair "*-" (its two norms are the two layers' norms), so Llama,
+Mistral and Qwen2 are the pattern "*-" * L, and Mixtral / Qwen-MoE are "*E" * L.
+Widths are homogeneous across layers of one type (what Minitron / MiniPuzzle prune to).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .errors import RemodelError
+
+LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+ACTIVATIONS = ("relu2", "silu", "gelu", "gelu_tanh", "relu")
+ROUTERS = ("sigmoid", "softmax")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    pattern: str
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    # attention ('*')
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float | None = None  # None: no positional encoding (Nemotron-H)
+    rope_scaling: dict | None = None  # HF rope_parameters beyond "default" (only "llama3" supported)
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    attention_out_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # dense MLP ('-')
+    intermediate_size: int = 0
+    mlp_act: str = "relu2"
+    mlp_gated: bool = False  # SwiGLU-style: down(act(gate(x)) * up(x))
+    mlp_bias: bool = False
+    # Mamba-2 ('M')
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    n_groups: int = 1
+    ssm_state_size: int = 0
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_min: float = 0.001  # lower clamp of dt (transformers' nemotron_h)
+    time_step_max: float = float("inf")  # upper clamp of dt
+    # MoE ('E')
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_latent_size: int | None = None
+    router: str = "sigmoid"  # sigmoid (Nemotron-H / DeepSeek-V3) or softmax (Mixtral / Qwen)
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(w.x)
+    # HF fields carried through untouched (bos/eos ids, max positions, ...)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern)
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        return self.mamba_inner + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def mamba_in_proj_size(self) -> int:
+        return 2 * self.mamba_inner + 2 * self.n_groups * self.ssm_state_size + self.mamba_num_heads
+
+    @property
+    def moe_input_size(self) -> int:
+        return self.moe_latent_size or self.hidden_size
+
+    def count(self, layer_char: str) -> int:
+        return self.pattern.count(layer_char)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if math.isinf(d["time_step_max"]):
+            d["time_step_max"] = "inf"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        if d.get("time_step_max") == "inf":
+            d["time_step_max"] = float("inf")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise RemodelError(f"unknown remodel config fields: {sorted(unknown)}")
+        return cls(**d)
+
+    # ---- validation: one line naming the problem -------------------------------------
+    def validate(self) -> None:
+        def need(ok, msg):
+            if not ok:
+                raise RemodelError(f"invalid config: {msg}")
+
+        need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be > 0")
+        need(len(self.pattern) > 0, "the layer pattern is empty")
+        bad = sorted(set(self.pattern) - set(LAYER_TYPES))
+        need(not bad, f"unknown layer characters {bad} in pattern (allowed: M * - E)")
+        if "*" in self.pattern:
+            need(self.num_attention_heads > 0 and self.num_key_value_heads > 0 and self.head_dim > 0,
+                 "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
+            need(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                 f"num_key_value_heads={self.num_key_value_heads}")
+            if self.rope_theta is not None:
+                need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
+            if self.rope_scaling is not None:
+                need(self.rope_scaling.get("rope_type") == "llama3",
+                     f"unsupported RoPE type {self.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
+        if "-" in self.pattern:
+            need(self.intermediate_size > 0, "MLP layers need intermediate_size > 0")
+            need(self.mlp_act in ACTIVATIONS, f"unknown activation {self.mlp_act!r}")
+        if "M" in self.pattern:
+            need(self.mamba_num_heads > 0 and self.mamba_head_dim > 0 and self.ssm_state_size > 0,
+                 "Mamba layers need mamba_num_heads, mamba_head_dim and ssm_state_size > 0")
+            need(self.n_groups > 0 and self.mamba_num_heads % self.n_groups == 0,
+                 f"mamba_num_heads={self.mamba_num_heads} is not a multiple of n_groups={self.n_groups}")
+            need(self.chunk_size > 0 and self.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
+        if "E" in self.pattern:
+            need(self.n_routed_experts > 0 and self.moe_intermediate_size > 0,
+                 "MoE layers need n_routed_experts and moe_intermediate_size > 0")
+            need(0 < self.num_experts_per_tok <= self.n_routed_experts,
+                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={self.n_routed_experts}")
+            need(self.router in ROUTERS, f"unknown router {self.router!r} (allowed: {ROUTERS})")
+            need(self.n_group > 0 and self.n_routed_experts % self.n_group == 0,
+                 f"n_routed_experts={self.n_routed_experts} is not a multiple of n_group={self.n_group}")
+            need(0 < self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in 1..n_group")
+            if self.n_group > 1:
+                need(self.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
+                need(self.n_routed_experts // self.n_group >= 2,
+                     "grouped routing needs at least 2 experts per group")
+            need(self.mlp_act in ACTIVATIONS, f"unknown activation {self.mlp_act!r}")

@@ -1,0 +1,320 @@
+"""Hugging Face formats: configs in and out, and one tensor-name table per family.
+
+`weight_table(cfg, family)` lists (our_name, hf_name, expert) rows. Import stacks the rows of a
+fused expert tensor in expert order; export slices `ours[our_name][expert]`. The same table serves
+both directions, so a round trip is the identity by construction. Configs are parsed through
+transformers' own config classes, so their defaults and legacy field names are the oracle's.
+"""
+from __future__ import annotations
+
+import json
+
+from .config import ModelConfig
+from .errors import RemodelError
+
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("nemotron_h",) + DENSE_FAMILIES + MOE_FAMILIES
+ARCH = {"nemotron_h": "NemotronHForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_CHAR = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+_TYPE = {v: k for k, v in _CHAR.items()}
+
+
+def _hf_config(d: dict):
+    from transformers import AutoConfig, PretrainedConfig
+
+    d = PretrainedConfig._decode_special_floats(d)  # {"__float__": "Infinity"} as transformers writes it
+    mt = d.get("model_type")
+    if mt not in FAMILIES:
+        raise RemodelError(f"unsupported model_type {mt!r} (supported: {', '.join(FAMILIES)})")
+    d = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except Exception as e:  # transformers' own validation
+        raise RemodelError(f"invalid {mt} config: {str(e).splitlines()[0]}") from None
+
+
+def _rope(h) -> tuple[float, dict | None]:
+    rp = dict(getattr(h, "rope_parameters", None) or {})
+    theta = rp.get("rope_theta", getattr(h, "rope_theta", 10000.0))
+    kind = rp.get("rope_type", "default")
+    if kind == "default":
+        return float(theta), None
+    return float(theta), rp  # validated by ModelConfig (only llama3 is supported)
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """HF config.json dict -> ModelConfig (one-line RemodelError when unsupported)."""
+    h = _hf_config(d)
+    mt = h.model_type
+    extra = {k: getattr(h, k) for k in PASSTHROUGH if getattr(h, k, None) is not None}
+    if mt == "nemotron_h":
+        if getattr(h, "mamba_hidden_act", "silu") != "silu":
+            raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
+        if getattr(h, "num_nextn_predict_layers", 0):
+            extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers
+        shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
+        return ModelConfig(
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size,
+            pattern="".join(_CHAR[t] for t in h.layers_block_type), norm_eps=h.layer_norm_epsilon,
+            tie_word_embeddings=bool(h.tie_word_embeddings),
+            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+            head_dim=h.head_dim, rope_theta=None,
+            intermediate_size=h.intermediate_size, mlp_act=h.mlp_hidden_act, mlp_gated=False, mlp_bias=h.mlp_bias,
+            mamba_num_heads=h.mamba_num_heads, mamba_head_dim=h.mamba_head_dim, n_groups=h.n_groups,
+            ssm_state_size=h.ssm_state_size, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
+            use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=h.time_step_min,
+            n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
+            moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
+            moe_latent_size=h.moe_latent_size, router="sigmoid", norm_topk_prob=h.norm_topk_prob,
+            routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group,
+            extra=extra)
+    # Llama family
+    if getattr(h, "sliding_window", None) and getattr(h, "use_sliding_window", mt == "mistral"):
+        raise RemodelError(f"{mt} with sliding_window={h.sliding_window} is not supported (full attention only)")
+    if getattr(h, "hidden_act", "silu") != "silu":
+        raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {mt} (only silu)")
+    theta, scaling = _rope(h)
+    head_dim = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
+    bias = {"qwen2": True, "qwen2_moe": bool(getattr(h, "qkv_bias", True))}.get(mt, bool(getattr(h, "attention_bias", False)))
+    out_bias = bias if mt in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") else False
+    L = h.num_hidden_layers
+    common = dict(vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
+                  tie_word_embeddings=bool(h.tie_word_embeddings),
+                  num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+                  head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, attention_bias=bias,
+                  attention_out_bias=out_bias, qk_norm=mt in ("qwen3", "qwen3_moe"),
+                  mlp_act="silu", mlp_gated=True, mlp_bias=bool(getattr(h, "mlp_bias", False)), extra=extra)
+    if mt in DENSE_FAMILIES:
+        return ModelConfig(pattern="*-" * L, intermediate_size=h.intermediate_size, **common)
+    if mt == "mixtral":
+        return ModelConfig(pattern="*E" * L, n_routed_experts=h.num_local_experts,
+                           num_experts_per_tok=h.num_experts_per_tok, moe_intermediate_size=h.intermediate_size,
+                           router="softmax", norm_topk_prob=True, **common)
+    if getattr(h, "mlp_only_layers", []) or getattr(h, "decoder_sparse_step", 1) != 1:
+        raise RemodelError(f"{mt} with dense layers (mlp_only_layers / decoder_sparse_step) is not supported")
+    shared = getattr(h, "shared_expert_intermediate_size", 0) or 0
+    return ModelConfig(pattern="*E" * L, n_routed_experts=h.num_experts, num_experts_per_tok=h.num_experts_per_tok,
+                       moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
+                       shared_expert_gate=mt == "qwen2_moe", router="softmax",
+                       norm_topk_prob=bool(h.norm_topk_prob), **common)
+
+
+def default_family(cfg: ModelConfig) -> str:
+    if set(cfg.pattern) & set("M") or cfg.rope_theta is None or not cfg.mlp_gated:
+        return "nemotron_h"
+    if "E" in cfg.pattern:
+        return "qwen3_moe" if cfg.qk_norm else ("qwen2_moe" if cfg.moe_shared_expert_intermediate_size else "mixtral")
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+def check_exportable(cfg: ModelConfig, family: str) -> None:
+    """Refuse (one line) a family that cannot represent this model exactly."""
+    def need(ok, why):
+        if not ok:
+            raise RemodelError(f"cannot export to {family}: {why}")
+
+    need(family in FAMILIES, f"unknown target (supported: {', '.join(FAMILIES)})")
+    if family == "nemotron_h":
+        need(cfg.rope_theta is None or "*" not in cfg.pattern, "nemotron_h attention has no RoPE")
+        need(not (cfg.attention_bias or cfg.attention_out_bias or cfg.qk_norm), "nemotron_h attention has no bias or q/k norm")
+        need(not cfg.mlp_gated, "nemotron_h MLPs and experts are not gated (SwiGLU models go to llama/mixtral/qwen)")
+        need("E" not in cfg.pattern or (cfg.router == "sigmoid" and not cfg.shared_expert_gate),
+             "nemotron_h MoE uses the sigmoid router without a shared-expert gate")
+        return
+    L = cfg.num_layers // 2
+    want = "*-" if family in DENSE_FAMILIES else "*E"
+    need(cfg.num_layers % 2 == 0 and cfg.pattern == want * L, f"needs the layer pattern {want!r} * N, got {cfg.pattern!r}")
+    need(cfg.rope_theta is not None, "needs RoPE attention")
+    need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
+    need(cfg.qk_norm == (family in ("qwen3", "qwen3_moe")), "q/k norm must match (only qwen3 families have it)")
+    if family == "qwen2":
+        need(cfg.attention_bias and not cfg.attention_out_bias, "qwen2 has q/k/v bias and no o_proj bias")
+    elif family == "qwen2_moe":
+        need(not cfg.attention_out_bias, "qwen2_moe has no o_proj bias")
+    else:
+        need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
+    need(not cfg.mlp_bias, "MLP bias is not supported by this family")
+    if family in MOE_FAMILIES:
+        need(cfg.router == "softmax" and cfg.n_group == 1, "needs a softmax router without expert groups")
+        need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+        need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+        if family == "mixtral":
+            need(cfg.norm_topk_prob, "mixtral always renormalises the top-k weights")
+            need(not cfg.moe_shared_expert_intermediate_size, "mixtral has no shared expert (use qwen2_moe)")
+        if family == "qwen3_moe":
+            need(not cfg.moe_shared_expert_intermediate_size, "qwen3_moe has no shared expert (use qwen2_moe)")
+        need(cfg.shared_expert_gate == (family == "qwen2_moe") or not cfg.moe_shared_expert_intermediate_size,
+             "shared-expert gate must match the family")
+
+
+def config_to_hf(cfg: ModelConfig, family: str) -> dict:
+    """ModelConfig -> HF config.json dict, built and checked by transformers' config class."""
+    check_exportable(cfg, family)
+    d = {k: v for k, v in cfg.extra.items() if k in PASSTHROUGH}
+    d.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tie_word_embeddings=cfg.tie_word_embeddings,
+             architectures=[ARCH[family]])
+    if family == "nemotron_h":
+        d.update(layers_block_type=[_TYPE[c] for c in cfg.pattern], layer_norm_epsilon=cfg.norm_eps,
+                 num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
+                 head_dim=cfg.head_dim or 1, intermediate_size=cfg.intermediate_size or 1,
+                 mlp_hidden_act=cfg.mlp_act, mlp_bias=cfg.mlp_bias,
+                 mamba_num_heads=cfg.mamba_num_heads or 1, mamba_head_dim=cfg.mamba_head_dim or 1,
+                 n_groups=cfg.n_groups, ssm_state_size=cfg.ssm_state_size or 1, conv_kernel=cfg.conv_kernel,
+                 chunk_size=cfg.chunk_size, use_conv_bias=cfg.use_conv_bias, use_bias=cfg.mamba_proj_bias,
+                 time_step_min=cfg.time_step_min)
+        if "E" in cfg.pattern:
+            d.update(n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                     moe_intermediate_size=cfg.moe_intermediate_size,
+                     moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 1,
+                     moe_latent_size=cfg.moe_latent_size, norm_topk_prob=cfg.norm_topk_prob,
+                     routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
+    else:
+        rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+        d.update(num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps,
+                 num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                 head_dim=cfg.head_dim, rope_parameters=rope, hidden_act="silu")
+        if family in ("llama", "qwen3", "qwen3_moe", "mixtral", "mistral"):
+            d["attention_bias"] = cfg.attention_bias
+        if family in ("mistral", "mixtral"):
+            d["sliding_window"] = None
+        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+            d["use_sliding_window"] = False
+        if family in DENSE_FAMILIES:
+            d["intermediate_size"] = cfg.intermediate_size
+        elif family == "mixtral":
+            d.update(num_local_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                     intermediate_size=cfg.moe_intermediate_size)
+        else:
+            d.update(num_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                     moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                     intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+            if family == "qwen2_moe":
+                d.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 1,
+                         qkv_bias=cfg.attention_bias)
+    h = _hf_config({"model_type": family, **d})
+    out = json.loads(h.to_json_string(use_diff=False))
+    out["architectures"] = [ARCH[family]]
+    return out
+
+
+# ---- tensor names -----------------------------------------------------------------------
+
+def our_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every parameter of our model definition, with its shape (no allocation)."""
+    H, s = cfg.hidden_size, {}
+    s["embeddings.weight"] = (cfg.vocab_size, H)
+    for i, c in enumerate(cfg.pattern):
+        p = f"layers.{i}."
+        s[p + "norm.weight"] = (H,)
+        m = p + "mixer."
+        if c == "M":
+            s[m + "in_proj.weight"] = (cfg.mamba_in_proj_size, H)
+            if cfg.mamba_proj_bias:
+                s[m + "in_proj.bias"] = (cfg.mamba_in_proj_size,)
+            s[m + "conv1d.weight"] = (cfg.mamba_conv_dim, 1, cfg.conv_kernel)
+            if cfg.use_conv_bias:
+                s[m + "conv1d.bias"] = (cfg.mamba_conv_dim,)
+            for n in ("dt_bias", "A_log", "D"):
+                s[m + n] = (cfg.mamba_num_heads,)
+            s[m + "norm.weight"] = (cfg.mamba_inner,)
+            s[m + "out_proj.weight"] = (H, cfg.mamba_inner)
+            if cfg.mamba_proj_bias:
+                s[m + "out_proj.bias"] = (H,)
+        elif c == "*":
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                s[m + n + ".weight"] = (rows, H)
+                if cfg.attention_bias:
+                    s[m + n + ".bias"] = (rows,)
+            s[m + "o_proj.weight"] = (H, q)
+            if cfg.attention_out_bias:
+                s[m + "o_proj.bias"] = (H,)
+            if cfg.qk_norm:
+                s[m + "q_norm.weight"] = s[m + "k_norm.weight"] = (cfg.head_dim,)
+        elif c == "-":
+            _mlp_shapes(s, m, H, cfg.intermediate_size, cfg.mlp_gated, cfg.mlp_bias)
+        else:
+            E, F, Lt = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
+            s[m + "gate.weight"] = (E, H)
+            if cfg.router == "sigmoid":
+                s[m + "gate.e_score_correction_bias"] = (E,)
+            s[m + "experts.up_proj"] = (E, F, Lt)
+            if cfg.mlp_gated:
+                s[m + "experts.gate_proj"] = (E, F, Lt)
+            s[m + "experts.down_proj"] = (E, Lt, F)
+            if cfg.moe_shared_expert_intermediate_size:
+                _mlp_shapes(s, m + "shared_experts.", H, cfg.moe_shared_expert_intermediate_size, cfg.mlp_gated, False)
+            if cfg.shared_expert_gate:
+                s[m + "shared_expert_gate.weight"] = (1, H)
+            if cfg.moe_latent_size:
+                s[m + "fc1_latent_proj.weight"] = (Lt, H)
+                s[m + "fc2_latent_proj.weight"] = (H, Lt)
+    s["norm_f.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, H)
+    return s
+
+
+def _mlp_shapes(s, m, H, F, gated, bias):
+    s[m + "up_proj.weight"] = (F, H)
+    if gated:
+        s[m + "gate_proj.weight"] = (F, H)
+    s[m + "down_proj.weight"] = (H, F)
+    if bias:
+        s[m + "up_proj.bias"] = (F,)
+        if gated:
+            s[m + "gate_proj.bias"] = (F,)
+        s[m + "down_proj.bias"] = (H,)
+
+
+_EXPERT_NAMES = {  # our fused tensor -> per-expert HF leaf, per family
+    "nemotron_h": {"up_proj": "up_proj", "down_proj": "down_proj"},
+    "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+}
+_EXPERT_NAMES["qwen3_moe"] = _EXPERT_NAMES["qwen2_moe"]
+
+
+def weight_table(cfg: ModelConfig, family: str) -> list[tuple[str, str, int | None]]:
+    """Rows (our_name, hf_name, expert_index or None) covering every tensor of the HF checkpoint."""
+    rows = []
+    for ours, shape in our_shapes(cfg).items():
+        hf = _hf_name(cfg, family, ours)
+        if ".experts." in ours and not ours.endswith(".weight"):
+            leaf = ours.rsplit(".", 1)[1]
+            for e in range(shape[0]):
+                rows.append((ours, hf.replace("{leaf}", _EXPERT_NAMES[family][leaf]).replace("{e}", str(e)), e))
+        else:
+            rows.append((ours, hf, None))
+    return rows
+
+
+def _hf_name(cfg: ModelConfig, family: str, ours: str) -> str:
+    if family == "nemotron_h":
+        if ours == "lm_head.weight":
+            return ours
+        if ".experts." in ours and not ours.endswith(".weight"):
+            return "backbone." + ours.rsplit(".", 1)[0] + ".{e}.{leaf}.weight"
+        return "backbone." + ours
+    top = {"embeddings.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    if ours in top:
+        return top[ours]
+    _, i, rest = ours.split(".", 2)
+    j, second = divmod(int(i), 2)
+    p = f"model.layers.{j}."
+    if rest == "norm.weight":
+        return p + ("post_attention_layernorm.weight" if second else "input_layernorm.weight")
+    rest = rest[len("mixer."):]
+    if not second:
+        return p + "self_attn." + rest
+    if family in DENSE_FAMILIES:
+        return p + "mlp." + rest
+    moe = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+    if rest.startswith("experts."):
+        return moe + "experts.{e}.{leaf}.weight"
+    return moe + rest.replace("shared_experts.", "shared_expert.")

@@ -1,0 +1,182 @@
+"""Checkpoint <-> model, through the per-family name table, one tensor at a time.
+
+`iter_our_tensors` streams a HF checkpoint as our tensors (fused experts are assembled from their
+per-expert rows); `iter_hf_tensors` streams our tensors out in a family's HF layout. Every shape is
+checked against the config before it is used, so a mismatched checkpoint fails with one line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .checkpoint import CheckpointReader
+from .config import ModelConfig
+from .errors import RemodelError
+from .hf import config_from_hf, config_to_hf, default_family, our_shapes, weight_table
+from .model import HybridLM
+
+
+def read_config_dict(path) -> dict:
+    """config.json from a checkpoint directory or a config.json path (no weights needed)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.exists():
+        raise RemodelError(f"no config.json at {path}")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise RemodelError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_config(path) -> ModelConfig:
+    return config_from_hf(read_config_dict(path))
+
+
+class _Source:
+    """Finds each HF tensor in a checkpoint whatever its on-disk variant (backbone./model. prefix,
+    per-expert or fused 3-D experts)."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.r = reader
+        self.keys = set(reader.keys())
+
+    def _alias(self, name: str) -> str | None:
+        if name in self.keys:
+            return name
+        if name.startswith("backbone.") and "model." + name[9:] in self.keys:
+            return "model." + name[9:]
+        return None
+
+    def shape_and_get(self, hf: str, expert: int | None):
+        k = self._alias(hf)
+        if k is not None:
+            return tuple(self.r.shape(k)), (lambda: self.r.get(k))
+        if expert is not None:  # fused 3-D expert tensor, e.g. mixer.experts.up_proj
+            base, leaf = hf.split(f".{expert}.", 1)
+            fused = self._alias(base + "." + leaf.rsplit(".weight", 1)[0])
+            if fused is not None:
+                shape = tuple(self.r.shape(fused))
+                return shape[1:], (lambda: self.r.get(fused)[expert])
+        raise RemodelError(f"checkpoint {self.r.path} has no tensor {hf!r}")
+
+
+def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
+                     names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (our_name, tensor) in table order, each checked against the config's shape.
+    `names` restricts to those tensors (nothing else is read)."""
+    family = family or reader.config.get("model_type")
+    shapes = our_shapes(cfg)
+    src = _Source(reader)
+    rows = [r for r in weight_table(cfg, family) if names is None or r[0] in names]
+    plan = []  # check every shape before reading any data
+    for ours, hf, e in rows:
+        shape, get = src.shape_and_get(hf, e)
+        want = shapes[ours][1:] if e is not None else shapes[ours]
+        if tuple(shape) != tuple(want):
+            raise RemodelError(f"tensor {hf} has shape {list(shape)} but the config implies {list(want)}")
+        plan.append((ours, e, get))
+    i = 0
+    while i < len(plan):
+        ours, e, get = plan[i]
+        if e is None:
+            yield ours, get()
+            i += 1
+            continue
+        parts = []
+        while i < len(plan) and plan[i][0] == ours:
+            parts.append(plan[i][2]())
+            i += 1
+        yield ours, torch.stack(parts)
+
+
+def load_model(path, dtype=torch.float32, device="cpu") -> HybridLM:
+    """Whole model in memory (for models that fit; streaming paths use iter_our_tensors)."""
+    reader = CheckpointReader(path)
+    cfg = config_from_hf(reader.config)
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    state = {k: v.to(dtype=dtype if v.is_floating_point() else v.dtype, device=device)
+             for k, v in iter_our_tensors(reader, cfg)}
+    for name, buf in model.named_buffers():
+        if name not in state:  # non-persistent buffers (RoPE frequencies) are rebuilt
+            state[name] = None
+    model.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False, assign=True)
+    _materialise_buffers(model, device)
+    _keep_fp32(model)
+    return model.eval()
+
+
+def _materialise_buffers(model: HybridLM, device):
+    from .attention import rope_inv_freq
+    for layer in model.layers:
+        if layer.kind == "*" and model.cfg.rope_theta is not None:
+            layer.mixer.inv_freq = rope_inv_freq(model.cfg).to(device)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise RemodelError(f"checkpoint is missing tensors: {missing[:3]}")
+
+
+def _keep_fp32(model: HybridLM):
+    for m in model.moe_layers():
+        if hasattr(m.gate, "e_score_correction_bias"):
+            m.gate.e_score_correction_bias.data = m.gate.e_score_correction_bias.data.float()
+
+
+def extra_hf_tensors(cfg: ModelConfig, family: str) -> dict[str, tuple]:
+    """Tensors the family needs but our model lacks: a shared expert of size 1 with zero weights
+    stands for 'no shared expert' (transformers always builds one)."""
+    out = {}
+    if cfg.moe_shared_expert_intermediate_size or family not in ("nemotron_h", "qwen2_moe"):
+        return out
+    H = cfg.hidden_size
+    for i, c in enumerate(cfg.pattern):
+        if c != "E":
+            continue
+        if family == "nemotron_h":
+            p = f"backbone.layers.{i}.mixer.shared_experts."
+            out[p + "up_proj.weight"], out[p + "down_proj.weight"] = (1, H), (H, 1)
+        else:
+            p = f"model.layers.{i // 2}.mlp."
+            for n in ("gate_proj", "up_proj"):
+                out[p + f"shared_expert.{n}.weight"] = (1, H)
+            out[p + "shared_expert.down_proj.weight"] = (H, 1)
+            out[p + "shared_expert_gate.weight"] = (1, H)
+    return out
+
+
+def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family: str,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for a family, reading our tensors through `get(our_name)` once each."""
+    rows = weight_table(cfg, family)
+    cur_name, cur = None, None
+    for ours, hf, e in rows:
+        if ours != cur_name:
+            cur_name, cur = ours, get(ours)
+        t = cur if e is None else cur[e]
+        if dtype is not None and t.is_floating_point() and not ours.endswith("e_score_correction_bias"):
+            t = t.to(dtype)
+        yield hf, t.contiguous()
+    for hf, shape in extra_hf_tensors(cfg, family).items():
+        yield hf, torch.zeros(shape, dtype=dtype or torch.float32)
+
+
+def save_model(model: HybridLM, out, family: str | None = None, aux_from=None, overwrite=False,
+               dtype=None, max_shard_bytes: int = 2 * 1024**3, inputs=()) -> Path:
+    """Write a HF checkpoint atomically (temporary sibling renamed at the end)."""
+    from .checkpoint import CheckpointWriter, atomic_output_dir
+
+    cfg = model.cfg
+    family = family or default_family(cfg)
+    hf_cfg = config_to_hf(cfg, family)
+    state = model.state_dict()
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
+        w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
+        for name, t in iter_hf_tensors(lambda n: state[n].detach().cpu(), cfg, family, dtype):
+            w.add(name, t)
+        if dtype is not None:
+            hf_cfg["dtype"] = str(dtype).replace("torch.", "")
+        w.close(hf_cfg, aux_from=aux_from)
+    return Path(out)

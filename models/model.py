@@ -1,0 +1,101 @@
+"""The hybrid causal LM: embeddings -> [x + mixer(norm(x))] per pattern character -> norm_f -> lm_head.
+
+Module and parameter names follow transformers' `nemotron_h` in-memory layout (without the
+`model.` prefix), so hooks, pruning tables and conversion all speak one vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .mamba import Mamba2Mixer
+from .mlp import MLP, MoE
+from .norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if kind == "M":
+            self.mixer = Mamba2Mixer(cfg)
+        elif kind == "*":
+            self.mixer = Attention(cfg)
+        elif kind == "-":
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias)
+        else:
+            self.mixer = MoE(cfg)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        h = self.norm(x)
+        if self.kind == "M":
+            h = self.mixer(h, attention_mask)
+        elif self.kind == "*":
+            h = self.mixer(h, attention_mask, position_ids)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
+        x = self.embeddings(input_ids)
+        states = [x] if output_hidden_states else None
+        for layer in self.layers:
+            x = layer(x, attention_mask, position_ids)
+            if output_hidden_states:
+                states.append(x)
+        return self.norm_f(x), states
+
+    def logits(self, h):
+        w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(h, w)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
+        """-> logits [b, l, V] (and the residual stream after every layer, embeddings first)."""
+        h, states = self.hidden(input_ids, attention_mask, position_ids, output_hidden_states)
+        logits = self.logits(h)
+        return (logits, states) if output_hidden_states else logits
+
+    def moe_layers(self):
+        return [layer.mixer for layer in self.layers if layer.kind == "E"]
+
+
+@torch.no_grad()
+def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) -> HybridLM:
+    """Fresh initialisation in the style of transformers' nemotron_h/_init_weights."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    cfg = model.cfg
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or name.endswith("_norm.weight") or leaf == "D":
+            p.fill_(1.0)
+        elif leaf == "bias" or name.endswith("gate.weight") and p.shape[0] == 1:
+            p.zero_()
+        elif leaf == "A_log":
+            p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
+        elif leaf == "dt_bias":
+            dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            dt = dt.clamp(min=1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif "conv1d" in name:
+            bound = 1.0 / math.sqrt(cfg.conv_kernel)
+            p.uniform_(-bound, bound, generator=g)
+        else:
+            s = std / math.sqrt(2 * cfg.num_layers) if leaf in ("out_proj", "o_proj", "down_proj") or name.endswith(
+                ("out_proj.weight", "o_proj.weight", "down_proj.weight")) else std
+            p.normal_(0.0, s, generator=g)
+    return model
