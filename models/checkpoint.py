@@ -1,0 +1,297 @@
+"""Streaming Hugging Face checkpoint I/O: one tensor at a time, never a whole model.
+
+CheckpointReader validates a checkpoint directory up front (config.json, safetensors headers,
+index, shard sizes) and then reads single tensors on demand. CheckpointWriter buffers tensors
+into shards of at most max_shard_bytes and writes the transformers layout at close().
+atomic_output_dir makes an output appear all at once or not at all.
+Peak memory is about the largest tensor plus one output shard. Only safetensors is read:
+pickle checkpoints (*.bin, *.pt) are refused, never unpickled.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .errors import RemodelError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+             "added_tokens.json")
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+           "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16",
+           "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+DTYPES = {k: getattr(torch, v) for k, v in _DTYPES.items() if hasattr(torch, v)}
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or RemodelError naming the file."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RemodelError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RemodelError(f"{path}: invalid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(obj, dict):
+        raise RemodelError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """Parse and check a safetensors header: (offset of the data section, {name: entry})."""
+    size = path.stat().st_size
+    if size < 8:
+        raise RemodelError(f"{path}: file of {size} bytes is too short for a safetensors header")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(size - 8, MAX_HEADER):
+            raise RemodelError(f"{path}: corrupt or truncated safetensors header "
+                               f"(declares {n} header bytes, file has {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        assert isinstance(header, dict)
+    except (UnicodeDecodeError, json.JSONDecodeError, AssertionError):
+        raise RemodelError(f"{path}: corrupt safetensors header (not a JSON object)") from None
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, e in header.items():
+        try:
+            dtype, shape, (start, end) = DTYPES[e["dtype"]], e["shape"], e["data_offsets"]
+            assert all(isinstance(d, int) and d >= 0 for d in [*shape, start, end]) and start <= end
+        except (KeyError, TypeError, ValueError, AssertionError):
+            raise RemodelError(f"{path}: corrupt or unsupported safetensors header entry {name!r} "
+                               f"(dtype {e.get('dtype') if isinstance(e, dict) else e!r})") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - start != numel * dtype.itemsize:
+            raise RemodelError(f"{path}: corrupt safetensors header: {name!r} has {end - start} bytes "
+                               f"for shape {shape} {e['dtype']}")
+        if end > data_size:
+            raise RemodelError(f"{path}: truncated file: {name!r} ends at byte {end} of the data "
+                               f"section but only {data_size} bytes are present")
+    return 8 + n, header
+
+
+def aux_files(path) -> list[Path]:
+    """Non-weight files of a checkpoint directory worth copying to an output (not config.json)."""
+    return [Path(path) / f for f in AUX_FILES if (Path(path) / f).is_file()]
+
+
+class CheckpointReader:
+    """Read-only view of a Hugging Face safetensors checkpoint directory, one tensor at a time."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise RemodelError(f"{self.path}: checkpoint directory does not exist")
+        self.config = read_json(self.path / "config.json")
+        if not isinstance(self.config.get("model_type"), str):
+            raise RemodelError(f"{self.path / 'config.json'}: no 'model_type' (not a Hugging Face model config)")
+        if (self.path / SINGLE).is_file():
+            shards = {SINGLE: None}
+        elif (self.path / INDEX).is_file():
+            wmap = read_json(self.path / INDEX).get("weight_map")
+            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+                raise RemodelError(f"{self.path / INDEX}: missing or malformed 'weight_map'")
+            shards = {}
+            for name, shard in wmap.items():
+                shards.setdefault(shard, []).append(name)
+        else:
+            pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            if pickles:
+                raise RemodelError(f"{self.path}: only pickle weights ({', '.join(pickles[:3])}); remodel reads "
+                                   f"safetensors only, convert with save_pretrained(safe_serialization=True)")
+            raise RemodelError(f"{self.path}: no {SINGLE} or {INDEX}")
+        self._data_start, self._where, self._handles = {}, {}, {}
+        for shard, names in shards.items():
+            file = self.path / shard
+            if Path(shard).name != shard or not file.is_file():
+                raise RemodelError(f"{self.path / INDEX}: shard {shard!r} does not exist in {self.path}")
+            self._data_start[shard], header = read_header(file)
+            for name in header if names is None else names:
+                if name not in header:
+                    raise RemodelError(f"{file}: tensor {name!r} listed in {INDEX} is missing from the shard")
+                self._where[name] = (shard, header[name])
+        self._keys = sorted(self._where)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _entry(self, name) -> tuple[str, dict]:
+        if name not in self._where:
+            raise RemodelError(f"{self.path}: no tensor named {name!r}")
+        return self._where[name]
+
+    def shape(self, name) -> tuple[int, ...]:
+        return tuple(self._entry(name)[1]["shape"])
+
+    def dtype(self, name) -> torch.dtype:
+        return DTYPES[self._entry(name)[1]["dtype"]]
+
+    def nbytes(self, name) -> int:
+        start, end = self._entry(name)[1]["data_offsets"]
+        return end - start
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(k) for k in self._keys)
+
+    def get(self, name) -> torch.Tensor:
+        """Read exactly one tensor into fresh memory (plain file read; no mmap of the shard)."""
+        shard, e = self._entry(name)
+        start, end = e["data_offsets"]
+        if shard not in self._handles:
+            self._handles[shard] = open(self.path / shard, "rb")
+        f = self._handles[shard]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        f.seek(self._data_start[shard] + start)
+        if end > start and f.readinto(buf.numpy()) != end - start:
+            raise RemodelError(f"{self.path / shard}: truncated while reading {name!r}")
+        return buf.view(DTYPES[e["dtype"]]).reshape(e["shape"])
+
+    def aux_files(self) -> list[Path]:
+        return aux_files(self.path)
+
+    def close(self):
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _trim_heap():
+    """Return freed heap pages to the OS: glibc otherwise keeps a flushed shard's buffers resident
+    and (after raising its mmap threshold) may not reuse them, doubling peak memory."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class CheckpointWriter:
+    """Write tensors as transformers-style safetensors shards of at most max_shard_bytes each
+    (a single tensor larger than that gets a shard of its own)."""
+
+    def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024**3):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._buf, self._buf_bytes, self._ptrs = {}, 0, set()
+        self._shards = []  # [(temporary file, [names])]
+        self._names = set()
+        self.total_size = 0
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor):
+        if self._closed:
+            raise RemodelError(f"{self.out_dir}: writer already closed, cannot add {name!r}")
+        if name in self._names:
+            raise RemodelError(f"{self.out_dir}: duplicate tensor name {name!r}")
+        t = tensor.detach().to("cpu").contiguous()
+        # own the memory: a view would keep its whole base alive, a shared storage breaks save_file
+        if t.untyped_storage().nbytes() != t.nbytes or t.untyped_storage().data_ptr() in self._ptrs:
+            t = t.clone()
+        if self._buf and self._buf_bytes + t.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._names.add(name)
+        self._ptrs.add(t.untyped_storage().data_ptr())
+        self._buf[name] = t
+        self._buf_bytes += t.nbytes
+        self.total_size += t.nbytes
+
+    def _flush(self):
+        tmp = self.out_dir / f"model-{len(self._shards) + 1:05d}.safetensors.tmp"
+        save_file(self._buf, tmp, metadata={"format": "pt"})
+        self._shards.append((tmp, list(self._buf)))
+        self._buf, self._buf_bytes, self._ptrs = {}, 0, set()
+        _trim_heap()
+
+    def close(self, config: dict, aux_from=None):
+        """Write the last shard, the index (if sharded), config.json and aux files from `aux_from`."""
+        if self._closed:
+            raise RemodelError(f"{self.out_dir}: writer already closed")
+        if self._buf or not self._shards:
+            self._flush()
+        self._closed = True
+        n = len(self._shards)
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self._shards, 1):
+            final = SINGLE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            tmp.rename(self.out_dir / final)
+            weight_map.update((k, final) for k in names)
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (self.out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in aux_files(aux_from) if aux_from is not None else []:
+            shutil.copyfile(f, self.out_dir / f.name)
+
+
+def _check_output(out: Path, overwrite: bool):
+    if out.exists() and not out.is_dir():
+        raise RemodelError(f"{out}: output exists and is not a directory")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        raise RemodelError(f"{out}: output directory exists and is not empty (pass overwrite to replace it)")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out, overwrite: bool = False, inputs=()):
+    """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.
+    Refuses a non-empty `out` unless overwrite, and any `out` equal to, inside or containing an input."""
+    out = Path(out).absolute()
+    real = out.resolve()
+    for inp in inputs:
+        inp = Path(inp).resolve()
+        if real == inp or inp in real.parents or real in inp.parents:
+            raise RemodelError(f"{out}: output overlaps input directory {inp}; write the output elsewhere")
+    _check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        yield tmp
+        _check_output(out, overwrite)  # something may have appeared meanwhile
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            old.rename(out)  # put the previous output back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_checkpoint(src, out, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:
+    """Stream a checkpoint tensor by tensor into a fresh (re-sharded) output directory."""
+    with CheckpointReader(src) as reader, atomic_output_dir(out, overwrite, inputs=[src]) as tmp:
+        writer = CheckpointWriter(tmp, max_shard_bytes)
+        for name in reader.keys():
+            writer.add(name, reader.get(name))
+        writer.close(reader.config, aux_from=src)
+    return Path(out)
