@@ -65,8 +65,8 @@ class _Source:
 
 def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
                      names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (our_name, tensor) in table order, each checked against the config's shape.
-    `names` restricts to those tensors (nothing else is read)."""
+    """Stream (our_name, tensor) in table order. Every shape is checked against the config when this
+    is called (before any data is read); `names` restricts to those tensors (nothing else is read)."""
     family = family or reader.config.get("model_type")
     shapes = our_shapes(cfg)
     src = _Source(reader)
@@ -78,6 +78,10 @@ def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | N
         if tuple(shape) != tuple(want):
             raise RemodelError(f"tensor {hf} has shape {list(shape)} but the config implies {list(want)}")
         plan.append((ours, e, get))
+    return _assemble(plan)
+
+
+def _assemble(plan):
     i = 0
     while i < len(plan):
         ours, e, get = plan[i]

@@ -1,0 +1,207 @@
+"""remodel command line: parses arguments and calls pipelines/; nothing else lives here."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if __package__ in (None, "") and os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `python cli.py` in a checkout
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _count(s: str) -> int:
+    """1000, 4.5e9, 47B, 500M, 2k"""
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    t = s.strip().lower()
+    try:
+        return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 4.5e9 or 47B, got {s!r}") from None
+
+
+def _train_flags(p):
+    p.add_argument("--data", required=True, help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
+    p.add_argument("--tokens", type=_count, help="token budget (alternative to --steps)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--min-lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--eval-data", help="held-out data for the final perplexity")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (run under torchrun)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="remodel", description="Shrink (prune + distill) and grow (MoE upcycling) "
+                                 "hybrid Mamba-Transformer and Llama-family models; Hugging Face in and out.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
+    p.add_argument("--out", default="remodel-demo")
+    p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
+
+    p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
+    p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("convert", help="import/export through the shared model definition")
+    p.add_argument("model"); p.add_argument("out")
+    p.add_argument("--to", choices=["nemotron_h", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("score", help="activation importance of every prunable unit")
+    p.add_argument("model"); p.add_argument("--data", required=True); p.add_argument("--out", required=True)
+    p.add_argument("--samples", type=int, default=1024); p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto")
+    p.add_argument("--no-loss-increase", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("prune", help="structured pruning to a target shape")
+    p.add_argument("model"); p.add_argument("out")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--scores"); g.add_argument("--data")
+    for flag in ("hidden-size", "ffn-size", "mamba-heads", "mamba-head-dim", "attn-heads", "experts",
+                 "expert-ffn-size", "shared-expert-size"):
+        p.add_argument(f"--{flag}", type=int)
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--num-layers", type=int); d.add_argument("--drop-layers", type=_ints)
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
+    p.add_argument("model"); p.add_argument("--params", type=_count, required=True)
+    p.add_argument("--active-params", type=_count); p.add_argument("--memory-gb", type=float)
+    p.add_argument("--scores")
+
+    p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
+    p.add_argument("model"); p.add_argument("out"); p.add_argument("--data", required=True)
+    p.add_argument("--params", type=_count, required=True); p.add_argument("--candidates", type=int, default=3)
+    p.add_argument("--distill-tokens", type=_count, default=0); p.add_argument("--scores")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("distill", help="knowledge distillation (teacher -> student)")
+    p.add_argument("--teacher", required=True); p.add_argument("--student", required=True); p.add_argument("out")
+    _train_flags(p)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lm-loss-weight", type=float, default=0.0)
+    p.add_argument("--hidden-loss-weight", type=float, default=0.0)
+
+    p = sub.add_parser("train", help="plain LM training / continued pretraining")
+    p.add_argument("model"); p.add_argument("out")
+    _train_flags(p)
+
+    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
+    p.add_argument("model"); p.add_argument("out")
+    p.add_argument("--experts", type=int, required=True); p.add_argument("--granularity", type=int, default=1)
+    p.add_argument("--top-k", type=int, required=True); p.add_argument("--shared-expert-size", type=int, default=0)
+    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid"])
+    p.add_argument("--to", choices=["nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe"])
+    p.add_argument("--exact", action="store_true", help="refuse settings that cannot reproduce the dense model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("eval", help="perplexity and tokens/s")
+    p.add_argument("model"); p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-tokens", type=_count)
+    return ap
+
+
+def _targets(a) -> dict:
+    keys = ("hidden_size", "ffn_size", "mamba_heads", "mamba_head_dim", "attn_heads", "experts",
+            "expert_ffn_size", "shared_expert_size", "num_layers", "drop_layers")
+    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+
+
+def _train_kwargs(a) -> dict:
+    return dict(data=a.data, tokens=a.tokens, steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr,
+                min_lr=a.min_lr, warmup=a.warmup, grad_accum=a.grad_accum, checkpoint_every=a.checkpoint_every,
+                keep_last=a.keep_last, eval_data=a.eval_data, resume=a.resume, seed=a.seed, overwrite=a.overwrite,
+                tp=a.tp, ep=a.ep)
+
+
+def run(a) -> object:
+    c = a.command
+    if c == "demo":
+        from pipelines.demo import demo
+        return demo(a.out, quick=a.quick)
+    if c == "inspect":
+        from pipelines.inspect import format_inspect, inspect
+        d = inspect(a.model)
+        print(json.dumps(d, indent=2, default=str) if a.json else format_inspect(d))
+        return None
+    if c == "convert":
+        import torch
+        from pipelines.convert import convert
+        return convert(a.model, a.out, to=a.to, overwrite=a.overwrite,
+                       dtype=getattr(torch, a.dtype) if a.dtype else None)
+    if c == "score":
+        from pipelines.score import score
+        return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
+                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite)
+    if c == "prune":
+        from pipelines.prune import prune
+        return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
+    if c == "plan":
+        from pipelines.plan import plan
+        return plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores)
+    if c == "search":
+        from pipelines.search import search
+        return search(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
+                      distill_tokens=a.distill_tokens, scores=a.scores, overwrite=a.overwrite)
+    if c == "distill":
+        from pipelines.train import train
+        return train(a.student, a.out, teacher_dir=a.teacher, temperature=a.temperature,
+                     lm_loss_weight=a.lm_loss_weight, hidden_loss_weight=a.hidden_loss_weight, **_train_kwargs(a))
+    if c == "train":
+        from pipelines.train import train
+        return train(a.model, a.out, **_train_kwargs(a))
+    if c == "upcycle":
+        from upcycle.pipeline import upcycle
+        return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
+                       shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
+                       seed=a.seed, overwrite=a.overwrite)
+    if c == "eval":
+        from pipelines.train import evaluate
+        r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
+        print(json.dumps(r, indent=2))
+        return None
+    raise AssertionError(c)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    from models.errors import RemodelError
+    try:
+        r = run(a)
+    except RemodelError as e:
+        print(f"remodel {a.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"remodel {a.command}: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(r, dict) and a.command not in ("demo",):
+        print(json.dumps({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"},
+                         indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
