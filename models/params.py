@@ -1,0 +1,189 @@
+"""Exact parameter counts and memory of a ModelConfig, by arithmetic alone (nothing is allocated).
+
+`count_params(cfg)['total']` is the number of *parameters* of our model, the same number as
+`sum(p.numel() for p in HybridLM(cfg).parameters())` and as transformers' own count of the exported
+model (`e_score_correction_bias` is a buffer on both sides, reported apart as `buffers`). It is
+summed from `models.hf.our_shapes` (exact by construction); `_closed_form` derives the same numbers
+from per-layer formulas, which also give the pruner its per-axis view (`by_axis`).
+"""
+from __future__ import annotations
+
+import math
+
+from .config import LAYER_TYPES, ModelConfig
+from .hf import default_family, our_shapes
+
+BUFFERS = ("e_score_correction_bias",)  # in our_shapes and on disk, but buffers, not parameters
+TYPES = ("embeddings", "mamba", "attention", "mlp", "moe", "norms", "lm_head")
+KIND = {**{c: c for c in LAYER_TYPES}, **{v: k for k, v in LAYER_TYPES.items()}}  # 'mamba' -> 'M'
+
+# the widths a pruner can change, named as the `remodel prune` flags name them
+AXES = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "ffn_size": "intermediate_size",
+    "mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
+    "attn_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "experts": "n_routed_experts", "expert_ffn_size": "moe_intermediate_size",
+    "shared_expert_size": "moe_shared_expert_intermediate_size",
+}
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _type_of(name: str, cfg: ModelConfig) -> str:
+    if name == "embeddings.weight":
+        return "embeddings"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if name == "norm_f.weight" or (name.endswith(".norm.weight") and name.count(".") == 3):
+        return "norms"  # layers.i.norm.weight (the mixer's own gated norm is layers.i.mixer.norm.weight)
+    return LAYER_TYPES[cfg.pattern[int(name.split(".")[1])]]
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".experts." in name and not name.endswith(".weight")
+
+
+# ---- closed form: the same numbers from per-layer formulas over plain sizes ------------------
+
+def _dims(cfg: ModelConfig) -> dict:
+    return {axis: getattr(cfg, field) for axis, field in AXES.items()}
+
+
+def _per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
+    """Mixer parameters of one layer of each type (pre-norm excluded), plus 'routed' (the routed
+    experts of one MoE layer), for the structure of `cfg` with the widths `d` (default: cfg's own;
+    any width may be changed, even to values a ModelConfig would reject, e.g. 0)."""
+    d = d or _dims(cfg)
+    H, F = d["hidden_size"], d["ffn_size"]
+    nh, hd, N, G, K = d["mamba_heads"], d["mamba_head_dim"], d["ssm_state_size"], cfg.n_groups, cfg.conv_kernel
+    nq, nkv, hdA = d["attn_heads"], d["kv_heads"], d["head_dim"]
+    E, Fm, Fs = d["experts"], d["expert_ffn_size"], d["shared_expert_size"]
+    Lt = cfg.moe_latent_size or H
+    gated = 3 if cfg.mlp_gated else 2
+
+    Im = nh * hd
+    P, conv = 2 * Im + 2 * G * N + nh, Im + 2 * G * N  # in_proj rows [z|x|B|C|dt], conv channels [x|B|C]
+    b = cfg.mamba_proj_bias
+    mamba = P * H + b * P + conv * K + cfg.use_conv_bias * conv + 3 * nh + Im + H * Im + b * H
+    q, kv = nq * hdA, nkv * hdA
+    attention = 2 * q * H + 2 * kv * H + cfg.attention_bias * (q + 2 * kv) + cfg.attention_out_bias * H \
+        + cfg.qk_norm * 2 * hdA
+    mlp = gated * F * H + cfg.mlp_bias * ((gated - 1) * F + H)
+    routed = gated * E * Fm * Lt
+    moe = E * H + routed + gated * Fs * H + cfg.shared_expert_gate * H + (2 * Lt * H if cfg.moe_latent_size else 0)
+    return {"mamba": mamba, "attention": attention, "mlp": mlp, "moe": moe, "routed": routed}
+
+
+def _closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
+    """{type: params} over TYPES plus 'buffers' and 'routed' (inside 'moe'), from the formulas."""
+    d = d or _dims(cfg)
+    V, H = d["vocab_size"], d["hidden_size"]
+    one = _per_layer(cfg, d)
+    n = {t: cfg.pattern.count(c) for c, t in LAYER_TYPES.items()}
+    out = {t: n[t] * one[t] for t in LAYER_TYPES.values()}
+    out.update(embeddings=V * H, norms=(cfg.num_layers + 1) * H, lm_head=0 if cfg.tie_word_embeddings else V * H,
+               buffers=n["moe"] * d["experts"] if cfg.router == "sigmoid" else 0, routed=n["moe"] * one["routed"])
+    return out
+
+
+def _axis_table(cfg: ModelConfig) -> dict:
+    """For each prunable width: its size, the params that depend on it (per type) and the params
+    freed by removing one unit of it (the marginal cost, at the current other widths)."""
+    base = _dims(cfg)
+    now = _closed_form(cfg, base)
+    out = {}
+    for axis, size in base.items():
+        if not size:
+            continue
+        zero, less = _closed_form(cfg, {**base, axis: 0}), _closed_form(cfg, {**base, axis: size - 1})
+        by_type = {t: now[t] - zero[t] for t in TYPES if now[t] != zero[t]}
+        if not by_type:
+            continue  # a width no layer of this pattern uses
+        out[axis] = {"size": size, "params": sum(by_type.values()),
+                     "per_unit": sum(now[t] - less[t] for t in TYPES), "by_type": by_type}
+    return out
+
+
+# ---- public API -------------------------------------------------------------------------------
+
+def layer_params(cfg: ModelConfig, kind: str, active: bool = False) -> int:
+    """Parameters of one layer of `kind` ('M', '*', '-', 'E' or 'mamba', ...), its pre-norm included
+    (what removing one such layer frees); active=True counts routed experts at k / n_routed_experts."""
+    if kind not in KIND:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    t = LAYER_TYPES[KIND[kind]]
+    one = _per_layer(cfg)
+    p = one[t]
+    if active and t == "moe":
+        p -= one["routed"] - one["routed"] * cfg.num_experts_per_tok // cfg.n_routed_experts
+    return p + cfg.hidden_size
+
+
+def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
+    """Exact parameter counts of `cfg` (ours; no tensors allocated).
+
+    total: every parameter of our model (== HybridLM(cfg).parameters() == transformers' count);
+    active: per token, routed experts counted at num_experts_per_tok of n_routed_experts (an exact
+      integer: every routed tensor has a leading E), all else in full, embeddings and lm_head included;
+    by_type: {embeddings, mamba, attention, mlp, moe, norms, lm_head} (layer pre-norms and norm_f
+      are 'norms'; a Mamba mixer's gated norm is 'mamba'); routed: routed-expert params;
+    buffers: e_score_correction_bias elements (fp32 buffers, saved in checkpoints, not parameters);
+    hf_total: parameters of the model transformers builds from the `family` export (default
+      `default_family(cfg)`): a nemotron_h/qwen2_moe export of a model without shared expert adds a
+      size-1 zero shared expert per MoE layer (models.load.extra_hf_tensors);
+    by_axis: see `_axis_table`; per_layer: params of one layer of each kind present (norm included).
+    """
+    from .load import extra_hf_tensors
+
+    shapes = our_shapes(cfg)
+    by_type = dict.fromkeys(TYPES, 0)
+    buffers = routed = 0
+    for name, shape in shapes.items():
+        if name.endswith(BUFFERS):
+            buffers += _numel(shape)
+            continue
+        by_type[_type_of(name, cfg)] += _numel(shape)
+        if _is_routed_expert(name):
+            routed += _numel(shape)
+    total = sum(by_type.values())
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    active = total - routed + (routed * k // E if routed else 0)
+    family = family or default_family(cfg)
+    extra = sum(_numel(s) for s in extra_hf_tensors(cfg, family).values())
+    return {
+        "total": total, "active": active, "routed": routed, "buffers": buffers,
+        "hf_total": total + extra, "family": family,
+        "by_type": by_type,
+        "by_axis": _axis_table(cfg),
+        "per_layer": {LAYER_TYPES[c]: layer_params(cfg, c) for c in LAYER_TYPES if c in cfg.pattern},
+    }
+
+
+def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len: int = 4096,
+                 kv_dtype_bytes: int = 2, state_dtype_bytes: int = 4, conv_dtype_bytes: int | None = None) -> dict:
+    """Bytes of weights and of the inference cache for `batch` sequences of `seq_len` tokens.
+
+    weights: parameters * dtype_bytes + router correction-bias buffers at 4 bytes (kept fp32);
+    kv_cache: per attention layer 2 (K and V) * batch * seq_len * num_kv_heads * head_dim * kv_dtype_bytes;
+    mamba_conv_state: per Mamba layer batch * conv_dim * conv_kernel * conv_dtype_bytes (default
+      kv_dtype_bytes; transformers 5.23 and mamba-ssm keep conv_kernel columns, in the model dtype);
+    mamba_ssm_state: per Mamba layer batch * nh * hd * N * state_dtype_bytes (transformers keeps it
+      fp32: mamba_ssm_cache_dtype 'float32'). Mamba state does not grow with seq_len.
+    """
+    conv_dtype_bytes = kv_dtype_bytes if conv_dtype_bytes is None else conv_dtype_bytes
+    c = count_params(cfg)
+    nA, nM = cfg.count("*"), cfg.count("M")
+    out = {
+        "weights": c["total"] * dtype_bytes + c["buffers"] * 4,
+        "kv_cache": nA * 2 * batch * seq_len * cfg.num_key_value_heads * cfg.head_dim * kv_dtype_bytes,
+        "mamba_conv_state": nM * batch * cfg.mamba_conv_dim * cfg.conv_kernel * conv_dtype_bytes,
+        "mamba_ssm_state": nM * batch * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size
+        * state_dtype_bytes,
+    }
+    out["mamba_state"] = out["mamba_conv_state"] + out["mamba_ssm_state"]
+    out["cache"] = out["kv_cache"] + out["mamba_state"]
+    out["total"] = out["weights"] + out["cache"]
+    out.update(batch=batch, seq_len=seq_len, dtype_bytes=dtype_bytes)
+    return out

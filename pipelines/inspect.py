@@ -1,0 +1,158 @@
+"""`remodel inspect`: what a checkpoint or config is, and exactly how big, without loading weights.
+
+Accepts a checkpoint directory, a directory with only config.json, a config.json path, a shipped
+config name (models/configs/*.json, e.g. 'nemotron-h-56b'), an HF config dict or a ModelConfig.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from models.checkpoint import CheckpointReader, read_json
+from models.config import LAYER_TYPES, ModelConfig
+from models.errors import RemodelError
+from models.hf import config_from_hf, default_family
+from models.params import count_params, memory_bytes
+
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
+def _resolve(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
+    """-> (cfg, HF config dict or None, checkpoint dir with weights or None, description)."""
+    if isinstance(src, ModelConfig):
+        return src, None, None, "ModelConfig"
+    if isinstance(src, dict):
+        return config_from_hf(src), src, None, "config dict"
+    p = Path(src)
+    if not p.exists():
+        name = str(src)[:-5] if str(src).endswith(".json") else str(src)
+        if "/" not in name and (CONFIGS / f"{name}.json").is_file():
+            p = CONFIGS / f"{name}.json"
+        else:
+            raise RemodelError(f"{src}: no such checkpoint directory, config.json or shipped config "
+                               f"(shipped: {', '.join(shipped_configs())})")
+    d = read_json(p / "config.json" if p.is_dir() else p)
+    cfg = config_from_hf(d)
+    ckpt = p if p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES) else None
+    return cfg, d, ckpt, str(p)
+
+
+def _widths(cfg: ModelConfig) -> dict:
+    w = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,
+         "tie_word_embeddings": cfg.tie_word_embeddings}
+    if "*" in cfg.pattern:
+        w.update(num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                 head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
+    if "-" in cfg.pattern:
+        w.update(intermediate_size=cfg.intermediate_size)
+    if set(cfg.pattern) & set("-E"):
+        w.update(mlp_act=cfg.mlp_act, mlp_gated=cfg.mlp_gated)
+    if "M" in cfg.pattern:
+        w.update(mamba_num_heads=cfg.mamba_num_heads, mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups,
+                 ssm_state_size=cfg.ssm_state_size, conv_kernel=cfg.conv_kernel, mamba_inner=cfg.mamba_inner,
+                 mamba_conv_dim=cfg.mamba_conv_dim, mamba_in_proj_size=cfg.mamba_in_proj_size)
+    if "E" in cfg.pattern:
+        w.update(n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.moe_intermediate_size,
+                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                 moe_latent_size=cfg.moe_latent_size, router=cfg.router)
+    return w
+
+
+def _weights(path: Path) -> dict:
+    with CheckpointReader(path) as r:
+        dtypes, numel = Counter(), 0
+        for k in r.keys():
+            dtypes[str(r.dtype(k)).replace("torch.", "")] += r.nbytes(k)
+            n = 1
+            for s in r.shape(k):
+                n *= s
+            numel += n
+        files = [f for f in path.iterdir() if f.suffix == ".safetensors"]
+        return {"tensors": len(r), "tensor_numel": numel, "tensor_bytes": r.total_bytes(),
+                "file_bytes": sum(f.stat().st_size for f in files), "files": len(files),
+                "dtype_bytes": dict(dtypes.most_common())}
+
+
+def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
+    """Architecture, widths, exact parameter counts and bf16 memory of a checkpoint or config."""
+    cfg, d, ckpt, where = _resolve(src)
+    family = (d or {}).get("model_type") or default_family(cfg)
+    counts = count_params(cfg, family=family)
+    out = {
+        "source": where,
+        "family": family,
+        "architecture": ((d or {}).get("architectures") or [None])[0],
+        "pattern": cfg.pattern,
+        "layers": {t: cfg.count(c) for c, t in LAYER_TYPES.items() if c in cfg.pattern},
+        "widths": _widths(cfg),
+        "params": counts,
+        "memory_bf16": memory_bytes(cfg, dtype_bytes=2, batch=batch, seq_len=seq_len),
+        "checkpoint": _weights(ckpt) if ckpt is not None else None,
+    }
+    return out
+
+
+def _n(x: int) -> str:
+    for unit, s in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= unit:
+            return f"{x / unit:.3f}{s}"
+    return str(x)
+
+
+def _b(x: int) -> str:
+    for unit, s in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if x >= unit:
+            return f"{x / unit:.2f} {s}"
+    return f"{x} B"
+
+
+def format_inspect(d: dict) -> str:
+    """A readable report of `inspect`'s dict."""
+    p, m, lines = d["params"], d["memory_bf16"], []
+
+    def row(k, v, w=36):
+        lines.append(f"  {k:<{w}} {v}")
+
+    lines.append(f"{d['source']}: {d['family']}" + (f" ({d['architecture']})" if d["architecture"] else ""))
+    pat = d["pattern"] if len(d["pattern"]) <= 96 else d["pattern"][:93] + "..."
+    row("pattern", pat)
+    row("layers", f"{len(d['pattern'])} = " + ", ".join(f"{n} {t}" for t, n in d["layers"].items()))
+    lines.append("widths")
+    for k, v in d["widths"].items():
+        row(k, v)
+    lines.append("parameters")
+    row("total", f"{p['total']:,} ({_n(p['total'])})")
+    if p["routed"]:
+        row("active per token", f"{p['active']:,} ({_n(p['active'])})")
+    if p["hf_total"] != p["total"]:
+        row(f"as exported to {p['family']}", f"{p['hf_total']:,}")
+    if p["buffers"]:
+        row("buffers (router bias, fp32)", f"{p['buffers']:,}")
+    for t, n in p["by_type"].items():
+        if n:
+            row(f"  {t}", f"{n:>16,}  {100 * n / p['total']:5.1f}%")
+    for t, n in p["per_layer"].items():
+        row(f"  one {t} layer", f"{n:>16,}")
+    lines.append(f"  {'axis':<18} {'size':>8} {'params using it':>18} {'freed per unit':>16}")
+    for a, v in p["by_axis"].items():
+        lines.append(f"  {a:<18} {v['size']:>8} {v['params']:>18,} {v['per_unit']:>16,}")
+    lines.append(f"memory at bf16 (batch {m['batch']}, {m['seq_len']} tokens)")
+    row("weights", _b(m["weights"]))
+    if m["kv_cache"]:
+        row("KV cache", _b(m["kv_cache"]))
+    if m["mamba_state"]:
+        row("Mamba state (conv + fp32 SSM)", _b(m["mamba_state"]))
+    row("total", _b(m["total"]))
+    c = d["checkpoint"]
+    if c:
+        lines.append("checkpoint")
+        row("files", f"{c['files']} safetensors, {_b(c['file_bytes'])} on disk")
+        row("tensors", f"{c['tensors']:,} ({c['tensor_numel']:,} elements)")
+        row("dtypes", ", ".join(f"{k} {_b(v)}" for k, v in c["dtype_bytes"].items()))
+    return "\n".join(lines)
