@@ -65,11 +65,16 @@ class Attention(nn.Module):
                 cos, sin = cos[:, None], sin[:, None]
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         gqa = cfg.num_attention_heads != cfg.num_key_value_heads
-        if attention_mask is None:
+        window = cfg.sliding_window is not None and l > cfg.sliding_window
+        if attention_mask is None and not window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # padding: causal AND key not padded
-            keep = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()[None, None]
-            keep = keep & attention_mask[:, None, None, :].bool()
-            keep = keep | torch.eye(l, dtype=torch.bool, device=x.device)  # no fully-masked rows
+        else:  # causal AND inside the window AND key not padded
+            keep = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+            if window:
+                keep = keep & ~torch.ones_like(keep).tril(-cfg.sliding_window)
+            keep = keep[None, None]
+            if attention_mask is not None:
+                keep = keep & attention_mask[:, None, None, :].bool()
+                keep = keep | torch.eye(l, dtype=torch.bool, device=x.device)  # no fully-masked rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(b, l, -1))

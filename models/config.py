@@ -36,6 +36,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     attention_out_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    sliding_window: int | None = None  # Mistral / Mixtral: attend to the last `sliding_window` keys
     # dense MLP ('-')
     intermediate_size: int = 0
     mlp_act: str = "relu2"

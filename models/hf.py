@@ -56,6 +56,8 @@ def config_from_hf(d: dict) -> ModelConfig:
             raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
         if getattr(h, "num_nextn_predict_layers", 0):
             extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers
+        if h.mlp_bias and "moe" in h.layers_block_type:
+            raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
         shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size,
@@ -73,8 +75,9 @@ def config_from_hf(d: dict) -> ModelConfig:
             routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group,
             extra=extra)
     # Llama family
-    if getattr(h, "sliding_window", None) and getattr(h, "use_sliding_window", mt == "mistral"):
-        raise RemodelError(f"{mt} with sliding_window={h.sliding_window} is not supported (full attention only)")
+    window = getattr(h, "sliding_window", None) if mt in ("mistral", "mixtral") else None
+    if mt.startswith("qwen") and getattr(h, "use_sliding_window", False):
+        raise RemodelError(f"{mt} with use_sliding_window=true is not supported (per-layer windows)")
     if getattr(h, "hidden_act", "silu") != "silu":
         raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {mt} (only silu)")
     theta, scaling = _rope(h)
@@ -87,7 +90,8 @@ def config_from_hf(d: dict) -> ModelConfig:
                   num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
                   head_dim=head_dim, rope_theta=theta, rope_scaling=scaling, attention_bias=bias,
                   attention_out_bias=out_bias, qk_norm=mt in ("qwen3", "qwen3_moe"),
-                  mlp_act="silu", mlp_gated=True, mlp_bias=bool(getattr(h, "mlp_bias", False)), extra=extra)
+                  mlp_act="silu", mlp_gated=True, mlp_bias=bool(getattr(h, "mlp_bias", False)),
+                  sliding_window=window, extra=extra)
     if mt in DENSE_FAMILIES:
         return ModelConfig(pattern="*-" * L, intermediate_size=h.intermediate_size, **common)
     if mt == "mixtral":
@@ -122,6 +126,8 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         need(cfg.rope_theta is None or "*" not in cfg.pattern, "nemotron_h attention has no RoPE")
         need(not (cfg.attention_bias or cfg.attention_out_bias or cfg.qk_norm), "nemotron_h attention has no bias or q/k norm")
         need(not cfg.mlp_gated, "nemotron_h MLPs and experts are not gated (SwiGLU models go to llama/mixtral/qwen)")
+        need(cfg.sliding_window is None, "nemotron_h has no sliding-window attention")
+        need(not (cfg.mlp_bias and "E" in cfg.pattern), "nemotron_h MoE layers with MLP bias are not supported")
         need("E" not in cfg.pattern or (cfg.router == "sigmoid" and not cfg.shared_expert_gate),
              "nemotron_h MoE uses the sigmoid router without a shared-expert gate")
         return
@@ -129,6 +135,7 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
     want = "*-" if family in DENSE_FAMILIES else "*E"
     need(cfg.num_layers % 2 == 0 and cfg.pattern == want * L, f"needs the layer pattern {want!r} * N, got {cfg.pattern!r}")
     need(cfg.rope_theta is not None, "needs RoPE attention")
+    need(cfg.sliding_window is None or family in ("mistral", "mixtral"), "sliding-window attention is mistral/mixtral only")
     need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
     need(cfg.qk_norm == (family in ("qwen3", "qwen3_moe")), "q/k norm must match (only qwen3 families have it)")
     if family == "qwen2":
@@ -180,7 +187,7 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
         if family in ("llama", "qwen3", "qwen3_moe", "mixtral", "mistral"):
             d["attention_bias"] = cfg.attention_bias
         if family in ("mistral", "mixtral"):
-            d["sliding_window"] = None
+            d["sliding_window"] = cfg.sliding_window
         if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             d["use_sliding_window"] = False
         if family in DENSE_FAMILIES:

@@ -63,22 +63,30 @@ class _Source:
         raise RemodelError(f"checkpoint {self.r.path} has no tensor {hf!r}")
 
 
-def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
-                     names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (our_name, tensor) in table order. Every shape is checked against the config when this
-    is called (before any data is read); `names` restricts to those tensors (nothing else is read)."""
+def source_plan(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
+                names: set[str] | None = None) -> list[tuple[str, int | None, Callable]]:
+    """Rows (our_name, expert_index|None, read()) of the checkpoint in table order. Every shape is
+    checked against the config here, before any data is read; `names` restricts the rows."""
     family = family or reader.config.get("model_type")
     shapes = our_shapes(cfg)
     src = _Source(reader)
-    rows = [r for r in weight_table(cfg, family) if names is None or r[0] in names]
-    plan = []  # check every shape before reading any data
-    for ours, hf, e in rows:
+    plan = []
+    for ours, hf, e in weight_table(cfg, family):
+        if names is not None and ours not in names:
+            continue
         shape, get = src.shape_and_get(hf, e)
         want = shapes[ours][1:] if e is not None else shapes[ours]
         if tuple(shape) != tuple(want):
             raise RemodelError(f"tensor {hf} has shape {list(shape)} but the config implies {list(want)}")
         plan.append((ours, e, get))
-    return _assemble(plan)
+    return plan
+
+
+def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
+                     names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (our_name, tensor) in table order (per-expert rows stacked into fused tensors).
+    Shapes are validated when this is called, before any data is read."""
+    return _assemble(source_plan(reader, cfg, family, names))
 
 
 def _assemble(plan):
