@@ -1,0 +1,550 @@
+"""Tensor, expert and data parallelism applied to a HybridLM from outside, over a DeviceMesh.
+
+The model definition (models/*.py) knows nothing of ranks (torchtitan's principle): `parallelize`
+replaces parameters by this rank's shards, sets the sharded mixers' local head counts, patches a few
+forwards with autograd-aware collectives and hands data parallelism to FSDP2. The same code runs on
+gloo/CPU and NCCL/GPU.
+
+Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
+replicated over 'tp'):
+  attention  q/k/v column-parallel by KV groups (whole KV heads with their query heads), o_proj row
+  MLP        up/gate column, down row (also the MoE shared expert)
+  Mamba-2    split by group: in_proj rows [z_r, x_r, B_r, C_r, dt_r], conv1d channels [x_r, B_r, C_r],
+             dt_bias/A_log/D by heads, gated-norm weight by inner channels, out_proj row
+  vocab      embedding rows (out-of-shard ids masked, all-reduced); lm_head rows, so the model returns
+             this rank's vocab shard of the logits: use pipelines.vocab_parallel for the losses
+  norms, router, latent projections: replicated
+A column block's input passes `copy_to_group` (identity forward, all-reduce backward), a row block's
+output `reduce_from_group` (all-reduce forward, identity backward). The DTensor plans cannot express
+the interleaved Mamba in_proj split, so one mechanism (plain shards) serves every layer.
+
+Expert parallelism: E/ep experts per rank, tokens exchanged with uneven `all_to_all_single` (autograd
+version), dropless; router replicated. Folded over 'dp' (each rank routes its own micro-batch) or
+over 'tp' (the replicated tokens are split over the ranks first and gathered after).
+
+Data parallelism: FSDP2 `fully_shard` over 'dp' (per block, then the root); experts sharded by an
+EP folded over 'dp' are left out of FSDP and their gradients scaled by 1/dp, matching FSDP's mean.
+
+Training contract: every tp rank computes the same (replicated) loss from its logits shard with
+pipelines.vocab_parallel; each dp rank uses the mean over its own micro-batch; FSDP averages. Then
+`clip_grad_norm_(model, max_norm)` here (global norm over all shards), `optimizer.step()`, and
+`full_state_dict(model)` / `gather_model(model)` for a checkpoint in the single-process format.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import RemodelError
+
+
+# ---- autograd-aware collectives ------------------------------------------------------------
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x, group):
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _chunk_bounds(T: int, n: int, r: int):
+    c = -(-T // n)
+    return c, min(r * c, T), min((r + 1) * c, T)
+
+
+def _all_gather_rows(x, group, T: int):
+    """Rows of every rank (each at most ceil(T/n), in rank order) -> [T, ...]."""
+    n = _size(group)
+    c = -(-T // n)
+    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, c - x.shape[0])).contiguous()
+    out = x.new_empty((n * c,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out[:T]
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _SplitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.T = group, x.shape[0]
+        _, a, b = _chunk_bounds(x.shape[0], _size(group), _rank(group))
+        return x[a:b].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_rows(g, ctx.group, ctx.T), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, T):
+        ctx.group, ctx.T = group, T
+        return _all_gather_rows(x, group, T)
+
+    @staticmethod
+    def backward(ctx, g):
+        _, a, b = _chunk_bounds(ctx.T, _size(ctx.group), _rank(ctx.group))
+        return g[a:b].contiguous(), None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def copy_to_group(x, group):
+    """Identity forward, all-reduce(sum) backward: a replicated tensor entering per-rank-partial work."""
+    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+    """All-reduce(sum) forward, identity backward: partial results becoming a replicated tensor."""
+    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def all_reduce_sum(x, group):
+    """All-reduce(sum) both ways: a replicated sum consumed by per-rank-partial work (the vocab LSE)."""
+    return x if _size(group) == 1 else _AllReduceSum.apply(x, group)
+
+
+def split_rows(x, group):
+    """This rank's contiguous block of the rows of a replicated tensor; backward all-gathers."""
+    return x if _size(group) == 1 else _SplitRows.apply(x, group)
+
+
+def gather_rows(x, group, T: int):
+    """All ranks' row blocks (from `split_rows`) -> the replicated [T, ...]; backward keeps own block."""
+    return x if _size(group) == 1 else _GatherRows.apply(x, group, T)
+
+
+# ---- sharding layouts ------------------------------------------------------------------------
+
+def shard_tensor(t, dim: int, sizes, rank: int, n: int):
+    """This rank's part: the rank-th of n equal chunks of every segment `sizes` along dim, concatenated
+    (one segment = a plain block split; Mamba's in_proj has five)."""
+    parts = []
+    for seg in t.split(list(sizes), dim):
+        c = seg.shape[dim] // n
+        parts.append(seg.narrow(dim, rank * c, c))
+    return torch.cat(parts, dim)
+
+
+def unshard_tensor(parts, dim: int, sizes):
+    """Inverse of `shard_tensor` given every rank's part, in rank order."""
+    n = len(parts)
+    pieces = [p.split([s // n for s in sizes], dim) for p in parts]
+    return torch.cat([pieces[r][i] for i in range(len(sizes)) for r in range(n)], dim)
+
+
+@dataclass
+class ParallelInfo:
+    """What `parallelize` did; `specs[name] = (group_kind 'tp'|'ep', dim, segment sizes)`."""
+    mesh: object = None
+    tp_group: object = None
+    ep_group: object = None
+    dp_group: object = None
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    ep_over: str | None = None  # 'tp' or 'dp'
+    fsdp: bool = False
+    specs: dict = field(default_factory=dict)
+
+    @property
+    def dp_rank(self) -> int:
+        return _rank(self.dp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return _rank(self.tp_group)
+
+    @property
+    def vocab_group(self):
+        """Group the logits' vocabulary is sharded over (pass to pipelines.vocab_parallel)."""
+        return self.tp_group
+
+
+def parallel_info(model) -> ParallelInfo:
+    """The model's ParallelInfo (a trivial one for a model that was never parallelized)."""
+    return getattr(model, "_parallel", None) or ParallelInfo()
+
+
+# ---- forwards patched onto sharded modules ----------------------------------------------------
+
+def _row_linear_forward(self, x, group):
+    y = reduce_from_group(F.linear(x, self.weight), group)
+    return y if self.bias is None else y + self.bias
+
+
+def _rmsnorm_shared_weight_forward(self, x, group):
+    """RMSNorm whose weight serves only this rank's heads (q_norm/k_norm): its gradient is summed."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (copy_to_group(self.weight, group).float() * x).to(dtype)
+
+
+def _vocab_embedding_forward(self, ids, group, start):
+    n = self.weight.shape[0]
+    local = ids - start
+    inside = (local >= 0) & (local < n)
+    e = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+    e = e.masked_fill(~inside[..., None], 0.0)
+    return reduce_from_group(e, group)
+
+
+def _vocab_logits(h, model, group):
+    w = model.embeddings.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(copy_to_group(h, group), w)
+
+
+def _copy_input_hook(group):
+    def hook(module, args):
+        return (copy_to_group(args[0], group),) + tuple(args[1:])
+    return hook
+
+
+def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicated, grad_scale):
+    """Dropless expert-parallel Experts.forward: same arithmetic and summation order per token as
+    models.mlp.Experts.forward, experts e in [rank*El, (rank+1)*El) computed on this rank."""
+    T_all = x.shape[0]
+    if tokens_replicated:
+        _, a, b = _chunk_bounds(T_all, _size(group), _rank(group))
+        x, weights, idx = split_rows(x, group), split_rows(weights, group), idx[a:b]
+    n, El = _size(group), self.up_proj.shape[0]
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    send = torch.bincount(flat, minlength=n_experts).view(n, El)  # rows for (dest rank, its expert)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[src, local expert]
+    send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    token = order // k
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    xr = all_to_all_single_autograd(x[token].contiguous(), recv_splits, send_splits, group)
+    local_e = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(n), recv.reshape(-1))
+    perm = local_e.argsort(stable=True)
+    xe = xr[perm]
+    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: _ScaleGrad.apply(p, grad_scale))
+    up, down = scale(self.up_proj), scale(self.down_proj)
+    gate = None if self.gate_proj is None else scale(self.gate_proj)
+    ys, start = [], 0
+    for e, m in enumerate(recv.sum(0).tolist()):  # every local expert runs, even on 0 rows, so that
+        xi = xe[start:start + m]                  # every rank's backward meets the same collectives
+        h = F.linear(xi, up[e])
+        h = self.act(F.linear(xi, gate[e])) * h if gate is not None else self.act(h)
+        ys.append(F.linear(h, down[e]))
+        start += m
+    ye = torch.cat(ys)
+    yr = torch.empty_like(ye).index_copy(0, perm, ye)  # back to arrival order
+    yb = all_to_all_single_autograd(yr.contiguous(), send_splits, recv_splits, group)
+    w = weights.reshape(-1)[order]
+    out = torch.zeros(T, yb.shape[-1], dtype=torch.float32, device=x.device)
+    out = out.index_add(0, token, (yb * w[:, None]).float()).to(x.dtype)
+    return gather_rows(out, group, T_all) if tokens_replicated else out
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+def _group_of(mesh, dim):
+    if dim is None or mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh.get_group(dim)
+
+
+def _check(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
+    def need(ok, msg):
+        if not ok:
+            raise RemodelError(msg)
+
+    names = tuple(mesh.mesh_dim_names or ())
+    for label, d in (("tp_dim", tp_dim), ("ep_dim", ep_dim), ("dp_dim", dp_dim)):
+        need(d is None or d in names or label == "tp_dim", f"{label}={d!r} is not a dimension of the mesh {names}")
+    if ep_dim is not None:
+        need(ep_dim in (tp_dim, dp_dim), f"ep_dim={ep_dim!r} must be the tp or the dp mesh dimension "
+             "(expert parallelism is folded over one of them)")
+    if tp > 1:
+        if "M" in cfg.pattern:
+            need(cfg.n_groups % tp == 0, f"tensor parallelism: Mamba n_groups={cfg.n_groups} is not divisible "
+                 f"by tp={tp} (heads are split by whole groups)")
+        if "*" in cfg.pattern:
+            need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
+                 f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
+        if "-" in cfg.pattern:
+            need(cfg.intermediate_size % tp == 0, f"tensor parallelism: intermediate_size={cfg.intermediate_size} "
+                 f"is not divisible by tp={tp}")
+        if "E" in cfg.pattern and cfg.moe_shared_expert_intermediate_size:
+            S = cfg.moe_shared_expert_intermediate_size
+            need(S % tp == 0, f"tensor parallelism: moe_shared_expert_intermediate_size={S} is not divisible by tp={tp}")
+        need(cfg.vocab_size % tp == 0, f"tensor parallelism: vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
+    if ep > 1 and "E" in cfg.pattern:
+        need(cfg.n_routed_experts % ep == 0, f"expert parallelism: n_routed_experts={cfg.n_routed_experts} is not "
+             f"divisible by ep={ep}")
+
+
+def _shard_param(module, attr, prefix, specs, dim, sizes, rank, n, kind="tp"):
+    p = getattr(module, attr)
+    if p is None:
+        return
+    local = shard_tensor(p.detach(), dim, sizes, rank, n).clone()
+    setattr(module, attr, nn.Parameter(local, requires_grad=p.requires_grad))
+    specs[f"{prefix}{attr}"] = (kind, dim, tuple(sizes))
+
+
+def _tp_mlp(mlp, prefix, specs, group, rank, n):
+    F_ = mlp.up_proj.weight.shape[0]
+    for lin in ("up_proj", "gate_proj"):
+        mod = getattr(mlp, lin)
+        if mod is not None:
+            _shard_param(mod, "weight", f"{prefix}{lin}.", specs, 0, [F_], rank, n)
+            _shard_param(mod, "bias", f"{prefix}{lin}.", specs, 0, [F_], rank, n)
+    _shard_param(mlp.down_proj, "weight", f"{prefix}down_proj.", specs, 1, [F_], rank, n)
+    mlp.down_proj.forward = functools.partial(types.MethodType(_row_linear_forward, mlp.down_proj), group=group)
+    mlp.register_forward_pre_hook(_copy_input_hook(group))
+
+
+def _tp_attention(att, prefix, specs, group, rank, n):
+    cfg = att.cfg
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for lin, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        mod = getattr(att, lin)
+        _shard_param(mod, "weight", f"{prefix}{lin}.", specs, 0, [rows], rank, n)
+        _shard_param(mod, "bias", f"{prefix}{lin}.", specs, 0, [rows], rank, n)
+    _shard_param(att.o_proj, "weight", f"{prefix}o_proj.", specs, 1, [q], rank, n)
+    att.o_proj.forward = functools.partial(types.MethodType(_row_linear_forward, att.o_proj), group=group)
+    if cfg.qk_norm:
+        for nm in (att.q_norm, att.k_norm):
+            nm.forward = functools.partial(types.MethodType(_rmsnorm_shared_weight_forward, nm), group=group)
+    att.cfg = cfg.replace(num_attention_heads=cfg.num_attention_heads // n,
+                          num_key_value_heads=cfg.num_key_value_heads // n)
+    att.register_forward_pre_hook(_copy_input_hook(group))
+
+
+def _tp_mamba(mx, prefix, specs, group, rank, n):
+    cfg = mx.cfg
+    Im, GN, nh = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
+    _shard_param(mx.in_proj, "weight", f"{prefix}in_proj.", specs, 0, [Im, Im, GN, GN, nh], rank, n)
+    _shard_param(mx.in_proj, "bias", f"{prefix}in_proj.", specs, 0, [Im, Im, GN, GN, nh], rank, n)
+    _shard_param(mx.conv1d, "weight", f"{prefix}conv1d.", specs, 0, [Im, GN, GN], rank, n)
+    _shard_param(mx.conv1d, "bias", f"{prefix}conv1d.", specs, 0, [Im, GN, GN], rank, n)
+    for attr in ("dt_bias", "A_log", "D"):
+        _shard_param(mx, attr, prefix, specs, 0, [nh], rank, n)
+    _shard_param(mx.norm, "weight", f"{prefix}norm.", specs, 0, [Im], rank, n)
+    _shard_param(mx.out_proj, "weight", f"{prefix}out_proj.", specs, 1, [Im], rank, n)
+    mx.out_proj.forward = functools.partial(types.MethodType(_row_linear_forward, mx.out_proj), group=group)
+    mx.cfg = cfg.replace(mamba_num_heads=nh // n, n_groups=cfg.n_groups // n)
+    mx.norm.groups = cfg.n_groups // n
+    mx.register_forward_pre_hook(_copy_input_hook(group))
+
+
+def _ep_experts(experts, prefix, specs, group, n_experts, tokens_replicated, grad_scale):
+    rank, n = _rank(group), _size(group)
+    for attr in ("up_proj", "gate_proj", "down_proj"):
+        _shard_param(experts, attr, prefix, specs, 0, [n_experts], rank, n, kind="ep")
+    experts.forward = functools.partial(types.MethodType(_ep_experts_forward, experts), group=group,
+                                        n_experts=n_experts, tokens_replicated=tokens_replicated,
+                                        grad_scale=grad_scale)
+
+
+def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = None, dp_dim: str | None = None):
+    """Shard a (full, identical on every rank) HybridLM in place over `mesh`; returns the model.
+
+    tp_dim: tensor parallelism (skipped when the mesh has no such dimension); ep_dim: expert
+    parallelism folded over the tp or the dp dimension; dp_dim: FSDP2 data parallelism. Raises
+    RemodelError (one line, nothing changed) when a width cannot be split."""
+    if getattr(model, "_parallel", None) is not None:
+        raise RemodelError("model is already parallelized")
+    cfg = model.cfg
+    tp_group, ep_group, dp_group = _group_of(mesh, tp_dim), _group_of(mesh, ep_dim), _group_of(mesh, dp_dim)
+    tp, ep, dp = _size(tp_group), _size(ep_group), _size(dp_group)
+    _check(cfg, tp, ep, ep_dim, tp_dim, dp_dim, mesh)
+    info = ParallelInfo(mesh=mesh, tp_group=tp_group if tp > 1 else None, ep_group=ep_group if ep > 1 else None,
+                        dp_group=dp_group if dp > 1 else None, tp=tp, ep=ep, dp=dp)
+    specs = info.specs
+
+    if tp > 1:
+        r = _rank(tp_group)
+        V = cfg.vocab_size
+        _shard_param(model.embeddings, "weight", "embeddings.", specs, 0, [V], r, tp)
+        model.embeddings.forward = functools.partial(
+            types.MethodType(_vocab_embedding_forward, model.embeddings), group=tp_group, start=r * V // tp)
+        if model.lm_head is not None:
+            _shard_param(model.lm_head, "weight", "lm_head.", specs, 0, [V], r, tp)
+        model.logits = functools.partial(_vocab_logits, model=model, group=tp_group)
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}.mixer."
+            if layer.kind == "M":
+                _tp_mamba(layer.mixer, prefix, specs, tp_group, r, tp)
+            elif layer.kind == "*":
+                _tp_attention(layer.mixer, prefix, specs, tp_group, r, tp)
+            elif layer.kind == "-":
+                _tp_mlp(layer.mixer, prefix, specs, tp_group, r, tp)
+            elif layer.mixer.shared_experts is not None:
+                _tp_mlp(layer.mixer.shared_experts, f"{prefix}shared_experts.", specs, tp_group, r, tp)
+
+    expert_params = set()
+    if ep > 1:
+        info.ep_over = "tp" if ep_dim == tp_dim else "dp"
+        scale = 1.0 / dp if info.ep_over == "dp" else 1.0
+        for i, layer in enumerate(model.layers):
+            if layer.kind == "E":
+                _ep_experts(layer.mixer.experts, f"layers.{i}.mixer.experts.", specs, ep_group,
+                            cfg.n_routed_experts, info.ep_over == "tp", scale)
+                if info.ep_over == "dp":
+                    expert_params |= set(layer.mixer.experts.parameters())
+
+    if dp > 1:
+        from torch.distributed.fsdp import fully_shard
+        dp_mesh = mesh[dp_dim]
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh, ignored_params=(expert_params & set(layer.parameters())) or None)
+        fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
+        info.fsdp = True
+    model._parallel = info
+    return model
+
+
+# ---- training helpers ----------------------------------------------------------------------
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return (t.to_local(), True) if isinstance(t, DTensor) else (t, False)
+
+
+def _mesh_sum(x, info):
+    """Sum of x over every rank of the mesh (one all-reduce per mesh dimension)."""
+    if info.mesh is None:
+        return x
+    for name in info.mesh.mesh_dim_names:
+        if info.mesh[name].size() > 1:
+            dist.all_reduce(x, group=info.mesh.get_group(name))
+    return x
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (L2) for a parallelized model: the norm of the whole, unsharded
+    gradient, identical on every rank; grads scaled in place by min(1, max_norm / (norm + 1e-6))."""
+    info = parallel_info(model)
+    world = 1 if info.mesh is None else info.mesh.size()
+    total, grads = None, []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g, fsdp = _local(p.grad)
+        shards = (info.dp if fsdp else 1) * {"tp": info.tp, "ep": info.ep}.get(info.specs.get(name, ("",))[0], 1)
+        s = g.double().pow(2).sum() * (shards / world)  # each element is held by world/shards ranks
+        total = s if total is None else total + s
+        grads.append(p.grad)
+    if total is None:
+        return torch.zeros(())
+    norm = _mesh_sum(total, info).sqrt().float()
+    coef = min(1.0, max_norm / (norm.item() + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def dp_mean(x: torch.Tensor, model) -> torch.Tensor:
+    """Mean of a (detached) per-rank value over the data-parallel ranks, e.g. the logged loss."""
+    info = parallel_info(model)
+    x = x.detach().clone()
+    if info.dp_group is not None:
+        dist.all_reduce(x, group=info.dp_group)
+        x /= info.dp
+    return x
+
+
+@torch.no_grad()
+def _unshard_all(model, named, rank0_only: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+    info = parallel_info(model)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for name, t in named:
+        if isinstance(t, DTensor):  # FSDP shard over dp
+            t = t.full_tensor()
+        spec = info.specs.get(name)
+        if spec is not None:  # TP or EP shard
+            kind, dim, sizes = spec
+            group = info.tp_group if kind == "tp" else info.ep_group
+            parts = [torch.empty_like(t) for _ in range(_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = unshard_tensor(parts, dim, sizes)
+        if keep:
+            out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def full_state_dict(model, rank0_only: bool = True) -> dict:
+    """The unsharded state dict (same names and shapes as the single-process HybridLM), on CPU.
+    Collective: every rank must call it; with rank0_only the other ranks get {}."""
+    return _unshard_all(model, model.state_dict().items(), rank0_only)
+
+
+def full_grads(model, rank0_only: bool = True) -> dict:
+    """The unsharded gradients {param name: grad} (as after a single-process backward). Collective."""
+    return _unshard_all(model, [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None], rank0_only)
+
+
+def gather_model(model):
+    """A plain single-process HybridLM holding the full weights on rank 0 (None elsewhere), ready for
+    models.load.save_model. Collective."""
+    from models.model import HybridLM
+    sd = full_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    full = HybridLM(model.cfg)
+    full.load_state_dict(sd, strict=True)
+    return full
