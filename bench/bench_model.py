@@ -1,0 +1,142 @@
+"""Train-step throughput of our hybrid model against transformers' NemotronHForCausalLM on CPU.
+
+One process: builds a ~7M-parameter Nemotron-H-style hybrid (Mamba layers dominant) in transformers,
+loads the same weights into ours, times forward+backward (no optimizer) at several lengths, and
+reports tokens/s, the speed ratio, and the achieved fraction of the machine's fp32 matmul rate.
+
+    python bench/bench_model.py [--lengths 256 1024 4096] [--reps 7] [--threads 2]
+
+Prints one line per length and a markdown table (pasted into bench/RESULTS.md).
+
+FLOPs per token of a train step (forward + backward = 3x forward), documented formula:
+  6 * N_linear                         N_linear = weights of every Linear (in/out_proj, q/k/v/o,
+                                       up/down, lm_head); embeddings (a lookup), norms, conv excluded
+  + 6 * l * nq * hd  per '*' layer     causal attention: QK^T and AV, 2 flops per MAC, mean context l/2
+  + 3 * per 'M' layer:                 SSD at the config's chunk size Q (algorithmic, causal half):
+      2*(Q/2)*N*G      C.B within a chunk (per group)
+    + 2*(Q/2)*P*h      (C.B * decay) @ x within a chunk
+    + 2*P*N*h          chunk states
+    + 2*P*N*h          state -> output
+The same count is used for both implementations, so the ratio of fractions is the speed ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.load import load_model  # noqa: E402
+
+HF_KW = dict(vocab_size=2048, hidden_size=256, hybrid_override_pattern="M-M-M*M-M-M-",
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
+             mamba_num_heads=8, mamba_head_dim=64, n_groups=2, ssm_state_size=64, chunk_size=128,
+             conv_kernel=4, layer_norm_epsilon=1e-5)
+
+
+def build(tmp):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **HF_KW)).float()
+    hf.save_pretrained(tmp)
+    ours = load_model(tmp)
+    return hf.train(), ours.train()
+
+
+def flops_per_token(model, l):
+    cfg = model.cfg
+    n_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    f = 6 * n_linear
+    f += cfg.count("*") * 6 * l * cfg.num_attention_heads * cfg.head_dim
+    Q, N, G, P, h = cfg.chunk_size, cfg.ssm_state_size, cfg.n_groups, cfg.mamba_head_dim, cfg.mamba_num_heads
+    scan = 2 * (Q / 2) * N * G + 2 * (Q / 2) * P * h + 2 * P * N * h + 2 * P * N * h
+    f += cfg.count("M") * 3 * scan
+    return f, n_linear
+
+
+def matmul_rate(n=2048, reps=5):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def train_step(fn, model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    logits = fn(ids)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+
+
+def measure(l, hf, ours, reps):
+    """Median seconds per train step of each, timed alternately (the CPU is shared), and the fp32 matmul
+    rate measured between them."""
+    g = torch.Generator().manual_seed(l)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, l), generator=g)
+    labels = torch.randint(0, ours.cfg.vocab_size, (1, l), generator=g)
+    runs = {"ours": (ours, ours), "transformers": (lambda x: hf(x).logits, hf)}
+    times = {k: [] for k in runs}
+    rates = []
+    for k, (fn, model) in runs.items():  # warm-up
+        train_step(fn, model, ids, labels)
+    for _ in range(reps):
+        for k, (fn, model) in runs.items():
+            t = time.perf_counter()
+            train_step(fn, model, ids, labels)
+            times[k].append(time.perf_counter() - t)
+        rates.append(matmul_rate(reps=3))
+    return ({k: statistics.median(v) for k, v in times.items()}, {k: min(v) for k, v in times.items()},
+            statistics.median(rates))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ours = build(tmp)
+    n_params = sum(p.numel() for p in ours.parameters())
+    cfg = ours.cfg
+    print(f"params {n_params / 1e6:.2f}M, pattern {cfg.pattern}, hidden {cfg.hidden_size}, Mamba {cfg.mamba_num_heads}x"
+          f"{cfg.mamba_head_dim} state {cfg.ssm_state_size} groups {cfg.n_groups} chunk {cfg.chunk_size}, FFN "
+          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}; {args.threads} threads, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs ({platform.machine()}); batch 1, fp32, forward+backward, median of {args.reps}")
+    rows = []
+    for l in args.lengths:
+        reps = args.reps if l <= 1024 else max(3, (args.reps + 1) // 2)
+        t, best, rate = measure(l, hf, ours, reps)
+        fpt, _ = flops_per_token(ours, l)
+        r = dict(l=l, ours=l / t["ours"], hf=l / t["transformers"], ratio=t["transformers"] / t["ours"], rate=rate,
+                 f_ours=fpt * l / t["ours"] / rate, f_hf=fpt * l / t["transformers"] / rate, fpt=fpt,
+                 best=best["transformers"] / best["ours"])
+        rows.append(r)
+        print(f"len {l:5d}: ours {r['ours']:7.0f} tok/s  transformers {r['hf']:7.0f} tok/s  ours/transformers "
+              f"{r['ratio']:.2f}x (best-of {r['best']:.2f}x)  matmul fraction ours {r['f_ours']:.0%} transformers {r['f_hf']:.0%}  "
+              f"({fpt / 1e6:.1f} MFLOP/token, fp32 matmul {rate / 1e9:.1f} GFLOP/s)", flush=True)
+    print()
+    print("| seq len | ours tok/s | transformers tok/s | ours / transformers (median; best-of) | "
+          "matmul fraction ours | matmul fraction transformers | MFLOP/token | fp32 matmul GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['l']} | {r['ours']:.0f} | {r['hf']:.0f} | {r['ratio']:.2f}x; {r['best']:.2f}x | {r['f_ours']:.0%} | "
+              f"{r['f_hf']:.0%} | {r['fpt'] / 1e6:.1f} | {r['rate'] / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The chunked SSD scan against the naive sequential recurrence (float64)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import models.mamba as mamba
+from models.config import ModelConfig
+from models.mamba import Mamba2Mixer, _CausalConvSiLU, ssd_reference, ssd_scan
+
+
+def make(b=2, l=37, h=4, p=3, g=2, n=5, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    x, B, C = r(b, l, h, p), r(b, l, g, n), r(b, l, g, n)
+    dt = F.softplus(r(b, l, h) - 1.0)  # positive step sizes, a few large
+    A = -torch.exp(r(h) * 0.5)  # negative, varied decay
+    D = r(h)
+    return x, dt, A, B, C, D
+
+
+def reference_with_state(x, dt, A, B, C, s0):
+    """The recurrence from a given initial state: returns outputs and the final state."""
+    b, l, h, p = x.shape
+    r = h // B.shape[2]
+    Bh, Ch = B.repeat_interleave(r, dim=2), C.repeat_interleave(r, dim=2)
+    s, ys = s0.clone(), []
+    for t in range(l):
+        s = torch.exp(dt[:, t] * A)[..., None, None] * s + (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None]
+        ys.append((s * Ch[:, t, :, None]).sum(-1))
+    return torch.stack(ys, 1), s
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64, 100])
+@pytest.mark.parametrize("l", [1, 37, 64])
+def test_scan_equals_recurrence(g, chunk, l):
+    x, dt, A, B, C, D = make(l=l, g=g, seed=chunk + l)
+    ref = ssd_reference(x, dt, A, B, C, D)
+    y = ssd_scan(x, dt, A, B, C, chunk, D=D)
+    assert y.dtype == torch.float64 and y.shape == x.shape
+    assert (y - ref).abs().max().item() < 1e-10
+    assert ref.abs().max().item() > 0.1
+    y0 = ssd_scan(x, dt, A, B, C, chunk)  # without the D skip
+    assert (y0 - ssd_reference(x, dt, A, B, C)).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 50])
+def test_initial_and_final_state(chunk):
+    x, dt, A, B, C, D = make(l=45, g=2, seed=7)
+    s0 = torch.randn(2, 4, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, s_ref = reference_with_state(x, dt, A, B, C, s0)
+    y, s = ssd_scan(x, dt, A, B, C, chunk, initial_state=s0, return_state=True)
+    assert (y - ref).abs().max().item() < 1e-10 and (s - s_ref).abs().max().item() < 1e-10
+    # two halves chained through the state equal one pass
+    y1, s1 = ssd_scan(x[:, :20], dt[:, :20], A, B[:, :20], C[:, :20], chunk, D=D, return_state=True)
+    y2 = ssd_scan(x[:, 20:], dt[:, 20:], A, B[:, 20:], C[:, 20:], chunk, D=D, initial_state=s1)
+    full = ssd_reference(x, dt, A, B, C, D)
+    assert (torch.cat([y1, y2], 1) - full).abs().max().item() < 1e-10
+
+
+def test_gradcheck_tiny():
+    x, dt, A, B, C, D = make(b=1, l=7, h=4, p=2, g=2, n=3, seed=3)
+    s0 = torch.randn(1, 4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, s0)]
+
+    def fn(x, dt, A, B, C, D, s0):
+        return ssd_scan(x, dt, A, B, C, 3, D=D, initial_state=s0, return_state=True)
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64])
+def test_gradients_match_reference(chunk):
+    x, dt, A, B, C, D = make(l=41, g=2, seed=11)
+    w = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for fn in (lambda *a: ssd_scan(*a[:5], chunk, D=a[5]), ssd_reference):
+        args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)]
+        (fn(*args) * w).sum().backward()
+        grads.append([a.grad for a in args])
+    for name, g_scan, g_ref in zip("x dt A B C D".split(), *grads):
+        assert torch.isfinite(g_scan).all(), name
+        assert (g_scan - g_ref).abs().max().item() < 1e-9 * max(1.0, g_ref.abs().max().item()), name
+
+
+def test_float32_close_to_float64():
+    x, dt, A, B, C, D = make(l=300, g=2, seed=5)
+    ref = ssd_scan(x, dt, A, B, C, 64, D=D)
+    y = ssd_scan(*(t.float() for t in (x, dt, A, B, C)), 64, D=D.float())
+    assert y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("block", [1, 700])  # one chunk per block; several chunks and a short last block
+def test_blocked_scan_equals_recurrence(block, monkeypatch):
+    monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+    for chunk, l in ((3, 37), (8, 64), (16, 50)):
+        x, dt, A, B, C, D = make(l=l, g=2, seed=chunk)
+        args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)]
+        ref_args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)]
+        w = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(l))
+        y = ssd_scan(*args[:5], chunk, D=args[5])
+        ref = ssd_reference(*ref_args)
+        assert (y - ref).abs().max().item() < 1e-10
+        (y * w).sum().backward()
+        (ref * w).sum().backward()
+        for a, r in zip(args, ref_args):
+            assert (a.grad - r.grad).abs().max().item() < 1e-9 * max(1.0, r.grad.abs().max().item())
+    x, dt, A, B, C, D = make(b=1, l=10, h=4, p=2, g=2, n=3, seed=9)
+    s0 = torch.randn(1, 4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, s0)]
+    assert torch.autograd.gradcheck(
+        lambda x, dt, A, B, C, D, s0: ssd_scan(x, dt, A, B, C, 3, D=D, initial_state=s0, return_state=True), args)
+
+
+@pytest.mark.parametrize("block", [1, None])  # 16-step blocks with a short first block; one block
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_causal_conv_equals_conv1d(K, block, monkeypatch):
+    if block:
+        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(2, 37, 6, 10, dtype=torch.float64, generator=g)[..., 2, :]  # a strided view, as in the mixer
+    w = torch.randn(10, 1, K, dtype=torch.float64, generator=g)
+    bias = torch.randn(10, dtype=torch.float64, generator=g)
+    for b in (bias, None):
+        args = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+        ref_args = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+        y = _CausalConvSiLU.apply(*args)
+        ref = F.silu(F.conv1d(ref_args[0].transpose(1, 2), ref_args[1], ref_args[2], padding=K - 1, groups=10)[..., :37])
+        ref = ref.transpose(1, 2)
+        assert (y - ref).abs().max().item() < 1e-12
+        dout = torch.randn(y.shape, dtype=torch.float64, generator=g)
+        y.backward(dout)
+        ref.backward(dout)
+        for a, r in zip(args, ref_args):
+            if a is not None:
+                assert (a.grad - r.grad).abs().max().item() < 1e-12
+
+
+def test_mixer_blocked_equals_unblocked(monkeypatch):
+    cfg = ModelConfig(vocab_size=16, hidden_size=24, pattern="M", mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
+                      ssm_state_size=8, chunk_size=16)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    u = torch.randn(2, 150, 24, dtype=torch.float64)
+    results = []
+    for block in (mamba.BLOCK_ELEMS, 1):
+        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+        mixer.zero_grad()
+        y = mixer(u)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in mixer.parameters()])
+    for a, b in zip(*results):
+        assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item())
+
+
+class _OutputSizes(TorchDispatchMode):
+    """Records the element count of every tensor an op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.sizes.append(t.numel())
+        return out
+
+
+def test_memory_linear_in_length():
+    """Doubling the length at a fixed chunk doubles the largest tensor and the total produced (no l x l
+    tensor, no quadratic work); intermediates are blocked, so the largest ones are the length-sized
+    inputs/outputs and the per-chunk states."""
+    largest, total = [], []
+    for l in (1024, 2048, 4096):
+        x, dt, A, B, C, D = make(b=1, l=l, h=8, p=64, g=2, n=16, dtype=torch.float32)
+        x.requires_grad_()
+        mode = _OutputSizes()
+        with mode:
+            ssd_scan(x, dt, A, B, C, 64, D=D).sum().backward()
+        largest.append(max(mode.sizes))
+        total.append(sum(mode.sizes))
+    for v in (largest, total):
+        assert 1.8 < v[1] / v[0] < 2.2 and 1.8 < v[2] / v[1] < 2.2, v
+    assert largest[2] <= 4096 * 8 * 64  # nothing bigger than x itself
