@@ -1,0 +1,424 @@
+"""Activation importance (Minitron / Minitron-SSM / MiniPuzzle) from hooks attached outside the model.
+
+Every activation X [batch, seq, D] is aggregated in fp32: a = |X|.mean(over non-padded seq) -> [batch, D],
+acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES contract, compress/scores.py):
+
+  hidden           output of every layers[i].norm and of norm_f (gamma applied); per-site scores summed
+  layers.i.ffn     input of mixer.down_proj                                    '-'   [F]
+  layers.i.attn    input of mixer.o_proj, per head                              '*'   [nq, head_dim]
+  layers.i.mamba_x x segment [Im:2Im] of mixer.in_proj's output (before conv)  'M'   [nh, hd]
+  layers.i.experts mean over routed tokens of ||w * expert(x)||                'E'   [E]
+  layers.i.expert_ffn  input of each expert's down projection; the seq mean runs over the tokens of
+                   each sample routed to that expert (samples with none add 0)       [E, Fm]
+  layers.i.shared_ffn  input of shared_experts.down_proj                              [S]
+  block_importance 1 - mean cos(x_in, x_out) over non-padded tokens                  [L]
+  loss_increase    LM loss with layer i alone skipped minus the full model's         [L]
+
+Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance
+by a copy that also records (removed by detach()). The padding mask is taken from each Block's
+`attention_mask` argument (or set with Scorer.update before calling a lone norm_f).
+
+Two runners give identical numbers: `score_model` (whole model in memory, batch by batch) and
+`score_streaming` (one layer's weights at a time; calibration hidden states kept in a StateStore that
+spills to safetensors files past a byte budget). Costs of loss_increase over the k loss batches:
+whole mode runs L full forwards (L^2 layer passes, constant memory); streaming runs every layer once
+more per skipped-layer branch still alive (L(L-1)/2 layer passes, each layer loaded once) and keeps
+L+1 branches of hidden states for the k loss batches in the StateStore (spilled like the rest).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load, save_file
+from torch import nn
+from tqdm import tqdm
+
+from models.attention import rope_inv_freq
+from models.checkpoint import CheckpointReader
+from models.config import ModelConfig
+from models.hf import config_from_hf, our_shapes
+from models.load import iter_our_tensors
+from models.model import Block
+from models.norm import RMSNorm
+
+LOGITS_BYTES = 256 * 1024**2  # fp32 logits materialised at once by lm_loss_sums
+
+
+def seq_mean_abs(x: torch.Tensor, mask=None) -> torch.Tensor:
+    """|x| [b, l, D] averaged over the (non-padded) sequence -> [b, D], fp32."""
+    a = x.detach().float().abs()
+    m = torch.ones(a.shape[:2], device=a.device) if mask is None else mask.to(a.dtype)
+    return torch.bmm(m[:, None, :], a)[:, 0] / m.sum(1).clamp(min=1)[:, None]  # bmm: faster than .mean(1)
+
+
+class Scorer:
+    """Accumulates every importance of the contract while attached to a HybridLM (attach()) or to
+    single blocks (attach_layer(i, block), attach_final(norm_f)) as the streaming runner does."""
+
+    def __init__(self, model=None, cfg: ModelConfig | None = None):
+        self.model, self.cfg = model, cfg or model.cfg
+        self.acc: dict[str, torch.Tensor] = {}
+        self.mask = None
+        self.tokens = 0
+        self._handles, self._patched = [], []
+
+    # ---- attaching ------------------------------------------------------------------
+    def attach(self) -> "Scorer":
+        for i, block in enumerate(self.model.layers):
+            self.attach_layer(i, block)
+        self.attach_final(self.model.norm_f)
+        return self
+
+    def attach_layer(self, i: int, block: Block):
+        p, m, hook = f"layers.{i}.", block.mixer, self._handles.append
+        hook(block.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
+        hook(block.norm.register_forward_hook(self._output(f"hidden.{i}")))
+        hook(block.register_forward_hook(self._block_hook(i)))
+        if block.kind == "-":
+            hook(m.down_proj.register_forward_pre_hook(self._input(p + "ffn")))
+        elif block.kind == "*":
+            hook(m.o_proj.register_forward_pre_hook(self._input(p + "attn")))
+        elif block.kind == "M":
+            Im = self.cfg.mamba_inner
+            hook(m.in_proj.register_forward_hook(self._output(p + "mamba_x", slice(Im, 2 * Im))))
+        else:
+            self._attach_moe(p, m)
+
+    def attach_final(self, norm_f: RMSNorm):
+        self._handles.append(norm_f.register_forward_hook(self._final_hook))
+
+    def detach(self):
+        for h in self._handles:
+            h.remove()
+        for experts in self._patched:
+            del experts.expert  # the class's own method is visible again
+        self._handles, self._patched = [], []
+
+    def update(self, attention_mask):
+        """Set the padding mask [b, l] (1 = real token) for the next hooked calls; every Block call
+        sets it from its own attention_mask argument, so this is only needed before a lone norm_f."""
+        self.mask = None if attention_mask is None else attention_mask.bool()
+
+    # ---- hooks ------------------------------------------------------------------------
+    def _add(self, name, value):
+        if name in self.acc:
+            self.acc[name] += value
+        else:
+            self.acc[name] = value.clone()
+
+    def _acc(self, name, x):
+        self._add(name, seq_mean_abs(x, self.mask).square().sum(0))
+
+    def _capture_mask(self, module, args, kwargs):
+        self.update(args[1] if len(args) > 1 else kwargs.get("attention_mask"))
+
+    def _input(self, name):
+        return lambda module, args: self._acc(name, args[0])
+
+    def _output(self, name, part=slice(None)):
+        return lambda module, args, out: self._acc(name, out[..., part])
+
+    def _final_hook(self, module, args, out):
+        self._acc(f"hidden.{self.cfg.num_layers}", out)
+        self.tokens += out.shape[0] * out.shape[1] if self.mask is None else int(self.mask.sum())
+
+    def _block_hook(self, i):
+        def hook(module, args, out):
+            cos = F.cosine_similarity(args[0].detach().float(), out.detach().float(), dim=-1)  # [b, l]
+            if self.mask is None:
+                n = torch.tensor(float(cos.numel()), dtype=torch.float64, device=cos.device)
+            else:
+                cos, n = cos * self.mask, self.mask.sum().double()
+            self._add(f"layers.{i}.cos", torch.stack([cos.sum(dtype=torch.float64), n]))
+        return hook
+
+    def _attach_moe(self, p, moe):
+        cfg, experts, ctx = self.cfg, moe.experts, {}
+        E = cfg.n_routed_experts
+
+        def pre_moe(module, args):
+            ctx["bl"] = args[0].shape[:2]
+
+        def pre_experts(module, args):  # (x [T, L], weights [T, k], idx [T, k])
+            _, w, idx = args[:3]
+            flat = idx.reshape(-1)
+            order = flat.argsort(stable=True)  # tokens of expert e, ascending, as the dispatch sees them
+            counts = torch.bincount(flat, minlength=E).tolist()
+            starts = [sum(counts[:e]) for e in range(E)]
+            ctx.update(token=order // idx.shape[1], w=w.reshape(-1)[order].float(), counts=counts, starts=starts)
+
+        def expert(e, x):  # Experts.expert, recording its hidden and output
+            h = F.linear(x, experts.up_proj[e])
+            h = experts.act(F.linear(x, experts.gate_proj[e])) * h if experts.gate_proj is not None else experts.act(h)
+            y = F.linear(h, experts.down_proj[e])
+            self._expert_stats(p, e, h, y, ctx)
+            return y
+
+        self._handles.append(moe.register_forward_pre_hook(pre_moe))
+        self._handles.append(experts.register_forward_pre_hook(pre_experts))
+        experts.expert = expert
+        self._patched.append(experts)
+        if moe.shared_experts is not None:
+            def pre_shared_down(module, args):  # the MoE runs its shared expert on tokens flattened to [T, S]
+                self._acc(p + "shared_ffn", args[0].view(*ctx["bl"], -1))
+            self._handles.append(moe.shared_experts.down_proj.register_forward_pre_hook(pre_shared_down))
+
+    def _expert_stats(self, p, e, h, y, ctx):
+        s, n = ctx["starts"][e], ctx["counts"][e]
+        assert n == h.shape[0], "expert dispatch order changed: scorer out of sync with Experts.forward"
+        tok, w = ctx["token"][s:s + n], ctx["w"][s:s + n]
+        b, l = ctx["bl"]
+        h, y = h.detach().float(), y.detach().float()
+        if self.mask is not None:
+            keep = self.mask.reshape(-1)[tok]
+            tok, w, h, y = tok[keep], w[keep], h[keep], y[keep]
+        E, dev = self.cfg.n_routed_experts, h.device
+        if p + "expert_ffn" not in self.acc:
+            self.acc[p + "expert_ffn"] = torch.zeros(E, h.shape[1], device=dev)
+            self.acc[p + "experts"] = torch.zeros(2, E, dtype=torch.float64, device=dev)  # sum of norms, count
+        sample = tok // l
+        sums = torch.zeros(b, h.shape[1], device=dev).index_add_(0, sample, h.abs())
+        a = sums / torch.bincount(sample, minlength=b).clamp(min=1)[:, None]
+        self.acc[p + "expert_ffn"][e] += a.square().sum(0)
+        self.acc[p + "experts"][0, e] += (y.norm(dim=-1) * w.abs()).sum(dtype=torch.float64)
+        self.acc[p + "experts"][1, e] += len(tok)
+
+    # ---- result -------------------------------------------------------------------------
+    def result(self) -> dict[str, torch.Tensor]:
+        """The contract's tensors (fp32, CPU) for every site seen so far."""
+        cfg, acc, out = self.cfg, self.acc, {}
+        sites = [acc[f"hidden.{i}"] for i in range(cfg.num_layers + 1) if f"hidden.{i}" in acc]
+        if sites:
+            out["hidden"] = torch.stack(sites).sqrt().sum(0)
+        for i, c in enumerate(cfg.pattern):
+            p = f"layers.{i}."
+            if p + "ffn" in acc:
+                out[p + "ffn"] = acc[p + "ffn"].sqrt()
+            if p + "attn" in acc:
+                out[p + "attn"] = acc[p + "attn"].sqrt().view(cfg.num_attention_heads, cfg.head_dim)
+            if p + "mamba_x" in acc:
+                out[p + "mamba_x"] = acc[p + "mamba_x"].sqrt().view(cfg.mamba_num_heads, cfg.mamba_head_dim)
+            if p + "experts" in acc:
+                s, n = acc[p + "experts"]
+                out[p + "experts"] = s / n.clamp(min=1)
+                out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
+            if p + "shared_ffn" in acc:
+                out[p + "shared_ffn"] = acc[p + "shared_ffn"].sqrt()
+        if any(f"layers.{i}.cos" in acc for i in range(cfg.num_layers)):
+            unseen = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+            c = torch.stack([acc.get(f"layers.{i}.cos", unseen).cpu() for i in range(cfg.num_layers)])
+            out["block_importance"] = 1 - c[:, 0] / c[:, 1].clamp(min=1)
+        return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+
+
+# ---- language-model loss ----------------------------------------------------------------
+
+def lm_loss_sums(h, weight, ids, mask=None) -> tuple[torch.Tensor, int]:
+    """(sum, count) of next-token cross-entropy from final hidden states h [b, l, H] (after norm_f)
+    and the output embedding weight [V, H]; logits are built a bounded chunk of tokens at a time."""
+    x, y = h[:, :-1].reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1).to(h.device)
+    if mask is not None:
+        keep = (mask[:, 1:].bool() & mask[:, :-1].bool()).reshape(-1).to(h.device)
+        x, y = x[keep], y[keep]
+    step = max(1, LOGITS_BYTES // (4 * weight.shape[0]))
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    for s in range(0, len(y), step):
+        logits = F.linear(x[s:s + step], weight).float()
+        total += F.cross_entropy(logits, y[s:s + step], reduction="sum").double()
+    return total, len(y)
+
+
+def _mean(sums) -> float:
+    return float(sum(s for s, _ in sums)) / max(1, sum(n for _, n in sums))
+
+
+def head_weight(model) -> torch.Tensor:
+    return model.embeddings.weight if model.lm_head is None else model.lm_head.weight
+
+
+class Skip(nn.Module):
+    """Stands in for a removed layer: the residual stream passes unchanged."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+# ---- whole model in memory ------------------------------------------------------------
+
+def _get(seq, b):
+    return None if seq is None else seq[b]
+
+
+@torch.no_grad()
+def model_loss(model, batches, masks=None) -> float:
+    dev, W = head_weight(model).device, head_weight(model)
+    sums = []
+    for b, ids in enumerate(batches):
+        mask = _get(masks, b)
+        mask = None if mask is None else mask.to(dev)
+        h, _ = model.hidden(ids.to(dev), mask)
+        sums.append(lm_loss_sums(h, W, ids, mask))
+    return _mean(sums)
+
+
+@torch.no_grad()
+def layer_loss_increase(model, batches, masks=None, base: float | None = None, progress=False) -> torch.Tensor:
+    """[L]: LM loss on `batches` with layer i replaced by the identity, minus the full model's."""
+    base = model_loss(model, batches, masks) if base is None else base
+    out = []
+    for i in tqdm(range(len(model.layers)), desc="loss increase", disable=not progress):
+        keep = model.layers[i]
+        model.layers[i] = Skip()
+        try:
+            out.append(model_loss(model, batches, masks) - base)
+        finally:
+            model.layers[i] = keep
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@torch.no_grad()
+def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, progress=False):
+    """Whole-model scoring -> (scores dict, info {baseline_loss, tokens, loss_batches})."""
+    dev, W = head_weight(model).device, head_weight(model)
+    scorer = Scorer(model).attach()
+    sums = []
+    try:
+        for b, ids in enumerate(tqdm(batches, desc="calibration", disable=not progress)):
+            mask = _get(masks, b)
+            mask = None if mask is None else mask.to(dev)
+            h, _ = model.hidden(ids.to(dev), mask)
+            sums.append(lm_loss_sums(h, W, ids, mask))
+    finally:
+        scorer.detach()
+    scores = scorer.result()
+    k = min(loss_batches, len(batches)) if loss_increase else 0
+    if k:
+        lm = None if masks is None else masks[:k]
+        scores["loss_increase"] = layer_loss_increase(model, batches[:k], lm, _mean(sums[:k]), progress)
+    return scores, {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k}
+
+
+# ---- layer streaming ----------------------------------------------------------------------
+
+class StateStore:
+    """Tensors by key: in memory while their total stays within max_bytes, beyond that each one is a
+    safetensors file in a private temporary directory (removed by close())."""
+
+    def __init__(self, max_bytes: int | None = None, dir=None):
+        self.max_bytes = float("inf") if max_bytes is None else max_bytes
+        self.mem, self.disk, self.used, self.spilled = {}, set(), 0, 0
+        self._parent, self._dir = dir, None
+
+    def _path(self, key) -> Path:
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="remodel-spill-", dir=self._parent))
+        return self._dir / ("_".join(map(str, key if isinstance(key, tuple) else (key,))) + ".safetensors")
+
+    def __setitem__(self, key, t):
+        self.pop(key)
+        t = t.detach().cpu().contiguous()
+        if self.used + t.nbytes <= self.max_bytes:
+            self.mem[key] = t
+            self.used += t.nbytes
+        else:
+            save_file({"t": t}, self._path(key))
+            self.disk.add(key)
+            self.spilled += t.nbytes
+
+    def __getitem__(self, key) -> torch.Tensor:
+        if key in self.mem:
+            return self.mem[key]
+        return load(self._path(key).read_bytes())["t"]  # a plain read into fresh memory, no mmap
+
+    def pop(self, key):
+        if key in self.mem:
+            self.used -= self.mem.pop(key).nbytes
+        elif key in self.disk:
+            self.disk.discard(key)
+            self._path(key).unlink()
+
+    def close(self):
+        self.mem.clear()
+        self.disk.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _load(reader, cfg, names, device, dtype) -> dict[str, torch.Tensor]:
+    return {n: t.to(device=device, dtype=dtype if t.is_floating_point() and not n.endswith("correction_bias")
+                    else t.dtype) for n, t in iter_our_tensors(reader, cfg, names=set(names))}
+
+
+def load_block(reader: CheckpointReader, cfg: ModelConfig, i: int, device="cpu", dtype=torch.float32) -> Block:
+    """Layer i alone: built on the meta device, then given exactly its own tensors from the checkpoint."""
+    prefix = f"layers.{i}."
+    state = _load(reader, cfg, [n for n in our_shapes(cfg) if n.startswith(prefix)], device, dtype)
+    with torch.device("meta"):
+        block = Block(cfg, cfg.pattern[i])
+    block.load_state_dict({n[len(prefix):]: t for n, t in state.items()}, assign=True)
+    if block.kind == "*" and cfg.rope_theta is not None:
+        block.mixer.inv_freq = rope_inv_freq(cfg).to(device)
+    return block.eval()
+
+
+@torch.no_grad()
+def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, max_memory_bytes=None,
+                    spill_dir=None, device="cpu", dtype=torch.float32, progress=False):
+    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info).
+    Hidden states of every calibration batch (and of the k loss batches for every skipped-layer
+    branch) live in a StateStore of max_memory_bytes; the rest is spilled to spill_dir."""
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
+    cfg = config_from_hf(reader.config)
+    L, dev = cfg.num_layers, torch.device(device)
+    k = min(loss_batches, len(batches)) if loss_increase else 0
+    mask_of = [None if _get(masks, b) is None else masks[b].to(dev) for b in range(len(batches))]
+    store, scorer = StateStore(max_memory_bytes, spill_dir), Scorer(cfg=cfg)
+    try:
+        emb = _load(reader, cfg, ["embeddings.weight"], dev, dtype)["embeddings.weight"]
+        for b, ids in enumerate(batches):
+            store["main", b] = F.embedding(ids.to(dev), emb)
+        del emb
+        for i in tqdm(range(L), desc="layers", disable=not progress):
+            block = load_block(reader, cfg, i, dev, dtype)
+            scorer.attach_layer(i, block)
+            try:
+                for b in range(len(batches)):
+                    x = store["main", b].to(dev)
+                    if b < k:
+                        store[i, b] = x  # the branch without layer i starts from layer i's input
+                    store["main", b] = block(x, mask_of[b])
+            finally:
+                scorer.detach()
+            for j in range(i):  # branches that skipped an earlier layer go through this one
+                for b in range(k):
+                    store[j, b] = block(store[j, b].to(dev), mask_of[b])
+            del block
+        final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        w = _load(reader, cfg, final, dev, dtype)
+        norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps).to(dev)
+        norm_f.weight.data = w["norm_f.weight"]
+        W = w[final[1]]
+        scorer.attach_final(norm_f)
+        sums = []
+        try:
+            for b, ids in enumerate(batches):
+                scorer.update(mask_of[b])
+                sums.append(lm_loss_sums(norm_f(store["main", b].to(dev)), W, ids, mask_of[b]))
+                store.pop(("main", b))
+        finally:
+            scorer.detach()
+        scores = scorer.result()
+        if k:
+            base = _mean(sums[:k])
+            scores["loss_increase"] = torch.tensor(
+                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)), W, batches[b], mask_of[b]) for b in range(k)]) - base
+                 for j in range(L)], dtype=torch.float32)
+        info = {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k,
+                "spilled_bytes": store.spilled}
+    finally:
+        store.close()
+    return scores, info

@@ -1,0 +1,39 @@
+"""The SCORES directory: scores.safetensors (float32, our layer indices) + scores.json (metadata)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.checkpoint import atomic_output_dir, read_json
+from models.errors import RemodelError
+
+FORMAT = "remodel-scores/1"
+
+
+def write_scores(dir, tensors: dict, meta: dict) -> None:
+    """The two files into an existing (temporary) directory; save_scores is the atomic form."""
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, Path(dir) / "scores.safetensors")
+    (Path(dir) / "scores.json").write_text(json.dumps({**meta, "format": FORMAT}, indent=2, default=str) + "\n")
+
+
+def save_scores(out_dir, tensors: dict, meta: dict, overwrite: bool = False) -> Path:
+    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+        write_scores(tmp, tensors, meta)
+    return Path(out_dir)
+
+
+def load_scores(path) -> tuple[dict[str, torch.Tensor], dict]:
+    p = Path(path)
+    if not (p / "scores.json").is_file() or not (p / "scores.safetensors").is_file():
+        raise RemodelError(f"{p}: not a scores directory (needs scores.json and scores.safetensors)")
+    meta = read_json(p / "scores.json")
+    if meta.get("format") != FORMAT:
+        raise RemodelError(f"{p / 'scores.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        tensors = load_file(p / "scores.safetensors")
+    except Exception as e:  # corrupt file
+        raise RemodelError(f"{p / 'scores.safetensors'}: cannot read ({type(e).__name__}: {e})".splitlines()[0]) from None
+    return tensors, meta

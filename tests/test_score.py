@@ -1,0 +1,424 @@
+"""Activation-importance scoring: hooks against direct computation, padding, streaming == whole model,
+bounded memory on a checkpoint larger than the cap, depth scores, and the `score` pipeline."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compress.importance import Scorer, score_model, score_streaming
+from compress.scores import load_scores
+from models.attention import rope_inv_freq, rotate_half
+from models.checkpoint import CheckpointReader, CheckpointWriter
+from models.config import ModelConfig
+from models.errors import RemodelError
+from models.hf import config_to_hf, our_shapes, weight_table
+from models.load import load_model, save_model
+from models.mlp import ACT
+from models.model import HybridLM, init_weights
+from pipelines.data import embedded_corpus, embedded_tokenizer_path
+from pipelines.score import choose_mode, score
+
+REPO = Path(__file__).resolve().parents[1]
+NEMO = ModelConfig(vocab_size=64, hidden_size=32, pattern="M*-EM-", num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=4, n_groups=2,
+                   ssm_state_size=8, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, routed_scaling_factor=2.5)
+GATED = ModelConfig(vocab_size=64, hidden_size=32, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, rope_theta=10000.0, tie_word_embeddings=True, mlp_act="silu", mlp_gated=True,
+                    n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, router="softmax")
+CFGS = {"nemotron": NEMO, "gated_tied": GATED, "latent_moe": NEMO.replace(pattern="E*E", moe_latent_size=20)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a shared, oversubscribed CPU makes OpenMP barriers dominate
+    yield
+    torch.set_num_threads(n)
+
+
+def make_model(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed + 100)
+    m = init_weights(HybridLM(cfg), std=0.2, seed=seed).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):  # gamma must show in the hidden scores
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        for moe in m.moe_layers():
+            if hasattr(moe.gate, "e_score_correction_bias"):
+                moe.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts, generator=g))
+    return m
+
+
+def rand_ids(cfg, b, l, seed):
+    return torch.randint(0, cfg.vocab_size, (b, l), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+# ---- an independent computation of every score ----------------------------------------------
+
+def agg(x):  # contribution of one batch [b, l, D] -> [D]
+    return x.double().abs().mean(1).square().sum(0)
+
+
+def ffn_hidden(x, up, gate, act):
+    return act(F.linear(x, gate)) * F.linear(x, up) if gate is not None else act(F.linear(x, up))
+
+
+def attention_inputs(mix, cfg, n):
+    b, l, _ = n.shape
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = F.linear(n, mix.q_proj.weight).view(b, l, nq, hd).transpose(1, 2)
+    k = F.linear(n, mix.k_proj.weight).view(b, l, nkv, hd).transpose(1, 2)
+    v = F.linear(n, mix.v_proj.weight).view(b, l, nkv, hd).transpose(1, 2)
+    if cfg.rope_theta is not None:
+        f = torch.arange(l).float()[:, None] * rope_inv_freq(cfg)
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    s = s.masked_fill(~torch.ones(l, l, dtype=torch.bool).tril(), float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2).reshape(b, l, nq * hd)
+
+
+def route(moe, cfg, x):
+    logits = x @ moe.gate.weight.T
+    k = cfg.num_experts_per_tok
+    if cfg.router == "sigmoid":
+        s = logits.sigmoid()
+        idx = (s + moe.gate.e_score_correction_bias).topk(k, -1)[1]
+        w = s.gather(1, idx)
+    else:
+        w, idx = logits.softmax(-1).topk(k, -1)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return w * cfg.routed_scaling_factor, idx
+
+
+@torch.no_grad()
+def direct_scores(model, batches):
+    cfg, acc = model.cfg, {}
+    act = ACT[cfg.mlp_act]
+
+    def add(k, v):
+        acc[k] = acc[k] + v if k in acc else v
+
+    for ids in batches:
+        _, states = model(ids, output_hidden_states=True)
+        b, l = ids.shape
+        for i, layer in enumerate(model.layers):
+            p, mix = f"layers.{i}.", layer.mixer
+            n = layer.norm(states[i])
+            add(f"site{i}", agg(n))
+            cos = F.cosine_similarity(states[i].double(), states[i + 1].double(), dim=-1)
+            add(p + "cos", torch.stack([cos.sum(), torch.tensor(float(cos.numel()), dtype=torch.float64)]))
+            if layer.kind == "-":
+                add(p + "ffn", agg(ffn_hidden(n, mix.up_proj.weight, getattr(mix.gate_proj, "weight", None), act)))
+            elif layer.kind == "*":
+                add(p + "attn", agg(attention_inputs(mix, cfg, n)))
+            elif layer.kind == "M":
+                Im = cfg.mamba_inner
+                add(p + "mamba_x", agg(F.linear(n, mix.in_proj.weight)[..., Im:2 * Im]))
+            else:
+                x = n.reshape(b * l, -1)
+                w, idx = route(mix, cfg, x)
+                if cfg.moe_latent_size:  # experts read and write the latent space
+                    x = F.linear(x, mix.fc1_latent_proj.weight)
+                ex, E = mix.experts, cfg.n_routed_experts
+                ffn = torch.zeros(E, cfg.moe_intermediate_size, dtype=torch.float64)
+                norms = torch.zeros(2, E, dtype=torch.float64)
+                for e in range(E):
+                    for s in range(b):
+                        toks = [t for t in range(s * l, (s + 1) * l) if e in idx[t].tolist()]
+                        if not toks:
+                            continue
+                        h = ffn_hidden(x[toks], ex.up_proj[e], None if ex.gate_proj is None else ex.gate_proj[e], act)
+                        y = F.linear(h, ex.down_proj[e])
+                        we = torch.stack([w[t][idx[t] == e][0] for t in toks])
+                        ffn[e] += h.double().abs().mean(0).square()
+                        norms[0, e] += (y.double().norm(dim=-1) * we.abs()).sum()
+                        norms[1, e] += len(toks)
+                add(p + "expert_ffn", ffn)
+                add(p + "experts", norms)
+                if mix.shared_experts is not None:
+                    add(p + "shared_ffn", agg(ffn_hidden(n, mix.shared_experts.up_proj.weight, None, act)))
+        add(f"site{cfg.num_layers}", agg(model.norm_f(states[-1])))
+    out = {"hidden": sum(acc[f"site{i}"].sqrt() for i in range(cfg.num_layers + 1)),
+           "block_importance": torch.stack([1 - acc[f"layers.{i}.cos"][0] / acc[f"layers.{i}.cos"][1]
+                                            for i in range(cfg.num_layers)])}
+    for k, v in acc.items():
+        if k.startswith("layers.") and not k.endswith("cos"):
+            out[k] = v[0] / v[1].clamp(min=1) if k.endswith("experts") else v.sqrt()
+    for i in range(cfg.num_layers):
+        for k, shape in (("attn", (cfg.num_attention_heads, cfg.head_dim)),
+                         ("mamba_x", (cfg.mamba_num_heads, cfg.mamba_head_dim))):
+            if f"layers.{i}.{k}" in out:
+                out[f"layers.{i}.{k}"] = out[f"layers.{i}.{k}"].view(shape)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_hooks_equal_direct_computation(name):
+    cfg = CFGS[name]
+    model = make_model(cfg)
+    batches = [rand_ids(cfg, 3, 20, s) for s in range(2)]
+    plain = model(batches[0])
+    scorer = Scorer(model).attach()
+    with torch.no_grad():
+        hooked = model(batches[0])
+        model(batches[1])
+    scorer.detach()
+    assert torch.equal(plain, hooked)  # the recording expert copy computes exactly what the model does
+    assert all("expert" not in m.experts.__dict__ for m in model.moe_layers())  # detach restored the method
+    assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
+    got, want = scorer.result(), direct_scores(model, batches)
+    n_e, F_e = cfg.n_routed_experts, cfg.moe_intermediate_size
+    expected_shapes = {"hidden": (32,), "block_importance": (cfg.num_layers,)}
+    for i, c in enumerate(cfg.pattern):
+        p = f"layers.{i}."
+        shared = {p + "shared_ffn": (16,)} if cfg.moe_shared_expert_intermediate_size else {}
+        expected_shapes.update({"-": {p + "ffn": (48,)}, "*": {p + "attn": (4, 8)}, "M": {p + "mamba_x": (8, 4)},
+                                "E": {p + "experts": (n_e,), p + "expert_ffn": (n_e, F_e), **shared}}[c])
+    assert {k: tuple(v.shape) for k, v in got.items()} == expected_shapes
+    for k in want:
+        assert got[k].dtype == torch.float32
+        assert rel(got[k].double(), want[k]) < 1e-5, k
+    for i, c in enumerate(cfg.pattern):  # every expert was routed something and scores vary
+        if c == "E":
+            assert (got[f"layers.{i}.experts"] > 0).sum() >= n_e - 1
+    assert got["hidden"].std() > 0.05 * got["hidden"].mean()
+    with torch.no_grad():
+        model(batches[0])  # detached: nothing more is accumulated
+    assert torch.equal(scorer.result()["hidden"], got["hidden"])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_is_masked(side):
+    cfg = NEMO  # no RoPE: left padding leaves real tokens' positions meaningless only with RoPE
+    model = make_model(cfg, seed=1)
+    lengths, L = [20, 13, 7], 20
+    seqs = [rand_ids(cfg, 1, n, 10 + j)[0] for j, n in enumerate(lengths)]
+    ids = rand_ids(cfg, 3, L, 99)  # garbage in the padding
+    mask = torch.zeros(3, L, dtype=torch.long)
+    for j, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(L - len(s), L)
+        ids[j, sl], mask[j, sl] = s, 1
+    padded, _ = score_model(model, [ids], [mask], loss_increase=False)
+    single, _ = score_model(model, [s[None] for s in seqs], loss_increase=False)
+    unmasked, _ = score_model(model, [ids], loss_increase=False)
+    assert padded.keys() == single.keys()
+    for k in single:
+        assert rel(padded[k], single[k]) < 1e-5, k
+    assert rel(unmasked["hidden"], single["hidden"]) > 1e-3  # the padding would have changed the scores
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for name, cfg in CFGS.items():
+        d = tmp_path_factory.mktemp(name) / "ck"
+        save_model(make_model(cfg, seed=2), d)
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_streaming_equals_whole_model(saved, name, tmp_path):
+    cfg = CFGS[name]
+    batches = [rand_ids(cfg, 2, 24, 50 + s) for s in range(3)]
+    masks = [torch.ones(2, 24, dtype=torch.long) for _ in batches]
+    masks[1][0, 15:] = 0  # one padded sequence
+    whole, wi = score_model(load_model(saved[name]), batches, masks, loss_batches=2)
+    assert wi["loss_batches"] == 2 and wi["tokens"] == 3 * 48 - 9
+    for budget in (None, 0, 3 * 24 * 32 * 4):  # all in memory, everything spilled, some spilled
+        spill = tmp_path / f"spill{budget}"
+        spill.mkdir()
+        got, gi = score_streaming(saved[name], batches, masks, loss_batches=2, max_memory_bytes=budget,
+                                  spill_dir=spill)
+        assert (gi["spilled_bytes"] > 0) == (budget is not None)
+        assert list(spill.iterdir()) == []  # spill files removed
+        assert got.keys() == whole.keys() and "loss_increase" in got
+        for k in whole:
+            assert rel(got[k], whole[k]) <= 1e-5, (budget, k)
+        assert abs(gi["baseline_loss"] - wi["baseline_loss"]) <= 1e-6 * wi["baseline_loss"]
+    assert whole["loss_increase"].abs().max() > 1e-3
+
+
+def test_depth_scores_are_sensible():
+    cfg = NEMO
+    model = make_model(cfg, seed=3)
+    with torch.no_grad():
+        model.layers[1].mixer.o_proj.weight.zero_()  # attention layer 1 writes nothing
+        model.layers[4].mixer.out_proj.weight.zero_()  # Mamba layer 4 writes nothing
+    batches = [rand_ids(cfg, 2, 16, s) for s in range(3)]
+    scores, info = score_model(model, batches, loss_batches=3)
+    bi, li = scores["block_importance"], scores["loss_increase"]
+    for i in (1, 4):
+        assert abs(bi[i]) < 1e-6 and abs(li[i]) < 1e-6
+    for i in (0, 2, 3, 5):
+        assert bi[i] > 1e-3 and abs(li[i]) > 1e-4
+    # loss increase of layer 3 against a model built without it
+    drop = 3
+    small = HybridLM(cfg.replace(pattern=cfg.pattern[:drop] + cfg.pattern[drop + 1:])).eval()
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.startswith("layers."):
+            i = int(k.split(".")[1])
+            if i == drop:
+                continue
+            k = f"layers.{i - (i > drop)}." + k.split(".", 2)[2]
+        state[k] = v
+    small.load_state_dict(state)
+
+    def loss(m):
+        with torch.no_grad():
+            return sum(F.cross_entropy(m(ids)[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1),
+                                       reduction="sum") for ids in batches) / sum(ids[:, 1:].numel() for ids in batches)
+    assert abs(float(loss(model)) - info["baseline_loss"]) < 1e-5
+    assert abs(float(loss(small) - loss(model)) - float(li[drop])) < 1e-5
+
+
+# ---- the pipeline -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    cfg = NEMO.replace(vocab_size=2048, pattern="M*-E")
+    d = tmp_path_factory.mktemp("hf") / "model"
+    save_model(make_model(cfg, seed=4), d, aux_from=embedded_tokenizer_path())
+    return d
+
+
+def test_score_pipeline_writes_scores(hf_dir, tmp_path, monkeypatch):
+    data = embedded_corpus()[1]
+    out = tmp_path / "scores"
+    report = score(hf_dir, data, out, samples=6, seq_len=32, batch=4, mode="auto", progress=False)
+    tensors, meta = load_scores(out)
+    assert sorted(p.name for p in out.iterdir()) == ["importance.png", "remodel_report.json", "scores.json",
+                                                     "scores.safetensors"]
+    assert (out / "importance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert meta["format"] == "remodel-scores/1" and meta["mode"] == "whole" and meta["samples"] == 6
+    assert meta["seq_len"] == 32 and meta["tokens"] == 6 * 32 and meta["config"]["pattern"] == "M*-E"
+    assert 0 < meta["baseline_loss"] < 20 and meta["source"] == str(hf_dir)
+    assert set(tensors) == {"hidden", "layers.0.mamba_x", "layers.1.attn", "layers.2.ffn", "layers.3.experts",
+                            "layers.3.expert_ffn", "layers.3.shared_ffn", "block_importance", "loss_increase"}
+    rep = json.loads((out / "remodel_report.json").read_text())
+    assert rep["command"] == "score" and [r["type"] for r in rep["layers"]] == list("M*-E")
+    assert rep["layers"][2]["block_importance"] == pytest.approx(float(tensors["block_importance"][2]))
+    assert report["tokens"] == 192
+
+    import psutil  # 'auto' streams when the weights exceed half of the (here: pretended tiny) free memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1000})())
+    score(hf_dir, data, tmp_path / "auto_stream", samples=6, seq_len=32, batch=4, progress=False)
+    t2, m2 = load_scores(tmp_path / "auto_stream")
+    assert m2["mode"] == "streaming" and t2.keys() == tensors.keys()
+    for k in tensors:
+        assert rel(t2[k], tensors[k]) <= 1e-5, k
+    assert choose_mode("auto", 10, 100) == "whole" and choose_mode("auto", 51, 100) == "streaming"
+    assert choose_mode("whole", 10**12, 1) == "whole"
+
+
+def test_score_refuses_bad_input_and_writes_nothing(hf_dir, tmp_path):
+    data = embedded_corpus()[1]
+    out = tmp_path / "out"
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(hf_dir, no_tok)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tok / f).unlink()
+    cases = [((tmp_path / "missing", data, out), {}, "model not found"),
+             ((hf_dir, tmp_path / "nope.txt", out), {}, "data not found"),
+             ((hf_dir, data, out), {"samples": 0}, "samples must be a positive"),
+             ((hf_dir, data, out), {"seq_len": -1}, "seq_len must be a positive"),
+             ((hf_dir, data, out), {"mode": "fast"}, "unknown mode"),
+             ((no_tok, data, out), {}, f"no tokenizer files in {no_tok}"),
+             ((hf_dir, data, hf_dir / "inside"), {}, "overlaps input"),
+             ((hf_dir, tmp_path / "empty.txt", out), {}, "no text")]
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for args, kw, msg in cases:
+        with pytest.raises(RemodelError, match=msg) as e:
+            score(*args, progress=False, **{"samples": 4, "seq_len": 16, **kw})
+        assert "\n" not in str(e.value)
+        assert not out.exists() and not list(tmp_path.glob(".out*")) and not (hf_dir / "inside").exists()
+    out.mkdir()
+    (out / "x").write_text("keep")
+    with pytest.raises(RemodelError, match="not empty"):
+        score(hf_dir, data, out, samples=4, seq_len=16, progress=False)
+    assert [p.name for p in out.iterdir()] == ["x"]
+
+
+# ---- bounded memory on a checkpoint larger than the cap ----------------------------------------
+
+MEMORY_SCRIPT = """
+import re, sys
+import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
+import transformers, datasets, psutil, torch
+from transformers import AutoTokenizer
+from pipelines.score import score
+torch.set_num_threads(1)
+# warm-up on a tiny checkpoint of the same layer kinds: code pages of the kernels, allocator pools
+score(sys.argv[4], sys.argv[2], sys.argv[5], samples=4, seq_len=32, batch=2, mode="streaming",
+      max_memory_bytes=64 * 1024, loss_batches=1, progress=False)
+def status(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+base = status("VmRSS")
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark to the current RSS
+except OSError:
+    base = status("VmHWM")
+r = score(sys.argv[1], sys.argv[2], sys.argv[3], samples=4, seq_len=32, batch=2, mode="streaming",
+          max_memory_bytes=64 * 1024, loss_batches=1, progress=False)
+print(base, status("VmHWM"), r["spilled_bytes"])
+"""
+
+
+def write_random_checkpoint(path, cfg, max_shard_bytes):
+    """A nemotron_h checkpoint of random weights written tensor by tensor (no model in memory)."""
+    g = torch.Generator().manual_seed(0)
+    shapes, w = our_shapes(cfg), CheckpointWriter(path, max_shard_bytes)
+    for ours, hf, e in weight_table(cfg, "nemotron_h"):
+        shape = shapes[ours][1:] if e is not None else shapes[ours]
+        leaf = ours.rsplit(".", 1)[-1]
+        if ours.endswith("norm.weight") or leaf == "D":
+            t = torch.ones(shape)
+        elif leaf == "A_log":
+            t = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32))
+        elif leaf in ("dt_bias", "e_score_correction_bias") or leaf == "bias":
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=g) * (0.5 / math.sqrt(shape[-1]))
+        w.add(hf, t)
+    w.close(config_to_hf(cfg, "nemotron_h"), aux_from=embedded_tokenizer_path())
+
+
+def test_streaming_memory_stays_under_cap(hf_dir, tmp_path):
+    mb = 1024**2
+    cfg = ModelConfig(vocab_size=2048, hidden_size=512, pattern="M-*E" * 8, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, intermediate_size=2048, mamba_num_heads=16,
+                      mamba_head_dim=64, n_groups=2, ssm_state_size=64, chunk_size=32, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=512, moe_shared_expert_intermediate_size=512)
+    src, out = tmp_path / "big", tmp_path / "scores"
+    write_random_checkpoint(src, cfg, 64 * mb)
+    ckpt = CheckpointReader(src).total_bytes()
+    assert ckpt >= 280 * mb and len(list(src.glob("*.safetensors"))) >= 4
+    args = [src, embedded_corpus()[1], out, hf_dir, tmp_path / "warm"]
+    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, *map(str, args)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    base, peak, spilled = map(int, res.stdout.split()[-3:])
+    growth, cap = peak - base, ckpt // 3
+    print(f"checkpoint {ckpt / mb:.0f} MiB, baseline RSS {base / mb:.0f} MiB, peak {peak / mb:.0f} MiB, "
+          f"growth {growth / mb:.1f} MiB, cap {cap / mb:.0f} MiB, spilled {spilled / mb:.1f} MiB")
+    assert growth < cap and spilled > 0
+    tensors, meta = load_scores(out)
+    assert meta["mode"] == "streaming" and tensors["block_importance"].shape == (32,)
+    assert tensors["loss_increase"].isfinite().all() and tensors["block_importance"].isfinite().all()
