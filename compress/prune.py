@@ -1,0 +1,322 @@
+"""Structured pruning on every axis (Minitron / Minitron-SSM / MiniPuzzle), from cached scores.
+
+targets (any subset; an axis not named is kept):
+  hidden_size, ffn_size, mamba_heads (per layer, a multiple of n_groups), mamba_head_dim,
+  attn_heads (query heads per layer, a multiple of num_key_value_heads), experts, expert_ffn_size,
+  shared_expert_size, num_layers | drop_layers.
+Depth is counted in the source family's layers: a Nemotron-H layer is one pattern character, a
+Llama/Mixtral/Qwen decoder layer is the pair '*-' / '*E' (dropped together, so the result stays
+exportable); `drop_layers` uses that numbering too. `num_layers` drops the layers with the lowest
+`loss_increase` when the scores have it (the direct measure: what removing that layer alone costs in
+LM loss, MiniPuzzle), else the lowest `block_importance` (1 - cos(x_in, x_out), Minitron); for a
+decoder-layer pair the two per-character scores are summed.
+
+Experts with grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
+every group). Refused as not loadable by transformers: MoE expert_ffn_size / hidden_size not a multiple
+of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), Llama hidden not a multiple of
+the query heads (LlamaConfig checks it even with an explicit head_dim).
+
+validate_targets -> plan_keep (scores -> keep dict, see compress/axes.py) -> new_config + prune_tensor.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from models.config import LAYER_TYPES, ModelConfig
+from models.errors import RemodelError
+from models.hf import check_exportable, config_to_hf, default_family
+
+from .axes import dim_indices, layer_of, select, tensor_axes
+
+# target -> (layer char, config field)
+AXES = {"hidden_size": (None, "hidden_size"), "ffn_size": ("-", "intermediate_size"),
+        "mamba_heads": ("M", "mamba_num_heads"), "mamba_head_dim": ("M", "mamba_head_dim"),
+        "attn_heads": ("*", "num_attention_heads"), "experts": ("E", "n_routed_experts"),
+        "expert_ffn_size": ("E", "moe_intermediate_size"),
+        "shared_expert_size": ("E", "moe_shared_expert_intermediate_size")}
+TARGETS = tuple(AXES) + ("num_layers", "drop_layers")
+MOE_ALIGN = 8
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _nearest(v: int, step: int, hi: int) -> str:
+    lo = v // step * step
+    vals = [x for x in (lo, lo + step) if 0 < x <= hi]
+    return " or ".join(map(str, vals)) if vals else "none"
+
+
+# ---- depth units ------------------------------------------------------------------------------
+
+def layer_units(cfg: ModelConfig, family: str | None = None) -> list[list[int]]:
+    """The family's layers as lists of our layer indices: [[i]] for nemotron_h, pairs otherwise."""
+    family = family or default_family(cfg)
+    if family == "nemotron_h":
+        return [[i] for i in range(cfg.num_layers)]
+    return [[2 * j, 2 * j + 1] for j in range(cfg.num_layers // 2)]
+
+
+def parse_layers(v) -> list[int]:
+    if isinstance(v, str):
+        try:
+            return [int(x) for x in v.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise RemodelError(f"--drop-layers {v!r} is not a comma-separated list of layer indices") from None
+    return [int(x) for x in v]
+
+
+def depth_metric(scores: dict) -> str:
+    return "loss_increase" if "loss_increase" in scores else "block_importance"
+
+
+# ---- validation (before any calibration or I/O) ----------------------------------------------
+
+def _check_depth(cfg, t, units):
+    n = len(units)
+    word = "layers" if len(units[0]) == 1 else "decoder layers"
+    if "num_layers" in t and "drop_layers" in t:
+        raise RemodelError("--num-layers and --drop-layers are exclusive; give one of them")
+    if "num_layers" in t and t["num_layers"] >= n:
+        raise RemodelError(f"--num-layers {t['num_layers']} does not remove any of the source's {n} {word}; "
+                           f"nearest valid: {n - 1}")
+    if "drop_layers" in t:
+        drop = parse_layers(t["drop_layers"])
+        if not drop:
+            raise RemodelError("--drop-layers is empty; name the layers to drop, e.g. 3,7")
+        for j in drop:
+            if not 0 <= j < n:
+                raise RemodelError(f"--drop-layers index {j} is out of range (the model has {word} 0..{n - 1})")
+        if len(set(drop)) != len(drop):
+            raise RemodelError(f"--drop-layers lists a layer twice: {t['drop_layers']}")
+        if len(drop) >= n:
+            raise RemodelError(f"--drop-layers would drop every one of the {n} {word}; keep at least one")
+
+
+def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None) -> dict:
+    """Refuse impossible targets with one line naming the nearest valid values. -> the targets
+    that are set (None values removed; drop_layers parsed to a sorted list)."""
+    family = family or default_family(cfg)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise RemodelError(f"unknown pruning targets {unknown} (known: {', '.join(TARGETS)})")
+    t = {k: v for k, v in targets.items() if v is not None}
+    if not t:
+        raise RemodelError("nothing to prune: give at least one target (e.g. --hidden-size, --ffn-size, --num-layers)")
+    for key, v in t.items():
+        if key == "drop_layers":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RemodelError(f"{flag(key)} must be an integer, got {v!r}")
+        if v <= 0:
+            raise RemodelError(f"{flag(key)} must be positive, got {v}")
+        if key == "num_layers":
+            continue
+        kind, field = AXES[key]
+        if kind is not None and kind not in cfg.pattern:
+            raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
+        src = getattr(cfg, field)
+        if not src:
+            raise RemodelError(f"{flag(key)}: the model has no shared expert")
+        if v > src:
+            raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
+                               f"pruning only removes units (nearest valid: {src})")
+    if "mamba_heads" in t and t["mamba_heads"] % cfg.n_groups:
+        v, G = t["mamba_heads"], cfg.n_groups
+        raise RemodelError(f"--mamba-heads {v} is not a multiple of n_groups={G}; "
+                           f"nearest valid: {_nearest(v, G, cfg.mamba_num_heads)}")
+    if "attn_heads" in t and t["attn_heads"] % cfg.num_key_value_heads:
+        v, kv = t["attn_heads"], cfg.num_key_value_heads
+        raise RemodelError(f"--attn-heads {v} is not a multiple of num_key_value_heads={kv} (every KV group "
+                           f"keeps the same number of query heads); nearest valid: "
+                           f"{_nearest(v, kv, cfg.num_attention_heads)}")
+    if "experts" in t:
+        v, k, G, tg = t["experts"], cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        ok = lambda x: x >= k and (G == 1 or (x % G == 0 and x // G >= 2 and tg * (x // G) >= k))  # noqa: E731
+        if not ok(v):
+            below = [x for x in range(v, 0, -1) if ok(x)][:1]
+            above = [x for x in range(v, cfg.n_routed_experts + 1) if ok(x)][:1]
+            why = (f"is fewer than num_experts_per_tok={k}" if v < k else
+                   f"does not fit n_group={G} expert groups (the same number in every group, >= 2 each, "
+                   f"topk_group={tg} groups holding num_experts_per_tok={k})")
+            raise RemodelError(f"--experts {v} {why}; nearest valid: {' or '.join(map(str, below + above)) or 'none'}")
+    if "E" in cfg.pattern:  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
+        keys = ["expert_ffn_size"] + ([] if cfg.moe_latent_size else ["hidden_size"])
+        for key in keys:
+            v, src = t.get(key), getattr(cfg, AXES[key][1])
+            if v is not None and v != src and v % MOE_ALIGN:
+                raise RemodelError(f"{flag(key)} {v} is not a multiple of {MOE_ALIGN}, which transformers' grouped "
+                                   f"expert matmul needs (16-byte rows in bf16); nearest valid: "
+                                   f"{_nearest(v, MOE_ALIGN, src)}")
+    units = layer_units(cfg, family)
+    _check_depth(cfg, t, units)
+    if "drop_layers" in t:
+        t["drop_layers"] = sorted(parse_layers(t["drop_layers"]))
+    # the whole target must still be a valid, exportable model of the source family
+    sizes = {AXES[k][1]: v for k, v in t.items() if k in AXES}
+    if "drop_layers" in t or "num_layers" in t:
+        kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
+                else units[:t["num_layers"]])
+        sizes["pattern"] = "".join(cfg.pattern[i] for u in kept for i in u)
+    target = cfg.replace(**sizes)  # ModelConfig's own checks
+    try:
+        check_exportable(cfg, family)
+    except RemodelError:
+        return t  # an in-memory model no family can hold: nothing more to keep
+    check_exportable(target, family)
+    if family == "llama" and target.hidden_size % target.num_attention_heads:
+        H, nq = target.hidden_size, target.num_attention_heads
+        if "hidden_size" in t:
+            near = _nearest(H, nq, cfg.hidden_size)
+            raise RemodelError(f"--hidden-size {H} is not a multiple of the {nq} attention heads, which transformers' "
+                               f"LlamaConfig requires; nearest valid: {near}")
+        ok = [q for q in range(nq, 0, -1) if H % q == 0 and q % cfg.num_key_value_heads == 0][:1]
+        raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' LlamaConfig "
+                           f"requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
+    config_to_hf(target, family)  # transformers' own config checks, still before any work
+    return t
+
+
+# ---- ranking ----------------------------------------------------------------------------------
+
+def _top(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest (ties: lower index first), in increasing order."""
+    return torch.argsort(s, descending=True, stable=True)[:k].sort().values
+
+
+def _top_per_group(s: torch.Tensor, groups: int, k_total: int) -> torch.Tensor:
+    """Keep k_total/groups of the largest within every one of `groups` equal contiguous groups."""
+    r, k = s.numel() // groups, k_total // groups
+    return torch.cat([g * r + _top(s[g * r:(g + 1) * r], k) for g in range(groups)])
+
+
+def _score(scores: dict, name: str, shape: tuple, why: str) -> torch.Tensor:
+    s = scores.get(name)
+    if s is None:
+        raise RemodelError(f"the scores have no {name!r} (needed for {why}); re-run `remodel score` on this model")
+    if tuple(s.shape) != tuple(shape):
+        raise RemodelError(f"scores {name!r} has shape {list(s.shape)}, the model implies {list(shape)}")
+    return s.float()
+
+
+def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None = None) -> dict:
+    """Scores + targets -> keep dict (sorted original indices per primary axis; see compress/axes.py)."""
+    t = validate_targets(cfg, targets, family)
+    keep = {}
+    if "hidden_size" in t:
+        keep["hidden"] = _top(_score(scores, "hidden", (cfg.hidden_size,), "--hidden-size"), t["hidden_size"])
+    for i, c in enumerate(cfg.pattern):
+        p = f"layers.{i}."
+        if c == "-" and "ffn_size" in t:
+            keep[p + "ffn"] = _top(_score(scores, p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])
+        elif c == "*" and "attn_heads" in t:
+            s = _score(scores, p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
+            keep[p + "attn_heads"] = _top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])
+        elif c == "M" and ("mamba_heads" in t or "mamba_head_dim" in t):
+            nh, hd = cfg.mamba_num_heads, cfg.mamba_head_dim
+            s = _score(scores, p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
+            chans = _top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
+            if "mamba_head_dim" in t:
+                keep[p + "mamba_head_dim"] = chans
+            if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
+                keep[p + "mamba_heads"] = _top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
+        elif c == "E":
+            E = cfg.n_routed_experts
+            experts = torch.arange(E)
+            if "experts" in t:
+                s = _score(scores, p + "experts", (E,), "--experts")
+                experts = _top_per_group(s, cfg.n_group, t["experts"])  # n_group=1: plain top-k
+                keep[p + "experts"] = experts
+            if "expert_ffn_size" in t:
+                s = _score(scores, p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
+                keep[p + "expert_ffn"] = torch.stack([_top(row, t["expert_ffn_size"]) for row in s])
+            if "shared_expert_size" in t:
+                s = _score(scores, p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
+                keep[p + "shared_ffn"] = _top(s, t["shared_expert_size"])
+    units = layer_units(cfg, family)
+    drop = []
+    if "drop_layers" in t:
+        drop = t["drop_layers"]
+    elif "num_layers" in t:
+        m = depth_metric(scores)
+        s = _score(scores, m, (cfg.num_layers,), "--num-layers")
+        per_unit = torch.stack([s[u].sum() for u in units])
+        drop = _top(-per_unit, len(units) - t["num_layers"]).tolist()
+    if drop:
+        keep["layers"] = torch.tensor([i for j, u in enumerate(units) if j not in drop for i in u])
+        gone = {f"layers.{i}." for j in drop for i in units[j]}
+        keep = {k: v for k, v in keep.items() if not any(k.startswith(g) for g in gone)}
+    return keep
+
+
+# ---- the pruned model ---------------------------------------------------------------------------
+
+def kept_layers(cfg: ModelConfig, keep: dict) -> list[int]:
+    return keep["layers"].tolist() if "layers" in keep else list(range(cfg.num_layers))
+
+
+def _size(cfg, keep, layers, kind, axis, full):
+    sizes = {full if keep.get(f"layers.{i}.{axis}") is None else keep[f"layers.{i}.{axis}"].shape[-1]
+             for i in layers if cfg.pattern[i] == kind}
+    if len(sizes) > 1:
+        raise RemodelError(f"keep sets give {LAYER_TYPES[kind]} layers different {axis} sizes {sorted(sizes)}; "
+                           "widths must be the same in every layer of a type")
+    return sizes.pop() if sizes else full
+
+
+def new_config(cfg: ModelConfig, keep: dict) -> ModelConfig:
+    layers = kept_layers(cfg, keep)
+    if not layers:
+        raise RemodelError("pruning would remove every layer")
+    sz = lambda kind, axis, full: _size(cfg, keep, layers, kind, axis, full)  # noqa: E731
+    return cfg.replace(
+        pattern="".join(cfg.pattern[i] for i in layers),
+        hidden_size=len(keep["hidden"]) if "hidden" in keep else cfg.hidden_size,
+        intermediate_size=sz("-", "ffn", cfg.intermediate_size),
+        num_attention_heads=sz("*", "attn_heads", cfg.num_attention_heads),
+        mamba_num_heads=sz("M", "mamba_heads", cfg.mamba_num_heads),
+        mamba_head_dim=sz("M", "mamba_head_dim", cfg.mamba_head_dim),
+        n_routed_experts=sz("E", "experts", cfg.n_routed_experts),
+        moe_intermediate_size=sz("E", "expert_ffn", cfg.moe_intermediate_size),
+        moe_shared_expert_intermediate_size=sz("E", "shared_ffn", cfg.moe_shared_expert_intermediate_size),
+        extra=copy.deepcopy(cfg.extra))
+
+
+def rename(name: str, keep: dict) -> str | None:
+    """Our name in the pruned model (layers renumbered), or None when its layer is dropped."""
+    i = layer_of(name)
+    if i is None or "layers" not in keep:
+        return name
+    pos = (keep["layers"] == i).nonzero()
+    if len(pos) == 0:
+        return None
+    return f"layers.{int(pos[0, 0])}." + name.split(".", 2)[2]
+
+
+def prune_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, keep: dict, table: dict | None = None):
+    """Slice one of our tensors (original name) to the kept units of every axis it runs over."""
+    return select(tensor, dim_indices(cfg, keep, name, table))
+
+
+def prune_state(state: dict, cfg: ModelConfig, keep: dict) -> tuple[ModelConfig, dict]:
+    """In-memory: our state dict -> (pruned config, pruned state dict with renumbered names)."""
+    table, out = tensor_axes(cfg), {}
+    for name, t in state.items():
+        new = rename(name, keep)
+        if new is not None and name in table:
+            out[new] = prune_tensor(name, t, cfg, keep, table)
+    return new_config(cfg, keep), out
+
+
+@torch.no_grad()
+def prune_model(model, keep: dict):
+    """In-memory: HybridLM -> pruned HybridLM (for search and tests; checkpoints go through pipelines.prune)."""
+    from models.model import HybridLM
+
+    cfg, state = prune_state(model.state_dict(), model.cfg, keep)
+    new = HybridLM(cfg).to(next(model.parameters()).device)
+    new.load_state_dict(state, strict=True)
+    return new.eval()

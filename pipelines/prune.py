@@ -1,0 +1,169 @@
+"""`remodel prune`: cached scores (or a fresh scoring run) -> structurally pruned HF checkpoint.
+
+Streams: tensors are read, sliced and handed to the writer one at a time (one fused expert stack at
+most), so peak memory is about the largest tensor plus one output shard, whatever the model size.
+Targets are checked before anything is read or computed. When scores are computed here (--data),
+they are kept in OUT/scores so that pruning to another target can reuse them (--scores OUT/scores).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from compress.prune import (depth_metric, kept_layers, layer_units, new_config, plan_keep, prune_tensor, rename,
+                            validate_targets)
+from compress.axes import tensor_axes
+from compress.scores import load_scores
+from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from models.config import LAYER_TYPES, ModelConfig
+from models.errors import RemodelError
+from models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
+from models.load import iter_hf_tensors, iter_our_tensors
+from models.params import count_params
+
+from .report import write_report
+
+COLORS = {"M": "tab:blue", "*": "tab:orange", "-": "tab:green", "E": "tab:purple"}
+
+
+def check_scores_match(cfg: ModelConfig, meta: dict, where) -> None:
+    try:
+        theirs = ModelConfig.from_dict(meta.get("config") or {})
+    except (RemodelError, TypeError) as e:
+        raise RemodelError(f"{where}: scores.json has no usable model config ({e})".splitlines()[0]) from None
+    if our_shapes(theirs) != our_shapes(cfg):  # same tensors, same shapes: the scores fit (extra etc. aside)
+        a, b = theirs.to_dict(), cfg.to_dict()
+        diff = [k for k in b if k != "extra" and a.get(k) != b[k]]
+        raise RemodelError(f"{where}: scores were computed for a different model (differs in {', '.join(diff[:4])}); "
+                           f"re-run `remodel score` on this model")
+
+
+def _params(cfg: ModelConfig, family: str) -> dict:
+    c = count_params(cfg, family)
+    return {"total": c["total"], "active": c["active"], "by_type": c["by_type"]}
+
+
+def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
+    full = {"hidden": cfg.hidden_size, "ffn": cfg.intermediate_size, "attn_heads": cfg.num_attention_heads,
+            "mamba_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim,
+            "experts": cfg.n_routed_experts, "expert_ffn": cfg.moe_intermediate_size,
+            "shared_ffn": cfg.moe_shared_expert_intermediate_size, "layers": cfg.num_layers}
+    return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
+            for k, v in keep.items()}
+
+
+def plot_importance(path, cfg: ModelConfig, scores: dict, dropped: list[int]) -> bool:
+    """Per-layer importance bars coloured by layer type, dropped layers hatched and marked."""
+    rows = [m for m in ("block_importance", "loss_increase") if m in scores]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    L = cfg.num_layers
+    fig, axes = plt.subplots(len(rows), 1, figsize=(max(6, 0.18 * L + 2), 2.6 * len(rows)), squeeze=False)
+    for ax, m in zip(axes[:, 0], rows):
+        v = scores[m].float().tolist()
+        bars = ax.bar(range(L), v, color=[COLORS[c] for c in cfg.pattern], edgecolor="black", linewidth=0.3)
+        for i in dropped:
+            bars[i].set_hatch("xx")
+            bars[i].set_alpha(0.45)
+            ax.annotate("x", (i, v[i]), ha="center", va="bottom", color="red", fontsize=9, fontweight="bold")
+        ax.set_ylabel(m)
+        ax.set_xlim(-1, L)
+    axes[-1, 0].set_xlabel("layer (original index; x = dropped)")
+    handles = [Patch(color=COLORS[c], label=LAYER_TYPES[c]) for c in COLORS if c in cfg.pattern]
+    fig.suptitle(f"per-layer importance ({cfg.pattern if L <= 60 else f'{L} layers'})", fontsize=9)
+    fig.legend(handles=handles, ncol=len(handles), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.95),
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_size=None, mamba_heads=None,
+          mamba_head_dim=None, attn_heads=None, experts=None, expert_ffn_size=None, shared_expert_size=None,
+          num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
+          **score_kwargs) -> dict:
+    """Prune the HF checkpoint `model_dir` into `out` (same family). -> the report dict."""
+    t0 = time.time()
+    reader = CheckpointReader(model_dir)
+    family = reader.config.get("model_type")
+    cfg = config_from_hf(reader.config)
+    targets = dict(hidden_size=hidden_size, ffn_size=ffn_size, mamba_heads=mamba_heads, mamba_head_dim=mamba_head_dim,
+                   attn_heads=attn_heads, experts=experts, expert_ffn_size=expert_ffn_size,
+                   shared_expert_size=shared_expert_size, num_layers=num_layers, drop_layers=drop_layers)
+    t = validate_targets(cfg, targets, family)  # before any calibration or I/O
+    if scores_dir is None and data is None:
+        raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
+    if scores_dir is None:
+        import inspect
+        from pipelines.score import score
+        given, known = set(score_kwargs), set(inspect.signature(score).parameters) - {"model_dir", "data", "out"}
+        bad = sorted(given - known)
+        if bad:
+            raise RemodelError(f"unknown scoring options {bad} for prune --data")
+
+    def plan(scores):  # -> keep, pruned config, its HF config (refusals here still write nothing)
+        keep = plan_keep(cfg, scores, t, family)
+        new = new_config(cfg, keep)
+        hf_cfg = config_to_hf(new, family)
+        for k in ("dtype", "torch_dtype"):
+            if reader.config.get(k) is not None:
+                hf_cfg[k] = reader.config[k]
+        return keep, new, hf_cfg
+
+    if scores_dir is not None:
+        scores, meta = load_scores(scores_dir)
+        check_scores_match(cfg, meta, scores_dir)
+        keep, new, hf_cfg = plan(scores)
+    with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+        if scores_dir is None:
+            score(model_dir, data, tmp / "scores", **score_kwargs)  # kept as OUT/scores for re-pruning
+            scores, meta = load_scores(tmp / "scores")
+            check_scores_match(cfg, meta, tmp / "scores")
+            scores_dir = Path(out) / "scores"
+            keep, new, hf_cfg = plan(scores)
+
+        table = tensor_axes(cfg)
+        old_names = [n for n in table if rename(n, keep) is not None]
+        stream = iter_our_tensors(reader, cfg, family, names=set(old_names))  # checks every shape first
+
+        def get(new_name):  # iter_hf_tensors asks in table order, which is the old order renumbered
+            old, tensor = next(stream)
+            if rename(old, keep) != new_name:
+                raise RemodelError(f"internal: tensor order mismatch ({old} -> {rename(old, keep)} != {new_name})")
+            return prune_tensor(old, tensor, cfg, keep, table)
+
+        w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
+        n = 0
+        for name, tensor in tqdm(iter_hf_tensors(get, new, family), desc="prune", unit="tensor",
+                                 total=len(weight_table(new, family)), leave=False):
+            w.add(name, tensor)
+            n += 1
+        w.close(hf_cfg, aux_from=model_dir)
+
+        kept = kept_layers(cfg, keep)
+        dropped = [i for i in range(cfg.num_layers) if i not in set(kept)]
+        plotted = plot_importance(tmp / "importance.png", cfg, scores, dropped)
+        report = {
+            "command": "prune", "input": str(model_dir), "output": str(out), "scores": str(scores_dir),
+            "family": family, "targets": t,
+            "pattern_before": cfg.pattern, "pattern_after": new.pattern,
+            "dropped_layers": dropped,
+            "dropped_family_layers": [j for j, u in enumerate(layer_units(cfg, family)) if u[0] in dropped],
+            "depth_metric": depth_metric(scores) if "num_layers" in t else None,
+            "config_before": cfg.to_dict(), "config_after": new.to_dict(),
+            "params_before": _params(cfg, family), "params_after": _params(new, family),
+            "kept": _kept_report(cfg, keep),
+            "layer_importance": {m: scores[m].tolist() for m in ("block_importance", "loss_increase") if m in scores},
+            "plot": "importance.png" if plotted else None,
+            "scores_meta": {k: v for k, v in meta.items() if k != "config"},
+            "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
+        write_report(tmp, report)
+    return report
