@@ -1,0 +1,269 @@
+"""Dense -> MoE upcycling with virtual groups: exactness in our model and in transformers, configs,
+reported deviation, --exact refusals."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.errors import RemodelError
+from models.load import load_model, save_model
+from models.mlp import Router
+from models.model import HybridLM, init_weights
+from upcycle import pipeline
+from upcycle.pipeline import upcycle
+from upcycle.virtual_groups import make_plan, router_weight, upcycle_mlp, upcycle_model
+
+NEMO = dict(vocab_size=64, hidden_size=32, pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=64, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8,
+            chunk_size=16)
+LLAMA = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, rope_theta=10000.0, intermediate_size=64, mlp_act="silu", mlp_gated=True)
+TOL = 1e-4
+
+
+def _model(**kw):
+    # std 0.2: logits O(1) and the MLPs move them by O(1), so a 1e-4 tolerance means something
+    return init_weights(HybridLM(ModelConfig(**kw)), std=0.2, seed=0).eval()
+
+
+def _ids(n=4, length=32, seed=1):
+    return torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _hf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+
+
+@pytest.fixture(scope="module")
+def nemo(tmp_path_factory):
+    m = _model(**NEMO)
+    d = tmp_path_factory.mktemp("nemo") / "dense"
+    save_model(m, d)
+    return m, d, _hf_logits(d, _ids())
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = _model(**LLAMA)
+    d = tmp_path_factory.mktemp("llama") / "dense"
+    save_model(m, d, family="llama")
+    return m, d, _hf_logits(d, _ids())
+
+
+def _selections(model, ids):
+    """(idx [T, k]) chosen by every MoE router during a forward."""
+    got = []
+    hooks = [moe.gate.register_forward_hook(lambda mod, i, o: got.append(o[2])) for moe in model.moe_layers()]
+    with torch.no_grad():
+        out = model(ids)
+    for h in hooks:
+        h.remove()
+    return out, got
+
+
+def _whole_groups(idx, G):
+    """Every chosen group appears exactly G times, every shard T/G times."""
+    T = idx.shape[1]
+    groups = torch.nn.functional.one_hot(idx // G, idx.max().item() // G + 1).sum(1)
+    shards = torch.nn.functional.one_hot(idx % G, G).sum(1)
+    return bool(((groups == 0) | (groups == G)).all() and (shards == T // G).all())
+
+
+@pytest.mark.parametrize("router", ["topk-softmax", "sigmoid"])
+def test_relu2_virtual_groups_exact_in_our_model(nemo, router):
+    dense, _, _ = nemo
+    ids = _ids()
+    with torch.no_grad():
+        ref = dense(ids)
+    for G in (1, 2, 4, 8):
+        for S in (0, 32):
+            moe, p = upcycle_model(dense, experts=4 * G, granularity=G, top_k=2 * G, shared=S, router=router)
+            out, sel = _selections(moe, ids)
+            assert p.exact and math.isclose(p.s ** 3, G, rel_tol=1e-12)
+            assert (out - ref).abs().max().item() < TOL, (G, S)
+            assert moe.cfg.pattern == "M*EME" and moe.cfg.moe_intermediate_size == (64 - S) // G
+            for idx in sel:  # whole groups, and the routing really varies across tokens
+                assert _whole_groups(idx, G)
+                assert len({tuple(sorted(set((r // G).tolist()))) for r in idx}) > 1
+
+
+def test_inexact_settings_deviate(nemo):
+    """Controls: the scaling, the grouping and the router mode each matter (the tests above can fail)."""
+    dense, _, _ = nemo
+    ids = _ids()
+    with torch.no_grad():
+        ref = dense(ids)
+        moe, _ = upcycle_model(dense, experts=16, granularity=4, top_k=8, router="sigmoid")
+        for m in moe.moe_layers():  # undo the s^3 = G scaling
+            m.experts.up_proj.div_(4 ** (1 / 3))
+            m.experts.down_proj.div_(4 ** (1 / 3))
+        assert (moe(ids) - ref).abs().max().item() > 1e-2
+        moe, p = upcycle_model(dense, experts=16, granularity=4, top_k=6, router="sigmoid")  # 4 does not divide 6
+        assert not p.exact and (moe(ids) - ref).abs().max().item() > 1e-2
+        moe, p = upcycle_model(dense, experts=16, granularity=4, top_k=8, router="softmax-topk")
+        assert not p.exact and p.a == 4 * 16 / 8 and (moe(ids) - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_nemotron_export_exact_in_transformers(nemo, tmp_path, G):
+    dense, src, hf_ref = nemo
+    for S in (0, 32):
+        out = tmp_path / f"moe{S}"
+        rep = upcycle(src, out, experts=4 * G, granularity=G, top_k=2 * G, shared_expert_size=S, seed=3)
+        got = _hf_logits(out, _ids())
+        assert (got - hf_ref).abs().max().item() < TOL, (G, S)
+        assert rep["router"]["mode"] == "sigmoid" and rep["exact_expected"]
+        assert rep["deviation"]["max_abs_logit_diff"] < TOL and rep["scaling"]["a"] == G
+        c = json.loads((out / "config.json").read_text())
+        assert c["model_type"] == "nemotron_h" and "auto_map" not in c
+        assert c["layers_block_type"] == ["linear_attention", "full_attention", "moe", "linear_attention", "moe"]
+        assert (c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]) == (4 * G, 2 * G, (64 - S) // G)
+        assert c["moe_shared_expert_intermediate_size"] == (S or 1)  # 0 is written as a zero size-1 expert
+        assert c["norm_topk_prob"] is True and c["routed_scaling_factor"] == 1.0 and c["n_group"] == 1
+        assert json.loads((out / "remodel_report.json").read_text())["experts"] == 4 * G
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
+    """The streamed checkpoint is bit for bit the in-memory upcycle (bf16: scaled once, rounded once)."""
+    src = tmp_path / "src"
+    save_model(nemo[0], src, dtype=dtype)
+    rep = upcycle(src, tmp_path / "o", experts=8, granularity=2, top_k=4, shared_expert_size=16, seed=5)
+    got = load_model(tmp_path / "o", dtype=dtype).state_dict()
+    dense = load_model(src, dtype=dtype)
+    want = upcycle_model(dense, experts=8, granularity=2, top_k=4, shared=16, router="sigmoid", seed=5)[0].state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert rep["dtype"] == [str(dtype)[6:]]
+    assert (dtype == torch.bfloat16) == any("bfloat16" in n for n in rep["notes"])
+    assert rep["deviation"]["rel_diff"] < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_shared_index_and_expert_math():
+    """Tensor level: any carved neuron set + virtual groups reproduce the dense relu2 MLP exactly,
+    and expert e is the scaled shard e mod G."""
+    from models.mlp import MLP, MoE
+
+    cfg = ModelConfig(**NEMO)
+    mlp = MLP(32, 64, "relu2", False)
+    torch.nn.init.normal_(mlp.up_proj.weight, std=0.3)
+    x = torch.randn(256, 32)
+    p = make_plan(cfg, 12, 4, 8, 16, "sigmoid")  # E=3, 2 of 3 groups chosen
+    idx = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:16]
+    t = upcycle_mlp(p, mlp.up_proj.weight.data, mlp.down_proj.weight.data, None, router_weight(p, 32, 0),
+                    shared_index=idx)
+    moe = MoE(cfg.replace(pattern="E", n_routed_experts=12, num_experts_per_tok=8, moe_intermediate_size=12,
+                          moe_shared_expert_intermediate_size=16))
+    moe.load_state_dict({k: v.fused() if hasattr(v, "fused") else v for k, v in t.items()})
+    with torch.no_grad():
+        assert (moe(x) - mlp(x)).abs().max().item() < 1e-5 * mlp(x).abs().max().item()
+    rest = torch.tensor([i for i in range(64) if i not in set(idx.tolist())])
+    assert torch.equal(t["shared_experts.up_proj.weight"], mlp.up_proj.weight.data[idx])
+    assert torch.equal(t["experts.up_proj"][6], mlp.up_proj.weight.data[rest[24:36]] * p.s)  # e=6: shard 2
+    assert torch.equal(t["experts.down_proj"][9], mlp.down_proj.weight.data[:, rest[12:24]] * p.s)  # shard 1
+
+
+def test_llama_g1_exact_in_transformers(llama, tmp_path):
+    dense, src, hf_ref = llama
+    for to, S in (("mixtral", 0), ("qwen2_moe", 0), ("qwen2_moe", 16)):
+        out = tmp_path / f"{to}{S}"
+        rep = upcycle(src, out, experts=4, granularity=1, top_k=2, shared_expert_size=S, to=to, exact=True)
+        assert (_hf_logits(out, _ids()) - hf_ref).abs().max().item() < TOL, (to, S)
+        assert rep["exact_expected"] and rep["deviation"]["max_abs_logit_diff"] < TOL
+        c = json.loads((out / "config.json").read_text())
+        assert c["model_type"] == to and c["num_experts_per_tok"] == 2
+        if to == "mixtral":
+            assert (c["num_local_experts"], c["intermediate_size"]) == (4, 64)
+        else:
+            assert (c["num_experts"], c["moe_intermediate_size"], c["norm_topk_prob"]) == (4, 64 - S, True)
+            assert c["shared_expert_intermediate_size"] == (S or 1) and c["decoder_sparse_step"] == 1
+
+
+def test_qwen3_to_qwen3_moe_exact(tmp_path):
+    src = tmp_path / "q3"
+    save_model(_model(**LLAMA, qk_norm=True), src, family="qwen3")
+    rep = upcycle(src, tmp_path / "o", experts=4, granularity=1, top_k=1)
+    assert rep["to"] == "qwen3_moe"
+    assert (_hf_logits(tmp_path / "o", _ids()) - _hf_logits(src, _ids())).abs().max().item() < TOL
+
+
+def test_llama_granular_deviation_reported(llama, tmp_path):
+    _, src, _ = llama
+    out = tmp_path / "g2"
+    rep = upcycle(src, out, experts=8, granularity=2, top_k=2, to="mixtral")
+    dev = rep["deviation"]
+    assert not rep["exact_expected"] and "silu" in rep["why_not_exact"][0]
+    assert math.isclose(rep["scaling"]["s"], 2 ** (1 / 3))
+    assert 1e-6 < dev["max_abs_logit_diff"] < 1e3 and 0 < dev["rel_diff"] < 10
+    # the recorded figure is what transformers itself measures on the same tokens
+    b, n = pipeline.DEVIATION_TOKENS
+    ids = torch.randint(0, 64, (b, n), generator=torch.Generator().manual_seed(0))
+    hf = (_hf_logits(out, ids) - _hf_logits(src, ids)).abs().max().item()
+    assert math.isclose(hf, dev["max_abs_logit_diff"], rel_tol=1e-3, abs_tol=1e-5)
+    assert json.loads((out / "remodel_report.json").read_text())["deviation"] == dev
+
+
+def _refused(tmp_path, src, match, **kw):
+    out, before = tmp_path / "out", sorted(tmp_path.iterdir())
+    with pytest.raises(RemodelError, match=match) as e:
+        upcycle(src, out, **kw)
+    assert "\n" not in str(e.value)
+    assert not out.exists() and sorted(tmp_path.iterdir()) == before  # no OUT, no temporary sibling
+
+
+def test_exact_refusals(nemo, llama, tmp_path):
+    _, nsrc, _ = nemo
+    _, lsrc, _ = llama
+    _refused(tmp_path, nsrc, "not a multiple of granularity", experts=8, granularity=2, top_k=3, exact=True)
+    _refused(tmp_path, lsrc, "gated silu", experts=8, granularity=2, top_k=2, exact=True)
+    _refused(tmp_path, lsrc, "softmax-topk", experts=4, granularity=1, top_k=2, router="softmax-topk",
+             to="qwen2_moe", exact=True)
+
+
+def test_other_refusals(nemo, llama, tmp_path):
+    _, nsrc, _ = nemo
+    _, lsrc, _ = llama
+    _refused(tmp_path, nsrc, "only has the normalised sigmoid router", experts=8, granularity=2, top_k=2,
+             router="topk-softmax")
+    _refused(tmp_path, lsrc, "no q/k norm", experts=4, granularity=1, top_k=2, to="qwen3_moe")
+    _refused(tmp_path, lsrc, "no shared expert", experts=4, granularity=1, top_k=2, shared_expert_size=16, to="mixtral")
+    _refused(tmp_path, nsrc, "not divisible by G", experts=10, granularity=5, top_k=5)
+    _refused(tmp_path, nsrc, "not a multiple of --granularity", experts=10, granularity=4, top_k=4)
+    bad = tmp_path / "bad"  # config disagrees with the weights: caught before anything is written
+    shutil.copytree(nsrc, bad)
+    c = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**c, "intermediate_size": 32}))
+    _refused(tmp_path, bad, "has shape", experts=8, granularity=2, top_k=2)
+
+
+def test_group_ties_select_whole_groups():
+    """Random routers on many tokens: group members tie bit for bit and top-k never splits a group,
+    in our router and in transformers' own nemotron_h / qwen2_moe routers."""
+    from transformers import AutoConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    H, N, G, T = 64, 128, 8, 32
+    cfg = ModelConfig(**{**NEMO, "hidden_size": H, "pattern": "-"})
+    p = make_plan(cfg, N, G, T, 0, "sigmoid")
+    w = router_weight(p, H, seed=0)
+    x = torch.randn(4096, H) * 3
+    for kind in ("sigmoid", "softmax"):
+        r = Router(cfg.replace(pattern="E", n_routed_experts=N, num_experts_per_tok=T, moe_intermediate_size=8,
+                               router=kind))
+        r.weight.data.copy_(w)
+        logits, _, idx = r(x)
+        assert torch.equal(logits.view(-1, N // G, G), logits.view(-1, N // G, G)[..., :1].expand(-1, -1, G))
+        assert _whole_groups(idx, G)
+    hf_cfg = AutoConfig.for_model("nemotron_h", hidden_size=H, n_routed_experts=N, num_experts_per_tok=T)
+    hf_q = AutoConfig.for_model("qwen2_moe", hidden_size=H, num_experts=N, num_experts_per_tok=T)
+    for router in (NemotronHTopkRouter(hf_cfg), Qwen2MoeTopKRouter(hf_q)):
+        router.weight.data.copy_(w)
+        with torch.no_grad():
+            assert _whole_groups(router(x)[2], G)

@@ -1,0 +1,221 @@
+"""`remodel upcycle`: dense HF checkpoint -> fine-grained MoE HF checkpoint, streamed layer by layer.
+
+Reads the source one tensor at a time (iter_our_tensors), turns each dense MLP layer into router +
+experts (+ shared expert) with upcycle.virtual_groups, and exports through iter_hf_tensors. Per
+layer it holds the dense MLP and its G scaled shards; the N per-expert tensors are slices of those,
+copied by the writer into its current shard, so memory is about two dense MLPs plus one output shard.
+Then, when the dense and upcycled models fit in memory in fp32, it measures the initial deviation
+(dense vs upcycled logits on random tokens) and writes OUT/remodel_report.json.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from models.errors import RemodelError
+from models.hf import check_exportable, config_from_hf, config_to_hf, our_shapes, weight_table
+from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors, load_model
+from pipelines.report import write_report
+
+from .virtual_groups import (ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp,
+                             upcycle_model)
+
+TARGETS = ("nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe")
+DEVIATION_MAX_BYTES = 6 * 1024**3  # fp32 dense + upcycled models held at once for the check
+DEVIATION_TOKENS = (2, 32)  # random sequences x length
+
+
+def _group(name: str) -> str:
+    """'layers.7' for a layer's tensors, the name itself for top-level tensors."""
+    return ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
+
+
+def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared: int) -> tuple[str, str]:
+    router = p_router or ("sigmoid" if src_family == "nemotron_h" else "topk-softmax")
+    if router not in ROUTER_MODES:
+        raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
+    if to is None:
+        if src_family == "nemotron_h":
+            to = "nemotron_h"
+        elif cfg.qk_norm:
+            to = "qwen3_moe"
+        else:
+            to = "qwen2_moe" if shared or router == "softmax-topk" else "mixtral"
+    if to not in TARGETS:
+        raise RemodelError(f"unknown upcycling target {to!r} (supported: {', '.join(TARGETS)})")
+    if to == "nemotron_h" and router != "sigmoid":
+        raise RemodelError(f"router {router} cannot be exported to nemotron_h: transformers' nemotron_h MoE only "
+                           f"has the normalised sigmoid router (use --router sigmoid)")
+    if to != "nemotron_h" and router == "sigmoid":
+        raise RemodelError(f"{to} routers are softmax: use --router topk-softmax or softmax-topk")
+    if to == "qwen3_moe" and not cfg.qk_norm:
+        raise RemodelError("cannot upcycle to qwen3_moe exactly: the source attention has no q/k norm "
+                           "(use --to mixtral or qwen2_moe, or a qwen3 source)")
+    if to == "mixtral" and router == "softmax-topk":
+        raise RemodelError("mixtral always renormalises the top-k weights (softmax-topk needs --to qwen2_moe/qwen3_moe)")
+    return router, to
+
+
+def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
+    """(total, active per token) parameter counts from the config."""
+    total = active = 0
+    for name, shape in our_shapes(cfg).items():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+        if ".experts." in name and top_k is not None:
+            n = n // shape[0] * top_k
+        active += n
+    return total, active
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return DEVIATION_MAX_BYTES
+
+
+@torch.no_grad()
+def measure_deviation(dense_dir, p, family: str, seed: int, round_to) -> dict:
+    """Max abs and relative (Frobenius) logit difference, fp32, dense vs upcycled, on random tokens.
+    The upcycled model is rebuilt in memory from the dense one with the weights rounded to the
+    checkpoint dtype, bit for bit the written tensors (tests/test_upcycle.py checks that), so the
+    shared non-MLP weights are loaded once."""
+    dense = load_model(dense_dir)
+    moe, _ = upcycle_model(dense, p.experts, p.granularity, p.top_k, p.shared, p.router, family, seed, round_to)
+    b, l = DEVIATION_TOKENS
+    ids = torch.randint(0, dense.cfg.vocab_size, (b, l), generator=torch.Generator().manual_seed(seed))
+    ref, got = dense(ids), moe(ids)
+    diff = (got - ref).abs()
+    return {"max_abs_logit_diff": diff.max().item(),
+            "rel_diff": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
+            "max_abs_dense_logit": ref.abs().max().item(), "sequences": b, "seq_len": l, "dtype": "float32"}
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The work here is memory-bound copies and a 64-token check: one intra-op thread is as fast on an
+    idle machine and avoids OpenMP barrier stalls (10-25x slower copies) on an oversubscribed one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size=0, router=None, to=None,
+            exact=False, seed=0, overwrite=False) -> dict:
+    """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report."""
+    with _one_thread():
+        return _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
+                        overwrite)
+
+
+def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
+             overwrite) -> dict:
+    t0 = time.perf_counter()
+    reader = CheckpointReader(model_dir)
+    src_family = reader.config.get("model_type")
+    cfg = config_from_hf(reader.config)
+    router, family = _resolve(cfg, src_family, router, to, shared_expert_size)
+    p = make_plan(cfg, experts, granularity, top_k, shared_expert_size, router)
+    if exact and not p.exact:
+        raise RemodelError(f"--exact: {p.why_not_exact[0]}")
+    new_cfg = moe_config(cfg, p, family)
+    check_exportable(new_cfg, family)
+    hf_cfg = config_to_hf(new_cfg, family)
+    for k in ("dtype", "torch_dtype"):
+        if reader.config.get(k):
+            hf_cfg[k] = reader.config[k]
+    dense_bytes = _params(cfg)[0] * 4
+    moe_total, moe_active = _params(new_cfg, p.top_k)
+    stream = iter_our_tensors(reader, cfg, src_family)
+    first = next(stream)  # checks every tensor's shape against the config before anything is written
+    groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
+    cache: dict = {}
+    mlp_dtypes, mlp_dtype, logit_std = set(), [None], [0.0]
+
+    def get(name):  # called once per our tensor of new_cfg, in table order, layer after layer
+        while name not in cache:
+            cache.clear()
+            key, items = next(groups)
+            tensors = dict(items)
+            if key.startswith("layers.") and cfg.pattern[int(key.split(".")[1])] == "-":
+                i = int(key.split(".")[1])
+                m = f"{key}.mixer."
+                mlp_dtype[0] = tensors[m + "up_proj.weight"].dtype
+                # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
+                logit_std[0] = max(logit_std[0], ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
+                mlp_dtypes.add(str(mlp_dtype[0]).replace("torch.", ""))
+                r = router_weight(p, cfg.hidden_size, layer_seed(seed, i))
+                moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
+                                  tensors.pop(m + "gate_proj.weight", None), r, family)
+                tensors.update((m + k, v) for k, v in moe.items())
+            cache.update(tensors)
+        return cache.pop(name)
+
+    n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+        w = CheckpointWriter(tmp)
+        for hf, t in tqdm(iter_hf_tensors(get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
+            w.add(hf, t)
+        w.close(hf_cfg, aux_from=model_dir)
+        t_write = time.perf_counter() - t0
+        need = dense_bytes + moe_total * 4
+        if need <= min(DEVIATION_MAX_BYTES, _mem_available() // 2):
+            deviation = measure_deviation(model_dir, p, family, seed, mlp_dtype[0])
+        else:
+            deviation = {"skipped": f"dense + upcycled fp32 models need {need / 2**30:.1f} GiB, over the "
+                                    f"{min(DEVIATION_MAX_BYTES, _mem_available() // 2) / 2**30:.1f} GiB budget"}
+        t_check = time.perf_counter() - t0 - t_write
+        kind, norm = ROUTER_MODES[router]
+        notes = []
+        if p.expert_size % 8:
+            notes.append(f"expert size {p.expert_size} is not a multiple of 8: transformers' default grouped_mm "
+                         f"experts kernel needs 16-byte strides; load with experts_implementation='eager'")
+        low = sorted(mlp_dtypes - {"float32", "float64"})
+        if low and p.s != 2 ** round(math.log2(p.s)):
+            notes.append(f"expert weights were scaled by s={p.s:.4g} (not a power of 2) in {', '.join(low)}: "
+                         f"expect deviations at that precision even where the method is exact")
+        if kind == "sigmoid" and 6 * logit_std[0] > 16.0:
+            notes.append(f"router logits at init have std ~{logit_std[0]:.3g}: sigmoid scores saturate to exactly 1.0 "
+                         f"above ~16.6 in fp32, and top-k may split exactly tied groups there")
+        if deviation.get("skipped"):
+            notes.append("initial deviation not measured: " + deviation["skipped"])
+        report = {
+            "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
+            "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "
+                      "tied per group, W1 and W2 of every routed expert scaled by s = a^(1/d)",
+            "experts": p.experts, "granularity": p.granularity, "expansion": p.expansion, "top_k": p.top_k,
+            "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
+            "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(mlp_dtypes),
+            "router": {"mode": router, "type": kind, "norm_topk_prob": norm, "routed_scaling_factor": 1.0,
+                       "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": ROUTER_STD, "seed": seed,
+                       "logit_std_estimate": round(logit_std[0], 6)},
+            "scaling": {"a": p.a, "s": p.s, "applied_to": "W1 (gate and up) and W2 of every routed expert",
+                        "shared_expert": "unscaled" + (", down_proj x2 with a zero sigmoid gate (qwen2_moe)"
+                                                       if family == "qwen2_moe" and p.shared else "")},
+            "exact_expected": p.exact, "why_not_exact": p.why_not_exact, "exact_requested": exact,
+            "layers_upcycled": [i for i, c in enumerate(cfg.pattern) if c == "-"],
+            "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
+            "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
+            "deviation": deviation, "notes": notes, "tensors_written": n_out, "bytes_written": w.total_size,
+            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check": round(t_check, 3),
+                        "total": round(time.perf_counter() - t0, 3)},
+        }
+        write_report(tmp, report)
+    reader.close()
+    return report

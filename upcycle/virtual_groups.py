@@ -1,0 +1,223 @@
+"""Dense FFN -> fine-grained MoE with virtual groups (arXiv 2410.07524), as tensor math.
+
+Notation: dense f(x) = W2 act(W1 x) with intermediate size F; G granularity, E expansion,
+N = E*G experts, T top-k, S shared-expert neurons.
+  * The first S neurons (or `shared_index`) become the shared expert, unscaled.
+  * The other F-S neurons are cut into G contiguous shards of Fm = (F-S)/G; expert e gets shard
+    j = e mod G (gate and up rows of a gated MLP are cut with the same neuron index).
+  * Router row R[e] = R0[e // G], R0 ~ N(0, 0.02): the G experts of a virtual group have identical
+    logits, so with G | T whole groups are chosen together.
+  * Every routed expert's W1 (gate and up) and W2 is multiplied by s = a^(1/d): a = G for top-k then
+    softmax and for the renormalised sigmoid router, a = E*G^2/T for softmax then top-k; d is the
+    degree of the expert in its weights, 1 + deg(act) + gated, with deg(relu2) = 2 and deg 1 for
+    relu/silu/gelu (the paper's a^(1/3) for relu2 or gated, a^(1/2) for plain GeLU/SiLU).
+Exactness at step 0: with a renormalising router and G | T, a chosen group g carries total weight
+w_g and each of its G members outputs s^d * shard_j(x) = G * shard_j(x) when act is positively
+homogeneous (relu2, relu), so the group returns w_g * f_routed(x) and the weights sum to one:
+y = f(x). G = 1 gives a = s = 1, exact for any activation. silu/gelu with G > 1 and softmax-then-
+top-k are approximations (the paper's trade-off; they are reported, or refused with exact=True).
+Router settings: the sigmoid router keeps routed_scaling_factor = 1 and a zero correction bias (a
+factor r != 1 would need every expert divided by r to stay exact; 1 is the simpler exact choice), so
+all three modes reuse the same a. Nothing else of the model changes.
+Ties: group members tie bit for bit (identical rows), but torch.topk does not break ties by index,
+so two *different* groups with exactly equal scores at the top-k boundary could be split; with a
+random router this needs equal logits (probability zero) or a saturated sigmoid (logit > ~16.6 in
+fp32, far outside the std-0.02 router's range at step 0).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from models.config import ModelConfig
+from models.errors import RemodelError
+
+ROUTER_MODES = {  # CLI name -> (ModelConfig.router, norm_topk_prob)
+    "topk-softmax": ("softmax", True),
+    "softmax-topk": ("softmax", False),
+    "sigmoid": ("sigmoid", True),
+}
+HOMOGENEOUS = {"relu2": 2, "relu": 1}  # act(c x) = c^d act(x) for every c > 0
+ROUTER_STD = 0.02
+
+
+def output_degree(act: str, gated: bool) -> int:
+    """Degree of an expert's output in a common scale of all its weights."""
+    return 1 + HOMOGENEOUS.get(act, 1) + int(gated)
+
+
+@dataclass
+class Plan:
+    """Everything the weight math needs, decided (and validated) before any tensor is read."""
+    experts: int  # N = E*G
+    granularity: int  # G
+    top_k: int  # T
+    shared: int  # S
+    router: str  # CLI name (ROUTER_MODES)
+    ffn: int  # F, dense intermediate size
+    act: str
+    gated: bool
+    expert_size: int  # Fm = (F - S) / G
+    a: float
+    s: float
+    exact: bool
+    why_not_exact: list
+
+    @property
+    def expansion(self) -> int:
+        return self.experts // self.granularity
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "expansion": self.expansion}
+
+
+def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shared: int = 0,
+              router: str = "topk-softmax") -> Plan:
+    """Check the request against a dense config (one-line RemodelError) and fix a, s and exactness."""
+    N, G, T, S, F = experts, granularity, top_k, shared, cfg.intermediate_size
+    if router not in ROUTER_MODES:
+        raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
+    if "-" not in cfg.pattern:
+        raise RemodelError(f"the source has no dense MLP layers to upcycle (pattern {cfg.pattern!r})")
+    if "E" in cfg.pattern:
+        raise RemodelError("the source already has MoE layers; upcycling needs a dense-MLP model")
+    if cfg.mlp_bias:
+        raise RemodelError("MLP biases cannot be upcycled (experts have no bias)")
+    if G < 1 or N < 2:
+        raise RemodelError(f"need --granularity >= 1 and --experts >= 2, got G={G}, N={N}")
+    if N % G:
+        raise RemodelError(f"--experts N={N} is not a multiple of --granularity G={G} (N = E*G)")
+    if not 1 <= T <= N:
+        raise RemodelError(f"--top-k T={T} must be in 1..{N} (the number of experts)")
+    if not 0 <= S < F:
+        raise RemodelError(f"--shared-expert-size S={S} must be in 0..{F - 1} (dense intermediate size {F})")
+    if (F - S) % G:
+        raise RemodelError(f"intermediate size F={F} minus shared size S={S} is not divisible by G={G}")
+    a = float(G) if router != "softmax-topk" else (N // G) * G * G / T
+    s = a ** (1.0 / output_degree(cfg.mlp_act, cfg.mlp_gated))
+    why = []
+    if router == "softmax-topk":
+        why.append("the softmax-topk router never reproduces the dense model (kept weights sum to < 1)")
+    if T % G:
+        why.append(f"top-k T={T} is not a multiple of granularity G={G}, so virtual groups are split")
+    if G > 1 and cfg.mlp_act not in HOMOGENEOUS:
+        kind = "gated " if cfg.mlp_gated else ""
+        why.append(f"granularity G={G} with the {kind}{cfg.mlp_act} activation is approximate "
+                   f"(only relu2/relu are homogeneous; use G=1)")
+    return Plan(N, G, T, S, router, F, cfg.mlp_act, cfg.mlp_gated, (F - S) // G, a, s, not why, why)
+
+
+def moe_config(cfg: ModelConfig, p: Plan, family: str) -> ModelConfig:
+    """The upcycled config: every '-' becomes 'E'; routed scale kept at 1 (exactness), no bias groups."""
+    kind, norm = ROUTER_MODES[p.router]
+    return cfg.replace(
+        pattern=cfg.pattern.replace("-", "E"), n_routed_experts=p.experts, num_experts_per_tok=p.top_k,
+        moe_intermediate_size=p.expert_size, moe_shared_expert_intermediate_size=p.shared,
+        moe_latent_size=None, router=kind, norm_topk_prob=norm, routed_scaling_factor=1.0,
+        n_group=1, topk_group=1, shared_expert_gate=family == "qwen2_moe" and p.shared > 0)
+
+
+def router_weight(p: Plan, hidden: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """[N, H]: one N(0, 0.02) row per virtual group, repeated for its G members."""
+    g = torch.Generator().manual_seed(seed)
+    r0 = torch.randn(p.experts // p.granularity, hidden, generator=g) * ROUTER_STD
+    return r0.repeat_interleave(p.granularity, dim=0).to(dtype)
+
+
+class LazyExperts:
+    """The N per-expert slices of one fused projection without materialising N copies: expert e is
+    the scaled shard e mod G (a view; writers copy it). `fused()` builds the [N, ...] tensor."""
+
+    def __init__(self, shards: torch.Tensor, n: int):
+        self.shards, self.n = shards, n  # [G, ...], already scaled
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        if not 0 <= e < self.n:
+            raise IndexError(e)
+        return self.shards[e % len(self.shards)]
+
+    def fused(self) -> torch.Tensor:
+        return self.shards.repeat(self.n // len(self.shards), *[1] * (self.shards.dim() - 1))
+
+
+def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:
+    """t * s rounded once to t's dtype (same bits as (t.float() * s).to(dtype)), contiguous."""
+    return (t * s).contiguous() if s != 1.0 else t.contiguous()
+
+
+def upcycle_mlp(p: Plan, up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None, router: torch.Tensor,
+                family: str | None = None, shared_index: torch.Tensor | None = None) -> dict:
+    """One dense MLP (up/gate [F, H], down [H, F]) -> the MoE tensors under our names relative to
+    `mixer.` (fused experts as LazyExperts). `router` is the [N, H] gate weight (see router_weight).
+    Inputs are not modified. qwen2_moe scales its shared expert by sigmoid(w.x): w = 0 and
+    down_proj * 2 keep it exact."""
+    F, G, N, Fm = up.shape[0], p.granularity, p.experts, p.expert_size
+    if shared_index is None:  # the first S neurons: plain slices, no gather
+        shared, rest = slice(0, p.shared), slice(p.shared, F)
+    else:
+        keep = torch.ones(F, dtype=torch.bool)
+        keep[shared_index] = False
+        shared, rest = shared_index, keep.nonzero().squeeze(1)
+        if len(shared_index) != p.shared or len(rest) != F - p.shared:
+            raise RemodelError(f"shared_index must name {p.shared} distinct neurons of {F}")
+    out = {"gate.weight": router.to(up.dtype)}
+    if ROUTER_MODES[p.router][0] == "sigmoid":
+        out["gate.e_score_correction_bias"] = torch.zeros(N, dtype=torch.float32)
+    out["experts.up_proj"] = LazyExperts(_scaled(up[rest].view(G, Fm, -1), p.s), N)
+    if gate is not None:
+        out["experts.gate_proj"] = LazyExperts(_scaled(gate[rest].view(G, Fm, -1), p.s), N)
+    down_shards = down[:, rest].reshape(down.shape[0], G, Fm).transpose(0, 1)
+    out["experts.down_proj"] = LazyExperts(_scaled(down_shards, p.s), N)
+    if p.shared:
+        out["shared_experts.up_proj.weight"] = up[shared]
+        if gate is not None:
+            out["shared_experts.gate_proj.weight"] = gate[shared]
+        sd = down[:, shared]
+        if family == "qwen2_moe":
+            out["shared_experts.down_proj.weight"] = sd * 2  # exact in any float format
+            out["shared_expert_gate.weight"] = torch.zeros(1, up.shape[1], dtype=up.dtype)
+        else:
+            out["shared_experts.down_proj.weight"] = sd
+    return out
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    return seed * 1_000_003 + layer
+
+
+@torch.no_grad()
+def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int = 0,
+                  router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None):
+    """In-memory upcycling of a HybridLM (tests, the pipeline's deviation check): -> (new model, Plan).
+    Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
+    made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint."""
+    from models.model import HybridLM
+
+    cfg = model.cfg
+    p = make_plan(cfg, experts, granularity, top_k, shared, router)
+    new_cfg = moe_config(cfg, p, family or "")
+    dtype = next(model.parameters()).dtype
+    state = dict(model.state_dict())
+    for i, c in enumerate(cfg.pattern):
+        if c != "-":
+            continue
+        m = f"layers.{i}.mixer."
+        up, down, gate = (state.pop(m + n, None) for n in ("up_proj.weight", "down_proj.weight", "gate_proj.weight"))
+        up, down, gate = (None if t is None else t.to(round_to or dtype) for t in (up, down, gate))
+        r = router_weight(p, cfg.hidden_size, layer_seed(seed, i))
+        for k, v in upcycle_mlp(p, up, down, gate, r, family).items():
+            if isinstance(v, LazyExperts):  # cast the G shards, then repeat: E times less casting
+                v = LazyExperts(v.shards.to(dtype), v.n).fused()
+            state[m + k] = v if k.endswith("correction_bias") else v.to(dtype)
+    with torch.device("meta"):
+        new = HybridLM(new_cfg)
+    new.load_state_dict(state, strict=True, assign=True)
+    for old, layer in zip(model.layers, new.layers):  # non-persistent buffers (RoPE frequencies)
+        for name, buf in old.mixer.named_buffers(recurse=False):
+            if name not in layer.mixer.state_dict():
+                setattr(layer.mixer, name, buf)
+    return new.eval(), p
