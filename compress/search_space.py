@@ -1,0 +1,346 @@
+"""Candidate architectures under a budget, by arithmetic alone (Minitron NAS / MiniPuzzle search space).
+
+A candidate is one homogeneous width per axis plus a number of layers removed per layer type:
+  widths  the source value, or a multiple of the axis divisor cut by at most `max_width_cut`:
+          hidden 256, FFN / expert FFN / shared expert 512, Mamba head_dim 8, experts 8 (and a
+          multiple of n_group), Mamba heads a multiple of n_groups (group-aware pruning keeps the same
+          number per group), attention heads a multiple of num_key_value_heads. A width below 8x its
+          divisor steps by the largest power of two <= width / 8 instead (expert FFN 1856 by 128, a
+          32-wide toy model by 4), so every axis offers a handful of values; the source's own value
+          is always kept even when it is no multiple (Nano's hidden 2688 = 10.5 x 256). Expert FFN (and hidden, without a latent) stays a multiple of 8 (transformers'
+          grouped expert matmul, as compress.prune checks); Llama hidden stays a multiple of the heads.
+  depth   per layer type (M, *, -, E; for Llama/Mixtral/Qwen the '*-' / '*E' decoder layer, dropped as
+          a pair like compress.prune.layer_units), up to `max_type_cut` of that type (one always kept)
+          and `max_depth_cut` of all layers together. MiniPuzzle's 56B -> 47B removed 9/54 M, 6/54 -,
+          5/10 * (17% of the layers, half the attention), hence 0.5 per type and 0.2 overall.
+The default maximum width cut is 0.45, not the reference's "~40%": the published Minitron-SSM
+8B -> 4B cut the FFN by 42.9% (21504 -> 12288). The default axes leave out Mamba head_dim and
+attention heads (Minitron-SSM: pruning heads beats pruning head_dim; NVIDIA leaves attention heads
+alone in hybrids); name them in `axes` (or use the preset "all") to search them too.
+
+Every metric is additive over layers at a fixed hidden size, so the search runs per hidden size over
+per-type option arrays (numpy outer sums, pruned by the budget as it goes): exact total and active
+parameters (models.params' per-layer formulas; pipelines.plan re-checks every candidate it returns
+with count_params) and memory as models.params.memory_bytes counts it (weights at `dtype_bytes`,
+router correction bias fp32, KV cache of `batch` x `seq_len` tokens in bf16, Mamba conv state bf16 +
+SSM state fp32).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.config import LAYER_TYPES, ModelConfig
+from models.errors import RemodelError
+from models.hf import default_family
+from models.params import _dims, _per_layer
+
+# axis (named as compress.prune's targets) -> (layer char using it, None: every layer; config field; divisor)
+WIDTHS = {
+    "hidden_size": (None, "hidden_size", 256),
+    "ffn_size": ("-", "intermediate_size", 512),
+    "mamba_heads": ("M", "mamba_num_heads", None),  # multiples of n_groups
+    "mamba_head_dim": ("M", "mamba_head_dim", 8),
+    "attn_heads": ("*", "num_attention_heads", None),  # multiples of num_key_value_heads
+    "experts": ("E", "n_routed_experts", 8),
+    "expert_ffn_size": ("E", "moe_intermediate_size", 512),
+    "shared_expert_size": ("E", "moe_shared_expert_intermediate_size", 512),
+}
+ALL_AXES = tuple(WIDTHS) + ("depth",)
+DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size", "depth")
+PRESETS = {"default": DEFAULT_AXES, "width": DEFAULT_AXES[:-1], "depth": ("depth",), "all": ALL_AXES}
+METRICS = ("params", "active_params", "memory_bytes")
+MOE_ALIGN = 8  # compress.prune.MOE_ALIGN
+INVALID = 2**58  # metrics of a width combination that breaks a constraint between axes: fits no budget
+
+
+def parse_axes(axes) -> tuple:
+    """None / a preset name / 'a,b,c' / a sequence of axis names -> a tuple of axis names."""
+    if axes is None:
+        return DEFAULT_AXES
+    if isinstance(axes, str):
+        axes = PRESETS.get(axes) or [a.strip().replace("-", "_") for a in axes.split(",") if a.strip()]
+    bad = [a for a in axes if a not in ALL_AXES]
+    if bad or not axes:
+        raise RemodelError(f"unknown search axes {bad or '(none)'} (known: {', '.join(ALL_AXES)}; "
+                           f"presets: {', '.join(PRESETS)})")
+    return tuple(axes)
+
+
+def step_for(size: int, divisor: int) -> int:
+    """The reference divisor, or the largest power of two <= size / 8 when that is smaller (>= 1)."""
+    return max(1, min(divisor, 2 ** int(math.log2(max(size // 8, 1)))))
+
+
+def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
+    if axis == "experts":
+        k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        return v >= k and (G == 1 or (v % G == 0 and v // G >= 2 and tg * (v // G) >= k))
+    moe = "E" in cfg.pattern
+    if (axis == "expert_ffn_size" or (axis == "hidden_size" and moe and not cfg.moe_latent_size)) and v % MOE_ALIGN:
+        return False
+    return True
+
+
+def _joint_ok(sp: "Space", d: dict) -> bool:
+    """Constraints between axes: Llama's hidden must be a multiple of its heads (LlamaConfig derives
+    head_dim from hidden / heads; compress.prune.validate_targets refuses the rest)."""
+    return not (sp.family == "llama" and "*" in sp.cfg.pattern and d["hidden_size"] % d["attn_heads"])
+
+
+def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None) -> list[int]:
+    """The widths searched on one axis, the source's first, then decreasing."""
+    kind, field, divisor = WIDTHS[axis]
+    size = getattr(cfg, field)
+    if not size or (kind is not None and kind not in cfg.pattern):
+        return [size]
+    family = family or default_family(cfg)
+    if axis == "mamba_heads":
+        step = cfg.n_groups
+    elif axis == "attn_heads":
+        step = cfg.num_key_value_heads
+    else:
+        step = step_for(size, divisor)
+        if axis == "experts" and cfg.n_group > 1:
+            step = math.lcm(step, cfg.n_group)
+    lo = max(math.ceil((1 - max_cut) * size - 1e-9), 1)
+    return [size] + [v for v in range(size - 1, lo - 1, -1) if v % step == 0 and _valid(cfg, axis, v, family)]
+
+
+def depth_units(cfg: ModelConfig, family: str | None = None) -> list[list[int]]:
+    """Layers as the source family drops them (mirrors compress.prune.layer_units)."""
+    if (family or default_family(cfg)) == "nemotron_h":
+        return [[i] for i in range(cfg.num_layers)]
+    return [[2 * j, 2 * j + 1] for j in range(cfg.num_layers // 2)]
+
+
+@dataclass
+class Space:
+    """The searched grid: width values per axis, unit types and how many of each may go."""
+    cfg: ModelConfig
+    family: str
+    axes: tuple
+    values: dict  # axis -> [widths], the source's first (one value: not searched)
+    types: list  # unit strings in order of first appearance ('M', '-', '*', 'E' or '*-' / '*E')
+    units: dict  # unit string -> [unit index] (into depth_units)
+    removable: dict  # unit string -> most units of that type removable
+    max_removed: int  # units removable over all types together
+    batch: int
+    seq_len: int
+    dtype_bytes: int
+
+    def type_axes(self, t: str) -> list[str]:
+        """The searched width axes one unit type depends on (hidden apart)."""
+        return [a for a, (kind, _, _) in WIDTHS.items() if kind is not None and kind in t and len(self.values[a]) > 1]
+
+    def size(self) -> int:
+        """Number of grid points (before the depth total cap)."""
+        n = len(self.values["hidden_size"])
+        for t in self.types:
+            n *= math.prod(len(self.values[a]) for a in self.type_axes(t)) * (self.removable[t] + 1)
+        return n
+
+
+def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2,
+                max_type_cut: float = 0.5, batch: int = 1, seq_len: int = 4096, dtype_bytes: int = 2,
+                family: str | None = None) -> Space:
+    family = family or default_family(cfg)
+    axes = parse_axes(axes)
+    for name, v in (("max_width_cut", max_width_cut), ("max_depth_cut", max_depth_cut), ("max_type_cut", max_type_cut)):
+        if not 0 <= v < 1:
+            raise RemodelError(f"{name} must be in [0, 1), got {v}")
+    values = {a: axis_values(cfg, a, max_width_cut, family) if a in axes else [getattr(cfg, WIDTHS[a][1])]
+              for a in WIDTHS}
+    by_type: dict = {}
+    for j, u in enumerate(depth_units(cfg, family)):
+        by_type.setdefault("".join(cfg.pattern[i] for i in u), []).append(j)
+    deep = "depth" in axes
+    removable = {t: min(int(max_type_cut * len(js) + 1e-9), len(js) - 1) if deep else 0 for t, js in by_type.items()}
+    n_units = sum(len(js) for js in by_type.values())
+    return Space(cfg, family, axes, values, list(by_type), by_type, removable,
+                 int(max_depth_cut * n_units + 1e-9) if deep else 0, batch, seq_len, dtype_bytes)
+
+
+# ---- exact metrics by parts ----------------------------------------------------------------------
+
+def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
+    """[params, active params, memory bytes] of one unit of type t at widths d (pre-norms included)."""
+    cfg = sp.cfg
+    one = _per_layer(cfg, d)
+    H = d["hidden_size"]
+    out = np.zeros(3, dtype=np.int64)
+    for c in t:
+        p = one[LAYER_TYPES[c]] + H
+        a = p - (one["routed"] - one["routed"] * cfg.num_experts_per_tok // d["experts"] if c == "E" else 0)
+        m = p * sp.dtype_bytes
+        if c == "E" and cfg.router == "sigmoid":
+            m += 4 * d["experts"]  # e_score_correction_bias, an fp32 buffer
+        if c == "*":
+            m += 2 * sp.batch * sp.seq_len * cfg.num_key_value_heads * cfg.head_dim * 2
+        if c == "M":
+            nh, hd = d["mamba_heads"], d["mamba_head_dim"]
+            m += sp.batch * (nh * hd + 2 * cfg.n_groups * cfg.ssm_state_size) * cfg.conv_kernel * 2
+            m += sp.batch * nh * hd * cfg.ssm_state_size * 4
+        out += np.array([p, a, m], dtype=np.int64)
+    return out
+
+
+def base_metrics(sp: Space, H: int) -> np.ndarray:
+    """Embeddings, lm_head and the final norm at hidden size H: [params, active, memory]."""
+    cfg = sp.cfg
+    p = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H
+    return np.array([p, p, p * sp.dtype_bytes], dtype=np.int64)
+
+
+def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
+    """[params, active, memory] of one candidate: widths {axis: value} (missing: source), removed {type: n}."""
+    d = {**_dims(sp.cfg), **widths}
+    out = base_metrics(sp, d["hidden_size"])
+    for t in sp.types:
+        out += (len(sp.units[t]) - removed.get(t, 0)) * unit_metrics(sp, t, d)
+    return out
+
+
+def _options(sp: Space, t: str, H: int):
+    """Every (widths, removed) option of unit type t at hidden H: metrics [n, 3], removed [n], rows."""
+    axes, n = sp.type_axes(t), len(sp.units[t])
+    base = {**_dims(sp.cfg), "hidden_size": H}
+    rows, mets = [], []
+    for w in itertools.product(*(sp.values[a] for a in axes)):
+        d = {**base, **dict(zip(axes, w))}
+        one = unit_metrics(sp, t, d) if _joint_ok(sp, d) else np.full(3, INVALID, dtype=np.int64)
+        for r in range(sp.removable[t] + 1):
+            rows.append((dict(zip(axes, w)), r))
+            mets.append((n - r) * one if one[0] != INVALID else one)
+    return np.array(mets, dtype=np.int64).reshape(-1, 3), np.array([r for _, r in rows], dtype=np.int64), rows
+
+
+def extremes(sp: Space) -> dict:
+    """{metric: (smallest reachable, largest reachable below the source, source)} over the grid."""
+    src = evaluate(sp, {}, {})
+    smallest = np.full(3, INVALID, dtype=np.int64)
+    for H in sp.values["hidden_size"]:  # per type and units removed the smallest option, then a
+        dp = {0: base_metrics(sp, H)}  # knapsack over the total-removal cap (per metric)
+        for t in sp.types:
+            mets, rem, _ = _options(sp, t, H)
+            best = {r: mets[rem == r].min(axis=0) for r in range(sp.removable[t] + 1)}
+            new = {}
+            for R, v in dp.items():
+                for r, m in best.items():
+                    if R + r <= sp.max_removed:
+                        new[R + r] = np.minimum(new[R + r], v + m) if R + r in new else v + m
+            dp = new
+        smallest = np.minimum(smallest, np.min(np.stack(list(dp.values())), axis=0))
+    # largest below the source: every metric is monotone in every knob, so a single step attains it
+    steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1]
+    steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0]
+    steps = [s for s in steps if _joint_ok(sp, {**_dims(sp.cfg), **s[0]})]
+    largest = np.max(np.stack([evaluate(sp, w, r) for w, r in steps]), axis=0) if steps else src
+    return {m: (int(smallest[k]), int(largest[k]), int(src[k])) for k, m in enumerate(METRICS)}
+
+
+# ---- the search ------------------------------------------------------------------------------------
+
+def _step_ups(sp: Space, rows: list) -> list[np.ndarray]:
+    """For one type's option rows: per knob (each searched width axis, then depth), the index of the
+    option one step larger on that knob alone (-1: already the source's)."""
+    at = {(tuple(w.items()), r): o for o, (w, r) in enumerate(rows)}
+
+    def bigger(w: dict, a: str):
+        i = sp.values[a].index(w[a])
+        return {**w, a: sp.values[a][i - 1]} if i else None
+
+    ups = []
+    for a in rows[0][0]:
+        ups.append([at[(tuple(bigger(w, a).items()), r)] if bigger(w, a) else -1 for w, r in rows])
+    ups.append([at[(tuple(w.items()), r - 1)] if r else -1 for w, r in rows])
+    return [np.array(u, dtype=np.int64) for u in ups]
+
+
+def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_only: bool = True,
+           resolution: float = 0.001):
+    """Candidates meeting every budget ({metric in METRICS: limit}), ranked; -> (best `top` rows, stats).
+
+    slack = (limit - value) / limit per budget given; the window: the tightest budget's slack <= tol;
+    distance = the mean slack over the budgets given (one budget: its slack), so that with several
+    budgets the candidates closest to all of them rank first. Only *maximal* candidates are kept:
+    growing any one knob by one step (a width to its next larger value, one layer back) would break
+    a budget; anything else wastes budget. Ranking: distance in steps of `resolution` (0.1%: closer
+    than that is no real difference), then most parameters kept (the fewest units removed, counted
+    in parameters; with a params budget alone this is the same order as the distance, while under
+    an active-parameter budget alone it puts shapes that drop experts, which free almost no active
+    parameters, after those that keep them), then distance, then fewest layers removed. With window_only the
+    enumeration skips partial sums that cannot reach the window (fast); otherwise the `top` closest
+    feasible candidates come back whatever their distance.
+    Each row: {"widths": {axis: value} (every axis), "removed": {type: units}, "metrics": [params,
+    active, memory], "distance"}. stats: {"window": in the window, "maximal": of those, maximal}.
+    """
+    on = np.array([m in budgets for m in METRICS])
+    if not on.any():
+        raise RemodelError("give at least one budget (params, active params or memory)")
+    lim = np.array([float(budgets.get(m, 0)) for m in METRICS])
+    Hs = sp.values["hidden_size"]
+    opts = {H: [_options(sp, t, H) for t in sp.types] for H in Hs}
+    ups = [_step_ups(sp, rows) for _, _, rows in opts[Hs[0]]]
+    radix = [len(o[1]) for o in opts[Hs[0]]]
+
+    def fits(m):  # [n, 3] metrics -> meets every budget
+        return np.all(~on | (m <= lim), axis=1)
+
+    found, n_window, n_maximal = [], 0, 0
+    for hi, H in enumerate(Hs):
+        lo = [o[0].min(axis=0) for o in opts[H]]
+        most = [o[0].max(axis=0) for o in opts[H]]
+        acc = base_metrics(sp, H)[None, :]
+        rem = np.zeros(1, dtype=np.int64)
+        idx = np.zeros(1, dtype=np.int64)  # mixed-radix index over the types' options
+        for k, (mets, r, _) in enumerate(opts[H]):
+            least, big = sum(lo[k + 1:], np.zeros(3, dtype=np.int64)), sum(most[k + 1:], np.zeros(3, dtype=np.int64))
+            acc = (acc[:, None, :] + mets[None, :, :]).reshape(-1, 3)
+            rem = (rem[:, None] + r[None, :]).reshape(-1)
+            idx = (idx[:, None] * len(mets) + np.arange(len(mets))[None, :]).reshape(-1)
+            ok = (rem <= sp.max_removed) & fits(acc + least)  # even the smallest completion breaks a budget
+            if window_only:  # some budget must stay reachable within tol
+                ok &= np.any(on & (acc + big >= (1 - tol) * lim), axis=1)
+            acc, rem, idx = acc[ok], rem[ok], idx[ok]
+        slack = (lim[on] - acc[:, on]) / lim[on]
+        dist, win = slack.mean(axis=1), slack.min(axis=1) <= tol
+        n_window += int(win.sum())
+        # maximal: no single knob can grow by one step within every budget
+        o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
+            if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
+        grow = np.zeros(len(acc), dtype=bool)
+        for k, (mets, _, _) in enumerate(opts[H]):
+            for up in ups[k]:
+                u = up[o[:, k]]
+                grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
+        if hi:
+            Hup = Hs[hi - 1]
+            grown = base_metrics(sp, Hup)[None, :] + sum(opts[Hup][k][0][o[:, k]] for k in range(len(radix)))
+            grow |= fits(grown)
+        keep = ~grow
+        n_maximal += int((keep & win).sum())
+        sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
+        found.append((H, acc[sel], rem[sel], o[sel], dist[sel]))
+    stats = {"window": n_window, "maximal": n_maximal}
+    if not any(len(f[1]) for f in found):
+        return [], stats
+    A = np.concatenate([f[1] for f in found])
+    R = np.concatenate([f[2] for f in found])
+    O = np.concatenate([f[3] for f in found])
+    D = np.concatenate([f[4] for f in found])
+    Hj = np.concatenate([np.full(len(f[1]), f[0]) for f in found])
+    order = np.lexsort((R, D, -A[:, 0], np.floor(D / resolution) if resolution > 0 else D))[:top]
+    rows = []
+    for j in order:
+        widths, removed = {"hidden_size": int(Hj[j])}, {}
+        for k, t in enumerate(sp.types):
+            w, r = opts[Hs[0]][k][2][O[j, k]]
+            widths.update(w)
+            removed[t] = r
+        rows.append({"widths": {a: widths.get(a, v[0]) for a, v in sp.values.items()}, "removed": removed,
+                     "metrics": [int(x) for x in A[j]], "distance": float(D[j])})
+    return rows, stats

@@ -1,0 +1,236 @@
+"""`remodel plan`: candidate architectures under a parameter / active-parameter / memory budget.
+
+Needs no weights: any source pipelines.inspect accepts (checkpoint dir, config-only dir, config.json
+path, shipped name such as 'nemotron-h-56b', an HF config dict or a ModelConfig). The grid and its
+arithmetic are in compress/search_space.py; here every returned candidate is rebuilt as a ModelConfig
+and re-counted with models.params.count_params / memory_bytes (the plan's numbers are exact, and
+checked to be).
+
+Budgets: params and active_params in parameters, memory_gb in decimal GB (1e9 bytes) of bf16
+weights + router bias (fp32) + KV cache and Mamba state for `batch` sequences of `seq_len` tokens
+(default 1 x 4096; models.params.memory_bytes). A candidate meets every budget given; the window
+keeps those whose tightest budget is within `tol` (default 2%) and that are maximal (no single width
+or layer could be given back within the budgets); ranking: closeness (the mean slack over the
+budgets, in steps of 0.1%), then most parameters kept (see compress.search_space.search).
+Parameters alone do not pick an architecture: thousands of shapes land within 0.1% of a budget.
+The published 56B -> 47B (MiniPuzzle) and 8B -> 4B (Minitron-SSM) shapes are in the grid with their
+exact counts, but were chosen by measured accuracy; restrict `axes` to a recipe's knobs (e.g.
+('ffn_size', 'depth') for MiniPuzzle, 'width' for Minitron-SSM) and add the deployment memory budget
+to get near them, then let `remodel search` rank candidates by loss.
+
+Depth: how many layers of each type go is part of the candidate. Which ones: with SCORES (a
+`remodel score` directory), the least important of that type by `loss_increase` when present, else
+`block_importance` (the pruner's own metric, compress.prune.depth_metric); without scores an evenly
+spaced placeholder choice within each type (pattern and drop_layers then only illustrate the counts;
+score the model before pruning to a candidate).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
+from models.config import LAYER_TYPES, ModelConfig
+from models.errors import RemodelError
+from models.params import count_params, memory_bytes
+
+from .inspect import _n, _resolve
+
+FIELDS = {a: field for a, (_, field, _) in WIDTHS.items()}  # axis -> ModelConfig field
+SHORT = {"hidden_size": "hidden", "ffn_size": "ffn", "mamba_heads": "m.heads", "mamba_head_dim": "m.hd",
+         "attn_heads": "a.heads", "experts": "experts", "expert_ffn_size": "e.ffn", "shared_expert_size": "shared"}
+
+
+def _budgets(params, active_params, memory_gb) -> dict:
+    out = {}
+    for key, v, scale in (("params", params, 1), ("active_params", active_params, 1), ("memory_bytes", memory_gb, 1e9)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            flag = {"params": "--params", "active_params": "--active-params", "memory_bytes": "--memory-gb"}[key]
+            raise RemodelError(f"{flag} must be a positive number, got {v!r}")
+        out[key] = int(v * scale)
+    if not out:
+        raise RemodelError("give a budget: --params, --active-params or --memory-gb")
+    return out
+
+
+def _gb(v: int) -> str:
+    return f"{v / 1e9:.2f} GB" if v >= 1e8 else f"{v / 1e6:.2f} MB"
+
+
+def _fmt(metric: str, v: int) -> str:
+    return _gb(v) if metric == "memory_bytes" else _n(v)
+
+
+def _ranges(ex: dict, budgets: dict) -> str:
+    return "; ".join(f"{m.replace('_bytes', '')}: smallest reachable {_fmt(m, ex[m][0])}, largest {_fmt(m, ex[m][1])} "
+                     f"(source {_fmt(m, ex[m][2])})" for m in budgets)
+
+
+def _load_depth_scores(scores, cfg: ModelConfig, family: str):
+    """-> (per-unit scores list, metric name) from a SCORES directory, checked against the model."""
+    from compress.prune import depth_metric
+    from compress.scores import load_scores
+
+    from .prune import check_scores_match
+
+    tensors, meta = load_scores(scores)
+    check_scores_match(cfg, meta, scores)
+    metric = depth_metric(tensors)
+    s = tensors.get(metric)
+    if s is None or tuple(s.shape) != (cfg.num_layers,):
+        got = "missing" if s is None else f"shape {list(s.shape)}"
+        raise RemodelError(f"{scores}: '{metric}' is {got}, expected [{cfg.num_layers}] (one per layer)")
+    s = s.double().tolist()
+    return [sum(s[i] for i in u) for u in depth_units(cfg, family)], metric
+
+
+def _drop(sp, removed: dict, unit_scores) -> list[int]:
+    """Unit indices to drop: per type the least important (ties: lower index), or evenly spaced."""
+    out = []
+    for t, r in removed.items():
+        js = sp.units[t]
+        if not r:
+            continue
+        if unit_scores is not None:
+            out += sorted(js, key=lambda j: (unit_scores[j], j))[:r]
+        else:  # placeholder without scores: r units spread evenly over the type's n
+            out += [js[int((i + 0.5) * len(js) / r)] for i in range(r)]
+    return sorted(out)
+
+
+def candidate_config(cfg: ModelConfig, cand: dict, family: str | None = None) -> ModelConfig:
+    """The ModelConfig of a candidate (its widths, its pattern after dropping `drop_layers`)."""
+    drop = set(cand.get("drop_layers") or ())
+    kept = [i for j, u in enumerate(depth_units(cfg, family)) if j not in drop for i in u]
+    return cfg.replace(pattern="".join(cfg.pattern[i] for i in kept),
+                       **{FIELDS[a]: v for a, v in cand["widths"].items()})
+
+
+def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> dict:
+    cfg = sp.cfg
+    drop = _drop(sp, row["removed"], unit_scores)
+    w = row["widths"]
+    new = candidate_config(cfg, {"widths": w, "drop_layers": drop}, sp.family)
+    pattern = new.pattern
+    c, mem = count_params(new), memory_bytes(new, dtype_bytes=sp.dtype_bytes, batch=sp.batch, seq_len=sp.seq_len)
+    exact = [c["total"], c["active"], mem["total"]]
+    if exact != row["metrics"]:  # the grid's arithmetic against models.params: must never differ
+        raise AssertionError(f"plan arithmetic {row['metrics']} != count_params/memory_bytes {exact} for {w} {pattern}")
+    changed = {a: [getattr(cfg, FIELDS[a]), v] for a, v in w.items() if v != getattr(cfg, FIELDS[a])}
+    by_kind = {}
+    for t, r in row["removed"].items():
+        for ch in t:
+            if r:
+                by_kind[LAYER_TYPES[ch]] = by_kind.get(LAYER_TYPES[ch], 0) + r
+    targets = {a: v for a, (_, v) in changed.items()}
+    if drop:
+        targets["drop_layers"] = drop
+    values = dict(zip(METRICS, exact))
+    return {
+        "rank": rank,
+        "widths": w,
+        "changed": changed,
+        "removed": row["removed"],  # units removed per unit type ('M', '-', '*', 'E' or '*-' pairs)
+        "layers_removed": by_kind,  # layers removed per layer kind
+        "drop_layers": drop,  # unit indices (what `remodel prune --drop-layers` takes)
+        "depth_choice": (metric if unit_scores is not None else "evenly spaced (placeholder, no scores)") if drop else None,
+        "drop_cost": sum(unit_scores[j] for j in drop) if unit_scores is not None and drop else None,
+        "num_layers": len(pattern),
+        "pattern": pattern,
+        "params": c["total"],
+        "active_params": c["active"],
+        "memory_bytes": mem["total"],
+        "weight_bytes": mem["weights"],
+        "cache_bytes": mem["cache"],
+        "under_budget": {m: budgets[m] - values[m] for m in budgets},
+        "distance": row["distance"],
+        "prune_targets": targets,
+    }
+
+
+def _removed_str(removed: dict) -> str:
+    return " ".join(f"{r}{t}" for t, r in removed.items() if r) or "-"
+
+
+def format_plan(d: dict) -> str:
+    """The table `plan` prints."""
+    lines = [f"{d['source']}: {d['family']}, {_n(d['source_params']['params'])} params"
+             + (f" ({_n(d['source_params']['active_params'])} active)" if d["moe"] else "")
+             + f", {d['source_layers']} layers, {_gb(d['source_params']['memory_bytes'])}"]
+    lines.append("budget: " + ", ".join(f"{m.replace('_bytes', '')} <= {_fmt(m, v)}" for m, v in d["budgets"].items())
+                 + f" (window: tightest within {100 * d['tol']:g}%); memory = bf16 weights + cache at batch "
+                 f"{d['batch']} x {d['seq_len']} tokens")
+    sp = ", ".join(f"{SHORT[a]} {len(v)} ({v[-1]}..{v[0]})" for a, v in d["space"].items() if len(v) > 1)
+    dep = ", ".join(f"{t} <= {n}" for t, n in d["depth"].items() if n)
+    lines.append(f"space: {sp or 'no widths'}; depth: {dep + ' (total <= ' + str(d['max_removed']) + ')' if dep else 'none'}"
+                 f"; {d['grid']:,} points, {d['window']:,} in the window, {d['maximal']:,} maximal; {d['seconds']:.2f} s")
+    if d["note"]:
+        lines.append(d["note"])
+    axes = [a for a, v in d["space"].items() if len(v) > 1]
+    head = ["#", "params"] + (["active"] if d["moe"] else []) + ["memory", "under"] + [SHORT[a] for a in axes] \
+        + ["removed", "layers"] + (["drop cost"] if d["scored"] else [])
+    rows = []
+    for c in d["candidates"]:
+        m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
+        r = [str(c["rank"]), _n(c["params"])] + ([_n(c["active_params"])] if d["moe"] else []) \
+            + [_gb(c["memory_bytes"]), f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
+            + [str(c["widths"][a]) for a in axes] + [_removed_str(c["removed"]), str(c["num_layers"])] \
+            + ([f"{c['drop_cost']:.4g}" if c["drop_cost"] is not None else "-"] if d["scored"] else [])
+        rows.append(r)
+    width = [max(len(x) for x in col) for col in zip(head, *rows)]
+    for r in [head] + rows:
+        lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)))
+    if d["candidates"]:
+        c = d["candidates"][0]
+        how = f" ({c['depth_choice']})" if c["depth_choice"] else ""
+        lines.append(f"#1 pattern{how}: {c['pattern']}")
+    return "\n".join(lines)
+
+
+def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *, tol: float = 0.02, top: int = 20,
+         axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2, max_type_cut: float = 0.5,
+         batch: int = 1, seq_len: int = 4096, verbose: bool = True) -> dict:
+    """Print and return the `top` candidates under the budget (see the module docstring).
+
+    axes: which knobs to search: None (default: hidden, FFN, Mamba heads, experts, expert FFN, shared
+    expert, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
+    """
+    cfg, _, _, where = _resolve(model)
+    t0 = time.time()
+    budgets = _budgets(params, active_params, memory_gb)
+    if not 0 <= tol < 1:
+        raise RemodelError(f"tol must be in [0, 1), got {tol}")
+    if top < 1:
+        raise RemodelError(f"top must be >= 1, got {top}")
+    sp = build_space(cfg, axes, max_width_cut, max_depth_cut, max_type_cut, batch=batch, seq_len=seq_len)
+    unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
+    ex = extremes(sp)
+    src = {m: ex[m][2] for m in METRICS}
+    if all(src[m] <= b for m, b in budgets.items()):
+        raise RemodelError(f"nothing to prune: the source already fits the budget; {_ranges(ex, budgets)}")
+    short = [m for m, b in budgets.items() if b < ex[m][0]]
+    if short:
+        raise RemodelError(f"budget below every candidate ({', '.join(short)}); {_ranges(ex, budgets)} "
+                           f"(max cuts: width {max_width_cut:g}, depth {max_depth_cut:g})")
+    rows, stats = search(sp, budgets, tol, top)
+    note = None
+    if not rows:
+        rows, _ = search(sp, budgets, tol, top, window_only=False)
+        if not rows:
+            raise RemodelError(f"no candidate meets every budget together; {_ranges(ex, budgets)}")
+        note = f"note: no candidate within {100 * tol:g}% of the budget; the closest ones below it follow"
+    cands = [_candidate(sp, r, budgets, unit_scores, metric, i + 1) for i, r in enumerate(rows)]
+    out = {
+        "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": "E" in cfg.pattern,
+        "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
+        "axes": list(sp.axes), "space": {a: v for a, v in sp.values.items()}, "depth": dict(sp.removable),
+        "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
+        "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},
+        "scored": unit_scores is not None, "depth_metric": metric, "note": note,
+        "seconds": time.time() - t0, "candidates": cands,
+    }
+    if verbose:
+        print(format_plan(out))
+    return out
