@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
     p.add_argument("--out", default="remodel-demo")
     p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-demo OUT directory")
 
     p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
     p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
@@ -88,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model"); p.add_argument("--params", type=_count, required=True)
     p.add_argument("--active-params", type=_count); p.add_argument("--memory-gb", type=float)
-    p.add_argument("--scores")
+    p.add_argument("--scores", help="SCORES dir from `remodel score`: depth choices follow layer importance")
+    p.add_argument("--axes", help="what to search: width, depth, all, or a comma list of axes")
+    p.add_argument("--tol", type=float, default=0.02, help="accepted relative shortfall below the budget")
+    p.add_argument("--top", type=int, default=20, help="candidates to list")
+    p.add_argument("--batch", type=int, default=1, help="batch for the memory estimate")
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the memory estimate")
+    p.add_argument("--json", action="store_true", help="print the candidates as JSON instead of a table")
 
     p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
     p.add_argument("model"); p.add_argument("out"); p.add_argument("--data", required=True)
@@ -141,7 +148,7 @@ def run(a) -> object:
     c = a.command
     if c == "demo":
         from pipelines.demo import demo
-        return demo(a.out, quick=a.quick)
+        return demo(a.out, quick=a.quick, overwrite=a.overwrite)
     if c == "inspect":
         from pipelines.inspect import format_inspect, inspect
         d = inspect(a.model)
@@ -161,7 +168,12 @@ def run(a) -> object:
         return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
     if c == "plan":
         from pipelines.plan import plan
-        return plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores)
+        axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
+        r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
+                 axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
+        if a.json:
+            print(json.dumps(r, indent=2, default=str))
+        return None
     if c == "search":
         from pipelines.search import search
         return search(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,

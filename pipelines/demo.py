@@ -1,0 +1,132 @@
+"""`remodel demo`: the main jobs on the embedded checkpoint and corpus, offline, on CPU.
+
+inspect -> eval -> convert round trip -> score -> prune to about half -> distill -> upcycle the
+teacher to a MoE -> reload the results in transformers and compare logits -> a before/after table
+(parameters, perplexity, tokens/s). OUT is replaced only when it is a previous demo's output.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+import json
+
+from models.checkpoint import CheckpointReader, atomic_output_dir
+from models.errors import RemodelError
+from models.load import load_config
+from models.params import count_params
+
+from .data import DATA_DIR, embedded_corpus
+from .report import write_report
+
+EMBEDDED = DATA_DIR / "embedded"
+
+
+def _row(name, path, ev, note=""):
+    p = count_params(load_config(path))
+    return {"model": name, "params": p["total"], "active": p["active"], "ppl": ev["ppl"],
+            "tokens_per_s": ev["tokens_per_s"], "note": note}
+
+
+def _table(rows) -> str:
+    head = f"{'model':<22}{'params':>12}{'active':>12}{'ppl':>10}{'tok/s':>10}  note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model']:<22}{r['params']:>12,}{r['active']:>12,}{r['ppl']:>10.2f}"
+                     f"{r['tokens_per_s']:>10,.0f}  {r['note']}")
+    return "\n".join(lines)
+
+
+def _previous_demo(out: Path) -> bool:
+    try:
+        return json.loads((out / "remodel_report.json").read_text()).get("command") == "demo"
+    except (OSError, ValueError):
+        return False
+
+
+def _round_trip(src, work: Path) -> int:
+    """HF -> remodel -> HF through `convert`; every tensor must come back bit-identical."""
+    from .convert import convert
+    convert(src, work / "roundtrip")
+    with CheckpointReader(src) as a, CheckpointReader(work / "roundtrip") as b:
+        if sorted(a.keys()) != sorted(b.keys()):
+            raise RemodelError("convert round trip changed the tensor names")
+        for k in a.keys():
+            if not torch.equal(a.get(k), b.get(k)):
+                raise RemodelError(f"convert round trip changed tensor {k}")
+        return len(a.keys())
+
+
+def _hf_logit_diff(path, ids) -> float:
+    from transformers import AutoModelForCausalLM
+    from models.load import load_model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path).float().eval()
+    with torch.no_grad():
+        return (hf(ids).logits - ours(ids)).abs().max().item()
+
+
+def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> dict:
+    from pipelines.prune import prune
+    from pipelines.score import score
+    from pipelines.train import evaluate, train
+    from upcycle.pipeline import upcycle
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    train_txt, valid_txt = embedded_corpus()
+    cfg = load_config(EMBEDDED)
+    eval_tokens = 8192 if quick else 32768
+    ev = lambda m: evaluate(m, valid_txt, seq_len=256, batch=8, max_tokens=eval_tokens)  # noqa: E731
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite and not _previous_demo(out):
+        raise RemodelError(f"{out}: exists, is not empty and is not a previous demo output; "
+                           "pass --overwrite or choose another --out")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        work = Path(tmp)
+        print(f"[1/6] embedded model: {cfg.pattern}, hidden {cfg.hidden_size}, "
+              f"{count_params(cfg)['total']:,} parameters")
+        rows = [_row("embedded (teacher)", EMBEDDED, ev(EMBEDDED), "shipped bf16 checkpoint")]
+        n = _round_trip(EMBEDDED, work)
+        print(f"      convert round trip HF -> remodel -> HF: {n} tensors identical")
+
+        print("[2/6] scoring every prunable unit on calibration text")
+        score(EMBEDDED, train_txt, work / "scores", samples=32 if quick else 128, seq_len=256, batch=8)
+
+        print("[3/6] pruning to about half the parameters (FFN, Mamba heads, hidden)")
+        targets = dict(ffn_size=cfg.intermediate_size // 2, mamba_heads=cfg.mamba_num_heads // 2,
+                       hidden_size=cfg.hidden_size * 3 // 4)
+        prune(EMBEDDED, work / "pruned", scores_dir=work / "scores", **targets)
+        rows.append(_row("pruned", work / "pruned", ev(work / "pruned"), "no retraining"))
+
+        steps = 30 if quick else 120
+        print(f"[4/6] distilling the pruned student from the teacher ({steps} steps)")
+        train(work / "pruned", work / "distilled", data=train_txt, teacher_dir=EMBEDDED, steps=steps,
+              seq_len=256, batch=8, lr=1e-3, warmup=5, checkpoint_every=10**9, seed=0)
+        rows.append(_row("pruned + distilled", work / "distilled", ev(work / "distilled"),
+                         f"{steps * 8 * 256:,} tokens of KD"))
+
+        print("[5/6] upcycling the dense teacher to a fine-grained MoE (8 experts, G=4, top-4)")
+        upcycle(EMBEDDED, work / "moe", experts=8, granularity=4, top_k=4, router="sigmoid", exact=True)
+        rows.append(_row("upcycled MoE", work / "moe", ev(work / "moe"), "exact at init (G=4 virtual groups)"))
+
+        print("[6/6] loading the results in transformers (no trust_remote_code), comparing logits")
+        ids = torch.randint(0, cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+        hf_ok = {}
+        for name in ("distilled", "moe"):
+            d = _hf_logit_diff(work / name, ids)
+            hf_ok[name] = {"max_abs_logit_diff_vs_remodel": d}
+            print(f"      {name}: transformers logits - remodel logits, max abs {d:.1e}")
+            if not d <= 1e-3:
+                raise RemodelError(f"{name}: transformers and remodel logits differ by {d:.2e}")
+        table = _table(rows)
+        print("\n" + table)
+        report = {"command": "demo", "rows": rows, "targets": targets, "loaded_in_transformers": hf_ok,
+                  "round_trip_tensors_identical": n,
+                  "seconds": round(time.time() - t0, 1)}
+        (work / "table.txt").write_text(table + "\n")
+        write_report(work, report)
+    print(f"\nwrote {out}/ (roundtrip, scores, pruned, distilled, moe, table.txt) in {time.time() - t0:.0f} s")
+    return report

@@ -1,0 +1,30 @@
+"""`remodel demo --quick` end to end: the README's first command, checked by its numbers."""
+import json
+
+import pytest
+
+from cli import main
+
+
+def test_demo_quick(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--quick"]) == 0
+    r = json.loads((out / "remodel_report.json").read_text())
+    rows = {row["model"]: row for row in r["rows"]}
+    teacher, pruned = rows["embedded (teacher)"], rows["pruned"]
+    distilled, moe = rows["pruned + distilled"], rows["upcycled MoE"]
+    assert r["round_trip_tensors_identical"] > 0
+    assert pruned["params"] < 0.6 * teacher["params"]
+    assert distilled["ppl"] < pruned["ppl"]            # distillation recovers part of the pruning loss
+    assert moe["ppl"] == pytest.approx(teacher["ppl"], rel=1e-3)  # exact upcycling
+    assert moe["active"] < moe["params"]
+    for d in r["loaded_in_transformers"].values():
+        assert d["max_abs_logit_diff_vs_remodel"] <= 1e-4
+    assert "pruned + distilled" in (out / "table.txt").read_text()
+    # a second run replaces a previous demo output; a foreign non-empty directory is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert main(["demo", "--out", str(other), "--quick"]) == 2
+    assert (other / "keep.txt").read_text() == "x"
+    assert "not a previous demo output" in capsys.readouterr().err
