@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, copy_checkpoint
 from models.errors import RemodelError
+from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model_type": "llama", "hidden_size": 16}
@@ -106,18 +107,10 @@ def test_transformers_interop(tmp_path):
     assert torch.equal(a, b)
 
 
-# Peak RSS of this process's own address space (VmHWM). getrusage's ru_maxrss is not used: after
-# fork+exec it also counts the parent (pytest) process's peak, which hides the growth we measure.
-MEMORY_SCRIPT = """
+MEMORY_SCRIPT = PEAK_RSS + """
 import re, sys, torch
 from models.checkpoint import copy_checkpoint
-def status(field):
-    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-base = status("VmRSS")
-try:
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark to the current RSS
-except OSError:
-    base = status("VmHWM")
+base = reset_peak()
 copy_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[3]))
 print(base, status("VmHWM"))
 """

@@ -20,6 +20,7 @@ from models.hf import config_to_hf, our_shapes
 from models.load import iter_hf_tensors, load_model, save_model
 from models.model import HybridLM, init_weights
 from pipelines.prune import prune
+from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -412,20 +413,14 @@ def test_scores_of_another_model_are_refused(checkpoints):
 
 # ---- memory: a checkpoint much larger than the cap streams through ---------------------------
 
-MEMORY_SCRIPT = """
+MEMORY_SCRIPT = PEAK_RSS + """
 import re, sys
 import matplotlib.pyplot
 from models.hf import config_to_hf
 from models.load import load_config
 from pipelines.prune import prune
 config_to_hf(load_config(sys.argv[1]), "nemotron_h")  # code and transformers' config classes loaded up front
-def status(field):
-    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-base = status("VmRSS")
-try:
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark to the current RSS
-except OSError:
-    base = status("VmHWM")
+base = reset_peak()
 prune(sys.argv[1], sys.argv[2], sys.argv[3], hidden_size=768, ffn_size=2048, max_shard_bytes=int(sys.argv[4]))
 print(base, status("VmHWM"))
 """

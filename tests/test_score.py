@@ -24,6 +24,7 @@ from models.mlp import ACT
 from models.model import HybridLM, init_weights
 from pipelines.data import embedded_corpus, embedded_tokenizer_path
 from pipelines.score import choose_mode, score
+from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
 NEMO = ModelConfig(vocab_size=64, hidden_size=32, pattern="M*-EM-", num_attention_heads=4, num_key_value_heads=2,
@@ -357,7 +358,7 @@ def test_score_refuses_bad_input_and_writes_nothing(hf_dir, tmp_path):
 
 # ---- bounded memory on a checkpoint larger than the cap ----------------------------------------
 
-MEMORY_SCRIPT = """
+MEMORY_SCRIPT = PEAK_RSS + """
 import re, sys
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 import transformers, datasets, psutil, torch
@@ -367,13 +368,7 @@ torch.set_num_threads(1)
 # warm-up on a tiny checkpoint of the same layer kinds: code pages of the kernels, allocator pools
 score(sys.argv[4], sys.argv[2], sys.argv[5], samples=4, seq_len=32, batch=2, mode="streaming",
       max_memory_bytes=64 * 1024, loss_batches=1, progress=False)
-def status(field):
-    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-base = status("VmRSS")
-try:
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark to the current RSS
-except OSError:
-    base = status("VmHWM")
+base = reset_peak()
 r = score(sys.argv[1], sys.argv[2], sys.argv[3], samples=4, seq_len=32, batch=2, mode="streaming",
           max_memory_bytes=64 * 1024, loss_batches=1, progress=False)
 print(base, status("VmHWM"), r["spilled_bytes"])
