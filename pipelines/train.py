@@ -146,9 +146,15 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 102
 
 # ---- the loss of one micro-batch --------------------------------------------------------------
 
-def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None):
+LOSS_FNS = {"kl_div": kl_div, "topk_kl": topk_kl, "lm_loss": lm_loss, "load_balancing_loss": load_balancing_loss}
+
+
+def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None, fns=None):
     """-> (total loss tensor, {name: float}) for one batch of token ids [B, L].
-    w: weights {kl, lm, hidden, lb, z, temperature, topk}. The teacher runs under no_grad."""
+    w: weights {kl, lm, hidden, lb, z, temperature, topk}. The teacher runs under no_grad.
+    fns: replacements for the loss functions {kl_div, topk_kl, lm_loss, load_balancing_loss} (same
+    signatures; pipelines.train_parallel passes vocab-parallel ones)."""
+    fns = {**LOSS_FNS, **(fns or {})}
     autocast = autocast or torch.autocast("cpu", enabled=False)
     need_states = teacher is not None and w["hidden"] > 0
     with autocast:
@@ -161,11 +167,11 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     total = s_logits.new_zeros((), dtype=torch.float32)
     parts = {}
     if teacher is not None:
-        kl = (topk_kl(s_logits, t_logits, w["topk"], w["temperature"]) if w["topk"]
-              else kl_div(s_logits, t_logits, w["temperature"]))
+        kl = (fns["topk_kl"](s_logits, t_logits, w["topk"], w["temperature"]) if w["topk"]
+              else fns["kl_div"](s_logits, t_logits, w["temperature"]))
         total = total + w["kl"] * kl
         parts["kl"] = kl.item()
-    lm = lm_loss(s_logits[:, :-1], ids[:, 1:]) if w["lm"] > 0 else lm_loss(s_logits[:, :-1].detach(), ids[:, 1:])
+    lm = fns["lm_loss"](s_logits[:, :-1] if w["lm"] > 0 else s_logits[:, :-1].detach(), ids[:, 1:])
     if w["lm"] > 0:
         total = total + w["lm"] * lm
     parts["lm"] = lm.item()
@@ -179,7 +185,7 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
         cfg = student.cfg
         logits = [m.router_logits for m in moe]
         if w["lb"] > 0:
-            lb = load_balancing_loss(logits, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.router)
+            lb = fns["load_balancing_loss"](logits, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.router)
             total = total + w["lb"] * lb
             parts["lb"] = lb.item()
         if w["z"] > 0:
@@ -208,9 +214,9 @@ def _write_state(tmp: Path, tensors: dict, meta: dict):
         _fsync(tmp / f)
 
 
-def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Optimizer state_dict split into ({'optim.<param>.<key>': tensor}, JSON-able rest)."""
-    sd = opt.state_dict()
+def optimizer_state(opt: torch.optim.Optimizer, sd: dict | None = None) -> tuple[dict, dict]:
+    """Optimizer state_dict (`opt`'s, or `sd`) split into ({'optim.<param>.<key>': tensor}, JSON-able rest)."""
+    sd = opt.state_dict() if sd is None else sd
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
@@ -421,34 +427,22 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
 
 # ---- training ---------------------------------------------------------------------------------
 
-def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq_len=256, batch=8,
-          lr=1e-4, min_lr=None, warmup=None, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
-          temperature=1.0, kl_weight=1.0, lm_loss_weight=None, hidden_loss_weight=0.0, layer_map=None,
-          topk=None, lb_coeff=1e-2, z_coeff=0.0, checkpoint_every=None, keep_last=2, resume=False, seed=0,
-          eval_data=None, eval_tokens=65536, overwrite=False, log_every=50, device="auto", bf16="auto",
-          save_dtype=None, tp=1, ep=1) -> dict:
-    """Train `student_dir` (distil from `teacher_dir` when given) on `data`; write the result to `out`.
+TRAIN_ARGS = ("student_dir", "out", "data", "teacher_dir", "steps", "tokens", "seq_len", "batch", "lr", "min_lr",
+              "warmup", "weight_decay", "grad_clip", "grad_accum", "temperature", "kl_weight", "lm_loss_weight",
+              "hidden_loss_weight", "layer_map", "topk", "lb_coeff", "z_coeff", "checkpoint_every", "keep_last",
+              "resume", "seed", "eval_data", "eval_tokens", "overwrite", "device", "bf16")
+PREPARED = ("t_start", "out", "student_dir", "teacher_dir", "distill", "lm_loss_weight", "kl_weight", "tokens_per_step",
+            "steps", "min_lr", "warmup", "checkpoint_every", "layer_map", "s_cfg", "family", "inputs", "run_dir",
+            "tokenizer", "dev", "use_bf16", "args")
 
-    Budget: `steps`, or `tokens` (steps = ceil(tokens / (batch * grad_accum * seq_len))); the data is
-    packed up to that many tokens and repeated (reshuffled per epoch) when it holds fewer.
-    Defaults: min_lr = lr / 10; warmup = min(100, steps // 10); lm_loss_weight 0 with a teacher, 1
-    without; checkpoint_every = max(1, steps // 10) (a checkpoint is also written after the last
-    step); keep_last=0 keeps every checkpoint. hidden_loss_weight > 0 adds 1 - cos between the
-    residual states of `layer_map` pairs (default `default_layer_map`), through trainer-owned
-    Linear projections when the widths differ. bf16: autocast on CUDA only ('auto' = when supported);
-    weights, optimizer state and losses stay fp32. resume=True with no checkpoint starts fresh.
-    Returns the report dict (also in OUT/remodel_report.json)."""
-    if (tp or 1) * (ep or 1) > 1:
-        try:
-            from .parallel import train_parallel
-        except ImportError:
-            raise RemodelError("tensor/expert parallelism (tp/ep > 1) needs pipelines.parallel, "
-                               "which is not available") from None
-        kw = {k: v for k, v in locals().items() if k not in ("train_parallel",)}
-        return train_parallel(**kw)
 
-    from .data import load_texts, pack
-
+def _prepare(kw: dict) -> dict:
+    """train()'s argument checks (before any heavy work, nothing written) and derived settings, from
+    train()'s arguments `kw`: the names in PREPARED (`args` is what checkpoints and the report record)."""
+    (student_dir, out, data, teacher_dir, steps, tokens, seq_len, batch, lr, min_lr, warmup, weight_decay,
+     grad_clip, grad_accum, temperature, kl_weight, lm_loss_weight, hidden_loss_weight, layer_map, topk,
+     lb_coeff, z_coeff, checkpoint_every, keep_last, resume, seed, eval_data, eval_tokens, overwrite, device,
+     bf16) = (kw[k] for k in TRAIN_ARGS)
     t_start = time.time()
     out = Path(out).absolute()
     student_dir = Path(student_dir).absolute()
@@ -512,8 +506,12 @@ def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq
             "checkpoint_every": checkpoint_every, "keep_last": keep_last, "seed": seed,
             "eval_data": str(eval_data) if eval_data is not None else None, "eval_tokens": eval_tokens,
             "device": str(dev), "bf16": use_bf16}
+    return {k: v for k, v in locals().items() if k in PREPARED}
 
-    # -- resume state --------------------------------------------------------------------------
+
+def _resume_state(resume: bool, run_dir: Path, args: dict):
+    """-> (checkpoint dir, its tensors, its meta) to continue from, or Nones; refuses a checkpoint of
+    another trajectory (RESUME_KEYS)."""
     ckpt, ck_tensors, ck_meta = None, None, None
     if resume:
         clean_stale(run_dir)
@@ -524,13 +522,52 @@ def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq
             if diff:
                 was = ", ".join(f"{k}={ck_meta['args'].get(k)!r}" for k in diff)
                 raise RemodelError(f"cannot resume from {ckpt}: {', '.join(diff)} differ from that run ({was})")
+    return ckpt, ck_tensors, ck_meta
 
-    # -- data ----------------------------------------------------------------------------------
-    blocks = pack(load_texts(data), tokenizer, seq_len, max_tokens=steps * tokens_per_step)
-    if int(blocks.max()) >= s_cfg.vocab_size:
+
+def _pack_data(data, eval_data, tokenizer, seq_len: int, max_tokens: int, eval_tokens: int, vocab_size: int):
+    """-> (training blocks [N, seq_len] of at most max_tokens, held-out blocks or None)."""
+    from .data import load_texts, pack
+    blocks = pack(load_texts(data), tokenizer, seq_len, max_tokens=max_tokens)
+    if int(blocks.max()) >= vocab_size:
         raise RemodelError(f"token id {int(blocks.max())} from the tokenizer is outside the model's vocabulary "
-                           f"({s_cfg.vocab_size})")
+                           f"({vocab_size})")
     eval_blocks = pack(load_texts(eval_data), tokenizer, seq_len, max_tokens=eval_tokens) if eval_data else None
+    return blocks, eval_blocks
+
+
+def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq_len=256, batch=8,
+          lr=1e-4, min_lr=None, warmup=None, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
+          temperature=1.0, kl_weight=1.0, lm_loss_weight=None, hidden_loss_weight=0.0, layer_map=None,
+          topk=None, lb_coeff=1e-2, z_coeff=0.0, checkpoint_every=None, keep_last=2, resume=False, seed=0,
+          eval_data=None, eval_tokens=65536, overwrite=False, log_every=50, device="auto", bf16="auto",
+          save_dtype=None, tp=1, ep=1) -> dict:
+    """Train `student_dir` (distil from `teacher_dir` when given) on `data`; write the result to `out`.
+
+    Budget: `steps`, or `tokens` (steps = ceil(tokens / (batch * grad_accum * seq_len))); the data is
+    packed up to that many tokens and repeated (reshuffled per epoch) when it holds fewer.
+    Defaults: min_lr = lr / 10; warmup = min(100, steps // 10); lm_loss_weight 0 with a teacher, 1
+    without; checkpoint_every = max(1, steps // 10) (a checkpoint is also written after the last
+    step); keep_last=0 keeps every checkpoint. hidden_loss_weight > 0 adds 1 - cos between the
+    residual states of `layer_map` pairs (default `default_layer_map`), through trainer-owned
+    Linear projections when the widths differ. bf16: autocast on CUDA only ('auto' = when supported);
+    weights, optimizer state and losses stay fp32. resume=True with no checkpoint starts fresh.
+    tp / ep > 1 (or several processes, WORLD_SIZE > 1): pipelines.train_parallel, run under torchrun.
+    Returns the report dict (also in OUT/remodel_report.json)."""
+    if (tp or 1) * (ep or 1) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes
+        kw = dict(locals())
+        from .train_parallel import train_parallel
+        return train_parallel(**kw)
+
+    s = _prepare(locals())
+    (t_start, out, student_dir, teacher_dir, distill, lm_loss_weight, kl_weight, tokens_per_step, steps,
+     min_lr, warmup, checkpoint_every, layer_map, s_cfg, family, inputs, run_dir, tokenizer, dev, use_bf16,
+     args) = (s[k] for k in PREPARED)
+
+    # -- resume state, data -------------------------------------------------------------------
+    ckpt, ck_tensors, ck_meta = _resume_state(resume, run_dir, args)
+    blocks, eval_blocks = _pack_data(data, eval_data, tokenizer, seq_len, steps * tokens_per_step, eval_tokens,
+                                     s_cfg.vocab_size)
 
     # -- models, optimizer ---------------------------------------------------------------------
     torch.manual_seed(seed)
@@ -629,11 +666,21 @@ def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq
     if eval_blocks is not None:
         evals["after"] = evaluate(student, eval_blocks, batch=batch, bf16=use_bf16)
     tok_s = step_tokens / step_time if step_time else None
-    report = {
-        "command": "distill" if distill else "train", "args": args, "family": family,
-        "params": {"student": sum(p.numel() for p in student.parameters()),
-                   "teacher": sum(p.numel() for p in teacher.parameters()) if distill else None,
-                   "trainable_extra": sum(p.numel() for p in projections.parameters()) if projections else 0},
+    n_params = {"student": sum(p.numel() for p in student.parameters()),
+                "teacher": sum(p.numel() for p in teacher.parameters()) if distill else None,
+                "trainable_extra": sum(p.numel() for p in projections.parameters()) if projections else 0}
+    report = _report(args, family, n_params, steps, tokens_per_step, blocks, resumed_from, run_dir, history, evals,
+                     tok_s, flops_tok, peak, t_start)
+    _write_outputs(out, overwrite, inputs, student, student_dir, family, save_dtype, report)
+    return report
+
+
+def _report(args, family, n_params, steps, tokens_per_step, blocks, resumed_from, run_dir, history, evals,
+            tok_s, flops_tok, peak, t_start) -> dict:
+    """remodel_report.json of a training run. peak: matmul FLOP/s of all the devices used together."""
+    return {
+        "command": "distill" if args["teacher_dir"] else "train", "args": args, "family": family,
+        "params": n_params,
         "steps": steps, "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "data_tokens": int(blocks.numel()), "epochs": steps * tokens_per_step / blocks.numel(),
         "resumed_from": resumed_from, "run_dir": str(run_dir),
@@ -645,13 +692,17 @@ def train(student_dir, out, data, teacher_dir=None, steps=None, tokens=None, seq
         "mfu_note": "model FLOPs (6N student + 2N teacher + attention) over one measured 1024^3 matmul",
         "time_s": time.time() - t_start, "history": history,
     }
+
+
+def _write_outputs(out: Path, overwrite: bool, inputs, student, student_dir: Path, family: str, save_dtype, report):
+    """OUT: the HF checkpoint of `student` (a plain HybridLM), remodel_report.json, metrics.csv, loss.png."""
+    history = report["history"]
     dtype = save_dtype or _source_dtype(student_dir)
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         save_model(student, tmp, family=family, aux_from=student_dir, overwrite=True, dtype=dtype)
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         write_metrics(history, tmp / "metrics.csv")
         plot_losses(history, tmp / "loss.png", f"{report['command']}: {student_dir.name}")
-    return report
 
 
 def _source_dtype(model_dir: Path):
