@@ -71,7 +71,7 @@ def _all_gather_rows(x, group, T: int):
     c = -(-T // n)
     x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, c - x.shape[0])).contiguous()
     out = x.new_empty((n * c,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)  # all_gather_into_tensor is deprecated in torch 2.13
     return out[:T]
 
 
