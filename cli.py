@@ -100,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
     p.add_argument("model"); p.add_argument("out"); p.add_argument("--data", required=True)
     p.add_argument("--params", type=_count, required=True); p.add_argument("--candidates", type=int, default=3)
-    p.add_argument("--distill-tokens", type=_count, default=0); p.add_argument("--scores")
+    p.add_argument("--distill-tokens", type=_count, default=0, help="short distillation before the re-ranking")
+    p.add_argument("--scores", help="SCORES dir from `remodel score` (computed into OUT/scores otherwise)")
+    p.add_argument("--active-params", type=_count); p.add_argument("--memory-gb", type=float)
+    p.add_argument("--top", type=int, default=20, help="plan candidates pruned and evaluated")
+    p.add_argument("--eval-data", help="held-out text (default: every 20th document of DATA)")
+    p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("distill", help="knowledge distillation (teacher -> student)")
@@ -177,7 +182,9 @@ def run(a) -> object:
     if c == "search":
         from pipelines.search import search
         return search(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
-                      distill_tokens=a.distill_tokens, scores=a.scores, overwrite=a.overwrite)
+                      distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
+                      active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
+                      seq_len=a.seq_len, batch=a.batch)
     if c == "distill":
         from pipelines.train import train
         return train(a.student, a.out, teacher_dir=a.teacher, temperature=a.temperature,

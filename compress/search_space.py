@@ -91,9 +91,12 @@ def _joint_ok(sp: "Space", d: dict) -> bool:
     return not (sp.family == "llama" and "*" in sp.cfg.pattern and d["hidden_size"] % d["attn_heads"])
 
 
-def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None) -> list[int]:
-    """The widths searched on one axis, the source's first, then decreasing."""
-    kind, field, divisor = WIDTHS[axis]
+def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None,
+                divisor: int | None = None) -> list[int]:
+    """The widths searched on one axis, the source's first, then decreasing (`divisor` overrides the
+    axis' reference divisor, e.g. scaled down with the widths of a miniature model)."""
+    kind, field, default = WIDTHS[axis]
+    divisor = divisor or default
     size = getattr(cfg, field)
     if not size or (kind is not None and kind not in cfg.pattern):
         return [size]
@@ -146,13 +149,20 @@ class Space:
 
 def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2,
                 max_type_cut: float = 0.5, batch: int = 1, seq_len: int = 4096, dtype_bytes: int = 2,
-                family: str | None = None) -> Space:
+                family: str | None = None, divisors: dict | None = None) -> Space:
+    """divisors: {axis: divisor} overriding WIDTHS' divisors (hidden, FFN, head_dim, experts, expert FFN, shared)."""
     family = family or default_family(cfg)
     axes = parse_axes(axes)
+    divisors = dict(divisors or {})
+    for a, v in divisors.items():
+        if a not in WIDTHS or WIDTHS[a][2] is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise RemodelError(f"bad divisor {a}={v!r} (positive integers for: "
+                               f"{', '.join(k for k, w in WIDTHS.items() if w[2])})")
     for name, v in (("max_width_cut", max_width_cut), ("max_depth_cut", max_depth_cut), ("max_type_cut", max_type_cut)):
         if not 0 <= v < 1:
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
-    values = {a: axis_values(cfg, a, max_width_cut, family) if a in axes else [getattr(cfg, WIDTHS[a][1])]
+    values = {a: axis_values(cfg, a, max_width_cut, family, divisors.get(a)) if a in axes
+              else [getattr(cfg, WIDTHS[a][1])]
               for a in WIDTHS}
     by_type: dict = {}
     for j, u in enumerate(depth_units(cfg, family)):

@@ -191,11 +191,12 @@ def format_plan(d: dict) -> str:
 
 def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *, tol: float = 0.02, top: int = 20,
          axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2, max_type_cut: float = 0.5,
-         batch: int = 1, seq_len: int = 4096, verbose: bool = True) -> dict:
+         batch: int = 1, seq_len: int = 4096, divisors: dict | None = None, verbose: bool = True) -> dict:
     """Print and return the `top` candidates under the budget (see the module docstring).
 
     axes: which knobs to search: None (default: hidden, FFN, Mamba heads, experts, expert FFN, shared
     expert, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
+    divisors: {axis: divisor} overriding the reference width divisors (e.g. scaled with a miniature).
     """
     cfg, _, _, where = _resolve(model)
     t0 = time.time()
@@ -204,7 +205,8 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
         raise RemodelError(f"tol must be in [0, 1), got {tol}")
     if top < 1:
         raise RemodelError(f"top must be >= 1, got {top}")
-    sp = build_space(cfg, axes, max_width_cut, max_depth_cut, max_type_cut, batch=batch, seq_len=seq_len)
+    sp = build_space(cfg, axes, max_width_cut, max_depth_cut, max_type_cut, batch=batch, seq_len=seq_len,
+                     divisors=divisors)
     unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}

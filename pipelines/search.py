@@ -1,0 +1,206 @@
+"""`remodel search`: budgeted architecture search (Minitron NAS / MiniPuzzle), scored by loss.
+
+1. plan (pipelines/plan.py) lists the candidate shapes under the budget, by arithmetic alone; an
+   infeasible budget is refused here, naming the smallest and largest reachable sizes, before any
+   data is read or anything written.
+2. SCORES (`--scores`, or one `remodel score` run on the training part of DATA, kept as OUT/scores)
+   decide which units each candidate keeps, and which layers of each type go (plan re-run with the
+   scores: the least important by loss_increase).
+3. Every candidate is pruned in memory from the one loaded source model and ranked by held-out LM
+   loss (held out: `eval_data`, else every 20th document of DATA, see pipelines.data.load_texts).
+4. The best `candidates` are distilled for `distill_tokens` tokens each (teacher = MODEL, the
+   training part of DATA, pipelines.train.train) and re-ranked by held-out loss.
+5. The best is written to OUT (atomic: HF checkpoint in the source dtype + tokenizer files), with
+   OUT/remodel_report.json (the candidate table) and OUT/search.png (parameters against loss).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from compress.prune import new_config, plan_keep, prune_model
+from compress.scores import load_scores
+from models.checkpoint import CheckpointReader, atomic_output_dir
+from models.errors import RemodelError
+from models.hf import config_from_hf
+from models.load import load_model, save_model
+from models.params import count_params
+
+from .data import load_texts, pack
+from .plan import SHORT, plan
+from .report import write_report
+from .train import _check_out, _source_dtype, evaluate, load_tokenizer, train
+
+PLAN_OPTIONS = {"axes", "tol", "max_width_cut", "max_depth_cut", "max_type_cut", "batch", "seq_len", "divisors"}
+
+
+def _positive_int(name, v, zero_ok=False):
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if zero_ok else 1):
+        raise RemodelError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer, got {v!r}")
+
+
+def shape_str(c: dict, cfg) -> str:
+    """'98 layers (45 M, 48 -, 5 *), ffn 30720' for a candidate row."""
+    counts = ", ".join(f"{c['pattern'].count(ch)} {ch}" for ch in "M-*E" if ch in cfg.pattern)
+    w = ", ".join(f"{SHORT[a]} {b}" for a, (_, b) in c["changed"].items())
+    return f"{c['num_layers']} layers ({counts})" + (f", {w}" if w else "")
+
+
+def plot_search(path, rows: list, source: dict, pick: int):
+    """Parameters against held-out loss: after pruning (all), after distillation (the distilled ones)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([r["params"] / 1e6 for r in rows], [r["loss"] for r in rows], s=22, color="tab:blue",
+               label="pruned (no training)")
+    dist = [r for r in rows if r.get("distilled_loss") is not None]
+    for r in dist:
+        ax.annotate("", (r["params"] / 1e6, r["distilled_loss"]), (r["params"] / 1e6, r["loss"]),
+                    arrowprops=dict(arrowstyle="->", color="gray", lw=0.8))
+    if dist:
+        ax.scatter([r["params"] / 1e6 for r in dist], [r["distilled_loss"] for r in dist], s=30, marker="^",
+                   color="tab:green", label="after distillation", zorder=3)
+    best = rows[pick]
+    y = best["distilled_loss"] if best.get("distilled_loss") is not None else best["loss"]
+    ax.scatter([best["params"] / 1e6], [y], s=160, marker="*", color="tab:red", label="pick", zorder=4)
+    ax.axhline(source["loss"], color="black", ls="--", lw=0.8, label=f"source ({source['params'] / 1e6:.2f}M)")
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("held-out LM loss (nats/token)")
+    ax.set_title("search: candidates under the budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def search(model_dir, out, data, params=None, candidates: int = 3, distill_tokens: int = 0, scores_dir=None,
+           overwrite: bool = False, *, active_params=None, memory_gb=None, top: int = 20, plan_options=None,
+           eval_data=None, seq_len: int = 256, batch: int = 8, score_samples: int = 64, eval_tokens: int = 16384,
+           lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None) -> dict:
+    """Search MODEL's pruned shapes under the budget and write the best to OUT (see the module doc).
+
+    params / active_params / memory_gb: the budgets (plan's); top: how many of plan's candidates are
+    pruned and evaluated; candidates: how many of those (best by loss) are distilled; plan_options:
+    extra plan() keywords (axes, tol, seq_len / batch of the memory budget, divisors, max cuts).
+    seq_len / batch serve scoring, evaluation and distillation; score_samples sequences calibrate;
+    eval_tokens held-out tokens rank. `scores` is an alias of scores_dir. Returns the report."""
+    t0 = time.time()
+    scores_dir = scores_dir if scores_dir is not None else scores
+    model_dir, out = Path(model_dir), Path(out)
+    _positive_int("candidates", candidates)
+    _positive_int("distill_tokens", distill_tokens, zero_ok=True)
+    for name, v in (("top", top), ("seq_len", seq_len), ("batch", batch), ("score_samples", score_samples),
+                    ("eval_tokens", eval_tokens)):
+        _positive_int(name, v)
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise RemodelError(f"lr must be > 0, got {lr!r}")
+    if not model_dir.is_dir():
+        raise RemodelError(f"model not found: {model_dir}")
+    with CheckpointReader(model_dir) as reader:  # config and safetensors headers checked here
+        hf = reader.config
+    cfg, family = config_from_hf(hf), hf.get("model_type")
+    for d in (data,) + ((eval_data,) if eval_data is not None else ()):
+        if not Path(d).expanduser().exists():
+            raise RemodelError(f"data not found: {d}")
+    if scores_dir is not None and not Path(scores_dir).exists():
+        raise RemodelError(f"scores not found: {scores_dir}")
+    _check_out(out, overwrite, [model_dir])
+    budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
+    popts = dict(plan_options or {})
+    bad = sorted(set(popts) - PLAN_OPTIONS)
+    if bad:
+        raise RemodelError(f"unknown plan options {bad} (known: {', '.join(sorted(PLAN_OPTIONS))})")
+    # the budget is checked here (refusals name the smallest and largest reachable sizes), nothing written
+    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
+    tok = load_tokenizer(model_dir)
+
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+        work = tmp / "work"
+        if eval_data is not None:
+            train_ds, valid_ds = load_texts(data), load_texts(eval_data)
+        else:
+            train_ds, valid_ds = load_texts(data, split_valid=True)
+        eval_blocks = pack(valid_ds, tok, seq_len, max_tokens=eval_tokens)
+        if int(eval_blocks.max()) >= cfg.vocab_size:
+            raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(eval_blocks.max())} but the "
+                               f"model's vocab_size is {cfg.vocab_size}")
+        train_ds.save_to_disk(str(work / "train"))  # calibration and distillation never see the held-out part
+        if scores_dir is None:
+            from .score import score
+            score(model_dir, work / "train", tmp / "scores", samples=score_samples, seq_len=seq_len, batch=batch,
+                  progress=progress)
+            used_scores, scores_note = tmp / "scores", str(out / "scores")
+        else:
+            used_scores, scores_note = Path(scores_dir), str(scores_dir)
+        d = plan(cfg, **budget, scores=used_scores, top=top, verbose=progress, **popts)
+        tensors, _ = load_scores(used_scores)
+
+        model = load_model(model_dir)
+        src = {"params": count_params(cfg)["total"], **evaluate(model, eval_blocks, batch=batch)}
+        rows = []
+        for c in tqdm(d["candidates"], desc="candidates", unit="cand", disable=not progress):
+            keep = plan_keep(cfg, tensors, c["prune_targets"], family)
+            if count_params(new_config(cfg, keep))["total"] != c["params"]:
+                raise AssertionError(f"pruned model of candidate {c['rank']} differs from the plan")
+            ev = evaluate(prune_model(model, keep), eval_blocks, batch=batch)
+            rows.append({"plan_rank": c["rank"], "shape": shape_str(c, cfg), **{k: c[k] for k in (
+                "params", "active_params", "memory_bytes", "widths", "changed", "layers_removed", "num_layers",
+                "pattern", "drop_layers", "prune_targets")}, "loss": ev["loss"], "ppl": ev["ppl"]})
+        by_loss = sorted(range(len(rows)), key=lambda i: (rows[i]["loss"], rows[i]["plan_rank"]))
+        for k, i in enumerate(by_loss):
+            rows[i]["loss_rank"] = k + 1
+        top_k = by_loss[:candidates]
+
+        dtype = _source_dtype(model_dir)
+        if distill_tokens:
+            for i in top_k:  # written first (fp32), so the source model is freed before the teacher loads
+                keep = plan_keep(cfg, tensors, rows[i]["prune_targets"], family)
+                save_model(prune_model(model, keep), work / f"cand{i}", family=family, aux_from=model_dir)
+            del model
+            for i in tqdm(top_k, desc="distill candidates", unit="cand", disable=not progress):
+                r = rows[i]
+                rep = train(work / f"cand{i}", work / f"cand{i}-distilled", work / "train", teacher_dir=model_dir,
+                            tokens=distill_tokens, seq_len=seq_len, batch=batch, lr=lr, seed=seed, log_every=0,
+                            checkpoint_every=10**9, keep_last=1)
+                ev = evaluate(work / f"cand{i}-distilled", eval_blocks, batch=batch)
+                r.update(distilled_loss=ev["loss"], distilled_ppl=ev["ppl"], distill_steps=rep["steps"],
+                         distill_tokens=rep["tokens"], distill_seconds=round(rep["time_s"], 2))
+            pick = min(top_k, key=lambda i: (rows[i]["distilled_loss"], rows[i]["loss_rank"]))
+            best = load_model(work / f"cand{pick}-distilled")
+        else:
+            pick = top_k[0]
+            best = prune_model(model, plan_keep(cfg, tensors, rows[pick]["prune_targets"], family))
+            del model
+        for i, r in enumerate(rows):
+            r["chosen"] = i == pick
+        save_model(best, work / "best", family=family, aux_from=model_dir, dtype=dtype)
+        for f in (work / "best").iterdir():
+            f.rename(tmp / f.name)
+        shutil.rmtree(work)
+        plot_search(tmp / "search.png", rows, src, pick)
+        chosen = rows[pick]
+        report = {
+            "command": "search", "model": str(model_dir), "data": str(data),
+            "eval_data": str(eval_data) if eval_data is not None else "every 20th document of data",
+            "output": str(out), "scores": scores_note, "family": family,
+            "budgets": d["budgets"], "plan": {k: d[k] for k in ("axes", "space", "depth", "grid", "window", "maximal",
+                                                                "reachable", "depth_metric", "tol", "note")},
+            "plan_options": popts, "seq_len": seq_len, "batch": batch, "eval_tokens": int(eval_blocks.numel()),
+            "distill_tokens": distill_tokens, "distilled": len(top_k) if distill_tokens else 0, "lr": lr,
+            "source": {"params": src["params"], "loss": src["loss"], "ppl": src["ppl"], "pattern": cfg.pattern},
+            "pick": {k: chosen.get(k) for k in ("plan_rank", "loss_rank", "shape", "params", "active_params",
+                                                 "pattern", "widths", "loss", "ppl", "distilled_loss", "distilled_ppl")},
+            "candidates": rows, "plot": "search.png", "seconds": round(time.time() - t0, 2),
+        }
+        write_report(tmp, report)
+    if progress:
+        after = f", {chosen['distilled_ppl']:.2f} after distillation" if distill_tokens else ""
+        print(f"search: picked {chosen['shape']} ({chosen['params']:,} params), held-out ppl "
+              f"{chosen['ppl']:.2f} pruned{after}; source {src['ppl']:.2f}")
+    return report
