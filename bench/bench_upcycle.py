@@ -1,9 +1,10 @@
 """Upcycling throughput: `upcycle` vs a plain streaming copy of the same checkpoint.
 
 Builds a synthetic Nemotron-H-style dense checkpoint (bf16, a few hundred MB) in a temp dir, then
-times models.checkpoint.copy_checkpoint(src), upcycle(src) and copy_checkpoint(upcycled) (the same
-bytes the upcycle writes), best of --repeats. Prints the ratios and appends them to bench/RESULTS.md
-under "## Upcycling".
+times models.checkpoint.copy_checkpoint(src), upcycle(src) (deviation check included) and
+copy_checkpoint(upcycled) (the same bytes the upcycle writes), interleaved for --repeats rounds in one
+process. Prints the ratios and records them under "## Upcycling" in bench/RESULTS.md (its own
+subsection, replaced on each run) unless --no-record.
     python bench/bench_upcycle.py [--experts 16 --granularity 4 --top-k 8 --hidden 1024 --ffn 4096]
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -27,6 +29,8 @@ from models.load import save_model  # noqa: E402
 from models.model import HybridLM  # noqa: E402
 from upcycle.pipeline import upcycle  # noqa: E402
 
+SUBHEAD = "### Time against a plain copy (bench/bench_upcycle.py)"
+
 
 def dense_checkpoint(path, hidden, ffn, pattern, vocab):
     cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, pattern=pattern, num_attention_heads=hidden // 128,
@@ -41,18 +45,30 @@ def dense_checkpoint(path, hidden, ffn, pattern, vocab):
     return cfg
 
 
-def best(fn, repeats):
-    """(fastest wall time, that run's result)"""
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        r = fn()
-        runs.append((time.perf_counter() - t, r))
-    return min(runs, key=lambda tr: tr[0])
-
-
 def size(path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def record(subhead: str, body: str, section: str = "## Upcycling"):
+    """Replace (or append) `subhead` and its text inside `section` of bench/RESULTS.md, in one write;
+    the other sections are left as they are."""
+    path = ROOT / "bench" / "RESULTS.md"
+    lines = path.read_text().splitlines() if path.exists() else []
+    if section not in lines:
+        lines += ["", section, ""] if lines else [section, ""]
+    s = lines.index(section)
+    e = next((j for j in range(s + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+    block, new = lines[s + 1:e], [subhead, "", *body.strip("\n").splitlines(), ""]
+    if subhead in block:
+        i = block.index(subhead)
+        j = next((k for k in range(i + 1, len(block)) if block[k].startswith(("### ", "## "))), len(block))
+        block[i:j] = new
+    else:
+        while block and not block[-1].strip():
+            block.pop()
+        block += ["", *new]
+    lines[s + 1:e] = block
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main():
@@ -64,48 +80,54 @@ def main():
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--pattern", default="M-M*-M-M-M-M-")
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         dense_checkpoint(tmp / "dense", a.hidden, a.ffn, a.pattern, a.vocab)
-        n = [0]
+        runs = []  # per round: {step: (wall s, process CPU s)}, interleaved so load spikes hit every step
 
-        def run_copy(src):
-            n[0] += 1
-            return copy_checkpoint(src, tmp / f"copy{n[0]}")
+        def timed(fn):
+            os.sync()  # no dirty pages of the previous step throttle this one
+            w, c = time.perf_counter(), time.process_time()
+            r = fn()
+            return (time.perf_counter() - w, time.process_time() - c), r
 
-        def run_upcycle():
-            n[0] += 1
-            return upcycle(tmp / "dense", tmp / f"moe{n[0]}", a.experts, a.granularity, a.top_k)
-
-        t_copy, _ = best(lambda: run_copy(tmp / "dense"), a.repeats)
-        t_up, rep = best(run_upcycle, a.repeats)
-        moe = tmp / f"moe{n[0]}"
-        t_copy_out, _ = best(lambda: run_copy(moe), a.repeats)
-        t_write, t_check = rep["seconds"]["upcycle_and_write"], rep["seconds"]["deviation_check"]
-        src_mb, out_mb = size(tmp / "dense") / 2**20, size(moe) / 2**20
-    dev = rep["deviation"].get("max_abs_logit_diff")
-    dev = f"{dev:.2g}" if dev is not None else rep["deviation"]["skipped"]
+        for r in range(a.repeats):
+            t_copy, _ = timed(lambda: copy_checkpoint(tmp / "dense", tmp / f"copy{r}"))
+            t_up, rep = timed(lambda: upcycle(tmp / "dense", tmp / f"moe{r}", a.experts, a.granularity, a.top_k))
+            t_out, _ = timed(lambda: copy_checkpoint(tmp / f"moe{r}", tmp / f"copy_moe{r}"))
+            runs.append({"copy": t_copy, "up": t_up, "out": t_out, "rep": rep})
+            if r + 1 < a.repeats:  # keep the disk (and page cache) footprint of one round
+                for d in (f"copy{r}", f"copy_moe{r}", f"moe{r}"):
+                    shutil.rmtree(tmp / d)
+        src_mb, out_mb = size(tmp / "dense") / 2**20, size(tmp / f"moe{a.repeats - 1}") / 2**20
+    best = {k: min(r[k][0] for r in runs) for k in ("copy", "up", "out")}
+    cpu = {k: min(r[k][1] for r in runs) for k in ("copy", "up", "out")}
+    rep = min(runs, key=lambda r: r["up"][0])["rep"]
+    t_write, t_check = rep["seconds"]["upcycle_and_write"], rep["seconds"]["deviation_check"]
+    med = sorted(r["up"][0] / r["copy"][0] for r in runs)[len(runs) // 2]
+    dev = rep["deviation"]
     line = (f"- {time.strftime('%Y-%m-%d')} {platform.machine()}, {os.cpu_count()} cpus shared with other jobs, "
-            f"torch {torch.__version__}: dense {src_mb:.0f} MB bf16 (H={a.hidden}, F={a.ffn}, `{a.pattern}`) -> "
-            f"N={a.experts} G={a.granularity} T={a.top_k} ({out_mb:.0f} MB), best of {a.repeats}\n"
-            f"  - copy_checkpoint(dense) {t_copy:.2f}s, copy_checkpoint(upcycled, same bytes as the upcycle writes) "
-            f"{t_copy_out:.2f}s\n"
-            f"  - upcycle {t_up:.2f}s = convert+write {t_write:.2f}s + fp32 deviation check {t_check:.2f}s "
-            f"(initial max |dlogit| {dev})\n"
-            f"  - **ratio upcycle/copy(dense) {t_up / t_copy:.2f}x** (convert+write only {t_write / t_copy:.2f}x); "
-            f"upcycle/copy(same output bytes) {t_up / t_copy_out:.2f}x (convert+write only {t_write / t_copy_out:.2f}x)")
+            f"torch {torch.__version__}: dense {src_mb:.0f} MB bf16 (H={a.hidden}, F={a.ffn}, `{a.pattern}`, "
+            f"vocab {a.vocab}) -> N={a.experts} G={a.granularity} T={a.top_k} ({out_mb:.0f} MB, "
+            f"{out_mb / src_mb:.2f}x the bytes); {a.repeats} interleaved rounds of copy / upcycle / copy of the "
+            f"output in one process, `os.sync()` before each; best wall time (process CPU time)\n"
+            f"  - copy_checkpoint(dense) {best['copy']:.2f}s ({cpu['copy']:.2f}s CPU); copy_checkpoint(upcycled, "
+            f"the bytes the upcycle writes) {best['out']:.2f}s ({cpu['out']:.2f}s CPU)\n"
+            f"  - upcycle {best['up']:.2f}s ({cpu['up']:.2f}s CPU); in its fastest round convert+write {t_write:.2f}s + "
+            f"streamed fp32 deviation check {t_check:.2f}s ({dev['sequences']}x{dev['seq_len']} random tokens, dense "
+            f"and upcycled streams layer by layer: max |dlogit| {dev['max_abs_logit_diff']:.2g}, worst layer "
+            f"MoE-vs-MLP rel {max(x['rel_out_diff'] for x in dev['layers']):.1e})\n"
+            f"  - **upcycle/copy(dense) {best['up'] / best['copy']:.2f}x wall** (median of per-round ratios "
+            f"{med:.2f}x; CPU time {cpu['up'] / cpu['copy']:.2f}x); upcycle/copy(same output bytes) "
+            f"{best['up'] / best['out']:.2f}x wall, {cpu['up'] / cpu['out']:.2f}x CPU\n"
+            f"  - per round (copy, upcycle, copy output) wall s: "
+            + "; ".join(f"{r['copy'][0]:.2f}, {r['up'][0]:.2f}, {r['out'][0]:.2f}" for r in runs))
     print(line)
     if not a.no_record:
-        results = ROOT / "bench" / "RESULTS.md"
-        text = results.read_text() if results.exists() else ""
-        heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-        with open(results, "a") as f:
-            if not heads or heads[-1].strip() != "## Upcycling":
-                f.write(("\n" if text and not text.endswith("\n\n") else "") + "## Upcycling\n\n")
-            f.write(line + "\n")
+        record(SUBHEAD, line)
 
 
 if __name__ == "__main__":

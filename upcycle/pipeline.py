@@ -4,8 +4,9 @@ Reads the source one tensor at a time (iter_our_tensors), turns each dense MLP l
 experts (+ shared expert) with upcycle.virtual_groups, and exports through iter_hf_tensors. Per
 layer it holds the dense MLP and its G scaled shards; the N per-expert tensors are slices of those,
 copied by the writer into its current shard, so memory is about two dense MLPs plus one output shard.
-Then, when the dense and upcycled models fit in memory in fp32, it measures the initial deviation
-(dense vs upcycled logits on random tokens) and writes OUT/remodel_report.json.
+On the way, upcycle.deviation measures the initial deviation (dense vs upcycled logits on random
+tokens, and per upcycled layer MoE vs dense MLP outputs) from the streamed tensors, one layer in fp32
+at a time; the figures go to OUT/remodel_report.json.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import contextlib
 import itertools
 import math
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -21,15 +21,14 @@ from tqdm import tqdm
 from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from models.errors import RemodelError
 from models.hf import check_exportable, config_from_hf, config_to_hf, our_shapes, weight_table
-from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors, load_model
+from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
 from pipelines.report import write_report
 
-from .virtual_groups import (ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp,
-                             upcycle_model)
+from .deviation import StreamCheck
+from .virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
 
 TARGETS = ("nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe")
-DEVIATION_MAX_BYTES = 6 * 1024**3  # fp32 dense + upcycled models held at once for the check
-DEVIATION_TOKENS = (2, 32)  # random sequences x length
+DEVIATION_TOKENS = (1, 32)  # random sequences x length (the check costs ~2 forwards of these)
 
 
 def _group(name: str) -> str:
@@ -77,33 +76,6 @@ def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
     return total, active
 
 
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return DEVIATION_MAX_BYTES
-
-
-@torch.no_grad()
-def measure_deviation(dense_dir, p, family: str, seed: int, round_to) -> dict:
-    """Max abs and relative (Frobenius) logit difference, fp32, dense vs upcycled, on random tokens.
-    The upcycled model is rebuilt in memory from the dense one with the weights rounded to the
-    checkpoint dtype, bit for bit the written tensors (tests/test_upcycle.py checks that), so the
-    shared non-MLP weights are loaded once."""
-    dense = load_model(dense_dir)
-    moe, _ = upcycle_model(dense, p.experts, p.granularity, p.top_k, p.shared, p.router, family, seed, round_to)
-    b, l = DEVIATION_TOKENS
-    ids = torch.randint(0, dense.cfg.vocab_size, (b, l), generator=torch.Generator().manual_seed(seed))
-    ref, got = dense(ids), moe(ids)
-    diff = (got - ref).abs()
-    return {"max_abs_logit_diff": diff.max().item(),
-            "rel_diff": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
-            "max_abs_dense_logit": ref.abs().max().item(), "sequences": b, "seq_len": l, "dtype": "float32"}
-
-
 @contextlib.contextmanager
 def _one_thread():
     """The work here is memory-bound copies and a 64-token check: one intra-op thread is as fast on an
@@ -140,30 +112,33 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     for k in ("dtype", "torch_dtype"):
         if reader.config.get(k):
             hf_cfg[k] = reader.config[k]
-    dense_bytes = _params(cfg)[0] * 4
     moe_total, moe_active = _params(new_cfg, p.top_k)
     stream = iter_our_tensors(reader, cfg, src_family)
     first = next(stream)  # checks every tensor's shape against the config before anything is written
     groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
     cache: dict = {}
-    mlp_dtypes, mlp_dtype, logit_std = set(), [None], [0.0]
+    mlp_dtypes, logit_std, t_check = set(), [0.0], [0.0]
+    check = StreamCheck(cfg, new_cfg, seed, *DEVIATION_TOKENS)
 
     def get(name):  # called once per our tensor of new_cfg, in table order, layer after layer
         while name not in cache:
             cache.clear()
             key, items = next(groups)
             tensors = dict(items)
+            source, moe = dict(tensors), None
             if key.startswith("layers.") and cfg.pattern[int(key.split(".")[1])] == "-":
                 i = int(key.split(".")[1])
                 m = f"{key}.mixer."
-                mlp_dtype[0] = tensors[m + "up_proj.weight"].dtype
                 # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
                 logit_std[0] = max(logit_std[0], ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
-                mlp_dtypes.add(str(mlp_dtype[0]).replace("torch.", ""))
+                mlp_dtypes.add(str(tensors[m + "up_proj.weight"].dtype).replace("torch.", ""))
                 r = router_weight(p, cfg.hidden_size, layer_seed(seed, i))
                 moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
                                   tensors.pop(m + "gate_proj.weight", None), r, family)
                 tensors.update((m + k, v) for k, v in moe.items())
+            t = time.perf_counter()
+            check.feed(key, source, moe)
+            t_check[0] += time.perf_counter() - t
             cache.update(tensors)
         return cache.pop(name)
 
@@ -173,14 +148,11 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
         for hf, t in tqdm(iter_hf_tensors(get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
             w.add(hf, t)
         w.close(hf_cfg, aux_from=model_dir)
-        t_write = time.perf_counter() - t0
-        need = dense_bytes + moe_total * 4
-        if need <= min(DEVIATION_MAX_BYTES, _mem_available() // 2):
-            deviation = measure_deviation(model_dir, p, family, seed, mlp_dtype[0])
-        else:
-            deviation = {"skipped": f"dense + upcycled fp32 models need {need / 2**30:.1f} GiB, over the "
-                                    f"{min(DEVIATION_MAX_BYTES, _mem_available() // 2) / 2**30:.1f} GiB budget"}
-        t_check = time.perf_counter() - t0 - t_write
+        deviation = check.result
+        if deviation is None:
+            raise RemodelError(f"internal: the deviation check did not see every tensor group ({check.todo[:1]})")
+        t_check = t_check[0]
+        t_write = time.perf_counter() - t0 - t_check
         kind, norm = ROUTER_MODES[router]
         notes = []
         if p.expert_size % 8:
@@ -193,8 +165,6 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
         if kind == "sigmoid" and 6 * logit_std[0] > 16.0:
             notes.append(f"router logits at init have std ~{logit_std[0]:.3g}: sigmoid scores saturate to exactly 1.0 "
                          f"above ~16.6 in fp32, and top-k may split exactly tied groups there")
-        if deviation.get("skipped"):
-            notes.append("initial deviation not measured: " + deviation["skipped"])
         report = {
             "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
             "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "

@@ -140,6 +140,10 @@ class LazyExperts:
             raise IndexError(e)
         return self.shards[e % len(self.shards)]
 
+    @property
+    def shape(self) -> tuple:  # of the fused tensor (what models.mlp.Experts reads)
+        return (self.n, *self.shards.shape[1:])
+
     def fused(self) -> torch.Tensor:
         return self.shards.repeat(self.n // len(self.shards), *[1] * (self.shards.dim() - 1))
 
@@ -192,7 +196,7 @@ def layer_seed(seed: int, layer: int) -> int:
 @torch.no_grad()
 def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int = 0,
                   router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None):
-    """In-memory upcycling of a HybridLM (tests, the pipeline's deviation check): -> (new model, Plan).
+    """In-memory upcycling of a HybridLM (tests and experiments; the pipeline streams): -> (new model, Plan).
     Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
     made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint."""
     from models.model import HybridLM

@@ -1,0 +1,145 @@
+"""Initial deviation of an upcycled checkpoint from its dense source, measured while the weights stream by.
+
+The writer hands each group of tensors (embeddings, one layer, norm_f, lm_head) to `StreamCheck.feed`
+once, in model order, with the MoE tensors of an upcycled layer exactly as they are written (scaled
+and rounded to the checkpoint dtype). The check keeps two residual streams for a fixed sample of
+random tokens, dense and upcycled, stacked in one fp32 batch, and runs every layer on both with our
+model code (models.model.Block, the MoE with its router and dropless dispatch; the experts read the G
+scaled shards in place of N copies). It holds one layer in fp32 at a time and never builds either
+model, so it costs about two forwards of the sample (pipeline.DEVIATION_TOKENS) plus one fp32 cast
+of the weights, instead of loading both models in fp32.
+Reported: the final logit difference (max abs, relative Frobenius) -- the figure a whole-model forward
+of both checkpoints on these tokens gives -- and, per upcycled layer, the difference between its MoE
+and dense MLP outputs on the same inputs (the upcycled stream's).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.attention import rope_inv_freq
+from models.model import Block
+from models.norm import RMSNorm
+
+from .virtual_groups import LazyExperts
+
+VOCAB_CHUNK = 8192  # lm_head rows cast to fp32 at a time
+
+
+def _materialise(module: torch.nn.Module):
+    """Uninitialised CPU storage for a meta module (Module.to_empty goes through a Python reference
+    implementation that imports torch.fx and sympy, ~1 s, on first use)."""
+    for m in module.modules():
+        for n, t in m._parameters.items():
+            if t is not None:
+                m._parameters[n] = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype), requires_grad=False)
+        for n, t in m._buffers.items():
+            if t is not None:
+                m._buffers[n] = torch.empty(t.shape, dtype=t.dtype)
+
+
+class StreamCheck:
+    def __init__(self, cfg, moe_cfg, seed: int, sequences: int = 1, seq_len: int = 32):
+        self.cfg, self.moe_cfg, self.b = cfg, moe_cfg, sequences
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, cfg.vocab_size, (sequences, seq_len), generator=g)
+        self.todo = (["embeddings.weight"] + [f"layers.{i}" for i in range(len(cfg.pattern))] + ["norm_f.weight"]
+                     + ([] if cfg.tie_word_embeddings else ["lm_head.weight"]))
+        self.pending, self.blocks, self.shards, self.layers = {}, {}, {}, []
+        self.x = self.emb = self.norm_f = self.result = None
+
+    def feed(self, key: str, tensors: dict, moe: dict | None = None):
+        """tensors: our names -> tensors of group `key` (an upcycled layer's dense MLP included);
+        moe: upcycle_mlp's output for an upcycled layer. Inputs are not modified."""
+        self.pending[key] = (tensors, moe)
+        while self.todo and self.todo[0] in self.pending:
+            k = self.todo.pop(0)
+            self._step(k, *self.pending.pop(k))
+
+    def _block(self, cfg, kind: str) -> Block:
+        """One fp32 module per layer kind, reused: each layer's weights are copied into it, so after the
+        first layer of a kind nothing is allocated (fresh pages cost as much as the copies)."""
+        if kind not in self.blocks:
+            if kind == "M":  # a Mamba mixer built on the meta device imports torch._dynamo (~1 s)
+                with torch.random.fork_rng(devices=[]):
+                    b = Block(cfg, kind)
+            else:
+                with torch.device("meta"):
+                    b = Block(cfg, kind)
+                if kind == "E":
+                    for leaf in ("up_proj", "gate_proj", "down_proj"):
+                        b.mixer.experts._parameters.pop(leaf, None)
+                _materialise(b)
+                if kind == "*" and cfg.rope_theta is not None:
+                    b.mixer.inv_freq = rope_inv_freq(cfg)
+            self.blocks[kind] = b.eval()
+        return self.blocks[kind]
+
+    def _load(self, cfg, kind: str, prefix: str, tensors: dict) -> Block:
+        b = self._block(cfg, kind)
+        sd = {k[len(prefix):]: v for k, v in tensors.items() if not isinstance(v, LazyExperts)}
+        res = b.load_state_dict(sd, strict=False)  # copies (and casts) into the fp32 parameters
+        missing = [k for k in res.missing_keys if not k.startswith("mixer.experts.")]
+        if missing or res.unexpected_keys:
+            raise RuntimeError(f"deviation check: {prefix} missing {missing}, unexpected {res.unexpected_keys}")
+        if kind == "E":
+            for k, v in tensors.items():
+                if isinstance(v, LazyExperts):  # the G scaled shards stand for the N experts
+                    leaf = k.rsplit(".", 1)[1]
+                    key = (leaf, tuple(v.shards.shape))
+                    if key not in self.shards:
+                        self.shards[key] = torch.empty(v.shards.shape)
+                    setattr(b.mixer.experts, leaf, LazyExperts(self.shards[key].copy_(v.shards), v.n))
+        return b
+
+    @torch.no_grad()
+    def _step(self, key: str, tensors: dict, moe: dict | None):
+        b = self.b
+        if key == "embeddings.weight":
+            self.emb = tensors[key]
+            x = self.emb[self.ids].float()
+            self.x = torch.cat([x, x])  # [dense stream; upcycled stream]
+        elif key.startswith("layers."):
+            i = int(key.split(".")[1])
+            kind, p = self.cfg.pattern[i], key + "."
+            block = self._load(self.cfg, kind, p, tensors)
+            if kind != "-":
+                self.x = block(self.x)
+                return
+            h = block.norm(self.x)
+            d = block.mixer(h)
+            moe_t = {k: v for k, v in tensors.items() if k.startswith(p + "norm.")}
+            moe_t.update((p + "mixer." + k, v) for k, v in moe.items())
+            m = self._load(self.moe_cfg, "E", p, moe_t).mixer(h[b:])
+            diff = (m - d[b:]).float()
+            self.layers.append({"layer": i, "max_abs_out_diff": diff.abs().max().item(),
+                                "rel_out_diff": (diff.norm() / d[b:].norm().clamp_min(1e-30)).item()})
+            self.x = self.x + torch.cat([d[:b], m])
+        elif key == "norm_f.weight":
+            self.norm_f = tensors[key].float()
+            if self.cfg.tie_word_embeddings:
+                self._finish(self.emb)
+        else:
+            self._finish(tensors[key])
+
+    def _finish(self, head: torch.Tensor):
+        b = self.b
+        norm = RMSNorm(self.cfg.hidden_size, self.cfg.norm_eps)
+        norm.weight.data = self.norm_f
+        h = norm(self.x)
+        dmax = dense_max = sq_diff = sq_ref = 0.0
+        buf = torch.empty(min(VOCAB_CHUNK, head.shape[0]), head.shape[1])
+        for w in head.split(VOCAB_CHUNK):
+            z = F.linear(h, buf[:len(w)].copy_(w))
+            ref, diff = z[:b], z[b:] - z[:b]
+            dmax = max(dmax, diff.abs().max().item())
+            dense_max = max(dense_max, ref.abs().max().item())
+            sq_diff += diff.pow(2).sum().item()
+            sq_ref += ref.pow(2).sum().item()
+        self.result = {"max_abs_logit_diff": dmax, "rel_diff": (sq_diff / max(sq_ref, 1e-60)) ** 0.5,
+                       "max_abs_dense_logit": dense_max, "sequences": b, "seq_len": self.ids.shape[1],
+                       "dtype": "float32", "layers": self.layers,
+                       "method": "dense and upcycled forwards of random tokens, layer by layer as the weights "
+                                 "stream (MoE weights as written); per-layer figures compare MoE and dense MLP "
+                                 "outputs on the upcycled stream's inputs"}
+        self.x = None
