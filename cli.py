@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("score", help="activation importance of every prunable unit")
-    p.add_argument("model"); p.add_argument("--data", required=True); p.add_argument("--out", required=True)
+    p.add_argument("model"); p.add_argument("--data", help="calibration text (needed for --method activation)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
+                   help="activation importance (default) or a data-free baseline")
+    p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--samples", type=int, default=1024); p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto")
@@ -150,6 +154,7 @@ def _train_kwargs(a) -> dict:
 
 
 def run(a) -> object:
+    from models.errors import RemodelError
     c = a.command
     if c == "demo":
         from pipelines.demo import demo
@@ -166,8 +171,10 @@ def run(a) -> object:
                        dtype=getattr(torch, a.dtype) if a.dtype else None)
     if c == "score":
         from pipelines.score import score
+        if a.method == "activation" and not a.data:
+            raise RemodelError("--data is required for --method activation")
         return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
-                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite)
+                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed)
     if c == "prune":
         from pipelines.prune import prune
         return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))

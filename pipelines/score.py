@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
+from compress.baselines import METHODS, weight_scores
 from compress.importance import score_model, score_streaming
 from compress.scores import write_scores
 from models.checkpoint import CheckpointReader, atomic_output_dir
 from models.errors import RemodelError
 from models.hf import config_from_hf
-from models.load import load_model
+from models.load import iter_our_tensors, load_model
 
 from .data import batches as make_batches, load_texts, pack
 from .report import write_report
@@ -69,14 +70,45 @@ def plot_importance(path, pattern: str, scores: dict):
     plt.close(fig)
 
 
+def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = False) -> dict:
+    """Data-free baseline SCORES (compress/baselines.py): 'magnitude' streams the weights once,
+    'random' reads only the config. Same files as an activation run. Returns the report."""
+    t0 = time.time()
+    model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise RemodelError(f"model not found: {model_dir}")
+    reader = CheckpointReader(model_dir)
+    cfg = config_from_hf(reader.config)
+    with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+        scores = weight_scores(cfg, method, iter_our_tensors(reader, cfg) if method == "magnitude" else None, seed)
+        meta = {"config": cfg.to_dict(), "source": str(model_dir), "method": method, "seed": seed, "samples": 0,
+                "seq_len": 0, "tokens": 0, "baseline_loss": None, "mode": method}
+        write_scores(tmp, scores, meta)
+        plot_importance(tmp / "importance.png", cfg.pattern, scores)
+        report = {"command": "score", "method": method, "seed": seed, "model": str(model_dir), "output": str(out),
+                  "seconds": round(time.time() - t0, 3),
+                  "layers": [{"index": i, "type": c, "block_importance": float(scores["block_importance"][i])}
+                             for i, c in enumerate(cfg.pattern)],
+                  "files": ["scores.safetensors", "scores.json", "importance.png"]}
+        write_report(tmp, report)
+    return report
+
+
 def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch: int = 4, mode: str = "auto",
           loss_increase: bool = True, max_memory_bytes: int | None = None, overwrite: bool = False,
-          loss_batches: int = 4, device: str | None = None, progress: bool = True) -> dict:
+          loss_batches: int = 4, device: str | None = None, progress: bool = True, method: str = "activation",
+          seed: int = 0) -> dict:
     """Score every prunable unit of MODEL on `samples` sequences of `seq_len` tokens from DATA and
     write SCORES to `out` (+ remodel_report.json, importance.png). max_memory_bytes bounds the
     calibration hidden states held in memory in streaming mode (default: a quarter of the available
-    memory); loss_increase uses the first `loss_batches` batches. Returns the report."""
+    memory); loss_increase uses the first `loss_batches` batches. Returns the report.
+    method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
+    (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None)."""
     t0 = time.time()
+    if method not in METHODS:
+        raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
+    if method != "activation":
+        return score_weights(model_dir, out, method, seed, overwrite)
     for name, v in (("samples", samples), ("seq_len", seq_len), ("batch", batch), ("loss_batches", loss_batches)):
         _positive(name, v)
     if mode not in MODES:

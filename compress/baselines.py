@@ -1,0 +1,153 @@
+"""Data-free baseline SCORES (same names, shapes and files as compress/importance.py) for comparing
+activation importance against: weight magnitude and seeded random.
+
+Magnitude: every unit scores the L2 norm of the linear weights (and biases) that belong to it, fp32:
+
+  hidden           sqrt(sum over every tensor touching residual channel c of its squared entries on c):
+                   embedding column, output rows of every writer (out_proj, o_proj, down_proj, experts'
+                   down, fc2_latent_proj and their biases), input columns of every reader (in_proj, q/k/v,
+                   up/gate, router, shared expert, fc1_latent_proj, lm_head) each multiplied by the gain
+                   of the RMSNorm in front of it (layers.i.norm / norm_f), since gamma * W is the weight
+                   the channel actually meets. Tied embeddings count as writer and (through norm_f) reader.
+  layers.i.ffn     up (and gate) row + down column (+ up/gate bias)                       [F]
+  layers.i.attn    q_proj row + o_proj column per (head, channel) (+ q bias)              [nq, head_dim]
+  layers.i.mamba_x in_proj z row + x row + out_proj column per inner channel, plus the head's dt row
+                   spread evenly over its hd channels (the L2 over a head is then the norm of all of
+                   that head's in_proj rows and out_proj columns); conv, gated norm, A/D/dt_bias are
+                   not weights of a projection and are left out                            [nh, hd]
+  layers.i.experts the norm of the expert's up/gate/down weights                          [E]
+  layers.i.expert_ffn / shared_ffn  like ffn, per expert / for the shared expert
+  block_importance Frobenius norm of the block's output projection(s) (out_proj, o_proj, down_proj,
+                   experts' and shared expert's down, fc2_latent_proj): how much the block can write
+                   into the residual stream per unit of its (normalised) input. No loss_increase is
+                   written, so depth pruning ranks by this.
+
+Random: uniform [0, 1) from torch.Generator(seed), one tensor per name of the activation contract
+(block_importance and loss_increase included). Both need no data and no forward pass; magnitude reads
+each tensor once (streams from a checkpoint with iter_our_tensors).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from models.config import ModelConfig
+
+from .axes import layer_of, tensor_axes
+
+METHODS = ("activation", "magnitude", "random")
+WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
+
+
+def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """{name: shape} of every tensor an activation scoring run writes for this config."""
+    s = {"hidden": (cfg.hidden_size,), "block_importance": (cfg.num_layers,), "loss_increase": (cfg.num_layers,)}
+    for i, c in enumerate(cfg.pattern):
+        p = f"layers.{i}."
+        if c == "-":
+            s[p + "ffn"] = (cfg.intermediate_size,)
+        elif c == "*":
+            s[p + "attn"] = (cfg.num_attention_heads, cfg.head_dim)
+        elif c == "M":
+            s[p + "mamba_x"] = (cfg.mamba_num_heads, cfg.mamba_head_dim)
+        else:
+            s[p + "experts"] = (cfg.n_routed_experts,)
+            s[p + "expert_ffn"] = (cfg.n_routed_experts, cfg.moe_intermediate_size)
+            if cfg.moe_shared_expert_intermediate_size:
+                s[p + "shared_ffn"] = (cfg.moe_shared_expert_intermediate_size,)
+    return s
+
+
+def random_scores(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.rand(shape, generator=g) for k, shape in score_shapes(cfg).items()}
+
+
+def _sq(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of squares over every dimension but `dim` -> 1-D."""
+    return t.square().sum(dim=[d for d in range(t.dim()) if d != dim]) if t.dim() > 1 else t.square()
+
+
+@torch.no_grad()
+def magnitude_scores(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Weight-magnitude scores from (our_name, tensor) pairs (a state dict's items() or
+    models.load.iter_our_tensors); see the module docstring for what each unit's norm covers."""
+    table = tensor_axes(cfg)
+    Im, GN, nh, hd = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_head_dim
+    acc: dict[str, torch.Tensor] = {}
+    gamma, read = {}, {}  # norm gains and squared input-column sums per reading site (layer index or 'f')
+    write = torch.zeros(cfg.hidden_size)
+    block = torch.zeros(cfg.num_layers, dtype=torch.float64)
+
+    def add(d, key, v):
+        d[key] = d[key] + v if key in d else v.clone()
+
+    for name, t in tensors:
+        t, axes, i = t.detach().float().cpu(), table[name], layer_of(name)
+        local = name.split(".", 3)[-1] if i is not None else name  # e.g. 'in_proj.weight', 'experts.up_proj'
+        # ---- hidden channels
+        if name == "norm_f.weight" or name == f"layers.{i}.norm.weight":
+            gamma["f" if i is None else i] = t
+        elif name == "embeddings.weight":
+            write += _sq(t, 1)
+            if cfg.tie_word_embeddings:
+                add(read, "f", _sq(t, 1))
+        elif name == "lm_head.weight":
+            add(read, "f", _sq(t, 1))
+        elif "hidden" in axes:
+            d = axes.index("hidden")
+            if d == t.dim() - 1 and t.dim() >= 2:
+                add(read, i, _sq(t, d))
+            else:
+                write += _sq(t, d)
+        if i is not None and local.endswith(WRITERS):
+            block[i] += t.double().square().sum()
+        # ---- units of the layer
+        p, c = f"layers.{i}.", cfg.pattern[i] if i is not None else None
+        if c == "-" or local.startswith("shared_experts."):
+            key = p + ("ffn" if c == "-" else "shared_ffn")
+            if local.endswith(("up_proj.weight", "gate_proj.weight", "up_proj.bias", "gate_proj.bias")):
+                add(acc, key, _sq(t, 0))
+            elif local.endswith("down_proj.weight"):
+                add(acc, key, _sq(t, 1))
+        elif c == "*":
+            if local in ("q_proj.weight", "q_proj.bias"):
+                add(acc, p + "attn", _sq(t, 0))
+            elif local == "o_proj.weight":
+                add(acc, p + "attn", _sq(t, 1))
+        elif c == "M":
+            if local in ("in_proj.weight", "in_proj.bias"):
+                rows = _sq(t, 0)
+                dt = rows[2 * Im + 2 * GN:]
+                add(acc, p + "mamba_x", rows[:Im] + rows[Im:2 * Im] + (dt / hd).repeat_interleave(hd))
+            elif local == "out_proj.weight":
+                add(acc, p + "mamba_x", _sq(t, 1))
+        elif c == "E" and local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
+            per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
+            add(acc, p + "expert_ffn", per)
+            add(acc, p + "experts", per.sum(1))
+
+    H = write.clone()
+    for site, r in read.items():
+        g = gamma.get(site)
+        H += r if g is None else r * g.square()
+    out = {"hidden": H.sqrt(), "block_importance": block.sqrt().float()}
+    for k, v in acc.items():
+        v = v.sqrt()
+        out[k] = v.view(nh, hd) if k.endswith("mamba_x") else v.view(cfg.num_attention_heads, -1) \
+            if k.endswith("attn") else v
+    want = score_shapes(cfg)
+    want.pop("loss_increase")
+    missing = sorted(set(want) - set(out))
+    assert not missing, f"magnitude scores missing {missing}: not every tensor was given"
+    return {k: out[k].float().contiguous() for k in want}
+
+
+def weight_scores(cfg: ModelConfig, method: str, tensors=None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """'magnitude' (needs `tensors`, (our_name, tensor) pairs) or 'random' scores."""
+    if method == "random":
+        return random_scores(cfg, seed)
+    if method == "magnitude":
+        return magnitude_scores(cfg, tensors)
+    raise ValueError(f"unknown data-free scoring method {method!r}")
