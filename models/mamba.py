@@ -8,6 +8,12 @@ run over blocks of chunks that stay in cache (per-chunk states and the state->ou
 kept, the rest is recomputed), so memory is linear in length. The causal conv is K shifted
 multiply-adds (the CPU conv1d backward is slow). The chunk size only changes the order of
 summation: CPU runs use CPU_CHUNK. On CUDA with mamba-ssm installed, its fused kernel replaces the scan.
+
+On CPU the mixer runs conv + dt + scan as one autograd function (`_MambaCore`) over the same blocks:
+it reads the in_proj output in place, computes the conv per cache-sized sub-block (never over the full
+length, recomputed in backward) and writes the whole in_proj-output gradient into one tensor (no
+split / concatenate of full-length tensors, whose fresh pages glibc maps and faults on every step). The gated
+norm, the RMSNorm and relu2 have hand-written backwards (fewer passes than autograd).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from torch import nn
 
 CPU_CHUNK = 64  # scan chunk on CPU (any chunk gives the same result up to summation order)
 BLOCK_ELEMS = 1 << 18  # elements of one per-block tensor (1 MiB fp32: stays in a core's L2 cache)
+LOG_TINY = 60.0  # decays exp(-x) below exp(-60) ~ 1e-26 are taken as exp(-60): no slow denormals
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, return_state=False):
@@ -63,23 +70,10 @@ class _SSD(torch.autograd.Function):
         s = s0.view(b, g, r, p, n) if s0 is not None else x.new_zeros(b, g, r, p, n)
         y_off = []  # per block exp(Acum) C.state_in, kept for backward
         for k0, k1 in _chunk_blocks(c, b * h * Q * max(p, Q)):
-            Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, k0, k1, Q, g)
-            Y = torch.matmul(M, X)  # [b, cb, g, r, Q, p]
-            Alast = Acum[..., -1:]
-            W = X * torch.exp(Alast - Acum)[..., None]
-            S = torch.matmul(W.transpose(-1, -2), Bh)  # [b, cb, g, r, p, n]
-            e = torch.exp(Alast)[..., None]
-            for j in range(k1 - k0):
-                prev[:, k0 + j] = s
-                s = torch.addcmul(S[:, j], e[:, j], s)
-            T = torch.matmul(Ch, prev[:, k0:k1].transpose(-1, -2)).mul_(torch.exp(Acum)[..., None])
-            Y += T  # [b, cb, g, r, Q, p]
+            t0, t1 = k0 * Q, k1 * Q
+            s, T = _fwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, s, prev[:, k0:k1],
+                              _heads(y, k0, k1, Q, g))
             y_off.append(T)
-            yv = _heads(y, k0, k1, Q, g)
-            if D is not None:
-                torch.addcmul(Y, _heads(x, k0, k1, Q, g), D.view(g, r, 1, 1), out=yv)
-            else:
-                yv.copy_(Y)
         ctx.save_for_backward(x, dt, A, B, C, D, s0, prev)
         ctx.dims, ctx.y_off = (l, Q), y_off
         return y[:, :l], s.reshape(b, h, p, n)
@@ -100,53 +94,93 @@ class _SSD(torch.autograd.Function):
         G = ds.view(b, g, r, p, n).to(x.dtype) if ds is not None else x.new_zeros(b, g, r, p, n)
         blocks = _chunk_blocks(c, b * h * Q * max(p, Q))
         for i in reversed(range(len(blocks))):
-            (k0, k1), y_off = blocks[i], ctx.y_off[i]
-            cb, t0, t1 = k1 - k0, k0 * Q, k1 * Q
-            Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, k0, k1, Q, g)
-            dY = _heads(dy, k0, k1, Q, g).contiguous()
-            if D is not None:
-                dD += (dy[:, t0:t1] * x[:, t0:t1]).sum((0, 1, 3))
-            Alast = Acum[..., -1:]
-            decay_out, decay_in, e = torch.exp(Acum), torch.exp(Alast - Acum), torch.exp(Alast)
-            pv = prev[:, k0:k1]
-            # state -> output
-            d_out = (dY * y_off).sum(-1)  # d(decay_out) * decay_out
-            dT = dY * decay_out[..., None]
-            dCh = torch.matmul(dT, pv)  # [b, cb, g, r, Q, n]
-            dprev = torch.matmul(dT.transpose(-1, -2), Ch)  # [b, cb, g, r, p, n]
-            # recurrence over the block's chunks, backwards
-            dS = torch.empty_like(dprev)
-            for j in range(cb - 1, -1, -1):
-                dS[:, j] = G
-                G = torch.addcmul(dprev[:, j], e[:, j, ..., None], G)
-            de = (dS * pv).sum((-1, -2)) * e[..., 0]  # d(e) * e  [b, cb, g, r]
-            # chunk states
-            W = X * decay_in[..., None]
-            dW = torch.matmul(Bh, dS.transpose(-1, -2))  # [b, cb, g, r, Q, p]
-            dBh = torch.matmul(W, dS)  # [b, cb, g, r, Q, n]
-            d_in = (dW * X).sum(-1) * decay_in  # d(decay_in) * decay_in
-            dX = dW.mul_(decay_in[..., None])
-            # diagonal blocks
-            dM = torch.matmul(dY, X.transpose(-1, -2))  # [b, cb, g, r, Q, Q]
-            dX.view(-1, Q, p).baddbmm_(M.view(-1, Q, Q).transpose(-1, -2), dY.view(-1, Q, p))
-            dseg = dM * M
-            dCB = dM.mul_(L).sum(3)  # [b, cb, g, Q, Q]
-            Bc, Cc = Bh[:, :, :, 0], Ch[:, :, :, 0]
-            _heads_bc(dC, k0, k1, Q).copy_(torch.matmul(dCB, Bc).add_(dCh.sum(3)))
-            _heads_bc(dB, k0, k1, Q).copy_(torch.matmul(dCB.transpose(-1, -2), Cc).add_(dBh.sum(3)))
-            # cumulative decays -> dt, A
-            dAcum = dseg.sum(-1) - dseg.sum(-2) + d_out - d_in
-            dAcum[..., -1] += d_in.sum(-1) + de
-            da = dAcum.flip(-1).cumsum(-1).flip(-1)  # [b, cb, g, r, Q]
-            dt_h = dt[:, t0:t1].view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2)
-            dA += (da * dt_h).sum((0, 1, 4))
-            dd = da * A.view(g, r, 1) + (dX * _heads(x, k0, k1, Q, g)).sum(-1)
-            ddt[:, t0:t1].view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2).copy_(dd)
-            torch.mul(dX, dt_h[..., None], out=_heads(dx, k0, k1, Q, g))
-            if D is not None:
-                dx[:, t0:t1].addcmul_(dy[:, t0:t1], D[:, None])
+            k0, k1 = blocks[i]
+            t0, t1 = k0 * Q, k1 * Q
+            G = _bwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, prev[:, k0:k1],
+                           ctx.y_off[i], dy[:, t0:t1], G, dx[:, t0:t1], ddt[:, t0:t1], dB[:, t0:t1], dC[:, t0:t1],
+                           dA, dD)
         ds0 = G.reshape(b, h, p, n) if s0 is not None else None
         return dx[:, :l], ddt[:, :l], dA.view(h), dB[:, :l], dC[:, :l], dD, ds0, None
+
+
+def _fwd_block(x, dt, A, B, C, D, Q, s, prev, yv):
+    """Scan forward over one block of whole chunks. x [b, cb*Q, h, p], dt [b, cb*Q, h], B, C [b, cb*Q, g, n]
+    are this block's time steps (views), s [b, g, r, p, n] the state entering it. Writes the output (D skip
+    included) to yv [b, cb, g, r, Q, p] and the state entering each chunk to prev [b, cb, g, r, p, n];
+    returns the state after the block and the state->output term (kept for backward)."""
+    g, p = B.shape[2], x.shape[3]
+    cb, r = x.shape[1] // Q, x.shape[2] // g
+    Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, 0, cb, Q, g)
+    Alast = Acum[..., -1:]
+    W = X * torch.exp(Alast - Acum)[..., None]
+    S = torch.matmul(W.transpose(-1, -2), Bh)  # [b, cb, g, r, p, n]
+    e = torch.exp(Alast)[..., None]
+    for j in range(cb):
+        prev[:, j] = s
+        s = torch.addcmul(S[:, j], e[:, j], s)
+    T = torch.matmul(Ch, prev.transpose(-1, -2)).mul_(torch.exp(Acum)[..., None])
+    Y = torch.baddbmm(T.view(-1, Q, p), M.view(-1, Q, Q), X.view(-1, Q, p)).view(T.shape)  # [b, cb, g, r, Q, p]
+    if D is not None:
+        torch.addcmul(Y, _heads(x, 0, cb, Q, g), D.view(g, r, 1, 1), out=yv)
+    else:
+        yv.copy_(Y)
+    return s, T
+
+
+def _bwd_block(x, dt, A, B, C, D, Q, prev, y_off, dy, G, dx, ddt, dB, dC, dA, dD):
+    """Scan backward over one block (the arguments of `_fwd_block`, its saved prev and state->output term,
+    the output gradient dy [b, cb*Q, h, p] and the gradient G of the state leaving the block). Writes dx,
+    ddt, dB, dC (views of this block's steps), accumulates dA [g, r] and dD [h]; returns the gradient of
+    the state entering the block."""
+    b, _, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    cb, r = x.shape[1] // Q, h // g
+    Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, 0, cb, Q, g)
+    dY = _heads(dy, 0, cb, Q, g).contiguous()
+    if D is not None:
+        dD += (dy * x).sum((0, 1, 3))
+    Alast = Acum[..., -1:]
+    decay_out, decay_in, e = torch.exp(Acum), torch.exp(Alast - Acum), torch.exp(Alast)
+    # state -> output
+    d_out = (dY * y_off).sum(-1)  # d(decay_out) * decay_out
+    dT = dY * decay_out[..., None]
+    dCh = torch.matmul(dT, prev)  # [b, cb, g, r, Q, n]
+    dprev = torch.matmul(dT.transpose(-1, -2), Ch)  # [b, cb, g, r, p, n]
+    # recurrence over the block's chunks, backwards
+    dS = torch.empty_like(dprev)
+    for j in range(cb - 1, -1, -1):
+        dS[:, j] = G
+        G = torch.addcmul(dprev[:, j], e[:, j, ..., None], G)
+    de = (dS * prev).sum((-1, -2)) * e[..., 0]  # d(e) * e  [b, cb, g, r]
+    # chunk states
+    W = X * decay_in[..., None]
+    dW = torch.matmul(Bh, dS.transpose(-1, -2))  # [b, cb, g, r, Q, p]
+    dBh = torch.matmul(W, dS)  # [b, cb, g, r, Q, n]
+    d_in = (dW * X).sum(-1) * decay_in  # d(decay_in) * decay_in
+    dX = dW.mul_(decay_in[..., None])
+    # diagonal blocks
+    dM = torch.matmul(dY, X.transpose(-1, -2))  # [b, cb, g, r, Q, Q]
+    dX.view(-1, Q, p).baddbmm_(M.view(-1, Q, Q).transpose(-1, -2), dY.view(-1, Q, p))
+    dseg = dM * M
+    dM.mul_(L)
+    # per group: sum over the group's heads (a view when there is one head per group)
+    dCB, dCg, dBg = (t[:, :, :, 0] if r == 1 else t.sum(3) for t in (dM, dCh, dBh))  # [b, cb, g, Q, Q|n]
+    Bc, Cc = Bh[:, :, :, 0], Ch[:, :, :, 0]
+    _heads_bc(dC, 0, cb, Q).copy_(dCg.view(-1, Q, n).baddbmm_(dCB.reshape(-1, Q, Q), Bc.reshape(-1, Q, n)).view(dCg.shape))
+    _heads_bc(dB, 0, cb, Q).copy_(dBg.view(-1, Q, n).baddbmm_(dCB.reshape(-1, Q, Q).transpose(-1, -2),
+                                                              Cc.reshape(-1, Q, n)).view(dBg.shape))
+    # cumulative decays -> dt, A
+    dAcum = dseg.sum(-1) - dseg.sum(-2) + d_out - d_in
+    dAcum[..., -1] += d_in.sum(-1) + de
+    da = dAcum.flip(-1).cumsum(-1).flip(-1)  # [b, cb, g, r, Q]
+    dt_h = dt.view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2)
+    dA += (da * dt_h).sum((0, 1, 4))
+    dd = da * A.view(g, r, 1) + (dX * _heads(x, 0, cb, Q, g)).sum(-1)
+    ddt.view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2).copy_(dd)
+    torch.mul(dX, dt_h[..., None], out=_heads(dx, 0, cb, Q, g))
+    if D is not None:
+        dx.addcmul_(dy, D[:, None])
+    return G
 
 
 def _chunk_blocks(c: int, per_chunk: int) -> list[tuple[int, int]]:
@@ -179,21 +213,20 @@ def _ssd_block(x, dt, A, B, C, k0, k1, Q, g):
     Bh = _heads_bc(B, k0, k1, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
     Ch = _heads_bc(C, k0, k1, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
     CB = torch.matmul(Ch[:, :, :, 0], Bh[:, :, :, 0].transpose(-1, -2))
-    L = Acum[..., :, None] - Acum[..., None, :]
-    L.masked_fill_(_upper(Q, x.device), float("-inf")).exp_()
+    L = (Acum[..., :, None] - Acum[..., None, :]).clamp_(-LOG_TINY, 0.0).exp_().mul_(_lower(Q, x))
     M = L * CB[:, :, :, None]
     return Acum, X, Bh, Ch, CB, L, M
 
 
-_UPPER = {}
+_LOWER = {}
 
 
-def _upper(Q, device):
-    """Strictly upper-triangular boolean mask [Q, Q] (cached)."""
-    key = (Q, str(device))
-    if key not in _UPPER:
-        _UPPER[key] = torch.ones(Q, Q, dtype=torch.bool, device=device).triu(1)
-    return _UPPER[key]
+def _lower(Q, x):
+    """Lower-triangular 0/1 mask [Q, Q] in x's dtype (cached)."""
+    key = (Q, str(x.device), x.dtype)
+    if key not in _LOWER:
+        _LOWER[key] = torch.ones(Q, Q, dtype=x.dtype, device=x.device).tril()
+    return _LOWER[key]
 
 
 class _CausalConvSiLU(torch.autograd.Function):
@@ -257,6 +290,203 @@ class _CausalConvSiLU(torch.autograd.Function):
         return dx, dw.t().reshape(Cn, 1, K), db
 
 
+class _MambaCore(torch.autograd.Function):
+    """The mixer between in_proj and the gated norm, fused over blocks of chunks: causal conv + silu
+    (x mask), dt = clamp(softplus(dt + dt_bias)), the SSD scan with the D skip.
+
+    Reads the in_proj output [b, l, z|xBC|dt] in place and returns the scan output y [b, l, Im] and z (a
+    copy, so that its gradient comes back here); the backward writes the whole in_proj-output gradient
+    into one tensor. Only cache-sized tensors exist per block (the conv output is never materialised
+    over the full length, nothing is split and concatenated back); kept for backward: the state entering
+    each chunk and the state->output term. Same arithmetic as conv -> ssd_scan.
+    """
+
+    @staticmethod
+    def forward(ctx, zx, w, conv_b, dt_bias, A, D, mask, dims):
+        Im, g, n, h, Q, tmin, tmax = dims
+        b, l, _ = zx.shape
+        cd = torch.float64 if zx.dtype == torch.float64 else torch.float32
+        ctx.dtypes = [t.dtype if t is not None else None for t in (w, conv_b, dt_bias, A, D)]
+        wk = w.view(w.shape[0], -1).t().to(cd).contiguous()  # [K, C]
+        conv_b, dt_bias, A, D = (t.to(cd) if t is not None else None for t in (conv_b, dt_bias, A, D))
+        p, Cn, r, GN = Im // h, Im + 2 * g * n, h // g, g * n
+        src, raw = zx[..., Im:Im + Cn], zx[..., Im + Cn:]
+        dt = F.softplus(raw.to(cd) + dt_bias).clamp(tmin, tmax)
+        c = -(-l // Q)
+        ys = zx.new_empty(b, l, Im, dtype=cd)
+        prev = zx.new_empty(b, c, g, r, p, n, dtype=cd)
+        s = zx.new_zeros(b, g, r, p, n, dtype=cd)
+        y_off = []
+        for k0, k1 in _chunk_blocks(c, b * h * Q * max(p, Q)):
+            t0, t1, cb = k0 * Q, min(k1 * Q, l), k1 - k0
+            xbc = _core_conv(src, wk, conv_b, mask, t0, t1, cb * Q)
+            y = xbc.new_empty(b, cb * Q, h, p)
+            s, Toff = _fwd_block(xbc[..., :Im].view(b, -1, h, p), _pad_to(dt[:, t0:t1], cb * Q), A,
+                                 xbc[..., Im:Im + GN].view(b, -1, g, n), xbc[..., Im + GN:].view(b, -1, g, n), D, Q,
+                                 s, prev[:, k0:k1], _heads(y, 0, cb, Q, g))
+            y_off.append(Toff)
+            ys[:, t0:t1] = y.view(b, -1, Im)[:, :t1 - t0]
+        z = torch.empty(b, l, Im, dtype=zx.dtype, device=zx.device)
+        z.copy_(zx[..., :Im])
+        ctx.save_for_backward(zx, wk, conv_b, dt_bias, A, D, mask, prev)
+        ctx.dims, ctx.y_off, ctx.cd = dims, y_off, cd
+        return ys, z
+
+    @staticmethod
+    def backward(ctx, dys, dz):
+        zx, wk, conv_b, dt_bias, A, D, mask, prev = ctx.saved_tensors
+        Im, g, n, h, Q, tmin, tmax = ctx.dims
+        cd, (b, l, _), K = ctx.cd, zx.shape, wk.shape[0]
+        p, Cn, r, GN = Im // h, Im + 2 * g * n, h // g, g * n
+        src, raw = zx[..., Im:Im + Cn], zx[..., Im + Cn:]
+        dzx = torch.empty(zx.shape, dtype=zx.dtype, device=zx.device)
+        if dz is None:
+            dzx[..., :Im].zero_()
+        else:
+            dzx[..., :Im] = dz
+        if dys is None:
+            dys = zx.new_zeros(b, l, Im, dtype=cd)
+        dwk, db = torch.zeros_like(wk), torch.zeros_like(conv_b) if conv_b is not None else None
+        dA = torch.zeros(g, r, dtype=cd, device=zx.device)
+        dD = torch.zeros_like(D) if D is not None else None
+        ddt_bias = torch.zeros_like(dt_bias)
+        G = zx.new_zeros(b, g, r, p, n, dtype=cd)  # gradient of the state leaving the block
+        look = None  # conv-output gradient of the K-1 steps after the sub-block processed last
+        blocks = _chunk_blocks(prev.shape[1], b * h * Q * max(p, Q))
+        for i in reversed(range(len(blocks))):
+            k0, k1 = blocks[i]
+            t0, t1, cb = k0 * Q, min(k1 * Q, l), k1 - k0
+            T, Tp = t1 - t0, cb * Q
+            pre = zx.new_empty(b, T, Cn, dtype=cd)
+            xbc = _core_conv(src, wk, conv_b, mask, t0, t1, Tp, pre)
+            rawb = raw[:, t0:t1].to(cd) + dt_bias
+            sp = F.softplus(rawb)
+            dY = _pad_to(dys[:, t0:t1].to(cd), Tp).view(b, Tp, h, p)
+            # scan
+            dxbc, ddt = xbc.new_empty(b, Tp, Cn), xbc.new_empty(b, Tp, h)
+            G = _bwd_block(xbc[..., :Im].view(b, -1, h, p), _pad_to(sp.clamp(tmin, tmax), Tp), A,
+                           xbc[..., Im:Im + GN].view(b, -1, g, n), xbc[..., Im + GN:].view(b, -1, g, n), D, Q,
+                           prev[:, k0:k1], ctx.y_off[i], dY, G, dxbc[..., :Im].view(b, -1, h, p), ddt,
+                           dxbc[..., Im:Im + GN].view(b, -1, g, n), dxbc[..., Im + GN:].view(b, -1, g, n), dA, dD)
+            # dt = clamp(softplus(raw + dt_bias))
+            ddt = torch.ops.aten.softplus_backward(ddt[:, :T] * ((sp >= tmin) & (sp <= tmax)), rawb, 1.0, 20.0)
+            ddt_bias += ddt.sum((0, 1))
+            dzx[:, t0:t1, Im + Cn:] = ddt
+            # causal conv + silu, in sub-blocks (last first)
+            for s0, s1 in reversed(_sub_spans(t0, t1, Cn * b, K)):
+                a0, a1 = s0 - t0, s1 - t0
+                gr = dxbc[:, a0:a1] if mask is None else dxbc[:, a0:a1] * mask[:, s0:s1, None]
+                gr = torch.ops.aten.silu_backward(gr, pre[:, a0:a1])
+                look = _conv_backward(src, wk, gr, look, s0, dzx[:, s0:s1, Im:Im + Cn], dwk, db)
+        grads = (dwk.t().reshape(-1, 1, K), db, ddt_bias, dA.view(h), dD)
+        grads = [x.to(dt) if x is not None else None for x, dt in zip(grads, ctx.dtypes)]
+        return (dzx, *grads, None, None)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """weight * group_rms_normalise(y * silu(z)) in fp32 with a hand-written backward (keeps y, z, 1/rms)."""
+
+    @staticmethod
+    def forward(ctx, y, z, w, groups, eps):
+        dtype = y.dtype
+        yf, zf = y.float(), z.float()
+        yz = (yf * F.silu(zf)).view(*y.shape[:-1], groups, -1)
+        rs = torch.rsqrt(yz.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(y, z, w, rs)
+        ctx.groups = groups
+        return w * (yz * rs).view(y.shape).to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, z, w, rs = ctx.saved_tensors
+        yf, zf = y.float(), z.float()
+        shape, G = y.shape, ctx.groups
+        gz = F.silu(zf)
+        nv = (yf * gz).view(*shape[:-1], G, -1).mul_(rs)  # the normalised value before the weight
+        do = dout.float()
+        dw = (do * nv.view(shape)).sum(tuple(range(len(shape) - 1))) if ctx.needs_input_grad[2] else None
+        dn = (do * w.float()).view(*shape[:-1], G, -1)
+        dyz = (dn - nv * (dn * nv).mean(-1, keepdim=True)).mul_(rs).view(shape)
+        dz = torch.ops.aten.silu_backward(dyz * yf, zf)
+        dy = dyz.mul_(gz)
+        return dy.to(y.dtype), dz.to(z.dtype), (dw.to(w.dtype) if dw is not None else None), None, None
+
+
+def _sub_spans(t0: int, t1: int, width: int, K: int) -> list[tuple[int, int]]:
+    """[s0, s1) pieces of t0..t1 whose [steps, width] tensors have ~BLOCK_ELEMS elements (>= K steps)."""
+    step = max(K, 8, BLOCK_ELEMS // max(width, 1))
+    return [(s, min(s + step, t1)) for s in range(t0, t1, step)]
+
+
+def _conv_into(src, wk, bias, s0, s1, out):
+    """Causal depthwise conv (before the activation) of steps s0..s1 of src [b, l, C] into out [b, s1-s0, C]:
+    out[t] = bias + sum_k wk[k] src[t - (K-1-k)], zero before step 0."""
+    K, T = wk.shape[0], s1 - s0
+    if bias is None:
+        torch.mul(src[:, s0:s1], wk[K - 1], out=out)
+    else:
+        torch.addcmul(bias, src[:, s0:s1], wk[K - 1], out=out)
+    for k in range(K - 1):
+        d = K - 1 - k
+        j0 = min(max(d - s0, 0), T)  # rows reading before step 0 get nothing
+        out[:, j0:].addcmul_(src[:, s0 + j0 - d:s1 - d], wk[k])
+
+
+def _conv_backward(src, wk, gr, look, s0, dx, dwk, db):
+    """Backward of `_conv_into` for steps s0..s0+T given its output gradient gr [b, T, C] (sub-blocks are
+    processed last first; `look` is the output gradient of the K-1 steps after this one, None at the end).
+    Writes the input gradient of steps s0..s0+T to dx (copied if dx has another dtype), accumulates dwk
+    [K, C] and db [C]; returns the `look` for the sub-block before."""
+    K, T = wk.shape[0], gr.shape[1]
+    out = dx if dx.dtype == gr.dtype else torch.empty_like(gr)
+    torch.mul(gr, wk[K - 1], out=out)  # input step t gets sum_k wk[k] gr[t + K-1-k]
+    dwk[K - 1] += (gr * src[:, s0:s0 + T]).sum((0, 1))
+    for k in range(K - 1):
+        d = K - 1 - k
+        if T > d:
+            out[:, :T - d].addcmul_(gr[:, d:], wk[k])
+        if look is not None:
+            m = min(d, T)
+            out[:, T - m:].addcmul_(look[:, d - m:d], wk[k])
+        j0 = min(max(d - s0, 0), T)
+        if T > j0:
+            dwk[k] += (gr[:, j0:] * src[:, s0 + j0 - d:s0 + T - d]).sum((0, 1))
+    if db is not None:
+        db += gr.sum((0, 1))
+    if out is not dx:
+        dx.copy_(out)
+    if T >= K - 1:
+        return gr[:, :K - 1]
+    tail = look[:, :K - 1 - T] if look is not None else gr.new_zeros(gr.shape[0], K - 1 - T, gr.shape[2])
+    return torch.cat([gr, tail], 1)
+
+
+def _core_conv(src, wk, bias, mask, t0, t1, Tp, pre=None):
+    """silu(causal conv) (x mask) of steps t0..t1 of src [b, l, C] as a new [b, Tp, C] tensor, zero after
+    t1, computed in cache-sized sub-blocks; the pre-activation is also written to `pre` when given."""
+    b, _, C = src.shape
+    out = src.new_empty(b, Tp, C, dtype=wk.dtype)
+    if Tp > t1 - t0:
+        out[:, t1 - t0:].zero_()
+    for s0, s1 in _sub_spans(t0, t1, C * b, wk.shape[0]):
+        o = out[:, s0 - t0:s1 - t0]
+        if pre is None:
+            _conv_into(src, wk, bias, s0, s1, o)
+            torch.ops.aten.silu_(o)
+        else:
+            _conv_into(src, wk, bias, s0, s1, pre[:, s0 - t0:s1 - t0])
+            torch.ops.aten.silu.out(pre[:, s0 - t0:s1 - t0], out=o)
+        if mask is not None:
+            o.mul_(mask[:, s0:s1, None])
+    return out
+
+
+def _pad_to(t, steps):
+    """t [b, T, ...] zero-padded to `steps` time steps."""
+    pad = steps - t.shape[1]
+    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
+
+
 def _spans(l: int, step: int) -> list[tuple[int, int]]:
     """[t0, t1) blocks covering 0..l, all of length `step` but the first."""
     first = l % step or min(step, l)
@@ -302,11 +532,7 @@ class GatedRMSNorm(nn.Module):
         self.groups, self.eps = groups, eps
 
     def forward(self, y, z):
-        dtype = y.dtype
-        y = y.float() * F.silu(z.float())
-        yg = y.view(*y.shape[:-1], self.groups, -1)
-        yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * yg.view(y.shape).to(dtype)
+        return _GatedRMSNorm.apply(y, z, self.weight, self.groups, self.eps)
 
 
 class Mamba2Mixer(nn.Module):
@@ -329,13 +555,19 @@ class Mamba2Mixer(nn.Module):
         if attention_mask is not None:
             u = u * attention_mask[:, :, None].to(u.dtype)
         zxbcdt = self.in_proj(u)
+        A = -torch.exp(self.A_log.float())
+        if not u.is_cuda and l > 0:  # fused conv + scan: same arithmetic, in cache-sized blocks
+            m = attention_mask.to(torch.float64 if u.dtype == torch.float64 else torch.float32) \
+                if attention_mask is not None else None
+            dims = (Im, cfg.n_groups, cfg.ssm_state_size, nh, min(CPU_CHUNK, l), cfg.time_step_min, cfg.time_step_max)
+            y, z = _MambaCore.apply(zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, m, dims)
+            return self.out_proj(self.norm(y, z).to(u.dtype))
         z, xBC, dt = zxbcdt.split([Im, Im + 2 * GN, nh], dim=-1)
         xBC = _CausalConvSiLU.apply(xBC, self.conv1d.weight.to(xBC.dtype),
                                     None if self.conv1d.bias is None else self.conv1d.bias.to(xBC.dtype))
         if attention_mask is not None:
             xBC = xBC * attention_mask[:, :, None].to(xBC.dtype)
         x, B, C = xBC.split([Im, GN, GN], dim=-1)
-        A = -torch.exp(self.A_log.float())
         x = x.reshape(b, l, nh, cfg.mamba_head_dim)
         B = B.reshape(b, l, cfg.n_groups, cfg.ssm_state_size)
         C = C.reshape(b, l, cfg.n_groups, cfg.ssm_state_size)

@@ -9,8 +9,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+class _Relu2(torch.autograd.Function):
+    """relu(x)^2 keeping only relu(x) for backward (grad * 2 relu(x)): two passes instead of autograd's five."""
+
+    @staticmethod
+    def forward(ctx, x):
+        r = torch.relu(x)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    def backward(ctx, g):
+        (r,) = ctx.saved_tensors
+        return torch.mul(g, r).mul_(2)
+
+
 ACT = {
-    "relu2": lambda x: torch.relu(x).square(),
+    "relu2": _Relu2.apply,
     "relu": torch.relu,
     "silu": F.silu,
     "gelu": F.gelu,

@@ -46,7 +46,12 @@ class HybridLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight skips nn.Embedding's own normal_ init: on the meta device (load_model) that call
+        # goes through torch._refs and imports dynamo, 2.5 s per model load for nothing
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                       _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        if not self.embeddings.weight.is_meta:
+            nn.init.normal_(self.embeddings.weight)
         self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
