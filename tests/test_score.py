@@ -160,6 +160,11 @@ def direct_scores(model, batches):
     for k, v in acc.items():
         if k.startswith("layers.") and not k.endswith("cos"):
             out[k] = v[0] / v[1].clamp(min=1) if k.endswith("experts") else v.sqrt()
+    for i, layer in enumerate(model.layers):  # ffn and mamba_x are weighted by the columns they feed
+        w = {"-": "down_proj", "M": "out_proj"}.get(layer.kind)
+        if w is not None:
+            k = f"layers.{i}." + ("ffn" if layer.kind == "-" else "mamba_x")
+            out[k] = out[k] * getattr(layer.mixer, w).weight.double().norm(dim=0)
     for i in range(cfg.num_layers):
         for k, shape in (("attn", (cfg.num_attention_heads, cfg.head_dim)),
                          ("mamba_x", (cfg.mamba_num_heads, cfg.mamba_head_dim))):
