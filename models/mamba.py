@@ -23,6 +23,7 @@ from torch import nn
 
 CPU_CHUNK = 64  # scan chunk on CPU (any chunk gives the same result up to summation order)
 BLOCK_ELEMS = 1 << 18  # elements of one per-block tensor (1 MiB fp32: stays in a core's L2 cache)
+GPU_BLOCK_ELEMS = 1 << 26  # on a GPU blocks only bound memory (256 MiB fp32); small ones cost kernel launches
 LOG_TINY = 60.0  # decays exp(-x) below exp(-60) ~ 1e-26 are taken as exp(-60): no slow denormals
 
 
@@ -69,7 +70,7 @@ class _SSD(torch.autograd.Function):
         prev = x.new_empty(b, c, g, r, p, n)  # state entering each chunk
         s = s0.view(b, g, r, p, n) if s0 is not None else x.new_zeros(b, g, r, p, n)
         y_off = []  # per block exp(Acum) C.state_in, kept for backward
-        for k0, k1 in _chunk_blocks(c, b * h * Q * max(p, Q)):
+        for k0, k1 in _chunk_blocks(c, b * h * Q * max(p, Q), _elems(x)):
             t0, t1 = k0 * Q, k1 * Q
             s, T = _fwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, s, prev[:, k0:k1],
                               _heads(y, k0, k1, Q, g))
@@ -92,7 +93,7 @@ class _SSD(torch.autograd.Function):
         dA = torch.zeros(g, r, dtype=x.dtype, device=x.device)
         dD = torch.zeros(h, dtype=x.dtype, device=x.device) if D is not None else None
         G = ds.view(b, g, r, p, n).to(x.dtype) if ds is not None else x.new_zeros(b, g, r, p, n)
-        blocks = _chunk_blocks(c, b * h * Q * max(p, Q))
+        blocks = _chunk_blocks(c, b * h * Q * max(p, Q), _elems(x))
         for i in reversed(range(len(blocks))):
             k0, k1 = blocks[i]
             t0, t1 = k0 * Q, k1 * Q
@@ -183,10 +184,19 @@ def _bwd_block(x, dt, A, B, C, D, Q, prev, y_off, dy, G, dx, ddt, dB, dC, dA, dD
     return G
 
 
-def _chunk_blocks(c: int, per_chunk: int) -> list[tuple[int, int]]:
-    """Chunk ranges [k0, k1) whose [.., Q, Q] / [.., Q, p] tensors have ~BLOCK_ELEMS elements."""
-    step = max(1, BLOCK_ELEMS // max(per_chunk, 1))
+def _chunk_blocks(c: int, per_chunk: int, elems: int = BLOCK_ELEMS) -> list[tuple[int, int]]:
+    """Chunk ranges [k0, k1) whose [.., Q, Q] / [.., Q, p] tensors have ~`elems` elements."""
+    step = max(1, elems // max(per_chunk, 1))
     return [(k, min(k + step, c)) for k in range(0, c, step)]
+
+
+def _on_gpu(t) -> bool:
+    """Which mixer path runs: the fused cache-blocked CPU one, or whole-tensor ops (+ mamba-ssm's scan)."""
+    return t.is_cuda
+
+
+def _elems(t) -> int:
+    return BLOCK_ELEMS if t.device.type == "cpu" else GPU_BLOCK_ELEMS
 
 
 def _heads(t, k0, k1, Q, g):
@@ -288,6 +298,16 @@ class _CausalConvSiLU(torch.autograd.Function):
             dx[:, t0:t1] = dxb
             carry = head
         return dx, dw.t().reshape(Cn, 1, K), db
+
+
+def causal_conv_silu(x, conv: nn.Conv1d, blocked: bool):
+    """silu(causal depthwise conv(x)) on x [b, l, C]. blocked: the cache-blocked shifted multiply-adds
+    (CPU); else one F.conv1d call (cuDNN on GPU, where small blocks would cost thousands of launches)."""
+    w, bias = conv.weight, conv.bias
+    if blocked:
+        return _CausalConvSiLU.apply(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    y = F.conv1d(x.transpose(1, 2), w, bias, padding=w.shape[-1] - 1, groups=w.shape[0])
+    return F.silu(y[..., :x.shape[1]].transpose(1, 2))
 
 
 class _MambaCore(torch.autograd.Function):
@@ -515,7 +535,13 @@ def ssd_reference(x, dt, A, B, C, D=None):
     return torch.stack(ys, dim=1)
 
 
+USE_KERNEL = True  # set False to force the pure-PyTorch scan on CUDA (benchmarks, parity checks)
+
+
 def _mamba_kernel():
+    """mamba-ssm's fused Triton SSD scan when the optional extra is importable, else None."""
+    if not USE_KERNEL:
+        return None
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         return mamba_chunk_scan_combined
@@ -556,28 +582,29 @@ class Mamba2Mixer(nn.Module):
             u = u * attention_mask[:, :, None].to(u.dtype)
         zxbcdt = self.in_proj(u)
         A = -torch.exp(self.A_log.float())
-        if not u.is_cuda and l > 0:  # fused conv + scan: same arithmetic, in cache-sized blocks
+        gpu = _on_gpu(u)
+        if not gpu and l > 0:  # fused conv + scan: same arithmetic, in cache-sized blocks
             m = attention_mask.to(torch.float64 if u.dtype == torch.float64 else torch.float32) \
                 if attention_mask is not None else None
             dims = (Im, cfg.n_groups, cfg.ssm_state_size, nh, min(CPU_CHUNK, l), cfg.time_step_min, cfg.time_step_max)
             y, z = _MambaCore.apply(zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, m, dims)
             return self.out_proj(self.norm(y, z).to(u.dtype))
         z, xBC, dt = zxbcdt.split([Im, Im + 2 * GN, nh], dim=-1)
-        xBC = _CausalConvSiLU.apply(xBC, self.conv1d.weight.to(xBC.dtype),
-                                    None if self.conv1d.bias is None else self.conv1d.bias.to(xBC.dtype))
+        xBC = causal_conv_silu(xBC, self.conv1d, blocked=not gpu)
         if attention_mask is not None:
             xBC = xBC * attention_mask[:, :, None].to(xBC.dtype)
         x, B, C = xBC.split([Im, GN, GN], dim=-1)
         x = x.reshape(b, l, nh, cfg.mamba_head_dim)
         B = B.reshape(b, l, cfg.n_groups, cfg.ssm_state_size)
         C = C.reshape(b, l, cfg.n_groups, cfg.ssm_state_size)
-        kernel = _mamba_kernel() if u.is_cuda else None
+        kernel = _mamba_kernel() if gpu else None
         if kernel is not None:
             y = kernel(x, dt, A, B, C, cfg.chunk_size, D=self.D.float(), dt_bias=self.dt_bias.float(),
                        dt_softplus=True, dt_limit=(cfg.time_step_min, cfg.time_step_max))
         else:
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(cfg.time_step_min, cfg.time_step_max)
+            cd = torch.float64 if dt.dtype == torch.float64 else torch.float32
+            dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
             # the chunk size only changes the order of summation; 64 is the fastest on CPU
-            y = ssd_scan(x, dt, A, B, C, cfg.chunk_size if u.is_cuda else CPU_CHUNK, D=self.D)
+            y = ssd_scan(x, dt, A, B, C, cfg.chunk_size if gpu else CPU_CHUNK, D=self.D)
         y = self.norm(y.reshape(b, l, Im), z)
         return self.out_proj(y.to(u.dtype))

@@ -161,6 +161,32 @@ def test_mixer_blocked_equals_unblocked(monkeypatch):
         assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item())
 
 
+def test_gpu_path_equals_fused_cpu_path(monkeypatch):
+    """The whole-tensor path the mixer takes on CUDA (F.conv1d, one scan block per GPU_BLOCK_ELEMS, the
+    config's chunk) run on CPU equals the fused cache-blocked CPU path, outputs and every gradient, with
+    padding masked; mamba-ssm's kernel itself is checked on a GPU by bench/bench_gpu.py."""
+    cfg = ModelConfig(vocab_size=16, hidden_size=24, pattern="M", mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
+                      ssm_state_size=8, chunk_size=32)
+    torch.manual_seed(1)
+    mixer = Mamba2Mixer(cfg).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    u = torch.randn(2, 150, 24, dtype=torch.float64)
+    mask = torch.ones(2, 150)
+    mask[1, :17] = 0
+    results = []
+    for gpu in (False, True):
+        monkeypatch.setattr(mamba, "_on_gpu", lambda t, gpu=gpu: gpu)
+        monkeypatch.setattr(mamba, "_elems", lambda t, gpu=gpu: mamba.GPU_BLOCK_ELEMS if gpu else mamba.BLOCK_ELEMS)
+        mixer.zero_grad()
+        y = mixer(u, attention_mask=mask)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in mixer.parameters()])
+    for a, b in zip(*results):
+        assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item())
+
+
 class _OutputSizes(TorchDispatchMode):
     """Records the element count of every tensor an op produces (forward and backward)."""
 
