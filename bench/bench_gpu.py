@@ -62,21 +62,26 @@ def matmul_rate(dtype, n=8192, reps=10):
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
+def hf_and_ours(kw):
+    """transformers' NemotronHForCausalLM (fp32, seed 0) and ours loaded from its saved weights, on CUDA."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **kw)).float()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = load_model(tmp).cuda()
+    return hf.cuda(), ours
+
+
 def grads(model):
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def parity():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **TINY_HF)).float()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        ours = load_model(tmp).cuda()
-    hf = hf.cuda()
+    hf, ours = hf_and_ours(TINY_HF)
     ids = torch.randint(0, TINY_HF["vocab_size"], (2, 200), device="cuda")  # 200: not a multiple of 32
     out = {}
 
@@ -167,17 +172,10 @@ def throughput(seq_len, batch, reps, peak):
 
 def vs_transformers(seq_len, batch, reps):
     """bf16 autocast forward + CE + backward (no optimizer) of ours and transformers, same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     kw = dict(BIG)
     kw["hybrid_override_pattern"] = kw.pop("pattern")
     kw["layer_norm_epsilon"] = 1e-5
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **kw)).float()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        ours = load_model(tmp).cuda()
-    hf = hf.cuda()
+    hf, ours = hf_and_ours(kw)
     ids = torch.randint(0, kw["vocab_size"], (batch, seq_len), device="cuda")
     res = {}
 

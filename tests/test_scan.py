@@ -141,15 +141,20 @@ def test_causal_conv_equals_conv1d(K, block, monkeypatch):
                 assert (a.grad - r.grad).abs().max().item() < 1e-12
 
 
-def test_mixer_blocked_equals_unblocked(monkeypatch):
+def perturbed_mixer(chunk, seed):
+    """A float64 mixer with every parameter perturbed (so no gradient is trivially zero) and an input."""
     cfg = ModelConfig(vocab_size=16, hidden_size=24, pattern="M", mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-                      ssm_state_size=8, chunk_size=16)
-    torch.manual_seed(0)
+                      ssm_state_size=8, chunk_size=chunk)
+    torch.manual_seed(seed)
     mixer = Mamba2Mixer(cfg).double()
     with torch.no_grad():
         for p in mixer.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    u = torch.randn(2, 150, 24, dtype=torch.float64)
+    return mixer, torch.randn(2, 150, 24, dtype=torch.float64)
+
+
+def test_mixer_blocked_equals_unblocked(monkeypatch):
+    mixer, u = perturbed_mixer(chunk=16, seed=0)
     results = []
     for block in (mamba.BLOCK_ELEMS, 1):
         monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
@@ -165,14 +170,7 @@ def test_gpu_path_equals_fused_cpu_path(monkeypatch):
     """The whole-tensor path the mixer takes on CUDA (F.conv1d, one scan block per GPU_BLOCK_ELEMS, the
     config's chunk) run on CPU equals the fused cache-blocked CPU path, outputs and every gradient, with
     padding masked; mamba-ssm's kernel itself is checked on a GPU by bench/bench_gpu.py."""
-    cfg = ModelConfig(vocab_size=16, hidden_size=24, pattern="M", mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-                      ssm_state_size=8, chunk_size=32)
-    torch.manual_seed(1)
-    mixer = Mamba2Mixer(cfg).double()
-    with torch.no_grad():
-        for p in mixer.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    u = torch.randn(2, 150, 24, dtype=torch.float64)
+    mixer, u = perturbed_mixer(chunk=32, seed=1)
     mask = torch.ones(2, 150)
     mask[1, :17] = 0
     results = []
