@@ -49,6 +49,19 @@ def sync():
     torch.cuda.synchronize()
 
 
+def timed(fn, reps, warmup=2):
+    """Median wall seconds of fn() over reps calls after `warmup` untimed ones, GPU synchronised."""
+    times = []
+    for i in range(warmup + reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def matmul_rate(dtype, n=8192, reps=10):
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
@@ -117,19 +130,15 @@ def step_time(model, teacher, ids, reps, opt):
     w = dict(kl=1.0 if teacher is not None else 0.0, lm=0.0 if teacher is not None else 1.0, hidden=0.0,
              lb=0.0, z=0.0, temperature=1.0, topk=None)
     ac = torch.autocast("cuda", dtype=torch.bfloat16)
-    times = []
-    for i in range(reps + 2):
-        sync()
-        t = time.perf_counter()
+
+    def step():
         loss, _ = compute_losses(model, teacher, ids, w, autocast=ac)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+
+    return timed(step, reps)
 
 
 def throughput(seq_len, batch, reps, peak):
@@ -194,15 +203,7 @@ def vs_transformers(seq_len, batch, reps):
             continue
         torch.cuda.reset_peak_memory_stats()
         try:
-            times = []
-            for i in range(reps + 2):
-                sync()
-                t = time.perf_counter()
-                one(fn, model)
-                sync()
-                if i >= 2:
-                    times.append(time.perf_counter() - t)
-            s = statistics.median(times)
+            s = timed(lambda: one(fn, model), reps)
             res[name] = dict(step_s=s, tok_s=batch * seq_len / s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
         except torch.OutOfMemoryError:
             res[name] = "out of memory"

@@ -36,7 +36,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, return
     float64). Any chunk size gives the same result; memory and time are linear in length.
     """
     b, l, h, p = x.shape
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(x)
     if l == 0:
         y = x.new_zeros(b, 0, h, p, dtype=dtype)
         s0 = x.new_zeros(b, h, p, B.shape[3], dtype=dtype) if initial_state is None else initial_state.to(dtype)
@@ -196,7 +196,12 @@ def _on_gpu(t) -> bool:
 
 
 def _elems(t) -> int:
-    return BLOCK_ELEMS if t.device.type == "cpu" else GPU_BLOCK_ELEMS
+    return GPU_BLOCK_ELEMS if _on_gpu(t) else BLOCK_ELEMS
+
+
+def _compute_dtype(t) -> torch.dtype:
+    """The scan's arithmetic dtype: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _heads(t, k0, k1, Q, g):
@@ -325,7 +330,7 @@ class _MambaCore(torch.autograd.Function):
     def forward(ctx, zx, w, conv_b, dt_bias, A, D, mask, dims):
         Im, g, n, h, Q, tmin, tmax = dims
         b, l, _ = zx.shape
-        cd = torch.float64 if zx.dtype == torch.float64 else torch.float32
+        cd = _compute_dtype(zx)
         ctx.dtypes = [t.dtype if t is not None else None for t in (w, conv_b, dt_bias, A, D)]
         wk = w.view(w.shape[0], -1).t().to(cd).contiguous()  # [K, C]
         conv_b, dt_bias, A, D = (t.to(cd) if t is not None else None for t in (conv_b, dt_bias, A, D))
@@ -584,7 +589,7 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         gpu = _on_gpu(u)
         if not gpu and l > 0:  # fused conv + scan: same arithmetic, in cache-sized blocks
-            m = attention_mask.to(torch.float64 if u.dtype == torch.float64 else torch.float32) \
+            m = attention_mask.to(_compute_dtype(u)) \
                 if attention_mask is not None else None
             dims = (Im, cfg.n_groups, cfg.ssm_state_size, nh, min(CPU_CHUNK, l), cfg.time_step_min, cfg.time_step_max)
             y, z = _MambaCore.apply(zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, m, dims)
@@ -602,7 +607,7 @@ class Mamba2Mixer(nn.Module):
             y = kernel(x, dt, A, B, C, cfg.chunk_size, D=self.D.float(), dt_bias=self.dt_bias.float(),
                        dt_softplus=True, dt_limit=(cfg.time_step_min, cfg.time_step_max))
         else:
-            cd = torch.float64 if dt.dtype == torch.float64 else torch.float32
+            cd = _compute_dtype(dt)
             dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
             # the chunk size only changes the order of summation; 64 is the fastest on CPU
             y = ssd_scan(x, dt, A, B, C, cfg.chunk_size if gpu else CPU_CHUNK, D=self.D)

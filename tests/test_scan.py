@@ -176,7 +176,6 @@ def test_gpu_path_equals_fused_cpu_path(monkeypatch):
     results = []
     for gpu in (False, True):
         monkeypatch.setattr(mamba, "_on_gpu", lambda t, gpu=gpu: gpu)
-        monkeypatch.setattr(mamba, "_elems", lambda t, gpu=gpu: mamba.GPU_BLOCK_ELEMS if gpu else mamba.BLOCK_ELEMS)
         mixer.zero_grad()
         y = mixer(u, attention_mask=mask)
         (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
