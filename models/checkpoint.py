@@ -1,10 +1,10 @@
 """Streaming Hugging Face checkpoint I/O: one tensor at a time, never a whole model.
 
 CheckpointReader validates a checkpoint directory up front (config.json, safetensors headers,
-index, shard sizes) and then reads single tensors on demand. CheckpointWriter buffers tensors
-into shards of at most max_shard_bytes and writes the transformers layout at close().
+index, shard sizes) and then reads single tensors on demand. CheckpointWriter writes tensors
+straight into shards of at most max_shard_bytes and writes the transformers layout at close().
 atomic_output_dir makes an output appear all at once or not at all.
-Peak memory is about the largest tensor plus one output shard. Only safetensors is read:
+Peak memory is about the largest tensor (the writer holds no shard buffer). Only safetensors is read:
 pickle checkpoints (*.bin, *.pt) are refused, never unpickled.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import os
 import secrets
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .errors import RemodelError
 
@@ -34,6 +34,7 @@ _DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
            "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
            "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 DTYPES = {k: getattr(torch, v) for k, v in _DTYPES.items() if hasattr(torch, v)}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def read_json(path: Path) -> dict:
@@ -192,49 +193,121 @@ def _trim_heap():
         pass
 
 
+COMPACT_WASTE = 0.01  # a shard whose unused header space exceeds this fraction of its data is rewritten
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int):
+    """Append n bytes of src from offset to dst (at its current position), in the kernel where possible."""
+    while n > 0:
+        try:
+            k = os.copy_file_range(src_fd, dst_fd, min(n, 1 << 30), offset)
+        except (AttributeError, OSError):
+            k = os.write(dst_fd, os.pread(src_fd, min(n, 1 << 24), offset))
+        if k <= 0:
+            raise RemodelError(f"short copy while compacting a shard ({n} bytes left)")
+        offset, n = offset + k, n - k
+
+
+def _entry_len(name: str, t: torch.Tensor) -> int:
+    """Upper bound on the bytes `name`'s entry adds to a safetensors header (offsets of 20 digits)."""
+    e = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [10**19, 10**19]}
+    return len(json.dumps({name: e}, separators=(",", ":"))) - 1  # "{...}" -> '"name":{...},'
+
+
 class CheckpointWriter:
     """Write tensors as transformers-style safetensors shards of at most max_shard_bytes each
-    (a single tensor larger than that gets a shard of its own)."""
+    (a single tensor larger than that gets a shard of its own).
+
+    Each tensor's bytes go to the open shard file as add() receives it, straight from its memory (no
+    serialisation buffer, no copy), so memory is the caller's current tensor, not a shard. The header,
+    which safetensors puts first, is written at the shard's end into space reserved at its start
+    (padded with spaces, as the format allows); a shard closes early if its header would outgrow the
+    reservation, and a shard whose unused reservation exceeds COMPACT_WASTE of its data (a small model,
+a short last shard) is copied, in the kernel, into a file without it. Tensors whose
+    size is not a multiple of 8 bytes are held (copied) and written last, by descending item size, so
+    every tensor stays aligned to its element size."""
 
     def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024**3):
+        if sys.byteorder != "little":
+            raise RemodelError("writing safetensors needs a little-endian machine")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
-        self._buf, self._buf_bytes, self._ptrs = {}, 0, set()
+        self._reserve = min(1 << 20, max(4096, max_shard_bytes // 2048)) // 8 * 8  # header bytes per shard
+        self._f = None  # the open shard
         self._shards = []  # [(temporary file, [names])]
         self._names = set()
         self.total_size = 0
         self._closed = False
 
     def add(self, name: str, tensor: torch.Tensor):
+        """Write `tensor` (its values now: later in-place changes do not reach the file)."""
         if self._closed:
             raise RemodelError(f"{self.out_dir}: writer already closed, cannot add {name!r}")
         if name in self._names:
             raise RemodelError(f"{self.out_dir}: duplicate tensor name {name!r}")
         t = tensor.detach().to("cpu").contiguous()
-        # own the memory: a view would keep its whole base alive, a shared storage breaks save_file
-        if t.untyped_storage().nbytes() != t.nbytes or t.untyped_storage().data_ptr() in self._ptrs:
-            t = t.clone()
-        if self._buf and self._buf_bytes + t.nbytes > self.max_shard_bytes:
+        if t.dtype not in DTYPE_NAMES:
+            raise RemodelError(f"cannot write {name!r}: dtype {t.dtype} has no safetensors name")
+        n = _entry_len(name, t)
+        if self._f is not None and (self._bytes + t.nbytes > self.max_shard_bytes
+                                    or self._header + n > self._reserve):
             self._flush()
+        if self._f is None:
+            self._open()
+        if t.nbytes % 8:
+            self._held[name] = t.clone()  # written at the shard's end
+        else:
+            self._write(name, t)
         self._names.add(name)
-        self._ptrs.add(t.untyped_storage().data_ptr())
-        self._buf[name] = t
-        self._buf_bytes += t.nbytes
+        self._header += n
+        self._bytes += t.nbytes
         self.total_size += t.nbytes
 
+    def _open(self):
+        self._path = self.out_dir / f"model-{len(self._shards) + 1:05d}.safetensors.tmp"
+        self._f = open(self._path, "w+b")
+        self._f.seek(8 + self._reserve)
+        self._entries, self._held, self._offset, self._bytes = {}, {}, 0, 0
+        self._header = len(json.dumps({"__metadata__": {"format": "pt"}}, separators=(",", ":"))) + 1
+
+    def _write(self, name: str, t: torch.Tensor):
+        self._entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                               "data_offsets": [self._offset, self._offset + t.nbytes]}
+        if t.nbytes:
+            self._f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        self._offset += t.nbytes
+
     def _flush(self):
-        tmp = self.out_dir / f"model-{len(self._shards) + 1:05d}.safetensors.tmp"
-        save_file(self._buf, tmp, metadata={"format": "pt"})
-        self._shards.append((tmp, list(self._buf)))
-        self._buf, self._buf_bytes, self._ptrs = {}, 0, set()
+        for name in sorted(self._held, key=lambda k: -self._held[k].element_size()):  # stable
+            self._write(name, self._held[name])
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
+        assert len(raw) <= self._reserve, "header reservation overflow"
+        f, self._f = self._f, None
+        if self._reserve - len(raw) > COMPACT_WASTE * self._offset:
+            raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the library writes it
+            with open(self._path.with_suffix(".compact"), "wb") as g:
+                g.write(struct.pack("<Q", len(raw)) + raw)
+                g.flush()
+                f.flush()
+                _copy_range(f.fileno(), g.fileno(), 8 + self._reserve, self._offset)
+            f.close()
+            self._path.with_suffix(".compact").replace(self._path)
+        else:
+            f.seek(0)
+            f.write(struct.pack("<Q", self._reserve) + raw + b" " * (self._reserve - len(raw)))
+            f.close()
+        self._shards.append((self._path, list(self._entries)))
+        self._held = {}
         _trim_heap()
 
     def close(self, config: dict, aux_from=None):
         """Write the last shard, the index (if sharded), config.json and aux files from `aux_from`."""
         if self._closed:
             raise RemodelError(f"{self.out_dir}: writer already closed")
-        if self._buf or not self._shards:
+        if self._f is None and not self._shards:
+            self._open()  # an empty checkpoint still gets its (empty) shard
+        if self._f is not None:
             self._flush()
         self._closed = True
         n = len(self._shards)

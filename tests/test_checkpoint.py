@@ -72,16 +72,69 @@ def test_round_trip_sharded(tmp_path):
     assert torch.equal(CheckpointReader(single).get("layers.0.w"), tensors["layers.0.w"])
 
 
-def test_writer_rejects_duplicates_and_owns_views(tmp_path):
-    w = CheckpointWriter(tmp_path / "w")
-    base = torch.arange(1000.0)
-    w.add("a", base[:10])  # a view: must not keep (or save) the 1000-element base
+def test_writer_rejects_duplicates_and_writes_values_at_add(tmp_path):
+    w = CheckpointWriter(tmp_path / "w", max_shard_bytes=1000)
+    big = torch.arange(1000.0)
+    w.add("a", big[:10])  # a view of a 4000-byte base, 40 bytes: written now, base not kept
+    w.add("odd", big[10:13])  # 12 bytes: held until the shard ends, so it must be a copy
     with pytest.raises(RemodelError, match="duplicate"):
         w.add("a", torch.zeros(2))
-    w.add("b", base[:10])  # same storage twice
+    w.add("b", big[:10])  # same storage twice
+    big.fill_(-1.0)  # later in-place changes must not reach the file
+    assert [t.untyped_storage().nbytes() for t in w._held.values()] == [12]
     w.close(CONFIG)
     r = CheckpointReader(tmp_path / "w")
     assert r.nbytes("a") == 40 and torch.equal(r.get("b"), torch.arange(10.0))
+    assert torch.equal(r.get("a"), torch.arange(10.0)) and torch.equal(r.get("odd"), torch.arange(10.0, 13.0))
+
+
+def test_writer_large_shard_keeps_header_reservation_and_splits_on_header(tmp_path):
+    """A shard not compacted keeps the header space reserved at its start (padded with spaces);
+    a shard whose header would outgrow the reservation closes early. Both load in safetensors."""
+    import models.checkpoint as C
+    from safetensors.torch import load_file
+
+    old = C.COMPACT_WASTE
+    C.COMPACT_WASTE = 1e9  # never compact
+    try:
+        tensors = {f"t{i:03d}.weight": torch.full((2, 4), float(i)) for i in range(200)}
+        w = CheckpointWriter(tmp_path / "w", max_shard_bytes=10**9)
+        w._reserve = 4096  # ~60 entries per shard
+        for k, v in tensors.items():
+            w.add(k, v)
+        w.close(CONFIG)
+    finally:
+        C.COMPACT_WASTE = old
+    shards = sorted((tmp_path / "w").glob("*.safetensors"))
+    assert len(shards) >= 3  # split by the header budget, not by bytes (6.4 KB of data)
+    loaded = {}
+    for f in shards:
+        n = int.from_bytes(f.read_bytes()[:8], "little")
+        assert n == 4096 and f.read_bytes()[8 + n - 1:8 + n] == b" "
+        loaded.update(load_file(f))
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_writer_output_is_what_safetensors_writes(tmp_path):
+    """Our serialiser against the safetensors library on mixed dtypes and odd sizes: same tensors, and
+    every tensor aligned to its element size in the file (data laid out by descending item size)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = random_tensors(1)
+    tensors["odd"] = torch.ones(3, dtype=torch.bfloat16)  # 6 bytes between wider tensors if unsorted
+    tensors["after"] = torch.ones(5, dtype=torch.float64)
+    ours = write(tmp_path / "ours", tensors) / "model.safetensors"
+    save_file(tensors, tmp_path / "lib.safetensors", metadata={"format": "pt"})
+    with safe_open(ours, "pt") as a, safe_open(tmp_path / "lib.safetensors", "pt") as b:
+        assert a.metadata() == b.metadata() == {"format": "pt"} and set(a.keys()) == set(b.keys()) == set(tensors)
+        for k in tensors:
+            x, y = a.get_tensor(k), b.get_tensor(k)
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
+    start, header = __import__("models.checkpoint", fromlist=["read_header"]).read_header(ours)
+    assert start % 8 == 0
+    for k, e in header.items():
+        assert e["data_offsets"][0] % tensors[k].element_size() == 0, k
 
 
 def test_transformers_interop(tmp_path):
