@@ -5,9 +5,11 @@ once, in model order, with the MoE tensors of an upcycled layer exactly as they 
 and rounded to the checkpoint dtype). The check keeps two residual streams for a fixed sample of
 random tokens, dense and upcycled, stacked in one fp32 batch, and runs every layer on both with our
 model code (models.model.Block, the MoE with its router and dropless dispatch; the experts read the G
-scaled shards in place of N copies). It holds one layer in fp32 at a time and never builds either
-model, so it costs about two forwards of the sample (pipeline.DEVIATION_TOKENS) plus one fp32 cast
-of the weights, instead of loading both models in fp32.
+scaled shards in place of N copies). It never builds either model nor holds a layer's projections in
+fp32: every Linear reads the checkpoint's tensor and casts a cache-sized block of rows at a time
+(`linear_f32`), so the check reads each weight once, at its stored width, like the writer does; the
+G expert shards of an upcycled layer are cast once (each serves E experts). It costs about two
+forwards of the sample (pipeline.DEVIATION_TOKENS) and runs on its own thread beside the writer.
 Reported: the final logit difference (max abs, relative Frobenius) -- the figure a whole-model forward
 of both checkpoints on these tokens gives -- and, per upcycled layer, the difference between its MoE
 and dense MLP outputs on the same inputs (the upcycled stream's).
@@ -23,7 +25,34 @@ from models.norm import RMSNorm
 
 from .virtual_groups import LazyExperts
 
-VOCAB_CHUNK = 8192  # lm_head rows cast to fp32 at a time
+CAST_BYTES = 256 * 1024  # fp32 weight rows cast at a time: stays in a core's L2 cache
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w.float(), bias) for fp32 x, without an fp32 copy of w in memory: rows of w are cast
+    a cache-sized block at a time into one reused buffer (exact: every float format widens exactly)."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = max(1, CAST_BYTES // (4 * w.shape[1]))
+    buf, out = torch.empty(min(rows, w.shape[0]), w.shape[1]), torch.empty(w.shape[0], x2.shape[0])
+    for r in range(0, w.shape[0], rows):
+        c = w[r:r + rows]
+        torch.mm(buf[:len(c)].copy_(c), x2.t(), out=out[r:r + len(c)])
+    y = out.t().reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+class StreamLinear(torch.nn.Module):
+    """Stands in for an nn.Linear in the check's blocks: weight and bias are the streamed tensors
+    themselves (any float dtype), applied with linear_f32."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.b = None
+
+    def forward(self, x):
+        return linear_f32(x, self.w, self.b)
 
 
 def _materialise(module: torch.nn.Module):
@@ -72,13 +101,22 @@ class StreamCheck:
                 _materialise(b)
                 if kind == "*" and cfg.rope_theta is not None:
                     b.mixer.inv_freq = rope_inv_freq(cfg)
+            for name, m in list(b.named_modules()):
+                if isinstance(m, torch.nn.Linear):
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(b.get_submodule(parent), leaf, StreamLinear())
             self.blocks[kind] = b.eval()
         return self.blocks[kind]
 
     def _load(self, cfg, kind: str, prefix: str, tensors: dict) -> Block:
         b = self._block(cfg, kind)
         sd = {k[len(prefix):]: v for k, v in tensors.items() if not isinstance(v, LazyExperts)}
-        res = b.load_state_dict(sd, strict=False)  # copies (and casts) into the fp32 parameters
+        for name, m in b.named_modules():
+            if isinstance(m, StreamLinear):  # referenced, not copied
+                m.w, m.b = sd.pop(name + ".weight", None), sd.pop(name + ".bias", None)
+                if m.w is None:
+                    raise RuntimeError(f"deviation check: {prefix}{name}.weight missing")
+        res = b.load_state_dict(sd, strict=False)  # copies (and casts) the small rest into fp32
         missing = [k for k in res.missing_keys if not k.startswith("mixer.experts.")]
         if missing or res.unexpected_keys:
             raise RuntimeError(f"deviation check: {prefix} missing {missing}, unexpected {res.unexpected_keys}")
@@ -128,9 +166,8 @@ class StreamCheck:
         norm.weight.data = self.norm_f
         h = norm(self.x)
         dmax = dense_max = sq_diff = sq_ref = 0.0
-        buf = torch.empty(min(VOCAB_CHUNK, head.shape[0]), head.shape[1])
-        for w in head.split(VOCAB_CHUNK):
-            z = F.linear(h, buf[:len(w)].copy_(w))
+        for w in head.split(max(1, CAST_BYTES * 32 // (4 * head.shape[1]))):  # logits of 8 MiB of rows at a time
+            z = linear_f32(h, w)
             ref, diff = z[:b], z[b:] - z[:b]
             dmax = max(dmax, diff.abs().max().item())
             dense_max = max(dense_max, ref.abs().max().item())

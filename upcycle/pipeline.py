@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -117,8 +118,13 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     first = next(stream)  # checks every tensor's shape against the config before anything is written
     groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
     cache: dict = {}
-    mlp_dtypes, logit_std, t_check = set(), [0.0], [0.0]
+    mlp_dtypes, logit_std, t_check, pending = set(), [0.0], [0.0], []
     check = StreamCheck(cfg, new_cfg, seed, *DEVIATION_TOKENS)
+
+    def feed(key, source, moe):  # on the check's own thread; torch ops release the GIL
+        t = time.perf_counter()
+        check.feed(key, source, moe)
+        t_check[0] += time.perf_counter() - t
 
     def get(name):  # called once per our tensor of new_cfg, in table order, layer after layer
         while name not in cache:
@@ -136,23 +142,27 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
                 moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
                                   tensors.pop(m + "gate_proj.weight", None), r, family)
                 tensors.update((m + k, v) for k, v in moe.items())
-            t = time.perf_counter()
-            check.feed(key, source, moe)
-            t_check[0] += time.perf_counter() - t
+            # the check runs beside the conversion and the writes, at most two groups behind (memory)
+            while len(pending) >= 2:
+                pending.pop(0).result()
+            pending.append(pool.submit(feed, key, source, moe))
             cache.update(tensors)
         return cache.pop(name)
 
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp, \
+            ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as pool:
         w = CheckpointWriter(tmp)
         for hf, t in tqdm(iter_hf_tensors(get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
             w.add(hf, t)
         w.close(hf_cfg, aux_from=model_dir)
+        t_write = time.perf_counter() - t0
+        for f in pending:  # re-raises a failure of the check
+            f.result()
         deviation = check.result
         if deviation is None:
             raise RemodelError(f"internal: the deviation check did not see every tensor group ({check.todo[:1]})")
         t_check = t_check[0]
-        t_write = time.perf_counter() - t0 - t_check
         kind, norm = ROUTER_MODES[router]
         notes = []
         if p.expert_size % 8:
@@ -183,7 +193,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
             "deviation": deviation, "notes": notes, "tensors_written": n_out, "bytes_written": w.total_size,
-            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check": round(t_check, 3),
+            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check_overlapped": round(t_check, 3),
                         "total": round(time.perf_counter() - t0, 3)},
         }
         write_report(tmp, report)
