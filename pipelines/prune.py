@@ -1,7 +1,8 @@
 """`remodel prune`: cached scores (or a fresh scoring run) -> structurally pruned HF checkpoint.
 
 Streams: tensors are read, sliced and handed to the writer one at a time (one fused expert stack at
-most), so peak memory is about the largest tensor plus one output shard, whatever the model size.
+most) and written to the shard file as they come, so peak memory is about the largest tensor,
+whatever the model size.
 Targets are checked before anything is read or computed. When scores are computed here (--data),
 they are kept in OUT/scores so that pruning to another target can reuse them (--scores OUT/scores).
 """

@@ -2,11 +2,11 @@
 
 Reads the source one tensor at a time (iter_our_tensors), turns each dense MLP layer into router +
 experts (+ shared expert) with upcycle.virtual_groups, and exports through iter_hf_tensors. Per
-layer it holds the dense MLP and its G scaled shards; the N per-expert tensors are slices of those,
-copied by the writer into its current shard, so memory is about two dense MLPs plus one output shard.
-On the way, upcycle.deviation measures the initial deviation (dense vs upcycled logits on random
-tokens, and per upcycled layer MoE vs dense MLP outputs) from the streamed tensors, one layer in fp32
-at a time; the figures go to OUT/remodel_report.json.
+layer it holds the dense MLP and its G scaled shards; the N per-expert tensors are views of those,
+written to the shard file as they come, so memory is about two dense MLPs (and the check's two).
+On a second thread, upcycle.deviation measures the initial deviation (dense vs upcycled logits on
+random tokens, and per upcycled layer MoE vs dense MLP outputs) from the streamed tensors, at most two
+layer groups behind the writer; the figures go to OUT/remodel_report.json.
 """
 from __future__ import annotations
 
