@@ -194,6 +194,7 @@ def _trim_heap():
 
 
 COMPACT_WASTE = 0.01  # a shard whose unused header space exceeds this fraction of its data is rewritten
+METADATA = {"__metadata__": {"format": "pt"}}  # what transformers' save_pretrained writes
 
 
 def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int):
@@ -223,9 +224,9 @@ class CheckpointWriter:
     which safetensors puts first, is written at the shard's end into space reserved at its start
     (padded with spaces, as the format allows); a shard closes early if its header would outgrow the
     reservation, and a shard whose unused reservation exceeds COMPACT_WASTE of its data (a small model,
-a short last shard) is copied, in the kernel, into a file without it. Tensors whose
-    size is not a multiple of 8 bytes are held (copied) and written last, by descending item size, so
-    every tensor stays aligned to its element size."""
+    a short last shard) is copied, in the kernel, into a file without it. Tensors whose size is not a
+    multiple of 8 bytes are held (copied) and written last, by descending item size, so every tensor
+    stays aligned to its element size."""
 
     def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024**3):
         if sys.byteorder != "little":
@@ -269,7 +270,7 @@ a short last shard) is copied, in the kernel, into a file without it. Tensors wh
         self._f = open(self._path, "w+b")
         self._f.seek(8 + self._reserve)
         self._entries, self._held, self._offset, self._bytes = {}, {}, 0, 0
-        self._header = len(json.dumps({"__metadata__": {"format": "pt"}}, separators=(",", ":"))) + 1
+        self._header = len(json.dumps(METADATA, separators=(",", ":"))) + 1
 
     def _write(self, name: str, t: torch.Tensor):
         self._entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
@@ -281,18 +282,19 @@ a short last shard) is copied, in the kernel, into a file without it. Tensors wh
     def _flush(self):
         for name in sorted(self._held, key=lambda k: -self._held[k].element_size()):  # stable
             self._write(name, self._held[name])
-        raw = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
+        raw = json.dumps({**METADATA, **self._entries}, separators=(",", ":")).encode()
         assert len(raw) <= self._reserve, "header reservation overflow"
         f, self._f = self._f, None
         if self._reserve - len(raw) > COMPACT_WASTE * self._offset:
             raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the library writes it
-            with open(self._path.with_suffix(".compact"), "wb") as g:
+            compact = self._path.with_suffix(".compact")
+            with open(compact, "wb") as g:
                 g.write(struct.pack("<Q", len(raw)) + raw)
                 g.flush()
                 f.flush()
                 _copy_range(f.fileno(), g.fileno(), 8 + self._reserve, self._offset)
             f.close()
-            self._path.with_suffix(".compact").replace(self._path)
+            compact.replace(self._path)
         else:
             f.seek(0)
             f.write(struct.pack("<Q", self._reserve) + raw + b" " * (self._reserve - len(raw)))

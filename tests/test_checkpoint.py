@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, copy_checkpoint
+from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, copy_checkpoint, read_header
 from models.errors import RemodelError
 from tests.rss import PEAK_RSS
 
@@ -131,7 +131,7 @@ def test_writer_output_is_what_safetensors_writes(tmp_path):
         for k in tensors:
             x, y = a.get_tensor(k), b.get_tensor(k)
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
-    start, header = __import__("models.checkpoint", fromlist=["read_header"]).read_header(ours)
+    start, header = read_header(ours)
     assert start % 8 == 0
     for k, e in header.items():
         assert e["data_offsets"][0] % tensors[k].element_size() == 0, k

@@ -86,8 +86,9 @@ class StreamCheck:
             self._step(k, *self.pending.pop(k))
 
     def _block(self, cfg, kind: str) -> Block:
-        """One fp32 module per layer kind, reused: each layer's weights are copied into it, so after the
-        first layer of a kind nothing is allocated (fresh pages cost as much as the copies)."""
+        """One fp32 module per layer kind, reused: its Linears are StreamLinears that reference each
+        layer's tensors, the small rest (norms, conv, A, D) is copied into it, so after the first layer
+        of a kind nothing is allocated (fresh pages cost as much as the copies)."""
         if kind not in self.blocks:
             if kind == "M":  # a Mamba mixer built on the meta device imports torch._dynamo (~1 s)
                 with torch.random.fork_rng(devices=[]):
@@ -95,16 +96,17 @@ class StreamCheck:
             else:
                 with torch.device("meta"):
                     b = Block(cfg, kind)
+            for name, m in list(b.named_modules()):  # before materialising: no storage for them
+                if isinstance(m, torch.nn.Linear):
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(b.get_submodule(parent), leaf, StreamLinear())
+            if kind != "M":
                 if kind == "E":
                     for leaf in ("up_proj", "gate_proj", "down_proj"):
                         b.mixer.experts._parameters.pop(leaf, None)
                 _materialise(b)
                 if kind == "*" and cfg.rope_theta is not None:
                     b.mixer.inv_freq = rope_inv_freq(cfg)
-            for name, m in list(b.named_modules()):
-                if isinstance(m, torch.nn.Linear):
-                    parent, _, leaf = name.rpartition(".")
-                    setattr(b.get_submodule(parent), leaf, StreamLinear())
             self.blocks[kind] = b.eval()
         return self.blocks[kind]
 
@@ -166,7 +168,7 @@ class StreamCheck:
         norm.weight.data = self.norm_f
         h = norm(self.x)
         dmax = dense_max = sq_diff = sq_ref = 0.0
-        for w in head.split(max(1, CAST_BYTES * 32 // (4 * head.shape[1]))):  # logits of 8 MiB of rows at a time
+        for w in head.split(max(1, CAST_BYTES * 32 // (4 * head.shape[1]))):  # vocab rows of 8 MiB in fp32
             z = linear_f32(h, w)
             ref, diff = z[:b], z[b:] - z[:b]
             dmax = max(dmax, diff.abs().max().item())
