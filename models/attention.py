@@ -50,9 +50,8 @@ class Attention(nn.Module):
     def forward(self, x, attention_mask=None, position_ids=None):
         cfg = self.cfg
         b, l, _ = x.shape
-        q = self.q_proj(x).view(b, l, -1, cfg.head_dim)
-        k = self.k_proj(x).view(b, l, -1, cfg.head_dim)
-        v = self.v_proj(x).view(b, l, -1, cfg.head_dim)
+        hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
+        q, k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -77,4 +76,4 @@ class Attention(nn.Module):
                 keep = keep & attention_mask[:, None, None, :].bool()
                 keep = keep | torch.eye(l, dtype=torch.bool, device=x.device)  # no fully-masked rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
-        return self.o_proj(o.transpose(1, 2).reshape(b, l, -1))
+        return self.o_proj(o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3]))

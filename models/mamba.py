@@ -586,9 +586,11 @@ class Mamba2Mixer(nn.Module):
         if attention_mask is not None:
             u = u * attention_mask[:, :, None].to(u.dtype)
         zxbcdt = self.in_proj(u)
+        if b == 0 or l == 0:  # nothing to scan (the blocked paths cannot view an empty tensor)
+            return self.out_proj(zxbcdt.new_zeros(b, l, Im))
         A = -torch.exp(self.A_log.float())
         gpu = _on_gpu(u)
-        if not gpu and l > 0:  # fused conv + scan: same arithmetic, in cache-sized blocks
+        if not gpu:  # fused conv + scan: same arithmetic, in cache-sized blocks
             m = attention_mask.to(_compute_dtype(u)) \
                 if attention_mask is not None else None
             dims = (Im, cfg.n_groups, cfg.ssm_state_size, nh, min(CPU_CHUNK, l), cfg.time_step_min, cfg.time_step_max)

@@ -69,7 +69,7 @@ class Router(nn.Module):
             choice = scores + self.e_score_correction_bias
             if cfg.n_group > 1:
                 E, G = cfg.n_routed_experts, cfg.n_group
-                group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+                group = choice.view(choice.shape[0], G, E // G).topk(2, dim=-1)[0].sum(-1)
                 top_groups = group.topk(cfg.topk_group, dim=-1, sorted=False)[1]
                 gmask = torch.zeros_like(group).scatter_(1, top_groups, 1.0).bool()
                 choice = choice.masked_fill(~gmask.repeat_interleave(E // G, dim=1), float("-inf"))

@@ -206,3 +206,20 @@ def test_export_without_shared_expert(tmp_path):
     with torch.no_grad():
         ref, got = hf(ids).logits, ours(ids)
     assert (got - ref).abs().max().item() <= 1e-4 and ref.std().item() > 0.3
+
+
+@pytest.mark.parametrize("case", ["nemotron_h", "qwen2_moe"])
+def test_empty_batch(case, root):
+    """A batch of zero sequences (e.g. the last shard of a split batch) or of zero-length sequences
+    gives logits of shape [B, L, V] and a backward that runs (transformers' own models raise here:
+    their attention views an empty tensor with -1), and a one-sequence batch gives that row of the full batch's logits."""
+    _, ours, _, _ = build(case, root)
+    ids = inputs()[0]
+    for x in (ids[:0], ids[:, :0]):
+        ours.zero_grad(set_to_none=True)
+        out = ours(x)
+        assert out.shape == (*x.shape, V)
+        out.sum().backward()
+        assert all(p.grad is None or p.grad.abs().max().item() == 0 for p in ours.parameters())
+    with torch.no_grad():
+        assert (ours(ids[:1]) - ours(ids)[:1]).abs().max().item() < 1e-5
