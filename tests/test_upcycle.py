@@ -182,6 +182,37 @@ def test_shared_index_and_expert_math():
     assert torch.equal(t["experts.down_proj"][9], mlp.down_proj.weight.data[:, rest[12:24]] * p.s)  # shard 1
 
 
+@pytest.mark.parametrize("gated,dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_check_shard_experts_equal_per_expert_dispatch(gated, dtype):
+    """The deviation check runs each of the G shards once (upcycle.deviation.ShardExperts); that must
+    equal models.mlp.Experts over the N written experts, for any routing (also a token routed to two
+    copies of one shard) and for weights stored in bf16."""
+    from models.mlp import Experts
+    from upcycle.deviation import ShardExperts
+    from upcycle.virtual_groups import LazyExperts
+
+    G, N, Fm, H, T, k = 4, 12, 8, 16, 40, 5
+    gen = torch.Generator().manual_seed(3)
+    sh = {n: (torch.randn(G, *s, generator=gen) * 0.3).to(dtype) for n, s in
+          (("up_proj", (Fm, H)), ("gate_proj", (Fm, H)), ("down_proj", (H, Fm)))}
+    cfg = ModelConfig(**{**NEMO, "pattern": "E", "n_routed_experts": N, "num_experts_per_tok": k,
+                         "moe_intermediate_size": Fm, "mlp_act": "silu" if gated else "relu2", "mlp_gated": gated})
+    ref = Experts(cfg.replace(hidden_size=H))
+    ex = ShardExperts(cfg.mlp_act)
+    for n, v in sh.items():
+        if n == "gate_proj" and not gated:
+            continue
+        setattr(ref, n, torch.nn.Parameter(LazyExperts(v.float(), N).fused()))
+        setattr(ex, {"up_proj": "up", "gate_proj": "gate", "down_proj": "down"}[n], LazyExperts(v, N))
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(T)])
+    idx[0, :2] = torch.tensor([1, 1 + G])  # two copies of shard 1
+    w = torch.rand(T, k, generator=gen)
+    with torch.no_grad():
+        a, b = ex(x, w, idx), ref(x, w, idx)
+    assert (a - b).abs().max().item() < 1e-6 * b.abs().max().item()
+
+
 def test_llama_g1_exact_in_transformers(llama, tmp_path):
     dense, src, hf_ref = llama
     for to, S in (("mixtral", 0), ("qwen2_moe", 0), ("qwen2_moe", 16)):
