@@ -8,7 +8,7 @@ scores (compress.prune.plan_keep + prune_model, what `remodel prune` writes) and
 split (pipelines.train.evaluate, fixed token count). Depth: activation ranks layers by loss_increase
 (the prune default when the scores have it); the cos-based block importance is shown as a second row.
 
-    python bench/bench_prune_quality.py [--samples 128 --eval-tokens 32768 --seeds 3 --threads 2] [--write]
+    python bench/bench_prune_quality.py [--samples 1024 --eval-tokens 32768 --seeds 3 --threads 2] [--write]
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def write_section(text: str, path=ROOT / "bench" / "RESULTS.md"):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=128, help="calibration sequences (train split)")
+    ap.add_argument("--samples", type=int, default=1024, help="calibration sequences (train split); `remodel score`'s default")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=3)
