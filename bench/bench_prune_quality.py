@@ -126,7 +126,8 @@ def write_section(text: str, path=ROOT / "bench" / "RESULTS.md"):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=1024, help="calibration sequences (train split); `remodel score`'s default")
+    ap.add_argument("--samples", type=int, default=1024,
+                    help="calibration sequences (train split); `remodel score`'s default")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=3)

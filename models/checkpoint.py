@@ -185,8 +185,8 @@ class CheckpointReader:
 
 
 def _trim_heap():
-    """Return freed heap pages to the OS: glibc otherwise keeps a flushed shard's buffers resident
-    and (after raising its mmap threshold) may not reuse them, doubling peak memory."""
+    """Return freed heap pages to the OS after each shard (the held odd-sized tensors, the callers'
+    freed tensors): glibc may otherwise keep them resident after raising its mmap threshold."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

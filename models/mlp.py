@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 class _Relu2(torch.autograd.Function):
     """relu(x)^2 keeping only relu(x) for backward (grad * 2 relu(x)): two passes instead of autograd's five."""
 

@@ -212,7 +212,8 @@ def test_export_without_shared_expert(tmp_path):
 def test_empty_batch(case, root):
     """A batch of zero sequences (e.g. the last shard of a split batch) or of zero-length sequences
     gives logits of shape [B, L, V] and a backward that runs (transformers' own models raise here:
-    their attention views an empty tensor with -1), and a one-sequence batch gives that row of the full batch's logits."""
+    their attention views an empty tensor with -1); a one-sequence batch gives that row of the full
+    batch's logits."""
     _, ours, _, _ = build(case, root)
     ids = inputs()[0]
     for x in (ids[:0], ids[:, :0]):

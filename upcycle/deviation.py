@@ -5,10 +5,11 @@ once, in model order, with the MoE tensors of an upcycled layer exactly as they 
 and rounded to the checkpoint dtype). The check keeps two residual streams for a fixed sample of
 random tokens, dense and upcycled, stacked in one fp32 batch, and runs every layer on both with our
 model code (models.model.Block, the MoE with its router; the experts are `ShardExperts`, which run
-each of the G scaled shards once on the tokens routed to any of its N/G copies). It never builds either model nor holds a layer's projections in
-fp32: every Linear reads the checkpoint's tensor and casts a cache-sized block of rows at a time
-(`linear_f32`), so the check reads each weight once, at its stored width, like the writer does. It costs about two
-forwards of the sample (pipeline.DEVIATION_TOKENS) and runs on its own thread beside the writer.
+each of the G scaled shards once on the tokens routed to any of its N/G copies). It never builds
+either model nor holds a layer's projections in fp32: every Linear reads the checkpoint's tensor and
+casts a cache-sized block of rows at a time (`linear_f32`), so the check reads each weight once, at
+its stored width, like the writer does. It costs about two forwards of the sample
+(pipeline.DEVIATION_TOKENS) and runs on its own thread beside the writer.
 Reported: the final logit difference (max abs, relative Frobenius) -- the figure a whole-model forward
 of both checkpoints on these tokens gives -- and, per upcycled layer, the difference between its MoE
 and dense MLP outputs on the same inputs (the upcycled stream's).
@@ -71,8 +72,9 @@ class ShardExperts(torch.nn.Module):
         out = torch.zeros(x.shape[0], self.down.shards.shape[1])
         shard = idx % G
         for g in range(G):
-            w = torch.where(shard == g, weights.float(), 0.0).sum(1)
-            tok = (shard == g).any(1).nonzero().squeeze(1)
+            hit = shard == g
+            w = torch.where(hit, weights.float(), 0.0).sum(1)
+            tok = hit.any(1).nonzero().squeeze(1)
             if len(tok):
                 h = x[tok]
                 u = linear_f32(h, self.up.shards[g])
