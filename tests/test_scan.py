@@ -215,3 +215,35 @@ def test_memory_linear_in_length():
     for v in (largest, total):
         assert 1.8 < v[1] / v[0] < 2.2 and 1.8 < v[2] / v[1] < 2.2, v
     assert largest[2] <= 4096 * 8 * 64  # nothing bigger than x itself
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16, torch.bfloat16)])
+def test_gated_norm_equals_autograd_formula(groups, dtypes, monkeypatch):
+    """The blocked gated norm (hand-written backward, rows in cache-sized blocks) equals transformers'
+    formula under autograd -- weight * normalise(y * silu(z) in fp32).to(y.dtype) -- in output dtype,
+    values and gradients, over several row blocks (BLOCK_ELEMS shrunk to 3 rows) and one."""
+    yd, zd, wd = dtypes
+    g = torch.Generator().manual_seed(groups)
+    y = torch.randn(2, 23, 64, generator=g).to(yd).requires_grad_()
+    z = torch.randn(2, 23, 64, generator=g).to(zd).requires_grad_()
+    w = (1 + 0.3 * torch.randn(64, generator=g)).to(wd).requires_grad_()
+    dout = torch.randn(2, 23, 64, generator=g)
+
+    yz = (y.float() * F.silu(z.float())).view(2, 23, groups, -1)
+    ref = w * (yz * torch.rsqrt(yz.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 23, 64).to(yd)
+    ref_grads = torch.autograd.grad(ref, (y, z, w), dout.to(ref.dtype))
+    for block in (3 * 64, mamba.BLOCK_ELEMS):
+        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+        out = mamba.GatedRMSNorm(64, groups, 1e-5)
+        out.weight = torch.nn.Parameter(w.detach().clone())
+        o = out(y, z)
+        assert o.dtype == ref.dtype and o.shape == ref.shape
+        assert (o.float() - ref.float()).abs().max().item() <= 1e-6 * ref.float().abs().max().item()
+        grads = torch.autograd.grad(o, (y, z, out.weight), dout.to(o.dtype))
+        tol = 1e-5 if yd == torch.float32 else 2e-2  # bf16 gradients: one rounding of a few-term sum
+        for a, r in zip(grads, ref_grads):
+            assert a.dtype == r.dtype
+            assert (a.float() - r.float()).abs().max().item() <= tol * r.float().abs().max().item()
