@@ -598,7 +598,11 @@ class Mamba2Mixer(nn.Module):
         self.conv1d = nn.Conv1d(cfg.mamba_conv_dim, cfg.mamba_conv_dim, cfg.conv_kernel,
                                 groups=cfg.mamba_conv_dim, bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(cfg.mamba_num_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, cfg.mamba_num_heads + 1, dtype=torch.float32)))
+        self.A_log = nn.Parameter(torch.empty(cfg.mamba_num_heads))
+        if not self.A_log.is_meta:  # arange on the meta device imports torch._dynamo (~1.8 s)
+            with torch.no_grad():
+                self.A_log.copy_(torch.log(torch.arange(1, cfg.mamba_num_heads + 1, dtype=torch.float32,
+                                                        device=self.A_log.device)))
         self.D = nn.Parameter(torch.ones(cfg.mamba_num_heads))
         self.norm = GatedRMSNorm(cfg.mamba_inner, cfg.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.mamba_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)

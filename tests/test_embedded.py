@@ -76,3 +76,16 @@ def test_held_out_perplexity_matches_record(ours, slice_blocks, log):
     assert ppl < recorded * 1.05 and ppl > recorded / 1.05  # the log describes these weights
     assert ppl < VOCAB / 20  # far below a uniform model (ppl 2048)
     assert abs(log["valid_loss_transformers"] - log["valid_loss"]) < 1e-3
+
+
+def test_load_does_not_import_dynamo():
+    """Building a Mamba model on the meta device must not touch ops whose meta kernels import
+    torch._dynamo (torch.arange did: +1.6 s on every command that loads a model)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch; from models.load import load_model; m = load_model(sys.argv[1]); "
+            "assert m.layers[0].mixer.A_log.abs().sum() > 0; print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(EMBEDDED)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False"

@@ -118,22 +118,17 @@ class StreamCheck:
         layer's tensors, the small rest (norms, conv, A, D) is copied into it, so after the first layer
         of a kind nothing is allocated (fresh pages cost as much as the copies)."""
         if kind not in self.blocks:
-            if kind == "M":  # a Mamba mixer built on the meta device imports torch._dynamo (~1 s)
-                with torch.random.fork_rng(devices=[]):
-                    b = Block(cfg, kind)
-            else:
-                with torch.device("meta"):
-                    b = Block(cfg, kind)
+            with torch.device("meta"):  # no init: the weights are the streamed ones
+                b = Block(cfg, kind)
             for name, m in list(b.named_modules()):  # before materialising: no storage for them
                 if isinstance(m, torch.nn.Linear):
                     parent, _, leaf = name.rpartition(".")
                     setattr(b.get_submodule(parent), leaf, StreamLinear())
             if kind == "E":
                 b.mixer.experts = ShardExperts(cfg.mlp_act)
-            if kind != "M":
-                _materialise(b)
-                if kind == "*" and cfg.rope_theta is not None:
-                    b.mixer.inv_freq = rope_inv_freq(cfg)
+            _materialise(b)
+            if kind == "*" and cfg.rope_theta is not None:
+                b.mixer.inv_freq = rope_inv_freq(cfg)
             self.blocks[kind] = b.eval()
         return self.blocks[kind]
 

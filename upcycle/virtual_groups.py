@@ -149,8 +149,11 @@ class LazyExperts:
 
 
 def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:
-    """t * s rounded once to t's dtype (same bits as (t.float() * s).to(dtype)), contiguous."""
-    return (t * s).contiguous() if s != 1.0 else t.contiguous()
+    """t * s rounded once to t's dtype (same bits as (t.float() * s).to(dtype)), contiguous: written in
+    one pass into a contiguous tensor (t * s would keep a transposed view's layout and need a copy)."""
+    if s == 1.0:
+        return t.contiguous()
+    return torch.mul(t, s, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
 
 
 def upcycle_mlp(p: Plan, up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None, router: torch.Tensor,
