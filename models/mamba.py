@@ -185,9 +185,10 @@ def _bwd_block(x, dt, A, B, C, D, Q, prev, y_off, dy, G, dx, ddt, dB, dC, dA, dD
     return G
 
 
-def _chunk_blocks(c: int, per_chunk: int, elems: int = BLOCK_ELEMS) -> list[tuple[int, int]]:
-    """Chunk ranges [k0, k1) whose [.., Q, Q] / [.., Q, p] tensors have ~`elems` elements."""
-    step = max(1, elems // max(per_chunk, 1))
+def _chunk_blocks(c: int, per_chunk: int, elems: int | None = None) -> list[tuple[int, int]]:
+    """Ranges [k0, k1) of c chunks (or rows) of `per_chunk` elements each, ~`elems` elements per range:
+    the scan's [.., Q, Q] / [.., Q, p] block tensors, the gated norm's row blocks."""
+    step = max(1, (BLOCK_ELEMS if elems is None else elems) // max(per_chunk, 1))  # read now: tests shrink it
     return [(k, min(k + step, c)) for k in range(0, c, step)]
 
 
@@ -422,7 +423,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         # as transformers: normalise in fp32, round to y's dtype, then times the weight (type promotion)
         out = torch.empty(y2.shape, dtype=torch.promote_types(y.dtype, w.dtype), device=y.device)
         rs = torch.empty(y2.shape[0], groups, 1, dtype=torch.float32, device=y.device)
-        for r0, r1 in _row_blocks(y2):
+        for r0, r1 in _chunk_blocks(y2.shape[0], Im, _elems(y2)):  # rows
             yz = F.silu(z2[r0:r1].float()).mul_(y2[r0:r1].float()).view(r1 - r0, groups, -1)
             torch.rsqrt(yz.pow(2).mean(-1, keepdim=True).add_(eps), out=rs[r0:r1])
             torch.mul(w, yz.mul_(rs[r0:r1]).view(r1 - r0, Im).to(y.dtype), out=out[r0:r1])
@@ -440,7 +441,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         need_w = ctx.needs_input_grad[2]
         dw = torch.zeros(Im, dtype=torch.float32, device=y.device) if need_w else None
         wf = w.float()
-        for r0, r1 in _row_blocks(y2):
+        for r0, r1 in _chunk_blocks(y2.shape[0], Im, _elems(y2)):  # rows
             R = r1 - r0
             yf, zf, do = y2[r0:r1].float(), z2[r0:r1].float(), do2[r0:r1].float()
             gz = F.silu(zf)
@@ -453,12 +454,6 @@ class _GatedRMSNorm(torch.autograd.Function):
             dz[r0:r1] = torch.ops.aten.silu_backward(dyz * yf, zf)
             dy[r0:r1] = dyz.mul_(gz)
         return dy.view(shape), dz.view(shape), (dw.to(w.dtype) if need_w else None), None, None
-
-
-def _row_blocks(t) -> list[tuple[int, int]]:
-    """[r0, r1) row ranges of a [rows, width] tensor, ~BLOCK_ELEMS elements each (one range on a GPU)."""
-    rows = max(1, _elems(t) // max(t.shape[-1], 1))
-    return [(r, min(r + rows, t.shape[0])) for r in range(0, t.shape[0], rows)]
 
 
 def _sub_spans(t0: int, t1: int, width: int, K: int) -> list[tuple[int, int]]:
@@ -578,6 +573,11 @@ def _mamba_kernel():
         return None
 
 
+def init_a_log(p: torch.Tensor) -> torch.Tensor:
+    """A_log's initial value in place: log(1..h), i.e. A = -1..-h (transformers' nemotron_h init)."""
+    return p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32, device=p.device)))
+
+
 class GatedRMSNorm(nn.Module):
     """y * silu(z), then RMS-normalised within each of `groups` groups, times weight."""
 
@@ -601,8 +601,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(cfg.mamba_num_heads))
         if not self.A_log.is_meta:  # arange on the meta device imports torch._dynamo (~1.8 s)
             with torch.no_grad():
-                self.A_log.copy_(torch.log(torch.arange(1, cfg.mamba_num_heads + 1, dtype=torch.float32,
-                                                        device=self.A_log.device)))
+                init_a_log(self.A_log)
         self.D = nn.Parameter(torch.ones(cfg.mamba_num_heads))
         self.norm = GatedRMSNorm(cfg.mamba_inner, cfg.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.mamba_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)

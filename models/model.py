@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .mamba import Mamba2Mixer
+from .mamba import Mamba2Mixer, init_a_log
 from .mlp import MLP, MoE
 from .norm import RMSNorm
 
@@ -91,7 +91,7 @@ def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) ->
         elif leaf == "bias" or name.endswith("gate.weight") and p.shape[0] == 1:
             p.zero_()
         elif leaf == "A_log":
-            p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
+            init_a_log(p)
         elif leaf == "dt_bias":
             dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
             dt = dt.clamp(min=1e-4)
