@@ -3,6 +3,8 @@ in transformers with the same logits, keeps its recorded held-out perplexity, an
 pruning experiments rely on."""
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,8 +83,6 @@ def test_held_out_perplexity_matches_record(ours, slice_blocks, log):
 def test_load_does_not_import_dynamo():
     """Building a Mamba model on the meta device must not touch ops whose meta kernels import
     torch._dynamo (torch.arange did: +1.6 s on every command that loads a model)."""
-    import subprocess
-    import sys
     code = ("import sys, torch; from models.load import load_model; m = load_model(sys.argv[1]); "
             "assert m.layers[0].mixer.A_log.abs().sum() > 0; print('torch._dynamo' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code, str(EMBEDDED)], capture_output=True, text=True,

@@ -8,8 +8,8 @@ model code (models.model.Block, the MoE with its router; the experts are `ShardE
 each of the G scaled shards once on the tokens routed to any of its N/G copies). It never builds
 either model nor holds a layer's projections in fp32: every Linear reads the checkpoint's tensor and
 casts a cache-sized block of rows at a time (`linear_f32`), so the check reads each weight once, at
-its stored width, like the writer does. It costs about two forwards of the sample
-(pipeline.DEVIATION_TOKENS) and runs on its own thread beside the writer.
+its stored width, like the writer does. It costs one such pass over the weights plus two small
+forwards of the sample (pipeline.DEVIATION_TOKENS), and runs on its own thread beside the writer.
 Reported: the final logit difference (max abs, relative Frobenius) -- the figure a whole-model forward
 of both checkpoints on these tokens gives -- and, per upcycled layer, the difference between its MoE
 and dense MLP outputs on the same inputs (the upcycled stream's).

@@ -29,8 +29,9 @@ from .deviation import StreamCheck
 from .virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
 
 TARGETS = ("nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe")
-# random sequences x length: the check costs ~2 forwards of these, bound by reading the weights
-# (bench checkpoint: 32 tokens 0.51-0.58 s, 16 tokens 0.34 s, 8 tokens 0.30 s)
+# random sequences x length. The check is bound by casting each weight block to fp32 and packing it
+# for the skinny matmuls, hardly by the tokens (bench checkpoint: 1 token 0.24-0.28 s, 8 tokens
+# 0.31-0.34 s, 16 tokens 0.33-0.36 s; 32 tokens took 0.51-0.58 s before ShardExperts)
 DEVIATION_TOKENS = (1, 16)
 
 
@@ -81,7 +82,7 @@ def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _one_thread():
-    """The work here is memory-bound copies and a 32-token check: one intra-op thread is as fast on an
+    """The work here is memory-bound copies and a 16-token check: one intra-op thread is as fast on an
     idle machine and avoids OpenMP barrier stalls (10-25x slower copies) on an oversubscribed one."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
