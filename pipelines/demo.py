@@ -61,11 +61,17 @@ def _round_trip(src, work: Path) -> int:
 
 def _hf_logit_diff(path, ids) -> float:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
     from models.load import load_model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = load_model(path).float().eval()
-    with torch.no_grad():
-        return (hf(ids).logits - ours(ids)).abs().max().item()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "install causal_conv1d / mamba_ssm" notice is about CUDA kernels
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ours = load_model(path).float().eval()
+        with torch.no_grad():
+            return (hf(ids).logits - ours(ids)).abs().max().item()
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> dict:
