@@ -141,6 +141,7 @@ def build_c():
 
 def bench_c(lib, c, L, reps):
     h, p, g, n = c["h"], c["p"], c["g"], c["n"]
+    assert n % 8 == 0, "bench/ssd_seq.c needs a state size that is a multiple of 8"
     r, nck = h // g, -(-L // Q)
     torch.manual_seed(0)
     x, dt, A = torch.randn(1, L, h, p), torch.rand(1, L, h) * 0.1 + 0.01, -torch.arange(1, h + 1.0)

@@ -22,7 +22,8 @@ INL float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) +
 INL v8 bc(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 /* Forward of one state tile (row i, columns j0 .. j0 + 8*VW) of one head over n steps: the tile lives in
- * registers; B and C columns stream from cache. y[t] gets the tile's partial dot (added when add != 0). */
+ * registers; B and C columns stream from cache. pv[t] (8 lanes) gets the tile's partial dot with C_t
+ * (added when add != 0); the caller reduces it to y after the row's last tile. */
 INL void fwd_tile(const int VW, int n, const float *aT, const float *xd, const float *B, long bs,
                   const float *C, long cs, float *pv, int add, float *s) {
     v8 st[8];
@@ -44,7 +45,8 @@ INL void fwd_tile(const int VW, int n, const float *aT, const float *xd, const f
 }
 
 /* Heads h0..h1-1 over steps 0..T-1, chunk by chunk (Q steps: their B, C, x stay in cache while every row
- * tile of the state runs through them). ckpt [ceil(T/Q), H, P, N] gets the state entering each chunk. */
+ * tile of the state runs through them). ckpt [ceil(T/Q), H, P, N] gets the state entering each chunk.
+ * work: 2Q + 2QN + 8Q floats (aT, xd, packed B/C, partials). */
 void ssd_fwd(int T, int H, int P, int G, int N, int Q, const float *x, long xs, const float *dt, long dts,
              const float *A, const float *D, const float *B, long bs, const float *C, long cs, float *y, long ys,
              float *state, float *ckpt, float *work, int h0, int h1) {
@@ -73,9 +75,10 @@ void ssd_fwd(int T, int H, int P, int G, int N, int Q, const float *x, long xs, 
     }
 }
 
-/* Backward of one state tile over the steps t0..t1-1 of one chunk (in reverse), starting from the tile's
- * checkpoint (state entering t0). g: the adjoint tile (in: of the state after t1-1; out: before t0).
- * Accumulates dB, dC rows (per step, this head) and the per-step dot products dxd[t] (row i) and da[t]. */
+/* Backward of one state tile over the n steps of one chunk (in reverse), starting from the tile's
+ * checkpoint (state entering the chunk). g: the adjoint tile (in: of the state after the chunk; out:
+ * before it). Accumulates dB, dC rows (per step, this head) and 8-lane partials of the per-step dot
+ * products: pvx[t] for d(dt x)[t] of row i (written when add == 0), pva[t] for d(decay)[t]. */
 INL void bwd_tile(const int VW, int n, const float *aT, const float *xd, const float *B, long bs, const float *C,
                   long cs, const float *dyi, long dys, const float *ck, float *g, float *dB, float *dC, long dn,
                   float *pvx, float *pva, int add, float *S) {
