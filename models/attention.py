@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
+from .recompute import maybe_checkpoint
 
 
 def rope_inv_freq(cfg) -> torch.Tensor:
@@ -33,6 +34,8 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
+    recompute_core = False  # models.recompute "selective": q/k norm, RoPE and SDPA recomputed in backward
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -52,11 +55,17 @@ class Attention(nn.Module):
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         q, k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        return self.o_proj(maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids))
+
+    def _core(self, q, k, v, attention_mask, position_ids):
+        """q, k, v [b, l, heads, hd] (projection outputs) -> the o_proj input [b, l, heads * hd]."""
+        cfg = self.cfg
+        b, l = q.shape[:2]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cfg.rope_theta is not None:
-            pos = torch.arange(l, device=x.device) if position_ids is None else position_ids
+            pos = torch.arange(l, device=q.device) if position_ids is None else position_ids
             freqs = pos[..., None].float() * self.inv_freq.float()
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
@@ -68,12 +77,12 @@ class Attention(nn.Module):
         if attention_mask is None and not window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # causal AND inside the window AND key not padded
-            keep = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+            keep = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
             if window:
                 keep = keep & ~torch.ones_like(keep).tril(-cfg.sliding_window)
             keep = keep[None, None]
             if attention_mask is not None:
                 keep = keep & attention_mask[:, None, None, :].bool()
-                keep = keep | torch.eye(l, dtype=torch.bool, device=x.device)  # no fully-masked rows
+                keep = keep | torch.eye(l, dtype=torch.bool, device=q.device)  # no fully-masked rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
-        return self.o_proj(o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3]))
+        return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recompute import maybe_checkpoint
+
 CPU_CHUNK = 64  # scan chunk on CPU (any chunk gives the same result up to summation order)
 BLOCK_ELEMS = 1 << 18  # elements of one per-block tensor (1 MiB fp32: stays in a core's L2 cache)
 GPU_BLOCK_ELEMS = 1 << 26  # on a GPU blocks only bound memory (256 MiB fp32); small ones cost kernel launches
@@ -76,13 +78,13 @@ class _SSD(torch.autograd.Function):
             s, T = _fwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, s, prev[:, k0:k1],
                               _heads(y, k0, k1, Q, g))
             y_off.append(T)
-        ctx.save_for_backward(x, dt, A, B, C, D, s0, prev)
-        ctx.dims, ctx.y_off = (l, Q), y_off
+        ctx.save_for_backward(x, dt, A, B, C, D, s0, prev, *y_off)  # saved, not ctx fields: checkpoint drops them
+        ctx.dims = (l, Q)
         return y[:, :l], s.reshape(b, h, p, n)
 
     @staticmethod
     def backward(ctx, dy, ds):
-        x, dt, A, B, C, D, s0, prev = ctx.saved_tensors
+        x, dt, A, B, C, D, s0, prev, *y_off = ctx.saved_tensors
         l, Q = ctx.dims
         b, L_, h, p = x.shape
         g, n = B.shape[2], B.shape[3]
@@ -99,7 +101,7 @@ class _SSD(torch.autograd.Function):
             k0, k1 = blocks[i]
             t0, t1 = k0 * Q, k1 * Q
             G = _bwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, prev[:, k0:k1],
-                           ctx.y_off[i], dy[:, t0:t1], G, dx[:, t0:t1], ddt[:, t0:t1], dB[:, t0:t1], dC[:, t0:t1],
+                           y_off[i], dy[:, t0:t1], G, dx[:, t0:t1], ddt[:, t0:t1], dB[:, t0:t1], dC[:, t0:t1],
                            dA, dD)
         ds0 = G.reshape(b, h, p, n) if s0 is not None else None
         return dx[:, :l], ddt[:, :l], dA.view(h), dB[:, :l], dC[:, :l], dD, ds0, None
@@ -355,13 +357,13 @@ class _MambaCore(torch.autograd.Function):
             ys[:, t0:t1] = y.view(b, -1, Im)[:, :t1 - t0]
         z = torch.empty(b, l, Im, dtype=zx.dtype, device=zx.device)
         z.copy_(zx[..., :Im])
-        ctx.save_for_backward(zx, wk, conv_b, dt_bias, A, D, mask, prev)
-        ctx.dims, ctx.y_off, ctx.cd = dims, y_off, cd
+        ctx.save_for_backward(zx, wk, conv_b, dt_bias, A, D, mask, prev, *y_off)  # checkpoint sees them all
+        ctx.dims, ctx.cd = dims, cd
         return ys, z
 
     @staticmethod
     def backward(ctx, dys, dz):
-        zx, wk, conv_b, dt_bias, A, D, mask, prev = ctx.saved_tensors
+        zx, wk, conv_b, dt_bias, A, D, mask, prev, *y_off = ctx.saved_tensors
         Im, g, n, h, Q, tmin, tmax = ctx.dims
         cd, (b, l, _), K = ctx.cd, zx.shape, wk.shape[0]
         p, Cn, r, GN = Im // h, Im + 2 * g * n, h // g, g * n
@@ -393,7 +395,7 @@ class _MambaCore(torch.autograd.Function):
             dxbc, ddt = xbc.new_empty(b, Tp, Cn), xbc.new_empty(b, Tp, h)
             G = _bwd_block(xbc[..., :Im].view(b, -1, h, p), _pad_to(sp.clamp(tmin, tmax), Tp), A,
                            xbc[..., Im:Im + GN].view(b, -1, g, n), xbc[..., Im + GN:].view(b, -1, g, n), D, Q,
-                           prev[:, k0:k1], ctx.y_off[i], dY, G, dxbc[..., :Im].view(b, -1, h, p), ddt,
+                           prev[:, k0:k1], y_off[i], dY, G, dxbc[..., :Im].view(b, -1, h, p), ddt,
                            dxbc[..., Im:Im + GN].view(b, -1, g, n), dxbc[..., Im + GN:].view(b, -1, g, n), dA, dD)
             # dt = clamp(softplus(raw + dt_bias))
             ddt = torch.ops.aten.softplus_backward(ddt[:, :T] * ((sp >= tmin) & (sp <= tmax)), rawb, 1.0, 20.0)
@@ -591,6 +593,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    recompute_core = False  # models.recompute "selective": conv + scan + gated norm recomputed in backward
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -621,8 +625,19 @@ class Mamba2Mixer(nn.Module):
             m = attention_mask.to(_compute_dtype(u)) \
                 if attention_mask is not None else None
             dims = (Im, cfg.n_groups, cfg.ssm_state_size, nh, min(CPU_CHUNK, l), cfg.time_step_min, cfg.time_step_max)
-            y, z = _MambaCore.apply(zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, m, dims)
-            return self.out_proj(self.norm(y, z).to(u.dtype))
+
+            def core(zx):
+                y, z = _MambaCore.apply(zx, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, m, dims)
+                return self.norm(y, z).to(u.dtype)
+            return self.out_proj(maybe_checkpoint(self, core, zxbcdt))
+        return self.out_proj(maybe_checkpoint(self, self._core, zxbcdt, A, attention_mask).to(u.dtype))
+
+    def _core(self, zxbcdt, A, attention_mask):
+        """conv + scan + gated norm as separate ops (GPU): the in_proj output -> the out_proj input."""
+        cfg = self.cfg
+        b, l, _ = zxbcdt.shape
+        Im, GN, nh = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
+        gpu = _on_gpu(zxbcdt)
         z, xBC, dt = zxbcdt.split([Im, Im + 2 * GN, nh], dim=-1)
         xBC = causal_conv_silu(xBC, self.conv1d, blocked=not gpu)
         if attention_mask is not None:
@@ -640,5 +655,4 @@ class Mamba2Mixer(nn.Module):
             dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
             # the chunk size only changes the order of summation; 64 is the fastest on CPU
             y = ssd_scan(x, dt, A, B, C, cfg.chunk_size if gpu else CPU_CHUNK, D=self.D)
-        y = self.norm(y.reshape(b, l, Im), z)
-        return self.out_proj(y.to(u.dtype))
+        return self.norm(y.reshape(b, l, Im), z)

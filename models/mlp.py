@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recompute import maybe_checkpoint
+
 
 class _Relu2(torch.autograd.Function):
     """relu(x)^2 keeping only relu(x) for backward (grad * 2 relu(x)): two passes instead of autograd's five."""
@@ -35,6 +37,8 @@ ACT = {
 
 
 class MLP(nn.Module):
+    recompute_core = False  # models.recompute "selective": activation + down_proj recomputed in backward
+
     def __init__(self, hidden: int, ffn: int, act: str, gated: bool, bias: bool = False):
         super().__init__()
         self.act = ACT[act]
@@ -44,7 +48,13 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.up_proj(x)
-        h = self.act(self.gate_proj(x)) * h if self.gate_proj is not None else self.act(h)
+        if self.gate_proj is None:
+            return maybe_checkpoint(self, self._act_down, h)
+        return maybe_checkpoint(self, self._act_down, h, self.gate_proj(x))
+
+    def _act_down(self, h, gate=None):
+        """down(act(gate) * h), or down(act(h)): what selective recomputation replays."""
+        h = self.act(gate) * h if gate is not None else self.act(h)
         return self.down_proj(h)
 
 
@@ -87,6 +97,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    recompute_core = False  # models.recompute "selective": each expert's activation + down recomputed
+
     def __init__(self, cfg):
         super().__init__()
         E, Fm, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
@@ -97,7 +109,12 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x):
         h = F.linear(x, self.up_proj[e])
-        h = self.act(F.linear(x, self.gate_proj[e])) * h if self.gate_proj is not None else self.act(h)
+        if self.gate_proj is None:
+            return maybe_checkpoint(self, self._act_down, e, h)
+        return maybe_checkpoint(self, self._act_down, e, h, F.linear(x, self.gate_proj[e]))
+
+    def _act_down(self, e: int, h, gate=None):
+        h = self.act(gate) * h if gate is not None else self.act(h)
         return F.linear(h, self.down_proj[e])
 
     def forward(self, x, weights, idx):
