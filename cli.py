@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     except RemodelError as e:
         print(f"remodel {a.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
+        print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130

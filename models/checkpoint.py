@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -330,24 +331,82 @@ def _check_output(out: Path, overwrite: bool):
     if out.exists() and not out.is_dir():
         raise RemodelError(f"{out}: output exists and is not a directory")
     if out.is_dir() and not overwrite and any(out.iterdir()):
-        raise RemodelError(f"{out}: output directory exists and is not empty (pass overwrite to replace it)")
+        raise RemodelError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
+
+
+_SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # another user's live process (or an impossible PID: treat as alive, keep it)
+    return True
+
+
+def remove_stale_siblings(out: Path):
+    """Delete the `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` siblings a killed run left behind (their
+    PID is dead); a stale `.old` holding the previous OUT is renamed back when OUT is missing."""
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for p in sorted(entries, key=lambda q: "tmp" in q.name):  # .old first, so it can be restored
+        m = _SIBLING.fullmatch(p.name)
+        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not out.exists():
+            with contextlib.suppress(OSError):
+                p.rename(out)
+                continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _make_parents(out: Path) -> list[Path]:
+    """Create OUT's missing parent directories; returns those created (deepest last)."""
+    missing = [d for d in reversed(out.parents) if not d.exists()]
+    for d in missing:
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+    return missing
+
+
+def _remove_dirs(dirs: list[Path]):
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out, overwrite: bool = False, inputs=()):
     """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.
-    Refuses a non-empty `out` unless overwrite, and any `out` equal to, inside or containing an input."""
+    Refuses a non-empty `out` unless overwrite, and any `out` equal to, inside or containing an input.
+    Siblings left by killed runs are removed first; parent directories it creates are removed again
+    on error; an OUT that cannot be created (permissions, a file in the path) is a RemodelError."""
     out = Path(out).absolute()
     real = out.resolve()
     for inp in inputs:
         inp = Path(inp).resolve()
         if real == inp or inp in real.parents or real in inp.parents:
             raise RemodelError(f"{out}: output overlaps input directory {inp}; write the output elsewhere")
+    remove_stale_siblings(out)
     _check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    created = []
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        created = _make_parents(out)
+        tmp.mkdir()
+    except OSError as e:
+        _remove_dirs(created)
+        raise RemodelError(f"{out}: cannot create the output directory ({e.strerror or e}: "
+                           f"{e.filename or out.parent})") from None
     try:
         yield tmp
         _check_output(out, overwrite)  # something may have appeared meanwhile
@@ -358,6 +417,7 @@ def atomic_output_dir(out, overwrite: bool = False, inputs=()):
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)  # put the previous output back
+        _remove_dirs(created)
         raise
     shutil.rmtree(old, ignore_errors=True)
 

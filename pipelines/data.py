@@ -10,9 +10,11 @@ pack() tokenizes and cuts into fixed blocks; batches() iterates them in a seeded
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
+import zlib
 from pathlib import Path
 
 import datasets
@@ -39,8 +41,21 @@ def embedded_tokenizer_path() -> Path:
     return DATA_DIR / "tokenizer"
 
 
+@contextlib.contextmanager
 def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+    """Text file (gunzipped for .gz) as UTF-8; a file that is not UTF-8, a truncated or fake .gz, or an
+    unreadable file raises a one-line RemodelError naming it, also when the error comes while reading."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else \
+                open(path, encoding="utf-8") as f:
+            yield f
+    except UnicodeDecodeError as e:
+        raise RemodelError(f"{path}: not UTF-8 text ({e.reason}, byte 0x{e.object[e.start]:02x}); "
+                           "convert it to UTF-8 first") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise RemodelError(f"{path}: corrupt or truncated gzip file ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise RemodelError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def _read_lines(path: Path) -> list[str]:

@@ -1,0 +1,215 @@
+"""Bad input ends in a one-line error (exit 2, no traceback) with nothing new on disk and the inputs
+unchanged; a killed run leaves nothing that outlives the next run (issue 19)."""
+import gzip
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cli
+from models.checkpoint import atomic_output_dir
+from models.errors import RemodelError
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = ROOT / "data" / "embedded"
+DEAD_PID = 2**22 + 12345  # above the default pid_max: never a live process
+
+
+def snapshot(*paths) -> dict:
+    """{file: sha256} of every file under `paths` (to prove the inputs are unchanged)."""
+    out = {}
+    for p in map(Path, paths):
+        files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+        out.update({str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
+    return out
+
+
+def listing(d) -> set:
+    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
+
+
+def fails(capsys, *argv, rc=2, match=None) -> str:
+    """Run the CLI in-process; assert exit `rc` and exactly one error line on stderr; returns it."""
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == rc
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and "it/s]" not in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
+    assert "Traceback" not in err
+    if match:
+        assert match in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture()
+def work(tmp_path):
+    """tmp_path with a copy of the embedded model at tmp_path/model; checks nothing else appears."""
+    import shutil
+    shutil.copytree(EMBEDDED, tmp_path / "model")
+    return tmp_path
+
+
+def check_clean(work, before_listing, before_hash):
+    assert listing(work) == before_listing
+    assert snapshot(work) == before_hash
+
+
+# 1. an output that cannot be created -----------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["file_parent", "proc", "readonly"])
+def test_unwritable_out_is_one_line_error(work, capsys, where):
+    (work / "afile").write_text("x")
+    out = {"file_parent": work / "afile" / "sub" / "out", "proc": Path("/proc/remodel-test/out"),
+           "readonly": work / "ro" / "out"}[where]
+    if where == "readonly":
+        (work / "ro").mkdir()
+        os.chmod(work / "ro", 0o555)
+        if os.access(work / "ro", os.W_OK):
+            pytest.skip("running as root: a read-only mode does not block writes")
+    before = listing(work), snapshot(work)
+    fails(capsys, "convert", work / "model", out, match="cannot create the output directory")
+    check_clean(work, *before)
+
+
+def test_unwritable_out_other_commands(work, capsys):
+    (work / "afile").write_text("x")
+    before = listing(work), snapshot(work)
+    fails(capsys, "upcycle", work / "model", work / "afile" / "o", "--experts", "8", "--top-k", "2",
+          match="cannot create the output directory")
+    fails(capsys, "score", work / "model", "--method", "random", "--out", work / "afile" / "s",
+          match="cannot create the output directory")
+    check_clean(work, *before)
+
+
+# 2. text that is not UTF-8 -----------------------------------------------------------------------------
+
+def test_non_utf8_data_is_one_line_error(work, capsys):
+    bad = work / "binary.txt"
+    bad.write_bytes(bytes(range(128, 256)) * 400)
+    before = listing(work), snapshot(work)
+    fails(capsys, "score", work / "model", "--data", bad, "--out", work / "s", match="binary.txt: not UTF-8")
+    fails(capsys, "prune", work / "model", work / "p", "--data", bad, "--hidden-size", "128",
+          match="binary.txt: not UTF-8")
+    fails(capsys, "eval", work / "model", "--data", bad, match="binary.txt: not UTF-8")
+    check_clean(work, *before)
+
+
+@pytest.mark.parametrize("name", ["binary.txt", "binary.jsonl", "folder"])
+def test_non_utf8_load_texts(tmp_path, name):
+    """What train/distill --eval-data and every DATA path go through."""
+    from pipelines.data import load_texts
+    from pipelines.train import evaluate
+    p = tmp_path / name
+    if name == "folder":
+        p.mkdir()
+        (p / "a.txt").write_text("fine\n")
+        (p / "b.txt").write_bytes(b"\xff\xfe\x00bad\n")
+    else:
+        p.write_bytes(b'{"text": "\xff\xfe"}\n')
+    with pytest.raises(RemodelError, match="not UTF-8"):
+        load_texts(p)
+    with pytest.raises(RemodelError, match="not UTF-8"):
+        evaluate(EMBEDDED, p)
+
+
+# 3. truncated or fake .gz --------------------------------------------------------------------------------
+
+def bad_gz(work):
+    good = gzip.compress(("in the beginning god created the heaven and the earth\n" * 2000).encode())
+    (work / "trunc.txt.gz").write_bytes(good[: len(good) // 2])
+    (work / "plain.txt.gz").write_text("plain text with a gzip name\n" * 100)
+    return work / "trunc.txt.gz", work / "plain.txt.gz"
+
+
+def test_bad_gzip_is_one_line_error(work, capsys):
+    trunc, plain = bad_gz(work)
+    before = listing(work), snapshot(work)
+    for data in (trunc, plain):
+        fails(capsys, "score", work / "model", "--data", data, "--out", work / "s", match="gzip")
+        fails(capsys, "eval", work / "model", "--data", data, match="gzip")
+        fails(capsys, "search", work / "model", work / "o", "--data", data, "--params", "2M", match="gzip")
+    check_clean(work, *before)
+
+
+# 4. stale temporary siblings ------------------------------------------------------------------------------
+
+def test_stale_siblings_removed_live_kept(work, capsys):
+    out = work / "conv"
+    stale_tmp = work / f".conv.tmp-{DEAD_PID}-0123abcd"
+    stale_old = work / f".conv.old-{DEAD_PID}-4567abcd"  # OUT exists: a leftover, deleted
+    (work / "conv").mkdir()
+    live = work / f".conv.tmp-{os.getpid()}-89abcdef"
+    other = work / f".other.tmp-{DEAD_PID}-0123abcd"
+    for d in (stale_tmp, stale_old, live, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    assert cli.main(["convert", str(work / "model"), str(out), "--dtype", "float32", "--overwrite"]) == 0
+    assert not stale_tmp.exists() and not stale_old.exists()
+    assert live.exists() and other.exists()  # a running process's, and another output's
+    assert (out / "model.safetensors").exists()
+
+
+def test_stale_old_restored_when_out_missing(tmp_path):
+    """A kill between moving the previous OUT aside and renaming the new one in: OUT comes back."""
+    old = tmp_path / f".o.old-{DEAD_PID}-0123abcd"
+    old.mkdir()
+    (old / "x").write_text("previous")
+    with pytest.raises(RemodelError, match="--overwrite"):
+        with atomic_output_dir(tmp_path / "o"):
+            pass
+    assert (tmp_path / "o" / "x").read_text() == "previous" and not old.exists()
+
+
+def _kill_then_rerun(args, out, parent, probe, overwrite_rerun=False):
+    """Start `cli.py args`, SIGKILL it once `probe()` is true (or after 60 s), rerun to completion."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *map(str, args)], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while p.poll() is None and not probe() and time.time() - t0 < 60:
+        time.sleep(0.005)
+    killed = p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args),
+                        *(["--overwrite"] if overwrite_rerun else [])],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return killed
+
+
+@pytest.mark.parametrize("cmd", ["convert", "prune", "upcycle", "score"])
+def test_kill9_then_rerun_leaves_only_out(work, cmd):
+    parent = work / "outs"
+    parent.mkdir()
+    out = parent / "o"
+    args = {"convert": ["convert", work / "model", out, "--dtype", "float32"],
+            "prune": ["prune", work / "model", out, "--scores", work / "scores", "--hidden-size", "128"],
+            "upcycle": ["upcycle", work / "model", out, "--experts", "8", "--granularity", "2", "--top-k", "2"],
+            "score": ["score", work / "model", "--method", "magnitude", "--out", out]}[cmd]
+    if cmd == "prune":
+        assert cli.main(["score", str(work / "model"), "--method", "magnitude", "--out", str(work / "scores")]) == 0
+    before = snapshot(work / "model")
+    killed = _kill_then_rerun(args, out, parent, lambda: any(q.name.startswith(".o.tmp-") for q in parent.iterdir()))
+    assert killed, "the process ended before a temporary sibling appeared"
+    assert sorted(q.name for q in parent.iterdir()) == ["o"]
+    assert (out / "remodel_report.json").exists()
+    assert snapshot(work / "model") == before
+
+
+# 5. a failed run leaves no new parent directories -----------------------------------------------------------
+
+def test_failed_run_leaves_no_new_parents(work, capsys):
+    short = work / "short.txt"
+    short.write_text("too short\n")
+    before = listing(work), snapshot(work)
+    fails(capsys, "score", work / "model", "--data", short, "--out", work / "NEW" / "deeper" / "s",
+          match="fewer than one sequence")
+    assert not (work / "NEW").exists()
+    check_clean(work, *before)
