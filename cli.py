@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -162,7 +163,7 @@ def run(a) -> object:
     if c == "inspect":
         from pipelines.inspect import format_inspect, inspect
         d = inspect(a.model)
-        print(json.dumps(d, indent=2, default=str) if a.json else format_inspect(d))
+        print(_json(d, a.command) if a.json else format_inspect(d))
         return None
     if c == "convert":
         import torch
@@ -184,7 +185,7 @@ def run(a) -> object:
         r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
                  axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
         if a.json:
-            print(json.dumps(r, indent=2, default=str))
+            print(_json(r, a.command))
         return None
     if c == "search":
         from pipelines.search import search
@@ -207,9 +208,36 @@ def run(a) -> object:
     if c == "eval":
         from pipelines.train import evaluate
         r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
-        print(json.dumps(r, indent=2))
+        loss = r.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss):
+            raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
+                               "hold NaN/inf or overflow")
+        print(_json(r, a.command))
         return None
     raise AssertionError(c)
+
+
+def _finite(obj, bad: list, where: str = ""):
+    """obj with every NaN/inf float replaced by None (their paths appended to `bad`)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(where or "value")
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v, bad, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v, bad, f"{where}[{i}]") for i, v in enumerate(obj)]
+    return obj
+
+
+def _json(obj, command: str) -> str:
+    """Strict JSON (never NaN/Infinity, which JSON does not have): non-finite numbers become null,
+    with one warning line on stderr naming them."""
+    bad = []
+    text = json.dumps(_finite(obj, bad), indent=2, default=str, allow_nan=False)
+    if bad:
+        print(f"remodel {command}: warning: non-finite values written as null: {', '.join(bad[:5])}"
+              + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), file=sys.stderr)
+    return text
 
 
 def main(argv=None) -> int:
@@ -223,12 +251,14 @@ def main(argv=None) -> int:
     except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
         print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
+    except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
+        print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130
     if isinstance(r, dict) and a.command not in ("demo",):
-        print(json.dumps({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"},
-                         indent=2, default=str))
+        print(_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
     return 0
 
 

@@ -213,3 +213,44 @@ def test_failed_run_leaves_no_new_parents(work, capsys):
           match="fewer than one sequence")
     assert not (work / "NEW").exists()
     check_clean(work, *before)
+
+
+# 6. non-finite weights and strict JSON ---------------------------------------------------------------------
+
+def _poison(model_dir, name_part, value):
+    """Set a few entries of the first tensor whose name contains `name_part` to `value` (in place)."""
+    from safetensors.torch import load_file, save_file
+    f = Path(model_dir) / "model.safetensors"
+    t = load_file(f)
+    name = next(k for k in sorted(t) if name_part in k)
+    t[name].view(-1)[:3] = value
+    save_file(t, f, metadata={"format": "pt"})
+    return name
+
+
+def test_upcycle_nan_weights_is_one_line_error(work, capsys):
+    _poison(work / "model", "mixer.up_proj", float("nan"))
+    before = listing(work), snapshot(work)
+    line = fails(capsys, "upcycle", work / "model", work / "o", "--experts", "8", "--top-k", "2",
+                 match="3 non-finite value(s)")
+    assert "up_proj" in line
+    check_clean(work, *before)
+
+
+def test_eval_nan_loss_never_prints_nan(work, capsys):
+    _poison(work / "model", "embeddings", float("inf"))
+    data = work / "d.txt"
+    data.write_text("in the beginning god created the heaven and the earth\n" * 50)
+    before = listing(work), snapshot(work)
+    fails(capsys, "eval", work / "model", "--data", data, "--seq-len", "16", "--batch", "2",
+          match="not finite")
+    assert "NaN" not in capsys.readouterr().out
+    check_clean(work, *before)
+
+
+def test_json_output_is_strict(capsys):
+    text = cli._json({"loss": float("nan"), "x": [1.0, float("inf")], "ok": 2.5}, "eval")
+    assert json.loads(text) == {"loss": None, "x": [1.0, None], "ok": 2.5}
+    assert "NaN" not in text and "Infinity" not in text
+    err = capsys.readouterr().err.strip()
+    assert err == "remodel eval: warning: non-finite values written as null: loss, x[1]"

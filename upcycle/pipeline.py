@@ -66,6 +66,17 @@ def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared:
     return router, to
 
 
+def _check_finite(tensors: dict, model_dir):
+    """One-line RemodelError naming a source tensor that holds NaN/inf (with the count): upcycling
+    would copy them into every expert and the deviation check could only report NaN."""
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            bad = t.numel() - int(torch.isfinite(t).sum())
+            if bad:
+                raise RemodelError(f"{model_dir}: tensor {name!r} holds {bad} non-finite value(s) (NaN/inf) of "
+                                   f"{t.numel()}; upcycling needs finite weights")
+
+
 def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
     """(total, active per token) parameter counts from the config."""
     total = active = 0
@@ -134,6 +145,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             cache.clear()
             key, items = next(groups)
             tensors = dict(items)
+            _check_finite(tensors, model_dir)
             source, moe = dict(tensors), None
             if key.startswith("layers.") and cfg.pattern[int(key.split(".")[1])] == "-":
                 i = int(key.split(".")[1])
