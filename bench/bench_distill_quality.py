@@ -35,7 +35,8 @@ from models.params import count_params  # noqa: E402
 from pipelines.data import DATA_DIR, embedded_corpus  # noqa: E402
 from pipelines.prune import prune  # noqa: E402
 from pipelines.score import score  # noqa: E402
-from pipelines.train import evaluate, train  # noqa: E402
+from pipelines.evaluate import evaluate  # noqa: E402
+from pipelines.train import train  # noqa: E402
 
 TEACHER = DATA_DIR / "embedded"
 SECTION = "## Distillation quality"

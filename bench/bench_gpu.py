@@ -31,7 +31,8 @@ import models.mamba as mamba  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.load import load_model  # noqa: E402
 from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines.train import build_optimizer, compute_losses, forward_flops_per_token  # noqa: E402
+from pipelines.metrics import forward_flops_per_token  # noqa: E402
+from pipelines.trainer import build_optimizer, compute_losses  # noqa: E402
 
 H100_BF16_DENSE = 989e12
 # a 26-layer window of the real 8B pattern; 8B Mamba sizes (head dim 64, 8 groups, state 128), hidden 2048

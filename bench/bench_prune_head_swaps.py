@@ -22,7 +22,7 @@ from compress.scores import load_scores  # noqa: E402
 from models.load import load_model  # noqa: E402
 from pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
 from pipelines.score import score  # noqa: E402
-from pipelines.train import evaluate  # noqa: E402
+from pipelines.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
 

@@ -5,7 +5,7 @@ Activation scores are calibrated on the TRAIN split of the embedded corpus throu
 (whole mode, loss_increase on the first 4 batches); magnitude and random scores come from the same
 function (method='magnitude' / 'random'). Every case prunes the unpruned model in memory from those
 scores (compress.prune.plan_keep + prune_model, what `remodel prune` writes) and evaluates the VALID
-split (pipelines.train.evaluate, fixed token count). Depth: activation ranks layers by loss_increase
+split (pipelines.evaluate.evaluate, fixed token count). Depth: activation ranks layers by loss_increase
 (the prune default when the scores have it); the cos-based block importance is shown as a second row.
 
     python bench/bench_prune_quality.py [--samples 1024 --eval-tokens 32768 --seeds 3 --threads 2] [--write]
@@ -31,7 +31,7 @@ from compress.scores import load_scores  # noqa: E402
 from models.load import load_model  # noqa: E402
 from pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
 from pipelines.score import score  # noqa: E402
-from pipelines.train import evaluate  # noqa: E402
+from pipelines.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
 SECTION = "## Pruning quality (no retraining)"

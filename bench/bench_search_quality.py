@@ -33,7 +33,8 @@ from models.params import count_params  # noqa: E402
 from pipelines.data import embedded_corpus, load_texts  # noqa: E402
 from pipelines.prune import prune  # noqa: E402
 from pipelines.search import search  # noqa: E402
-from pipelines.train import evaluate, train  # noqa: E402
+from pipelines.evaluate import evaluate  # noqa: E402
+from pipelines.train import train  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 

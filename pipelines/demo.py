@@ -77,7 +77,8 @@ def _hf_logit_diff(path, ids) -> float:
 def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> dict:
     from pipelines.prune import prune
     from pipelines.score import score
-    from pipelines.train import evaluate, train
+    from pipelines.evaluate import evaluate
+    from pipelines.train import train
     from upcycle.pipeline import upcycle
 
     torch.manual_seed(0)

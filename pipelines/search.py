@@ -32,7 +32,9 @@ from models.params import count_params
 from .data import load_texts, pack
 from .plan import SHORT, plan
 from .report import write_report
-from .train import _check_out, _source_dtype, evaluate, load_tokenizer, train
+from .evaluate import evaluate
+from .runtime import check_out, load_tokenizer, source_dtype
+from .train import train
 
 PLAN_OPTIONS = {"axes", "tol", "max_width_cut", "max_depth_cut", "max_type_cut", "batch", "seq_len", "divisors"}
 
@@ -110,7 +112,7 @@ def search(model_dir, out, data, params=None, candidates: int = 3, distill_token
             raise RemodelError(f"data not found: {d}")
     if scores_dir is not None and not Path(scores_dir).exists():
         raise RemodelError(f"scores not found: {scores_dir}")
-    _check_out(out, overwrite, [model_dir])
+    check_out(out, overwrite, [model_dir])
     budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
     popts = dict(plan_options or {})
     bad = sorted(set(popts) - PLAN_OPTIONS)
@@ -157,7 +159,7 @@ def search(model_dir, out, data, params=None, candidates: int = 3, distill_token
             rows[i]["loss_rank"] = k + 1
         top_k = by_loss[:candidates]
 
-        dtype = _source_dtype(model_dir)
+        dtype = source_dtype(model_dir)
         if distill_tokens:
             for i in top_k:  # written first (fp32), so the source model is freed before the teacher loads
                 keep = plan_keep(cfg, tensors, rows[i]["prune_targets"], family)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import _rank, _size, all_reduce_sum, reduce_from_group
+from .losses import load_balancing_loss, router_probs, topk_kl
+from .parallel import _rank, _size, all_reduce_sum, gather_rows, reduce_from_group
 
 
 def _masked_mean(per_token, mask):
@@ -73,3 +74,48 @@ def vocab_shard(full_logits, group=None):
         return full_logits
     Vl = full_logits.shape[-1] // n
     return full_logits[..., _rank(group) * Vl:(_rank(group) + 1) * Vl]
+
+
+# ---- every loss of the trainer on a parallelized model ----------------------------------------
+
+def dp_load_balancing_loss(router_logits_list, top_k: int, n_experts: int, router_kind: str = "softmax",
+                           group=None) -> torch.Tensor:
+    """losses.load_balancing_loss of the global batch, tokens split evenly over the ranks of `group`: the
+    expert load f counts every rank's routing slots (all-reduced; not differentiable), the mean routing
+    probability P is this rank's. The group mean of the per-rank values (and of their gradients)
+    is the single-process loss of the whole batch."""
+    if _size(group) == 1:
+        return load_balancing_loss(router_logits_list, top_k, n_experts, router_kind)
+    logits = [lg.reshape(-1, lg.shape[-1]).float() for lg in router_logits_list]
+    counts = torch.stack([torch.bincount(lg.detach().topk(top_k, dim=-1)[1].reshape(-1), minlength=n_experts)
+                          for lg in logits]).to(logits[0].dtype)
+    dist.all_reduce(counts, group=group)
+    losses = []
+    for lg, c in zip(logits, counts):
+        f = c / (lg.shape[0] * top_k * _size(group))
+        losses.append(n_experts * (f * router_probs(lg, router_kind).mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def parallel_loss_fns(info) -> dict:
+    """compute_losses' loss functions on vocab-sharded logits (teacher logits may be a shard or full)."""
+    g, n = info.vocab_group, _size(info.vocab_group)
+    if n == 1 and info.dp_group is None:
+        return {}  # one rank: the plain losses
+
+    def shard(t, like):
+        return t if t.shape[-1] == like.shape[-1] else vocab_shard(t, g)
+
+    def full(z, V):  # [..., V/n] -> [..., V]; backward keeps this rank's block (the loss is replicated)
+        if z.shape[-1] == V:
+            return z
+        return gather_rows(z.movedim(-1, 0).contiguous(), g, V).movedim(0, -1)
+
+    def top(s, t, k, T):
+        V = s.shape[-1] * n
+        return topk_kl(full(s, V), full(t, V), k, T)
+
+    return {"lm_loss": lambda logits, labels: vocab_parallel_lm_loss(logits, labels, g),
+            "kl_div": lambda s, t, T: vocab_parallel_kl_div(s, shard(t, s), g, T),
+            "topk_kl": top,
+            "load_balancing_loss": lambda lg, k, E, kind: dp_load_balancing_loss(lg, k, E, kind, info.dp_group)}

@@ -152,7 +152,7 @@ def test_activation_beats_random_on_the_embedded_model():
     from transformers import AutoTokenizer
 
     from pipelines.data import batches, embedded_corpus, load_texts, pack
-    from pipelines.train import evaluate
+    from pipelines.evaluate import evaluate
 
     train, valid = embedded_corpus()
     tok = AutoTokenizer.from_pretrained(str(EMBEDDED))

@@ -17,7 +17,8 @@ from pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts,
 from pipelines.inspect import _n
 from pipelines.plan import plan
 from pipelines.search import search
-from pipelines.train import evaluate, load_tokenizer
+from pipelines.evaluate import evaluate
+from pipelines.runtime import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=2048, hidden_size=64, pattern="M-M*M-M-M-", num_attention_heads=4,

@@ -23,7 +23,10 @@ from models.load import save_model
 from models.model import HybridLM, init_weights
 from pipelines import losses as L
 from pipelines import train as T
+from pipelines import train_state as S
+from pipelines import trainer as TR
 from pipelines.data import embedded_corpus, embedded_tokenizer_path
+from pipelines.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,12 +150,12 @@ def test_load_balancing_and_z_loss():
 
 
 def test_lr_schedule():
-    lrs = [T.lr_at(s, 100, 1e-3, 1e-4, 10) for s in range(100)]
+    lrs = [TR.lr_at(s, 100, 1e-3, 1e-4, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))  # warm-up rises
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine falls
     assert lrs[55] == pytest.approx(0.55e-3, rel=1e-6)  # half-way: mean of lr and min_lr
-    assert T.lr_at(100, 100, 1e-3, 1e-4, 10) == pytest.approx(1e-4)
+    assert TR.lr_at(100, 100, 1e-3, 1e-4, 10) == pytest.approx(1e-4)
 
 
 # ---- tiny models and data ---------------------------------------------------------------------
@@ -193,24 +196,25 @@ import json, os, sys, time
 import torch
 torch.set_num_threads(1)
 from pipelines import train as T
+from pipelines import train_state as S
 kw, mode = json.loads(sys.argv[1]), sys.argv[2]
 if mode == "stall_after_4":  # a slow process: the SIGKILL lands after the step-4 checkpoint, before step 5 ends
-    save = T.save_checkpoint
+    save = S.save_checkpoint
     def slow(run_dir, step, *a, **k):
         r = save(run_dir, step, *a, **k)
         if step == 4:
             time.sleep(600)
         return r
-    T.save_checkpoint = slow
+    S.save_checkpoint = slow
 if mode == "die_writing_4":  # dies with the tensors of step 4 on disk but not its JSON
-    write = T._write_state
+    write = S._write_state
     def die(tmp, tensors, meta):
         if meta["step"] == 4:
             from safetensors.torch import save_file
-            save_file(tensors, tmp / T.STATE_TENSORS)
+            save_file(tensors, tmp / S.STATE_TENSORS)
             os._exit(3)
         write(tmp, tensors, meta)
-    T._write_state = die
+    S._write_state = die
 T.train(**kw)
 """
 
@@ -282,13 +286,13 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous(work, crashed, refer
     names = sorted(x.name for x in run.iterdir())
     assert "step-000002" in names and "step-000004" not in names
     torn = [x for x in run.iterdir() if x.name.startswith(".step-000004")]
-    assert len(torn) == 1 and (torn[0] / T.STATE_TENSORS).exists() and not (torn[0] / T.STATE_JSON).exists()
-    assert T.latest_checkpoint(run).name == "step-000002"
+    assert len(torn) == 1 and (torn[0] / S.STATE_TENSORS).exists() and not (torn[0] / S.STATE_JSON).exists()
+    assert S.latest_checkpoint(run).name == "step-000002"
 
     rep = T.train(**kwargs(work, out, resume=True))
     assert rep["resumed_from"].endswith("step-000002")
     assert not [x for x in run.iterdir() if x.name.startswith(".")]  # the torn temporary is gone
-    assert [x.name for x in T.list_checkpoints(run)] == ["step-000004", "step-000006"]  # keep_last=2
+    assert [x.name for x in S.list_checkpoints(run)] == ["step-000004", "step-000006"]  # keep_last=2
     assert [l for _, l in _losses(rep)] == [l for _, l in _losses(ref_rep)]
     w = load_file(out / "model.safetensors")
     assert max((w[k] - ref_w[k]).abs().max().item() for k in w) == 0.0
@@ -302,14 +306,14 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     ref_rep, _ = reference
     before = _sha(work / "teacher" / "model.safetensors")
     loaded = []
-    real_load = T.load_model
+    real_load = TR.load_model
 
     def spy(path, **kw):
         m = real_load(path, **kw)
         loaded.append((Path(path).name, m, {k: v.clone() for k, v in m.state_dict().items()}))
         return m
 
-    monkeypatch.setattr(T, "load_model", spy)
+    monkeypatch.setattr(TR, "load_model", spy)
     out = work / "frozen"
     rep = T.train(**kwargs(work, out, steps=2, grad_accum=1, topk=64))
     (_, student, s0), (tname, teacher, t0) = loaded
@@ -319,7 +323,7 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert any(not torch.equal(v, s0[k]) for k, v in student.state_dict().items())
     assert _sha(work / "teacher" / "model.safetensors") == before
 
-    tensors, meta = T.load_checkpoint(T.latest_checkpoint(T.run_dir_for(out)))
+    tensors, meta = S.load_checkpoint(S.latest_checkpoint(S.run_dir_for(out)))
     assert {k[6:] for k in tensors if k.startswith("model.")} == set(student.state_dict())
     n_proj = len(student.layers) if rep["params"]["trainable_extra"] else 0  # one projection per mapped layer
     assert n_proj == 4
@@ -333,7 +337,7 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,kl,lm") and len(rows) == 3
     assert rep["tokens_per_s"] > 0 and 0 < rep["mfu"] < 1
-    ev = T.evaluate(out, work / "valid.txt", seq_len=32, batch=4, max_tokens=2048)
+    ev = evaluate(out, work / "valid.txt", seq_len=32, batch=4, max_tokens=2048)
     assert ev["ppl"] == pytest.approx(math.exp(ev["loss"])) and ev["tokens"] == 2048
 
 
@@ -352,7 +356,7 @@ def test_bad_requests_fail_before_writing(work, tmp_path):
         T.train(**kwargs(work, out, teacher_dir=str(tmp_path / "other")))
     with pytest.raises(RemodelError, match="overlaps"):
         T.train(**kwargs(work, work / "student" / "x"))
-    assert not out.exists() and not T.run_dir_for(out).exists()
+    assert not out.exists() and not S.run_dir_for(out).exists()
 
 
 def test_distillation_beats_lm_only_at_equal_tokens(work):
@@ -367,7 +371,7 @@ def test_distillation_beats_lm_only_at_equal_tokens(work):
     lm = T.train(str(work / "small"), str(work / "lm_only"), steps=40, **common)
     kd = T.train(str(work / "small"), str(work / "kd"), teacher_dir=str(work / "big_trained"), steps=40, **common)
     assert kd["tokens"] == lm["tokens"] == 40 * 8 * 32 and kd["args"]["lm_loss_weight"] == 0.0
-    ev = {name: T.evaluate(work / name, work / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
+    ev = {name: evaluate(work / name, work / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
           for name in ("big_trained", "lm_only", "kd")}
     print(f"held-out loss: teacher {ev['big_trained']:.3f}, LM-only {ev['lm_only']:.3f}, KD {ev['kd']:.3f}")
     assert ev["big_trained"] < ev["kd"] < ev["lm_only"] - 0.05

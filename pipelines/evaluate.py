@@ -1,0 +1,73 @@
+"""Next-token loss, perplexity and forward tokens/s of a model on data (`remodel eval`, and the
+held-out figures of a training run)."""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from models.errors import RemodelError
+from models.load import load_config, load_model
+
+from .losses import lm_loss
+from .runtime import load_tokenizer, pick_device
+
+
+def _check_positive(**kw):
+    for k, v in kw.items():
+        if v is not None and not v > 0:
+            raise RemodelError(f"{k} must be > 0, got {v}")
+
+
+@torch.no_grad()
+def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens: int | None = None,
+             tokenizer=None, device="auto", bf16="auto") -> dict:
+    """Next-token loss (nats/token), perplexity and forward tokens/s over packed blocks of `data`
+    (a DATA path, a datasets.Dataset with 'text', or a LongTensor [N, L] of ids).
+    A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
+    from .data import load_texts, pack
+
+    if isinstance(model_or_dir, (str, Path)):
+        dev = pick_device(device)
+        load_config(model_or_dir)  # one-line error for a bad dir before anything heavy
+        if tokenizer is None and not torch.is_tensor(data):
+            tokenizer = load_tokenizer(model_or_dir)
+        model = load_model(model_or_dir, device=dev)
+    else:
+        model = model_or_dir
+        dev = next(model.parameters()).device
+    _check_positive(seq_len=seq_len, batch=batch, max_tokens=max_tokens)
+    if torch.is_tensor(data):
+        blocks = data if max_tokens is None else data[: max(1, max_tokens // data.shape[1])]
+    else:
+        if tokenizer is None:
+            raise RemodelError("evaluate: text data needs a tokenizer")
+        ds = load_texts(data) if isinstance(data, (str, Path)) else data
+        blocks = pack(ds, tokenizer, seq_len, max_tokens=max_tokens)
+    if int(blocks.max()) >= model.cfg.vocab_size:
+        raise RemodelError(f"token id {int(blocks.max())} is outside the model's vocabulary ({model.cfg.vocab_size})")
+    use_bf16 = dev.type == "cuda" and (bf16 is True or bf16 == "auto")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    try:
+        for i in tqdm(range(0, len(blocks), batch), desc="eval", unit="batch", leave=False):
+            ids = blocks[i:i + batch].to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+                logits = model(ids)
+            n = ids[:, 1:].numel()
+            total += lm_loss(logits[:, :-1], ids[:, 1:]).item() * n
+            count += n
+        sync()
+    finally:
+        model.train(was_training)
+    dt = time.perf_counter() - t0
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": int(blocks.numel()),
+            "tokens_per_s": blocks.numel() / dt}

@@ -1,0 +1,147 @@
+"""Where a run executes: device, tokenizer, output checks, and the process group / DeviceMesh.
+
+A single process is the 1-rank case: `init_mesh` returns None and everything that takes a mesh treats
+None as one rank. Under torchrun the processes form a ("dp", "tp") DeviceMesh, dp = processes // tp.
+Collectives of the training loop time out after REMODEL_DIST_TIMEOUT seconds (default 30); waits for
+one rank's solo work (evaluation, export) use a gloo group with REMODEL_DIST_WAIT_TIMEOUT (default 3600).
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.errors import RemodelError
+from models.load import read_config_dict
+
+
+def pick_device(device="auto") -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(model_dir):
+    """The model directory's tokenizer (AutoTokenizer, local files only); a one-line error otherwise."""
+    from transformers import AutoTokenizer
+    d = Path(model_dir)
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a bad input
+        raise RemodelError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+def check_out(out: Path, overwrite: bool, inputs):
+    """OUT may not overlap an input, be a file, or be a non-empty directory without --overwrite."""
+    real = out.resolve()
+    for inp in inputs:
+        inp = Path(inp).resolve()
+        if real == inp or inp in real.parents or real in inp.parents:
+            raise RemodelError(f"{out}: output overlaps input directory {inp}; write the output elsewhere")
+    if out.exists() and not out.is_dir():
+        raise RemodelError(f"{out}: output exists and is not a directory")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        raise RemodelError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
+
+
+def source_dtype(model_dir: Path):
+    """The dtype a checkpoint was stored in (so an output can match it); None if unknown."""
+    d = read_config_dict(model_dir)
+    name = d.get("dtype") or d.get("torch_dtype")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
+
+
+# ---- process group and mesh -------------------------------------------------------------------
+
+def timeout(var: str, default: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(var, default)))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_dist(dev: torch.device) -> torch.device:
+    """This rank's device; initialises the default process group from torchrun's environment unless one
+    exists. It is kept for later calls in the process (a second init under torchrun would hang) and
+    destroyed at exit (gloo threads alive at interpreter exit can abort a finished rank)."""
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return dev
+    if not {"WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
+        raise RemodelError("tensor/expert/data parallelism needs one process per rank: launch with "
+                           "`torchrun --nproc-per-node N cli.py train|distill ... --tp T --ep E`")
+    dist.init_process_group(dist.get_default_backend_for_device(dev),
+                            timeout=timeout("REMODEL_DIST_TIMEOUT", 30))
+    atexit.register(_destroy)
+    return dev
+
+
+def _destroy():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def layout(world: int, tp: int, ep: int, batch: int) -> tuple[int, str | None]:
+    """-> (dp, the mesh dimension experts are sharded over or None); one-line errors for layouts that
+    cannot work."""
+    if tp < 1 or ep < 1:
+        raise RemodelError(f"--tp and --ep must be >= 1, got tp={tp} ep={ep}")
+    if world % tp:
+        raise RemodelError(f"--tp {tp} does not divide the {world} processes")
+    dp = world // tp
+    ep_dim = None
+    if ep > 1:
+        if ep == tp:
+            ep_dim = "tp"
+        elif ep == dp:
+            ep_dim = "dp"
+        else:
+            raise RemodelError(f"--ep {ep} must equal --tp {tp} or dp={dp} (= processes / tp): expert parallelism "
+                               "is folded over the tensor- or the data-parallel ranks")
+    if batch % dp:
+        raise RemodelError(f"--batch {batch} is not divisible by the {dp} data-parallel ranks (processes / tp)")
+    return dp, ep_dim
+
+
+def init_mesh(device_type: str, dp: int, tp: int):
+    """("dp", "tp") DeviceMesh whose groups carry the short timeout (init_device_mesh's subgroups would
+    get torch's 30-minute default); None for one process."""
+    if dp * tp == 1 and not dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+    grid = torch.arange(dp * tp).view(dp, tp)
+    me, mine = dist.get_rank(), {}
+    for name, rows in (("dp", grid.t().tolist()), ("tp", grid.tolist())):
+        for ranks in rows:  # every rank creates every group, in the same order
+            g = dist.new_group(ranks, timeout=timeout("REMODEL_DIST_TIMEOUT", 30))
+            if me in ranks:
+                mine[name] = g
+    return DeviceMesh.from_group([mine["dp"], mine["tp"]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+
+
+def wait_group():
+    """A gloo group with the long timeout, for waits on one rank's solo work; None for one process."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600))
+
+
+def wait(group):
+    """Barrier on the long-timeout group (others wait while rank 0 works alone); no-op in one process."""
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
