@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
                    help="activation importance (default) or a data-free baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
+    p.add_argument("--expert-method", choices=["contribution", "frequency", "mean", "random"], default="contribution",
+                   help="what ranks MoE experts: router weight x output norm summed over tokens (default), "
+                        "routing frequency, the mean per routed token, or random (--seed)")
     p.add_argument("--samples", type=int, default=1024); p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto")
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores"); g.add_argument("--data")
     for flag in ("hidden-size", "ffn-size", "mamba-heads", "mamba-head-dim", "attn-heads", "experts",
-                 "expert-ffn-size", "shared-expert-size"):
+                 "expert-ffn-size", "shared-expert-size", "latent-size"):
         p.add_argument(f"--{flag}", type=int)
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int); d.add_argument("--drop-layers", type=_ints)
@@ -143,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _targets(a) -> dict:
     keys = ("hidden_size", "ffn_size", "mamba_heads", "mamba_head_dim", "attn_heads", "experts",
-            "expert_ffn_size", "shared_expert_size", "num_layers", "drop_layers")
+            "expert_ffn_size", "shared_expert_size", "latent_size", "num_layers", "drop_layers")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 
@@ -175,7 +178,8 @@ def run(a) -> object:
         if a.method == "activation" and not a.data:
             raise RemodelError("--data is required for --method activation")
         return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
-                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed)
+                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed,
+                     expert_method=a.expert_method)
     if c == "prune":
         from pipelines.prune import prune
         return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))

@@ -12,13 +12,14 @@ A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of
   layers.{i}.experts          [E']          'E' layers
   layers.{i}.expert_ffn       [E' or E, Fm'] per kept expert (rows in kept-expert order) its own neurons
   layers.{i}.shared_ffn       [S']          'E' layers with a shared expert
+  layers.{i}.latent           [Lt']         'E' layers of a LatentMoE (fc1/fc2_latent_proj and the experts)
   layers                      [L']          kept layers (depth pruning)
 
 Composite axes are derived from those: 'attn_q' rows (heads x head_dim), 'mamba_inner' (heads x
 head_dim channels), 'mamba_conv' (x by inner, B|C whole), 'mamba_in_proj' (z, x by inner, B|C whole,
 dt by heads). `dim_indices` turns a keep dict into one index per tensor dimension: None (keep all),
 a 1-D index (index_select), or a 2-D [rows, k] index that selects per row of dimension 0 (gather).
-Fixed axes ('vocab', 'attn_kv', 'head_dim', 'latent', 'conv_kernel', 'one') are never pruned.
+Fixed axes ('vocab', 'attn_kv', 'head_dim', 'conv_kernel', 'one') are never pruned.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import torch
 from models.config import ModelConfig
 from models.hf import our_shapes
 
-PRIMARY = ("ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn")
-FIXED = ("vocab", "attn_kv", "head_dim", "latent", "conv_kernel", "one")
+PRIMARY = ("ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn", "latent")
+FIXED = ("vocab", "attn_kv", "head_dim", "conv_kernel", "one")
 
 
 def layer_of(name: str) -> int | None:

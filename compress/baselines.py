@@ -17,6 +17,8 @@ Magnitude: every unit scores the L2 norm of the linear weights (and biases) that
                    not weights of a projection and are left out                            [nh, hd]
   layers.i.experts the norm of the expert's up/gate/down weights                          [E]
   layers.i.expert_ffn / shared_ffn  like ffn, per expert / for the shared expert
+  layers.i.latent  LatentMoE: fc1_latent_proj row + fc2_latent_proj column + every expert's up/gate
+                   column and down row on that latent channel                             [Lt]
   block_importance Frobenius norm of the block's output projection(s) (out_proj, o_proj, down_proj,
                    experts' and shared expert's down, fc2_latent_proj): how much the block can write
                    into the residual stream per unit of its (normalised) input. No loss_increase is
@@ -56,6 +58,8 @@ def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
             s[p + "expert_ffn"] = (cfg.n_routed_experts, cfg.moe_intermediate_size)
             if cfg.moe_shared_expert_intermediate_size:
                 s[p + "shared_ffn"] = (cfg.moe_shared_expert_intermediate_size,)
+            if cfg.moe_latent_size:
+                s[p + "latent"] = (cfg.moe_latent_size,)
     return s
 
 
@@ -127,6 +131,10 @@ def magnitude_scores(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
             per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
             add(acc, p + "expert_ffn", per)
             add(acc, p + "experts", per.sum(1))
+            if cfg.moe_latent_size:
+                add(acc, p + "latent", _sq(t, 1 if local == "experts.down_proj" else 2))
+        if c == "E" and local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
+            add(acc, p + "latent", _sq(t, 0 if local.startswith("fc1") else 1))
 
     H = write.clone()
     for site, r in read.items():

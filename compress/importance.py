@@ -9,9 +9,17 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   layers.i.mamba_x x segment [Im:2Im] of mixer.in_proj's output (before conv),
                    times ||out_proj[:, c]|| of the same inner channel c        'M'   [nh, hd]
   layers.i.experts mean over routed tokens of ||w * expert(x)||                'E'   [E]
+                   (w: the router weight the token's output is multiplied by, from the unbiased
+                   score: e_score_correction_bias only chooses experts, so it never enters w)
+  layers.i.expert_contribution  sum over routed tokens of |w| * ||expert(x)||        [E]
+  layers.i.expert_frequency     number of (non-padded) tokens routed to each expert  [E]
+                   (routed experts only: the shared expert sees every token and is never an
+                   expert candidate; compress/expert_scores.py picks which one ranks experts)
   layers.i.expert_ffn  input of each expert's down projection; the seq mean runs over the tokens of
                    each sample routed to that expert (samples with none add 0)       [E, Fm]
   layers.i.shared_ffn  input of shared_experts.down_proj                              [S]
+  layers.i.latent  LatentMoE: the latent the experts read (fc1_latent_proj output) plus the
+                   latent they write (fc2_latent_proj input), per-site scores summed like hidden  [Lt]
   block_importance 1 - mean cos(x_in, x_out) over non-padded tokens                  [L]
   loss_increase    LM loss with layer i alone skipped minus the full model's         [L]
 
@@ -180,6 +188,14 @@ class Scorer:
         self._handles.append(experts.register_forward_pre_hook(pre_experts))
         experts.expert = expert
         self._patched.append(experts)
+        if moe.cfg.moe_latent_size:
+            def latent_in(module, args, out):  # [T, Lt] for tokens flattened by the MoE
+                self._acc(p + "latent_in", out.view(*ctx["bl"], -1))
+
+            def latent_out(module, args):
+                self._acc(p + "latent_out", args[0].view(*ctx["bl"], -1))
+            self._handles.append(moe.fc1_latent_proj.register_forward_hook(latent_in))
+            self._handles.append(moe.fc2_latent_proj.register_forward_pre_hook(latent_out))
         if moe.shared_experts is not None:
             def pre_shared_down(module, args):  # the MoE runs its shared expert on tokens flattened to [T, S]
                 self._acc(p + "shared_ffn", args[0].view(*ctx["bl"], -1))
@@ -224,9 +240,12 @@ class Scorer:
             if p + "experts" in acc:
                 s, n = acc[p + "experts"]
                 out[p + "experts"] = s / n.clamp(min=1)
+                out[p + "expert_contribution"], out[p + "expert_frequency"] = s, n
                 out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
             if p + "shared_ffn" in acc:
                 out[p + "shared_ffn"] = acc[p + "shared_ffn"].sqrt()
+            if p + "latent_in" in acc:
+                out[p + "latent"] = acc[p + "latent_in"].sqrt() + acc[p + "latent_out"].sqrt()
         if any(f"layers.{i}.cos" in acc for i in range(cfg.num_layers)):
             unseen = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
             c = torch.stack([acc.get(f"layers.{i}.cos", unseen).cpu() for i in range(cfg.num_layers)])

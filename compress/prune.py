@@ -3,7 +3,8 @@
 targets (any subset; an axis not named is kept):
   hidden_size, ffn_size, mamba_heads (per layer, a multiple of n_groups), mamba_head_dim,
   attn_heads (query heads per layer, a multiple of num_key_value_heads), experts, expert_ffn_size,
-  shared_expert_size, num_layers | drop_layers.
+  shared_expert_size, latent_size (LatentMoE: fc1/fc2_latent_proj and the experts' inputs/outputs, per
+  layer by `layers.i.latent`), num_layers | drop_layers.
 Depth is counted in the source family's layers: a Nemotron-H layer is one pattern character, a
 Llama/Mixtral/Qwen decoder layer is the pair '*-' / '*E' (dropped together, so the result stays
 exportable); `drop_layers` uses that numbering too. `num_layers` drops the layers with the lowest
@@ -12,9 +13,10 @@ LM loss, MiniPuzzle), else the lowest `block_importance` (1 - cos(x_in, x_out), 
 decoder-layer pair the two per-character scores are summed.
 
 Experts with grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
-every group). Refused as not loadable by transformers: MoE expert_ffn_size / hidden_size not a multiple
-of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), Llama hidden not a multiple of
-the query heads (LlamaConfig checks it even with an explicit head_dim).
+every group); an expert count below num_experts_per_tok, or one the groups cannot hold, is refused.
+Refused as not loadable by transformers: MoE expert_ffn_size / hidden_size (latent_size for a
+LatentMoE) not a multiple of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), Llama
+hidden not a multiple of the query heads (LlamaConfig checks it even with an explicit head_dim).
 
 validate_targets -> plan_keep (scores -> keep dict, see compress/axes.py) -> new_config + prune_tensor.
 """
@@ -35,7 +37,8 @@ AXES = {"hidden_size": (None, "hidden_size"), "ffn_size": ("-", "intermediate_si
         "mamba_heads": ("M", "mamba_num_heads"), "mamba_head_dim": ("M", "mamba_head_dim"),
         "attn_heads": ("*", "num_attention_heads"), "experts": ("E", "n_routed_experts"),
         "expert_ffn_size": ("E", "moe_intermediate_size"),
-        "shared_expert_size": ("E", "moe_shared_expert_intermediate_size")}
+        "shared_expert_size": ("E", "moe_shared_expert_intermediate_size"),
+        "latent_size": ("E", "moe_latent_size")}
 TARGETS = tuple(AXES) + ("num_layers", "drop_layers")
 MOE_ALIGN = 8
 
@@ -120,7 +123,8 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
             raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
         src = getattr(cfg, field)
         if not src:
-            raise RemodelError(f"{flag(key)}: the model has no shared expert")
+            what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
+            raise RemodelError(f"{flag(key)}: the model has no {what}")
         if v > src:
             raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
                                f"pruning only removes units (nearest valid: {src})")
@@ -144,7 +148,7 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
                    f"topk_group={tg} groups holding num_experts_per_tok={k})")
             raise RemodelError(f"--experts {v} {why}; nearest valid: {' or '.join(map(str, below + above)) or 'none'}")
     if "E" in cfg.pattern:  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
-        keys = ["expert_ffn_size"] + ([] if cfg.moe_latent_size else ["hidden_size"])
+        keys = ["expert_ffn_size"] + (["latent_size"] if cfg.moe_latent_size else ["hidden_size"])
         for key in keys:
             v, src = t.get(key), getattr(cfg, AXES[key][1])
             if v is not None and v != src and v % MOE_ALIGN:
@@ -236,6 +240,9 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
             if "shared_expert_size" in t:
                 s = _score(scores, p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
                 keep[p + "shared_ffn"] = _top(s, t["shared_expert_size"])
+            if "latent_size" in t:
+                s = _score(scores, p + "latent", (cfg.moe_latent_size,), "--latent-size")
+                keep[p + "latent"] = _top(s, t["latent_size"])
     units = layer_units(cfg, family)
     drop = []
     if "drop_layers" in t:
@@ -282,6 +289,7 @@ def new_config(cfg: ModelConfig, keep: dict) -> ModelConfig:
         n_routed_experts=sz("E", "experts", cfg.n_routed_experts),
         moe_intermediate_size=sz("E", "expert_ffn", cfg.moe_intermediate_size),
         moe_shared_expert_intermediate_size=sz("E", "shared_ffn", cfg.moe_shared_expert_intermediate_size),
+        moe_latent_size=sz("E", "latent", cfg.moe_latent_size),
         extra=copy.deepcopy(cfg.extra))
 
 

@@ -23,7 +23,7 @@ AXES = {
     "mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
     "attn_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
     "experts": "n_routed_experts", "expert_ffn_size": "moe_intermediate_size",
-    "shared_expert_size": "moe_shared_expert_intermediate_size",
+    "shared_expert_size": "moe_shared_expert_intermediate_size", "latent_size": "moe_latent_size",
 }
 
 
@@ -60,7 +60,7 @@ def _per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
     nh, hd, N, G, K = d["mamba_heads"], d["mamba_head_dim"], d["ssm_state_size"], cfg.n_groups, cfg.conv_kernel
     nq, nkv, hdA = d["attn_heads"], d["kv_heads"], d["head_dim"]
     E, Fm, Fs = d["experts"], d["expert_ffn_size"], d["shared_expert_size"]
-    Lt = cfg.moe_latent_size or H
+    Lt = d["latent_size"] if cfg.moe_latent_size else H  # what the routed experts read and write
     gated = 3 if cfg.mlp_gated else 2
 
     Im = nh * hd

@@ -50,7 +50,8 @@ def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
     full = {"hidden": cfg.hidden_size, "ffn": cfg.intermediate_size, "attn_heads": cfg.num_attention_heads,
             "mamba_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim,
             "experts": cfg.n_routed_experts, "expert_ffn": cfg.moe_intermediate_size,
-            "shared_ffn": cfg.moe_shared_expert_intermediate_size, "layers": cfg.num_layers}
+            "shared_ffn": cfg.moe_shared_expert_intermediate_size, "latent": cfg.moe_latent_size,
+            "layers": cfg.num_layers}
     return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
             for k, v in keep.items()}
 
@@ -89,7 +90,7 @@ def plot_importance(path, cfg: ModelConfig, scores: dict, dropped: list[int]) ->
 
 def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_size=None, mamba_heads=None,
           mamba_head_dim=None, attn_heads=None, experts=None, expert_ffn_size=None, shared_expert_size=None,
-          num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
+          latent_size=None, num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
           **score_kwargs) -> dict:
     """Prune the HF checkpoint `model_dir` into `out` (same family). -> the report dict."""
     t0 = time.time()
@@ -98,7 +99,8 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
     cfg = config_from_hf(reader.config)
     targets = dict(hidden_size=hidden_size, ffn_size=ffn_size, mamba_heads=mamba_heads, mamba_head_dim=mamba_head_dim,
                    attn_heads=attn_heads, experts=experts, expert_ffn_size=expert_ffn_size,
-                   shared_expert_size=shared_expert_size, num_layers=num_layers, drop_layers=drop_layers)
+                   shared_expert_size=shared_expert_size, latent_size=latent_size, num_layers=num_layers,
+                   drop_layers=drop_layers)
     t = validate_targets(cfg, targets, family)  # before any calibration or I/O
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from compress.baselines import METHODS, weight_scores
+from compress.expert_scores import check_expert_method, rank_experts
 from compress.importance import score_model, score_streaming
 from compress.scores import write_scores
 from models.checkpoint import CheckpointReader, atomic_output_dir
@@ -97,16 +98,20 @@ def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = 
 def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch: int = 4, mode: str = "auto",
           loss_increase: bool = True, max_memory_bytes: int | None = None, overwrite: bool = False,
           loss_batches: int = 4, device: str | None = None, progress: bool = True, method: str = "activation",
-          seed: int = 0) -> dict:
+          seed: int = 0, expert_method: str = "contribution") -> dict:
     """Score every prunable unit of MODEL on `samples` sequences of `seq_len` tokens from DATA and
     write SCORES to `out` (+ remodel_report.json, importance.png). max_memory_bytes bounds the
     calibration hidden states held in memory in streaming mode (default: a quarter of the available
     memory); loss_increase uses the first `loss_batches` batches. Returns the report.
     method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
-    (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None)."""
+    (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
+    expert_method: what ranks routed experts (`layers.i.experts`) in an activation run: 'contribution'
+    (router weight x output norm, summed over tokens), 'frequency', 'mean' or 'random' (seeded by `seed`);
+    see compress/expert_scores.py. The contribution and frequency tensors are written too."""
     t0 = time.time()
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
+    check_expert_method(expert_method)
     if method != "activation":
         return score_weights(model_dir, out, method, seed, overwrite)
     for name, v in (("samples", samples), ("seq_len", seq_len), ("batch", batch), ("loss_batches", loss_batches)):
@@ -146,8 +151,10 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
             budget = max_memory_bytes if max_memory_bytes is not None else available // 4
             scores, info = score_streaming(reader, batch_list, loss_increase=loss_increase, loss_batches=loss_batches,
                                            max_memory_bytes=budget, spill_dir=tmp, device=device, progress=progress)
+        scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "samples": len(blocks), "seq_len": seq_len,
-                "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode}
+                "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
+                "expert_method": expert_method if "E" in cfg.pattern else None}
         write_scores(tmp, scores, meta)
         plot_importance(tmp / "importance.png", cfg.pattern, scores)
         seconds = time.time() - t0

@@ -192,9 +192,11 @@ def test_hooks_equal_direct_computation(name):
     expected_shapes = {"hidden": (32,), "block_importance": (cfg.num_layers,)}
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
-        shared = {p + "shared_ffn": (16,)} if cfg.moe_shared_expert_intermediate_size else {}
+        moe = {p + "shared_ffn": (16,)} if cfg.moe_shared_expert_intermediate_size else {}
+        moe.update({p + "expert_contribution": (n_e,), p + "expert_frequency": (n_e,)})
+        moe.update({p + "latent": (cfg.moe_latent_size,)} if cfg.moe_latent_size else {})
         expected_shapes.update({"-": {p + "ffn": (48,)}, "*": {p + "attn": (4, 8)}, "M": {p + "mamba_x": (8, 4)},
-                                "E": {p + "experts": (n_e,), p + "expert_ffn": (n_e, F_e), **shared}}[c])
+                                "E": {p + "experts": (n_e,), p + "expert_ffn": (n_e, F_e), **moe}}[c])
     assert {k: tuple(v.shape) for k, v in got.items()} == expected_shapes
     for k in want:
         assert got[k].dtype == torch.float32
@@ -316,7 +318,8 @@ def test_score_pipeline_writes_scores(hf_dir, tmp_path, monkeypatch):
     assert meta["seq_len"] == 32 and meta["tokens"] == 6 * 32 and meta["config"]["pattern"] == "M*-E"
     assert 0 < meta["baseline_loss"] < 20 and meta["source"] == str(hf_dir)
     assert set(tensors) == {"hidden", "layers.0.mamba_x", "layers.1.attn", "layers.2.ffn", "layers.3.experts",
-                            "layers.3.expert_ffn", "layers.3.shared_ffn", "block_importance", "loss_increase"}
+                            "layers.3.expert_ffn", "layers.3.shared_ffn", "layers.3.expert_contribution",
+                            "layers.3.expert_frequency", "block_importance", "loss_increase"}
     rep = json.loads((out / "remodel_report.json").read_text())
     assert rep["command"] == "score" and [r["type"] for r in rep["layers"]] == list("M*-E")
     assert rep["layers"][2]["block_importance"] == pytest.approx(float(tensors["block_importance"][2]))

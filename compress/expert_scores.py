@@ -1,0 +1,48 @@
+"""Which per-expert score ranks the routed experts of every MoE layer (`layers.i.experts`, what
+plan_keep reads for --experts), chosen from what a calibration run recorded (compress/importance.py):
+
+  contribution  sum over calibration tokens of |router weight| * ||expert output||: an expert that is
+                routed often but writes almost nothing scores low, one routed rarely but decisively
+                scores by what it actually adds (the default of `remodel score`)
+  frequency     how many calibration tokens were routed to it (a baseline)
+  mean          the mean of |w| * ||output|| over its routed tokens (the reference's definition,
+                pruning.md; what Scorer.result() itself writes as `experts`)
+  random        uniform [0, 1) from torch.Generator(seed), per layer (a baseline)
+
+The router weight is the one the output is multiplied by (unbiased sigmoid / softmax score after
+normalisation and scaling): e_score_correction_bias only decides selection, so it shows in which
+tokens an expert sees (and in frequency), never in the weight. The shared expert is not a candidate.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.errors import RemodelError
+
+EXPERT_METHODS = ("contribution", "frequency", "mean", "random")
+SOURCE = {"contribution": "expert_contribution", "frequency": "expert_frequency", "mean": "experts"}
+
+
+def check_expert_method(method: str) -> None:
+    if method not in EXPERT_METHODS:
+        raise RemodelError(f"unknown expert scoring method {method!r} (allowed: {', '.join(EXPERT_METHODS)})")
+
+
+def rank_experts(scores: dict, cfg: ModelConfig, method: str = "contribution", seed: int = 0) -> dict:
+    """A copy of `scores` whose `layers.i.experts` is the `method` score of every MoE layer."""
+    check_expert_method(method)
+    out, g = dict(scores), torch.Generator().manual_seed(seed)
+    for i, c in enumerate(cfg.pattern):
+        if c != "E":
+            continue
+        p = f"layers.{i}."
+        if method == "random":
+            out[p + "experts"] = torch.rand(cfg.n_routed_experts, generator=g)
+            continue
+        src = scores.get(p + SOURCE[method])
+        if src is None:
+            raise RemodelError(f"the scores have no {p + SOURCE[method]!r} (needed for --expert-method {method}); "
+                               "re-run `remodel score` with activation importance")
+        out[p + "experts"] = src.float().clone()
+    return out
