@@ -127,21 +127,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model"); p.add_argument("out")
     _train_flags(p)
 
-    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
-    p.add_argument("model"); p.add_argument("out")
-    p.add_argument("--experts", type=int, required=True); p.add_argument("--granularity", type=int, default=1)
-    p.add_argument("--top-k", type=int, required=True); p.add_argument("--shared-expert-size", type=int, default=0)
-    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid"])
-    p.add_argument("--to", choices=["nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe"])
-    p.add_argument("--exact", action="store_true", help="refuse settings that cannot reproduce the dense model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="dense checkpoint directory (its MLP layers become MoE layers)")
+    p.add_argument("out", help="new output directory")
+    p.add_argument("--experts", type=int, required=True,
+                   help="N, routed experts per layer: N = E x G (E copies of the MLP, each cut into G shards)")
+    p.add_argument("--granularity", type=int, default=1,
+                   help="G, shards per copy of the dense MLP (expert width = dense width / G); N = E x G")
+    p.add_argument("--top-k", type=int, required=True,
+                   help="T, experts per token; a multiple of G keeps the dense model's output")
+    p.add_argument("--shared-expert-size", type=int, default=0,
+                   help="dense neurons kept as an always-on shared expert (0: none)")
+    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid"],
+                   help="router scoring; default (None): sigmoid for nemotron_h sources, topk-softmax otherwise")
+    p.add_argument("--to", choices=["nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe"],
+                   help="output family; default (None): nemotron_h for nemotron_h, qwen3_moe for q/k-norm "
+                        "sources, qwen2_moe with a shared expert or softmax-topk, else mixtral")
+    p.add_argument("--exact", action="store_true",
+                   help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (default None: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("eval", help="perplexity and tokens/s")
     p.add_argument("model"); p.add_argument("--data", required=True)
     p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-tokens", type=_count)
     return ap
+
+
+def _dtype(name):
+    import torch
+    return getattr(torch, name) if name else None
 
 
 def _targets(a) -> dict:
@@ -208,7 +227,7 @@ def run(a) -> object:
         from upcycle.pipeline import upcycle
         return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                        shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
-                       seed=a.seed, overwrite=a.overwrite)
+                       seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
     if c == "eval":
         from pipelines.train import evaluate
         r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)

@@ -242,7 +242,7 @@ def test_qwen3_to_qwen3_moe_exact(tmp_path):
 
 def test_gelu_exact_for_g1_and_reported_for_g2(tmp_path):
     """Plain GeLU (nemotron_h mlp_hidden_act): G=1 is exact in transformers; G=2 is an approximation whose
-    deviation is measured (and is what transformers measures), and --exact refuses it."""
+    deviation is measured (and is what transformers measures); --exact puts the factor on W2: exact."""
     src = tmp_path / "gelu"
     save_model(_model(**{**NEMO, "mlp_act": "gelu"}), src)
     ids = _ids()
@@ -260,7 +260,8 @@ def test_gelu_exact_for_g1_and_reported_for_g2(tmp_path):
     ids = torch.randint(0, 64, (b, n), generator=torch.Generator().manual_seed(0))
     hf = (_hf_logits(tmp_path / "g2", ids) - _hf_logits(src, ids)).abs().max().item()
     assert math.isclose(hf, dev["max_abs_logit_diff"], rel_tol=1e-3, abs_tol=1e-5)
-    _refused(tmp_path, src, "gelu activation is approximate", experts=8, granularity=2, top_k=4, exact=True)
+    rep = upcycle(src, tmp_path / "g2x", experts=8, granularity=2, top_k=4, exact=True)  # whole factor on W2
+    assert rep["exact_expected"] and (_hf_logits(tmp_path / "g2x", ids) - _hf_logits(src, ids)).abs().max().item() < TOL
 
 
 def test_gated_gelu_split_pairs_gate_and_up():
@@ -316,7 +317,8 @@ def test_exact_refusals(nemo, llama, tmp_path):
     _, nsrc, _ = nemo
     _, lsrc, _ = llama
     _refused(tmp_path, nsrc, "not a multiple of granularity", experts=8, granularity=2, top_k=3, exact=True)
-    _refused(tmp_path, lsrc, "gated silu", experts=8, granularity=2, top_k=2, exact=True)
+    rep = upcycle(lsrc, tmp_path / "x", experts=8, granularity=2, top_k=2, exact=True)  # W2 x a: exact
+    assert rep["exact_expected"] and rep["scaling"]["placement"] == "down"
     _refused(tmp_path, lsrc, "softmax-topk", experts=4, granularity=1, top_k=2, router="softmax-topk",
              to="qwen2_moe", exact=True)
 
@@ -362,3 +364,59 @@ def test_group_ties_select_whole_groups():
         router.weight.data.copy_(w)
         with torch.no_grad():
             assert _whole_groups(router(x)[2], G)
+
+
+@torch.no_grad()
+def _hf_logits32(path, ids):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+
+
+@pytest.mark.parametrize("act,router,G", [("relu2", "sigmoid", 4), ("gelu", "sigmoid", 4), ("silu", "topk-softmax", 2),
+                                          ("silu", "topk-softmax", 4)])
+def test_exact_is_exact_in_bf16(tmp_path, act, router, G):
+    """--exact on a bf16 checkpoint: the whole factor a = G on down_proj (a power of two: no rounding),
+    so transformers (fp32 compute) gives the dense logits for relu2, GeLU and SwiGLU sources alike."""
+    kw = {**NEMO, "mlp_act": act} if act != "silu" else LLAMA
+    src = tmp_path / "src"
+    save_model(_model(**kw), src, family="llama" if act == "silu" else "nemotron_h", dtype=torch.bfloat16)
+    ids = _ids()
+    rep = upcycle(src, tmp_path / "o", experts=4 * G, granularity=G, top_k=2 * G, router=router, exact=True)
+    assert rep["exact_expected"] and rep["scaling"]["placement"] == "down"
+    assert (rep["scaling"]["w1_scale"], rep["scaling"]["w2_scale"]) == (1.0, G) and rep["written_dtype"] == "bfloat16"
+    assert (_hf_logits32(tmp_path / "o", ids) - _hf_logits32(src, ids)).abs().max().item() < TOL
+    assert rep["deviation"]["max_abs_logit_diff"] < TOL
+    if act != "relu2":  # without --exact: the paper's balanced split, an approximation for GeLU / SwiGLU
+        rep = upcycle(src, tmp_path / "b", experts=4 * G, granularity=G, top_k=2 * G, router=router)
+        assert rep["scaling"]["placement"] == "balanced" and not rep["exact_expected"]
+
+
+def test_exact_dtype_rules(nemo, tmp_path):
+    """a = 3 rounds in bf16: --exact refuses naming --dtype; --dtype float32 makes it exact (bf16 x 3 fits
+    in fp32); softmax-topk is never exact (its kept weights sum to < 1), and says what to change."""
+    src = tmp_path / "src"
+    save_model(_model(**{**NEMO, "intermediate_size": 48}), src, dtype=torch.bfloat16)
+    _refused(tmp_path, src, "--exact: scaling down_proj by a=3 .* rounds in bfloat16; pass --dtype float32",
+             experts=6, granularity=3, top_k=3, exact=True)
+    rep = upcycle(src, tmp_path / "o", experts=6, granularity=3, top_k=3, exact=True, dtype=torch.float32)
+    assert rep["written_dtype"] == "float32"
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "float32"
+    ids = _ids()
+    assert (_hf_logits32(tmp_path / "o", ids) - _hf_logits32(src, ids)).abs().max().item() < TOL
+    _refused(tmp_path, nemo[1], "drop --exact", experts=8, granularity=2, top_k=3, exact=True)
+
+
+def test_exact_softmax_topk_refused(llama, tmp_path):
+    _refused(tmp_path, llama[1], "softmax-topk router never reproduces.*drop --exact", experts=8, granularity=2,
+             top_k=4, router="softmax-topk", to="qwen2_moe", exact=True)
+
+
+def test_upcycle_dtype(nemo, tmp_path):
+    """--dtype casts every floating tensor but the sigmoid router's fp32 correction bias."""
+    from safetensors import safe_open
+    rep = upcycle(nemo[1], tmp_path / "o", experts=8, granularity=2, top_k=4, dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
+        dts = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert {v for k, v in dts.items() if "e_score_correction_bias" not in k} == {"BF16"}
+    assert {v for k, v in dts.items() if "e_score_correction_bias" in k} == {"F32"}
+    assert rep["written_dtype"] == "bfloat16"

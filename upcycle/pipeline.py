@@ -66,6 +66,11 @@ def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared:
     return router, to
 
 
+def _cast(name: str, t: torch.Tensor, dtype) -> torch.Tensor:
+    """t in `dtype` when it is floating point (the sigmoid router's correction bias stays fp32)."""
+    return t.to(dtype) if t.is_floating_point() and not name.endswith("e_score_correction_bias") else t
+
+
 def _check_finite(tensors: dict, model_dir):
     """One-line RemodelError naming a source tensor that holds NaN/inf (with the count): upcycling
     would copy them into every expert and the deviation check could only report NaN."""
@@ -104,29 +109,61 @@ def _one_thread():
 
 
 def upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size=0, router=None, to=None,
-            exact=False, seed=0, overwrite=False) -> dict:
-    """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report."""
+            exact=False, seed=0, overwrite=False, dtype=None) -> dict:
+    """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report.
+    exact=True puts the whole factor on down_proj (exact_placement) or refuses; dtype: the written
+    floating-point dtype (default: the checkpoint's), the expert weights scaled in it."""
     with _one_thread():
         return _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-                        overwrite)
+                        overwrite, dtype)
+
+
+_MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def _source_dtype(reader) -> torch.dtype:
+    """The dtype of the dense MLP weights (the widest floating dtype among the down projections)."""
+    names = [k for k in reader.keys() if "down_proj" in k] or reader.keys()
+    dts = {reader.dtype(k) for k in names if reader.dtype(k).is_floating_point}
+    return max(dts, key=lambda d: _MANTISSA.get(d, 0)) if dts else torch.float32
+
+
+def check_exact_dtype(p, src: torch.dtype, out: torch.dtype):
+    """--exact: W2 x a must not round. A power-of-two a never does; an integer a fits when the written
+    dtype has bit_length(a) more mantissa bits than the source's. One-line RemodelError otherwise."""
+    _, a = p.scales
+    if a == 2 ** round(math.log2(a)):
+        return
+    if a == int(a) and _MANTISSA.get(out, 0) >= _MANTISSA.get(src, 99) + int(a).bit_length():
+        return
+    name = str(out).replace("torch.", "")
+    fix = "pass --dtype float32 or " if _MANTISSA.get(src, 99) + int(a).bit_length() <= 24 else ""
+    raise RemodelError(f"--exact: scaling down_proj by a={a:g} (not a power of two) rounds in {name}; "
+                       f"{fix}use a power-of-two --granularity, or drop --exact")
 
 
 def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-             overwrite) -> dict:
+             overwrite, dtype=None) -> dict:
     t0 = time.perf_counter()
     reader = CheckpointReader(model_dir)
     src_family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
     router, family = _resolve(cfg, src_family, router, to, shared_expert_size)
-    p = make_plan(cfg, experts, granularity, top_k, shared_expert_size, router)
+    p = make_plan(cfg, experts, granularity, top_k, shared_expert_size, router, "down" if exact else "balanced")
     if exact and not p.exact:
-        raise RemodelError(f"--exact: {p.why_not_exact[0]}")
+        raise RemodelError(f"--exact: {p.why_not_exact[0]}; change that or drop --exact")
+    src_dtype = _source_dtype(reader)
+    if exact:
+        check_exact_dtype(p, src_dtype, dtype or src_dtype)
     new_cfg = moe_config(cfg, p, family)
     check_exportable(new_cfg, family)
     hf_cfg = config_to_hf(new_cfg, family)
     for k in ("dtype", "torch_dtype"):
         if reader.config.get(k):
             hf_cfg[k] = reader.config[k]
+    if dtype is not None:
+        hf_cfg["dtype"] = str(dtype).replace("torch.", "")
+        hf_cfg.pop("torch_dtype", None)
     moe_total, moe_active = _params(new_cfg, p.top_k)
     stream = iter_our_tensors(reader, cfg, src_family)
     first = next(stream)  # checks every tensor's shape against the config before anything is written
@@ -147,6 +184,8 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             tensors = dict(items)
             _check_finite(tensors, model_dir)
             source, moe = dict(tensors), None
+            if dtype is not None:  # scaled in the written dtype: rounded once
+                tensors = {k: _cast(k, v, dtype) for k, v in tensors.items()}
             if key.startswith("layers.") and cfg.pattern[int(key.split(".")[1])] == "-":
                 i = int(key.split(".")[1])
                 m = f"{key}.mixer."
@@ -169,7 +208,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as pool:
         w = CheckpointWriter(tmp)
         for hf, t in tqdm(iter_hf_tensors(get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
-            w.add(hf, t)
+            w.add(hf, t if dtype is None else _cast(hf, t, dtype))
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0
         for f in pending:  # re-raises a failure of the check
@@ -184,8 +223,11 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             notes.append(f"expert size {p.expert_size} is not a multiple of 8: transformers' default grouped_mm "
                          f"experts kernel needs 16-byte strides; load with experts_implementation='eager'")
         low = sorted(mlp_dtypes - {"float32", "float64"})
-        if low and p.s != 2 ** round(math.log2(p.s)):
-            notes.append(f"expert weights were scaled by s={p.s:.4g} (not a power of 2) in {', '.join(low)}: "
+        if dtype is not None:
+            low = sorted({str(dtype).replace("torch.", "")} - {"float32", "float64"})
+        odd = [f for f in p.scales if f != 2 ** round(math.log2(f))]
+        if low and odd:
+            notes.append(f"expert weights were scaled by {odd[0]:.4g} (not a power of 2) in {', '.join(low)}: "
                          f"expect deviations at that precision even where the method is exact")
         if kind == "sigmoid" and 6 * logit_std[0] > 16.0:
             notes.append(f"router logits at init have std ~{logit_std[0]:.3g}: sigmoid scores saturate to exactly 1.0 "
@@ -197,10 +239,14 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             "experts": p.experts, "granularity": p.granularity, "expansion": p.expansion, "top_k": p.top_k,
             "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
             "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(mlp_dtypes),
+            "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
             "router": {"mode": router, "type": kind, "norm_topk_prob": norm, "routed_scaling_factor": 1.0,
                        "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": ROUTER_STD, "seed": seed,
                        "logit_std_estimate": round(logit_std[0], 6)},
-            "scaling": {"a": p.a, "s": p.s, "applied_to": "W1 (gate and up) and W2 of every routed expert",
+            "scaling": {"a": p.a, "s": p.s, "placement": p.placement, "w1_scale": p.scales[0],
+                        "w2_scale": p.scales[1],
+                        "applied_to": "W1 (gate and up) and W2 of every routed expert" if p.placement == "balanced"
+                        else "W2 (down) of every routed expert, the whole factor a (--exact)",
                         "shared_expert": "unscaled" + (", down_proj x2 with a zero sigmoid gate (qwen2_moe)"
                                                        if family == "qwen2_moe" and p.shared else "")},
             "exact_expected": p.exact, "why_not_exact": p.why_not_exact, "exact_requested": exact,

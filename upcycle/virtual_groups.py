@@ -23,6 +23,9 @@ Ties: group members tie bit for bit (identical rows), but torch.topk does not br
 so two *different* groups with exactly equal scores at the top-k boundary could be split; with a
 random router this needs equal logits (probability zero) or a saturated sigmoid (logit > ~16.6 in
 fp32, far outside the std-0.02 router's range at step 0).
+Placement (exact=True in the pipeline): the whole factor a on W2 ("down") instead of s on W1 and W2
+("balanced", the paper's split) makes every member output a * shard_j(x) for any activation, so
+relu2, GeLU and SwiGLU with G | T are all exact, and a power-of-two a is exact in any float format.
 """
 from __future__ import annotations
 
@@ -63,6 +66,12 @@ class Plan:
     s: float
     exact: bool
     why_not_exact: list
+    placement: str = "balanced"  # "balanced": W1 and W2 x s; "down": W2 x a, W1 unscaled
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """(factor on W1 = gate and up, factor on W2 = down) of every routed expert."""
+        return (self.s, self.s) if self.placement == "balanced" else (1.0, self.a)
 
     @property
     def expansion(self) -> int:
@@ -73,8 +82,9 @@ class Plan:
 
 
 def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shared: int = 0,
-              router: str = "topk-softmax") -> Plan:
-    """Check the request against a dense config (one-line RemodelError) and fix a, s and exactness."""
+              router: str = "topk-softmax", placement: str = "balanced") -> Plan:
+    """Check the request against a dense config (one-line RemodelError) and fix a, s and exactness.
+    placement "down" puts the whole factor a on W2 (exact for any activation, see module doc)."""
     N, G, T, S, F = experts, granularity, top_k, shared, cfg.intermediate_size
     if router not in ROUTER_MODES:
         raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
@@ -101,11 +111,13 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
         why.append("the softmax-topk router never reproduces the dense model (kept weights sum to < 1)")
     if T % G:
         why.append(f"top-k T={T} is not a multiple of granularity G={G}, so virtual groups are split")
-    if G > 1 and cfg.mlp_act not in HOMOGENEOUS:
+    if G > 1 and cfg.mlp_act not in HOMOGENEOUS and placement == "balanced":
         kind = "gated " if cfg.mlp_gated else ""
         why.append(f"granularity G={G} with the {kind}{cfg.mlp_act} activation is approximate "
                    f"(only relu2/relu are homogeneous; use G=1)")
-    return Plan(N, G, T, S, router, F, cfg.mlp_act, cfg.mlp_gated, (F - S) // G, a, s, not why, why)
+    if placement not in ("balanced", "down"):
+        raise RemodelError(f"unknown scaling placement {placement!r} (balanced or down)")
+    return Plan(N, G, T, S, router, F, cfg.mlp_act, cfg.mlp_gated, (F - S) // G, a, s, not why, why, placement)
 
 
 def moe_config(cfg: ModelConfig, p: Plan, family: str) -> ModelConfig:
@@ -174,11 +186,12 @@ def upcycle_mlp(p: Plan, up: torch.Tensor, down: torch.Tensor, gate: torch.Tenso
     out = {"gate.weight": router.to(up.dtype)}
     if ROUTER_MODES[p.router][0] == "sigmoid":
         out["gate.e_score_correction_bias"] = torch.zeros(N, dtype=torch.float32)
-    out["experts.up_proj"] = LazyExperts(_scaled(up[rest].view(G, Fm, -1), p.s), N)
+    s_in, s_out = p.scales
+    out["experts.up_proj"] = LazyExperts(_scaled(up[rest].view(G, Fm, -1), s_in), N)
     if gate is not None:
-        out["experts.gate_proj"] = LazyExperts(_scaled(gate[rest].view(G, Fm, -1), p.s), N)
+        out["experts.gate_proj"] = LazyExperts(_scaled(gate[rest].view(G, Fm, -1), s_in), N)
     down_shards = down[:, rest].reshape(down.shape[0], G, Fm).transpose(0, 1)
-    out["experts.down_proj"] = LazyExperts(_scaled(down_shards, p.s), N)
+    out["experts.down_proj"] = LazyExperts(_scaled(down_shards, s_out), N)
     if p.shared:
         out["shared_experts.up_proj.weight"] = up[shared]
         if gate is not None:
@@ -198,14 +211,15 @@ def layer_seed(seed: int, layer: int) -> int:
 
 @torch.no_grad()
 def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int = 0,
-                  router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None):
+                  router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None,
+                  placement: str = "balanced"):
     """In-memory upcycling of a HybridLM (tests and experiments; the pipeline streams): -> (new model, Plan).
     Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
     made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint."""
     from models.model import HybridLM
 
     cfg = model.cfg
-    p = make_plan(cfg, experts, granularity, top_k, shared, router)
+    p = make_plan(cfg, experts, granularity, top_k, shared, router, placement)
     new_cfg = moe_config(cfg, p, family or "")
     dtype = next(model.parameters()).dtype
     state = dict(model.state_dict())
