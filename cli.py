@@ -151,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+    p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
+    p.add_argument("out", help="new token-set directory (tokens.bin, docs.idx, meta.json)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder or model checkpoint directory")
+    p.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--doc-split", choices=["line", "paragraph", "file"], default="line",
+                   help="what a document is in text files")
+    p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+
     p = sub.add_parser("eval", help="perplexity and tokens/s")
     p.add_argument("model"); p.add_argument("--data", required=True)
     p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
@@ -237,6 +248,10 @@ def run(a) -> object:
                                "hold NaN/inf or overflow")
         print(_json(r, a.command))
         return None
+    if c == "tokenize":
+        from pipelines.tokens import tokenize
+        return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
+                        overwrite=a.overwrite)
     raise AssertionError(c)
 
 

@@ -1,7 +1,8 @@
 """Data loading shared by every command (score, eval, train, distill).
 
 load_texts(DATA) -> datasets.Dataset with one `text` column, from local files only:
-  .txt / .txt.gz            one document per non-empty line
+  .txt / .txt.gz            one document per non-empty line (doc_split="paragraph" / "file": per
+                            blank-line separated paragraph / per file, newlines kept)
   folder of .txt / .txt.gz  files read in sorted path order (recursive)
   .jsonl / .json (.gz)      objects with a "text" field (.json: a list of objects, or JSON lines)
   .parquet                  a "text" column
@@ -14,6 +15,7 @@ import contextlib
 import gzip
 import json
 import math
+import re
 import zlib
 from pathlib import Path
 
@@ -28,6 +30,7 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 VALID_SPLITS = ("validation", "valid", "test")
+DOC_SPLITS = ("line", "paragraph", "file")  # how a .txt file splits into documents (see _read_lines)
 VALID_EVERY = 20  # split_valid without a validation split: every 20th document is held out
 
 
@@ -58,9 +61,15 @@ def _open(path: Path):
         raise RemodelError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_lines(path: Path, doc_split: str = "line") -> list[str]:
+    """Documents of one text file: each non-empty line ("line", the newlines dropped), each blank-line
+    separated paragraph ("paragraph") or the whole file ("file"); the last two keep their newlines."""
     with _open(path) as f:
-        return [line.rstrip("\r\n") for line in f if line.strip()]
+        if doc_split == "line":
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+        text = f.read()
+    docs = [text] if doc_split == "file" else [p.strip("\r\n") for p in re.split(r"\r?\n[ \t\r]*\n", text)]
+    return [d for d in docs if d.strip()]
 
 
 def _read_json(path: Path) -> list[str]:
@@ -109,7 +118,7 @@ def _text_only(ds: datasets.Dataset, where: str) -> datasets.Dataset:
     return ds.select_columns(["text"])
 
 
-def _load(path: Path, split_valid: bool):
+def _load(path: Path, split_valid: bool, doc_split: str = "line"):
     """Returns a Dataset, or a (train, valid) pair when a saved DatasetDict has a validation split."""
     if not path.exists():
         raise RemodelError(f"data not found: {path}")
@@ -120,9 +129,9 @@ def _load(path: Path, split_valid: bool):
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(TEXT_SUFFIXES))
         if not files:
             raise RemodelError(f"{path}: folder has no .txt/.txt.gz files and is not a saved dataset")
-        texts = [t for p in files for t in _read_lines(p)]
+        texts = [t for p in files for t in _read_lines(p, doc_split)]
     elif name.endswith(TEXT_SUFFIXES):
-        texts = _read_lines(path)
+        texts = _read_lines(path, doc_split)
     elif name.endswith(JSON_SUFFIXES):
         texts = _read_json(path)
     elif name.endswith(".parquet"):
@@ -144,13 +153,15 @@ def _load(path: Path, split_valid: bool):
     return datasets.Dataset.from_dict({"text": texts})
 
 
-def load_texts(path, split_valid: bool = False):
+def load_texts(path, split_valid: bool = False, doc_split: str = "line"):
     """Dataset with a `text` column from a local DATA path (see module doc); nothing is downloaded.
 
     split_valid=True returns (train, valid): a saved DatasetDict's validation/valid/test split when
     there is one, otherwise every 20th document (deterministic) is held out as valid.
     """
-    out = _load(Path(path).expanduser(), split_valid)
+    if doc_split not in DOC_SPLITS:
+        raise RemodelError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {doc_split!r}")
+    out = _load(Path(path).expanduser(), split_valid, doc_split)
     if not split_valid or isinstance(out, tuple):
         return out
     n = len(out)

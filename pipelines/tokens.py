@@ -1,0 +1,458 @@
+"""Token sets on disk: tokenize a corpus once, then train from a memory map (Megatron's indexed datasets).
+
+A token set is a folder written by `tokenize`:
+  tokens.bin  every document's tokens (each followed by eos unless eos=False), concatenated; uint16 when
+              the vocabulary has at most 65536 entries, else uint32
+  docs.idx    int64 start offset of every document in tokens.bin, n_docs + 1 entries
+  meta.json   dtype, counts, tokenizer hash, source path/size/mtime, doc_split, eos, content fingerprint
+Sequence i of length L is tokens[i*L:(i+1)*L], the row pipelines.data.pack would give. `SequenceSampler`
+cuts global batches from a TokenSet (same order as pipelines.data.batches) or a weighted `Blend`, for
+one DP rank, resumable at any batch; `sequences` adds a background prefetch thread. The sampler reads
+its rows with positioned reads (os.preadv) rather than through the memory map: the kernel maps a whole
+page-cache folio (up to 2 MB on ext4) per touched page, so random rows through a map would make resident
+memory grow with the corpus; with preads it holds only the batches in flight.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from tqdm.auto import tqdm
+
+from models.checkpoint import atomic_output_dir
+from models.errors import RemodelError
+
+from .data import DOC_SPLITS, load_texts
+
+FORMAT, VERSION = "remodel-tokens", 1
+SHARD_DOCS = 1 << 16  # documents tokenized per datasets.map call: bounds the memory of the map's output
+BLEND_PERIOD = 1 << 16  # blend weights are quantized to 1/65536; the dataset pattern repeats with this period
+
+
+# -- tokenizing ------------------------------------------------------------------------------------
+
+def load_tokenizer(path):
+    """AutoTokenizer from a model or tokenizer folder, or a one-line RemodelError."""
+    from transformers import AutoTokenizer
+    d = Path(path).expanduser()
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a bad input
+        raise RemodelError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+def tokenizer_hash(tok) -> str:
+    """Content hash of a tokenizer (its serialized vocabulary and rules, plus eos), for cache keys."""
+    h = hashlib.blake2b(digest_size=16)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: hash the files it was loaded from
+        d = Path(getattr(tok, "name_or_path", ""))
+        for f in sorted(d.glob("*")) if d.is_dir() else []:
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
+                h.update(f.name.encode() + f.read_bytes())
+    h.update(f"eos={tok.eos_token_id} len={len(tok)}".encode())
+    return h.hexdigest()
+
+
+def _source_stat(path: Path) -> dict:
+    """Path, total size and newest mtime of a data file or folder (what the cache key depends on)."""
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    return {"path": str(path.resolve()), "size": sum(s.st_size for s in stats),
+            "mtime_ns": max((s.st_mtime_ns for s in stats), default=0), "files": len(files)}
+
+
+def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite):
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise RemodelError(f"num_proc must be a positive integer, got {num_proc!r}")
+    if doc_split not in DOC_SPLITS:
+        raise RemodelError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {doc_split!r}")
+    if not data.exists():
+        raise RemodelError(f"data not found: {data}")
+    if out is not None and out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise RemodelError(f"{out}: output exists and is not empty (pass --overwrite to replace it)")
+
+
+def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
+             overwrite: bool = False) -> dict:
+    """Tokenize DATA (anything pipelines.data.load_texts reads) into the token set OUT, atomically.
+
+    `tokenizer` is a tokenizer or a model/tokenizer folder. Documents are tokenized by datasets.map with
+    `num_proc` processes, SHARD_DOCS at a time, and streamed to tokens.bin shard by shard. Returns meta.
+    """
+    data, out = Path(data).expanduser(), Path(out).expanduser()
+    _check_args(data, out, num_proc, doc_split, overwrite)
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    if eos and tok.eos_token_id is None:
+        raise RemodelError("the tokenizer has no eos token; tokenize with eos=False (--no-eos)")
+    vocab = len(tok)
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    t0 = time.perf_counter()
+    texts = load_texts(data, doc_split=doc_split)
+    inputs = [data] + ([Path(tokenizer)] if isinstance(tokenizer, (str, Path)) else [])
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
+        n_tokens, fingerprint = _write_tokens(texts, tok, tmp, dtype, num_proc, eos)
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
+                "n_docs": len(texts), "vocab_size": vocab, "eos": eos, "eos_id": tok.eos_token_id if eos else None,
+                "doc_split": doc_split, "tokenizer": {"name": str(getattr(tok, "name_or_path", "")),
+                                                      "hash": tokenizer_hash(tok)},
+                "source": _source_stat(data), "fingerprint": fingerprint}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc}
+
+
+def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: int, eos: bool):
+    """Stream the documents' tokens to tokens.bin and their offsets to docs.idx; (n_tokens, hash)."""
+    tail = [tok.eos_token_id] if eos else []
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype.name))})
+
+    def encode(batch):
+        return {"ids": [x + tail for x in tok(batch["text"], add_special_tokens=False)["input_ids"]]}
+
+    h, n_tokens = hashlib.blake2b(digest_size=16), 0
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with open(folder / "tokens.bin", "wb") as fb, open(folder / "docs.idx", "wb") as fi, \
+                tqdm(total=len(texts), desc="tokenize", unit="doc", dynamic_ncols=True) as bar:
+            np.zeros(1, np.int64).tofile(fi)
+            for start in range(0, len(texts), SHARD_DOCS):
+                part = texts.select(range(start, min(start + SHARD_DOCS, len(texts))))
+                ids = part.map(encode, batched=True, num_proc=min(num_proc, len(part)), features=features,
+                               remove_columns=part.column_names, keep_in_memory=True,
+                               new_fingerprint=f"remodel-tokens-{start}").data.column("ids")
+                for chunk in ids.chunks:
+                    flat = pc.list_flatten(chunk).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+                    lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+                    fb.write(flat.tobytes())
+                    h.update(flat.tobytes())
+                    (n_tokens + np.cumsum(lengths)).tofile(fi)
+                    n_tokens += int(lengths.sum())
+                bar.update(len(part))
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+    if n_tokens == 0:
+        raise RemodelError("the data gives no tokens")
+    return n_tokens, h.hexdigest()
+
+
+def cache_root() -> Path:
+    """Where `ensure_tokens` keeps token sets: $REMODEL_CACHE/tokens, else ~/.cache/remodel/tokens."""
+    env = os.environ.get("REMODEL_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "remodel") / "tokens"
+
+
+def is_token_set(path) -> bool:
+    """True for a folder holding a meta.json written by `tokenize`."""
+    meta = Path(path).expanduser() / "meta.json"
+    try:
+        return meta.is_file() and json.loads(meta.read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split: str = "line",
+                  eos: bool = True) -> Path:
+    """A token set for DATA: DATA itself when it is one, else a cached tokenization of it.
+
+    The cache entry (under cache_dir or `cache_root()`) is keyed by the source's path, size and mtime, the
+    tokenizer's hash, doc_split and eos, so an edited corpus or another tokenizer is tokenized afresh.
+    Under several processes call it on one rank first (a concurrent writer that loses the race reuses
+    the winner's set).
+    """
+    data = Path(data).expanduser()
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    if is_token_set(data):
+        meta = json.loads((data / "meta.json").read_text())
+        if meta["tokenizer"]["hash"] != tokenizer_hash(tok):
+            raise RemodelError(f"{data}: token set was made with another tokenizer ({meta['tokenizer']['name']})")
+        return data
+    _check_args(data, None, num_proc, doc_split, False)
+    key = json.dumps([VERSION, _source_stat(data), tokenizer_hash(tok), doc_split, eos], sort_keys=True)
+    out = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    out = out / hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
+    if not is_token_set(out):
+        try:
+            tokenize(data, out, tok, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=out.exists())
+        except (RemodelError, OSError):
+            if not is_token_set(out):  # not another process's finished set: a real failure
+                raise
+    return out
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+class TokenSet:
+    """A token set folder: `n_tokens`, `n_docs`, `vocab_size`, `fingerprint`, `meta`; `read` for
+    positioned reads of token ranges, `tokens` a read-only memory map of tokens.bin (made on first use)."""
+
+    def __init__(self, path):
+        self.path = Path(path).expanduser()
+        if not is_token_set(self.path):
+            raise RemodelError(f"{self.path}: not a token set (no meta.json written by `remodel tokenize`)")
+        self.meta = json.loads((self.path / "meta.json").read_text())
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.n_tokens, self.n_docs = int(self.meta["n_tokens"]), int(self.meta["n_docs"])
+        self.vocab_size, self.fingerprint = int(self.meta["vocab_size"]), self.meta["fingerprint"]
+        size = self.n_tokens * self.dtype.itemsize
+        try:
+            actual = (self.path / "tokens.bin").stat().st_size
+        except OSError:
+            actual = -1
+        if actual != size:
+            raise RemodelError(f"{self.path}: tokens.bin holds {actual} bytes, meta.json says {size} (truncated?)")
+        self._fd = os.open(self.path / "tokens.bin", os.O_RDONLY)
+        self._tokens = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Read-only np.memmap of all tokens (pages become resident as they are touched)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path / "tokens.bin", dtype=self.dtype, mode="r")
+        return self._tokens
+
+    def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [start, start + count) by one positioned read (thread-safe, nothing stays mapped)."""
+        out = np.empty(count, self.dtype) if out is None else out
+        if start < 0 or count < 0 or start + count > self.n_tokens:
+            raise IndexError(f"tokens {start}..{start + count} outside 0..{self.n_tokens}")
+        got = os.preadv(self._fd, [memoryview(out).cast("B")], start * self.dtype.itemsize)
+        if got != count * self.dtype.itemsize:
+            raise RemodelError(f"{self.path}: tokens.bin ended early (read {got} of {count * self.dtype.itemsize} bytes)")
+        return out
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def num_sequences(self, seq_len: int) -> int:
+        """Full sequences of seq_len tokens (the remainder is never read)."""
+        return self.n_tokens // seq_len
+
+    def document(self, i: int) -> np.ndarray:
+        """Tokens of document i (eos included when the set was made with eos)."""
+        idx = np.memmap(self.path / "docs.idx", dtype=np.int64, mode="r")
+        return self.read(int(idx[i]), int(idx[i + 1] - idx[i]))
+
+    def __repr__(self):
+        return f"TokenSet({str(self.path)!r}, n_tokens={self.n_tokens}, dtype={self.dtype.name})"
+
+
+def parse_blend(spec) -> list[tuple[float, str]]:
+    """'0.7 A 0.3 B' (or its split list) -> [(0.7, 'A'), (0.3, 'B')]; a lone 'A' -> [(1.0, 'A')]."""
+    parts = spec.split() if isinstance(spec, str) else [str(s) for s in spec]
+    if len(parts) == 1:
+        return [(1.0, parts[0])]
+    if not parts or len(parts) % 2:
+        raise RemodelError(f"blend spec must be 'WEIGHT PATH [WEIGHT PATH ...]', got {' '.join(parts)!r}")
+    out = []
+    for w, p in zip(parts[::2], parts[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise RemodelError(f"blend spec: {w!r} is not a weight (expected 'WEIGHT PATH ...')") from None
+        if not weight > 0 or weight == float("inf"):
+            raise RemodelError(f"blend spec: weight of {p} must be positive and finite, got {w}")
+        out.append((weight, p))
+    return out
+
+
+class Blend:
+    """Token sets mixed with weights, as Megatron's blended dataset: sample i of the stream comes from the
+    set whose turn it is in a fixed pattern (each set's samples at ideal times (j + 1/2) / weight, merged),
+    so every window holds each set within about one sample of its share. Each set keeps its own shuffled
+    order and epochs; `counts(i)` is closed-form, so resuming never replays the stream."""
+
+    def __init__(self, parts):
+        parts = [(float(w), s if isinstance(s, TokenSet) else TokenSet(s)) for w, s in parts]
+        if not parts or any(not w > 0 for w, _ in parts):
+            raise RemodelError("a blend needs at least one token set, each with a positive weight")
+        hashes = {s.meta["tokenizer"]["hash"] for _, s in parts}
+        if len(hashes) > 1:
+            raise RemodelError("blended token sets were made with different tokenizers")
+        self.sets = [s for _, s in parts]
+        w = np.array([w for w, _ in parts]) / sum(w for w, _ in parts)
+        self.weights = w
+        q = np.maximum(np.floor(w * BLEND_PERIOD).astype(np.int64), 1)
+        q[np.argmax(q)] += BLEND_PERIOD - q.sum()  # quantized weights sum to the period exactly
+        self.quota = q
+        keys = np.concatenate([(np.arange(n) + 0.5) / n for n in q])
+        labels = np.repeat(np.arange(len(q)), q)
+        self.pattern = labels[np.lexsort((labels, keys))]
+        self.prefix = np.zeros((len(q), BLEND_PERIOD + 1), np.int64)  # prefix[d, p]: d's in pattern[:p]
+        for d in range(len(q)):
+            np.cumsum(self.pattern == d, out=self.prefix[d, 1:])
+
+    def locate(self, positions: np.ndarray):
+        """(set index, sample index within that set's own stream) of stream positions."""
+        cycle, p = np.divmod(positions, BLEND_PERIOD)
+        d = self.pattern[p]
+        return d, cycle * self.quota[d] + self.prefix[d, p]
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+class SequenceSampler:
+    """Global batch b of `batch_size` sequences of `seq_len` tokens from a TokenSet or Blend; this DP
+    rank's rows are b's rows dp_rank*B/dp .. (dp_rank+1)*B/dp (those today's trainer gives it).
+
+    A TokenSet is read in the order of pipelines.data.batches(pack(...), B, shuffle_seed=seed,
+    epochs=None, drop_last=True): epoch e shuffles with torch.randperm seeded seed + e (in order when
+    seed is None), and a partial last batch is dropped. Each set of a Blend is shuffled with its own
+    seed and repeats without dropping anything. Batches are a pure function of b: resuming is exact.
+    """
+
+    def __init__(self, data, seq_len: int, batch_size: int, *, seed: int | None = 0, dp_rank: int = 0,
+                 dp_size: int = 1):
+        for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("dp_size", dp_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise RemodelError(f"{name} must be a positive integer, got {v!r}")
+        if batch_size % dp_size:
+            raise RemodelError(f"batch_size {batch_size} is not divisible by the {dp_size} data-parallel ranks")
+        if not 0 <= dp_rank < dp_size:
+            raise RemodelError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        self.blend = data if isinstance(data, Blend) else None
+        self.sets = data.sets if self.blend else [data if isinstance(data, TokenSet) else TokenSet(data)]
+        self.n = [s.num_sequences(seq_len) for s in self.sets]
+        for s, n in zip(self.sets, self.n):
+            if n == 0 or (not self.blend and n < batch_size):
+                raise RemodelError(f"{s.path}: {s.n_tokens} tokens make {n} sequences of {seq_len}, "
+                                   f"fewer than one batch of {batch_size}")
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        per = batch_size // dp_size
+        self.rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        self._perms: dict = {}
+
+    def _perm(self, k: int, epoch: int) -> np.ndarray:
+        """Order of set k's sequences in epoch `epoch` (the two latest epochs per set are kept)."""
+        key = (k, epoch)
+        if key not in self._perms:
+            n = self.n[k]
+            if self.seed is None:
+                perm = np.arange(n)
+            else:
+                seed = self.seed + epoch + (0 if self.blend is None else (k + 1) * 1_000_003)
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+            for old in [o for o in self._perms if o[0] == k and o[1] < epoch - 1]:
+                del self._perms[old]
+            self._perms[key] = perm
+        return self._perms[key]
+
+    def indices(self, b: int) -> list[tuple[int, int]]:
+        """(set index, sequence index) of this rank's rows of global batch b."""
+        B = self.batch_size
+        if self.blend is None:
+            epoch, k = divmod(b, self.n[0] // B)
+            seqs = self._perm(0, epoch)[k * B:(k + 1) * B][self.rows].tolist()
+            return [(0, s) for s in seqs]
+        sets, samples = self.blend.locate(np.arange(b * B, (b + 1) * B, dtype=np.int64)[self.rows])
+        out = []
+        for d, j in zip(sets.tolist(), samples.tolist()):
+            epoch, pos = divmod(j, self.n[d])
+            out.append((d, int(self._perm(d, epoch)[pos])))
+        return out
+
+    def batch(self, b: int) -> torch.Tensor:
+        """LongTensor [batch_size / dp_size, seq_len]: this rank's rows of global batch b."""
+        L = self.seq_len
+        rows = self.indices(b)
+        out = np.empty((len(rows), L), np.int64)
+        buf = {s.dtype: np.empty(L, s.dtype) for s in self.sets}
+        for r, (k, s) in enumerate(rows):
+            out[r] = self.sets[k].read(s * L, L, buf[self.sets[k].dtype])
+        return torch.from_numpy(out)
+
+    def __call__(self, start: int = 0, stop: int | None = None):
+        """Batches start, start+1, ... (forever when stop is None), nothing before start is read."""
+        b = start
+        while stop is None or b < stop:
+            yield self.batch(b)
+            b += 1
+
+
+class Prefetch:
+    """Iterator over batches start, start+1, ... prepared by a background thread `depth` ahead.
+    close() (or leaving the `with` block) stops the thread; an error in it is raised by next()."""
+
+    _END = object()
+
+    def __init__(self, sampler: SequenceSampler, start: int = 0, stop: int | None = None, depth: int = 2):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(sampler, start, stop), daemon=True,
+                                        name="remodel-prefetch")
+        self._thread.start()
+
+    def _work(self, sampler, start, stop):
+        try:
+            for x in sampler(start, stop):
+                if not self._put(x):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+
+    def _put(self, x) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        x = self._q.get()
+        if x is self._END:
+            self._q.put(x)
+            raise StopIteration
+        if isinstance(x, BaseException):
+            raise x
+        return x
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_tokens(spec):
+    """A TokenSet for one path, a Blend for a 'W1 A W2 B ...' spec (string or list)."""
+    if isinstance(spec, (str, Path)) and is_token_set(spec):
+        return TokenSet(spec)  # a path, spaces and all
+    parts = parse_blend(spec)
+    return TokenSet(parts[0][1]) if len(parts) == 1 else Blend([(w, TokenSet(p)) for w, p in parts])
+
+
+def sequences(data, seq_len: int, batch_size: int, *, seed: int | None = 0, start: int = 0,
+              stop: int | None = None, dp_rank: int = 0, dp_size: int = 1, prefetch: int = 2):
+    """This rank's [batch_size / dp_size, seq_len] int64 batches from global batch `start` on (forever
+    when stop is None). `data`: a TokenSet, a Blend, a token set path or a blend spec. prefetch > 0
+    returns a Prefetch (close it when done), 0 a plain generator."""
+    if isinstance(data, (str, Path, list, tuple)):
+        data = open_tokens(data)
+    sampler = SequenceSampler(data, seq_len, batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    return Prefetch(sampler, start, stop, prefetch) if prefetch > 0 else sampler(start, stop)
