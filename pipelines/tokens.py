@@ -111,7 +111,9 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
                                                       "hash": tokenizer_hash(tok)},
                 "source": _source_stat(data), "fingerprint": fingerprint}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc}
+        report = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc}
+        (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: int, eos: bool):
