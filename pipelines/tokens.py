@@ -139,8 +139,9 @@ def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: i
                 for chunk in ids.chunks:
                     flat = pc.list_flatten(chunk).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
                     lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
-                    fb.write(flat.tobytes())
-                    h.update(flat.tobytes())
+                    raw = memoryview(np.ascontiguousarray(flat)).cast("B")
+                    fb.write(raw)
+                    h.update(raw)
                     (n_tokens + np.cumsum(lengths)).tofile(fi)
                     n_tokens += int(lengths.sum())
                 bar.update(len(part))
