@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or model checkpoint directory")
     p.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     p.add_argument("--doc-split", choices=["line", "paragraph", "file"], default="line",
-                   help="what a document is in text files")
+                   help="what a document of a .txt file is: each non-empty line (newlines dropped), each "
+                        "blank-line separated paragraph, or the whole file (both keep newlines)")
     p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
