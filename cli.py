@@ -198,6 +198,9 @@ def run(a) -> object:
         from pipelines.inspect import format_inspect, inspect
         d = inspect(a.model)
         print(_json(d, a.command) if a.json else format_inspect(d))
+        bad = (d.get("checkpoint") or {}).get("config_mismatches")
+        if bad:
+            raise RemodelError(f"{len(bad)} tensor(s) disagree with config.json, e.g. {bad[0]}")
         return None
     if c == "convert":
         import torch

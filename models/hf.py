@@ -32,9 +32,41 @@ def _hf_config(d: dict):
         raise RemodelError(f"unsupported model_type {mt!r} (supported: {', '.join(FAMILIES)})")
     d = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version")}
     try:
-        return AutoConfig.for_model(mt, **d)
-    except Exception as e:  # transformers' own validation
-        raise RemodelError(f"invalid {mt} config: {str(e).splitlines()[0]}") from None
+        h = AutoConfig.for_model(mt, **d)
+    except Exception as e:  # transformers' own validation ("Validation error for field 'x':\n  TypeError: ...")
+        msg = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise RemodelError(f"invalid {mt} config: {msg}") from None
+    _require(d, h, mt)
+    return h
+
+
+# Fields that set the shapes: transformers fills in defaults for the model it describes (hidden_size
+# 4096, ...), which would silently describe another model than the weights; alternatives in a tuple.
+_NEED = {"M": (("mamba_num_heads",), ("mamba_head_dim",)), "*": (("num_attention_heads",),),
+         "-": (("intermediate_size",),), "E": (("n_routed_experts",), ("moe_intermediate_size",),
+                                               ("num_experts_per_tok",))}
+_NEED_LLAMA = {"mixtral": (("num_local_experts",), ("num_experts_per_tok",), ("intermediate_size",)),
+               "qwen2_moe": (("num_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",)),
+               "qwen3_moe": (("num_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",))}
+
+
+def _require(d: dict, h, mt: str):
+    """One-line RemodelError naming the first shape-defining field the raw config.json lacks."""
+    need = [("vocab_size",), ("hidden_size",)]
+    if mt == "nemotron_h":
+        need.append(("layers_block_type", "hybrid_override_pattern"))
+        for t in dict.fromkeys(h.layers_block_type):
+            need += _NEED.get(_CHAR.get(t, ""), ())
+    else:
+        need += [("num_hidden_layers",), ("num_attention_heads",)]
+        need += _NEED_LLAMA.get(mt, (("intermediate_size",),))
+    amap = dict(getattr(h, "attribute_map", {}) or {})  # e.g. qwen3_moe saves num_experts as num_local_experts
+    for alts in need:
+        alts = tuple(dict.fromkeys([*alts, *(amap[k] for k in alts if k in amap),
+                                    *(x for x, t in amap.items() if t in alts)]))
+        if not any(d.get(k) is not None for k in alts):
+            raise RemodelError(f"{mt} config has no {' or '.join(map(repr, alts))}: it sets the model's shapes "
+                               f"(transformers would assume {getattr(h, alts[0], None)!r}); add it to config.json")
 
 
 def _rope(h) -> tuple[float, dict | None]:

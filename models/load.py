@@ -82,6 +82,23 @@ def source_plan(reader: CheckpointReader, cfg: ModelConfig, family: str | None =
     return plan
 
 
+def shape_mismatches(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None) -> list[str]:
+    """Every tensor the config implies that the checkpoint lacks or holds in another shape, as one
+    short sentence each (source_plan stops at the first; inspect lists them all). Reads no data."""
+    family = family or reader.config.get("model_type")
+    shapes, src, bad = our_shapes(cfg), _Source(reader), []
+    for ours, hf, e in weight_table(cfg, family):
+        try:
+            shape, _ = src.shape_and_get(hf, e)
+        except RemodelError:
+            bad.append(f"{hf} is missing")
+            continue
+        want = shapes[ours][1:] if e is not None else shapes[ours]
+        if tuple(shape) != tuple(want):
+            bad.append(f"{hf} has shape {list(shape)} but the config implies {list(want)}")
+    return bad
+
+
 def iter_our_tensors(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
                      names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (our_name, tensor) in table order (per-expert rows stacked into fused tensors).

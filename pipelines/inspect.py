@@ -12,6 +12,7 @@ from models.checkpoint import CheckpointReader, read_json
 from models.config import LAYER_TYPES, ModelConfig
 from models.errors import RemodelError
 from models.hf import config_from_hf, default_family
+from models.load import shape_mismatches
 from models.params import count_params, memory_bytes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
@@ -64,8 +65,9 @@ def _widths(cfg: ModelConfig) -> dict:
     return w
 
 
-def _weights(path: Path) -> dict:
+def _weights(path: Path, cfg: ModelConfig) -> dict:
     with CheckpointReader(path) as r:
+        bad = shape_mismatches(r, cfg)
         dtypes, numel = Counter(), 0
         for k in r.keys():
             dtypes[str(r.dtype(k)).replace("torch.", "")] += r.nbytes(k)
@@ -76,7 +78,7 @@ def _weights(path: Path) -> dict:
         files = [f for f in path.iterdir() if f.suffix == ".safetensors"]
         return {"tensors": len(r), "tensor_numel": numel, "tensor_bytes": r.total_bytes(),
                 "file_bytes": sum(f.stat().st_size for f in files), "files": len(files),
-                "dtype_bytes": dict(dtypes.most_common())}
+                "dtype_bytes": dict(dtypes.most_common()), "config_mismatches": bad}
 
 
 def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
@@ -93,7 +95,7 @@ def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
         "widths": _widths(cfg),
         "params": counts,
         "memory_bf16": memory_bytes(cfg, dtype_bytes=2, batch=batch, seq_len=seq_len),
-        "checkpoint": _weights(ckpt) if ckpt is not None else None,
+        "checkpoint": _weights(ckpt, cfg) if ckpt is not None else None,
     }
     return out
 
@@ -155,4 +157,6 @@ def format_inspect(d: dict) -> str:
         row("files", f"{c['files']} safetensors, {_b(c['file_bytes'])} on disk")
         row("tensors", f"{c['tensors']:,} ({c['tensor_numel']:,} elements)")
         row("dtypes", ", ".join(f"{k} {_b(v)}" for k, v in c["dtype_bytes"].items()))
+        for m in c.get("config_mismatches", [])[:20]:
+            row("DISAGREES WITH CONFIG", m)
     return "\n".join(lines)

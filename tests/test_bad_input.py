@@ -254,3 +254,45 @@ def test_json_output_is_strict(capsys):
     assert "NaN" not in text and "Infinity" not in text
     err = capsys.readouterr().err.strip()
     assert err == "remodel eval: warning: non-finite values written as null: loss, x[1]"
+
+
+# 7. config validation ------------------------------------------------------------------------------------------
+
+def _edit_config(model_dir, **kw):
+    p = Path(model_dir) / "config.json"
+    c = json.loads(p.read_text())
+    for k, v in kw.items():
+        if v is None:
+            c.pop(k)
+        else:
+            c[k] = v
+    p.write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "convert", "upcycle"])
+def test_config_missing_field_named(work, capsys, cmd):
+    _edit_config(work / "model", hidden_size=None)
+    before = listing(work), snapshot(work)
+    args = {"inspect": [], "convert": [work / "o"], "upcycle": [work / "o", "--experts", "8", "--top-k", "2"]}[cmd]
+    line = fails(capsys, cmd, work / "model", *args, match="has no 'hidden_size'")
+    assert "4096" in line  # says what transformers would have assumed
+    check_clean(work, *before)
+
+
+def test_config_wrong_type_is_a_complete_line(work, capsys):
+    _edit_config(work / "model", hidden_size="256")
+    before = listing(work), snapshot(work)
+    line = fails(capsys, "inspect", work / "model")
+    assert "'hidden_size'" in line and "expected int" in line and "'256'" in line, line
+    check_clean(work, *before)
+
+
+def test_inspect_flags_tensors_that_disagree(work, capsys):
+    _edit_config(work / "model", intermediate_size=512)  # the weights say 768
+    before = listing(work), snapshot(work)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(work / "model")]) == 2
+    out, err = capsys.readouterr()
+    assert "DISAGREES WITH CONFIG" in out and "up_proj.weight has shape [768, 256]" in out
+    assert err.count("\n") == 1 and "remodel inspect: error: 6 tensor(s) disagree with config.json" in err, err
+    check_clean(work, *before)
