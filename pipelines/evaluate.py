@@ -24,9 +24,11 @@ def _check_positive(**kw):
 
 @torch.no_grad()
 def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens: int | None = None,
-             tokenizer=None, device="auto", bf16="auto") -> dict:
+             tokenizer=None, device="auto", bf16="auto", loss_fn=None) -> dict:
     """Next-token loss (nats/token), perplexity and forward tokens/s over packed blocks of `data`
     (a DATA path, a datasets.Dataset with 'text', or a LongTensor [N, L] of ids).
+    loss_fn: replaces losses.lm_loss, e.g. the vocab-parallel CE of a sharded model (whose ranks then
+    all evaluate the same blocks together).
     A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
     from .data import load_texts, pack
 
@@ -62,7 +64,7 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
                 logits = model(ids)
             n = ids[:, 1:].numel()
-            total += lm_loss(logits[:, :-1], ids[:, 1:]).item() * n
+            total += (loss_fn or lm_loss)(logits[:, :-1], ids[:, 1:]).item() * n
             count += n
         sync()
     finally:

@@ -10,16 +10,26 @@ from pathlib import Path
 import torch
 
 
+def param_count(model) -> int:
+    """Parameters of the full model, also when `model` holds only this rank's shards."""
+    from models.hf import our_shapes
+    shapes = our_shapes(model.cfg)
+    return sum(math.prod(shapes[n]) if n in shapes else p.numel() for n, p in model.named_parameters())
+
+
 def matmul_params(model) -> int:
-    """Parameters used in matmuls per token: active experts only, the untied embedding table excluded."""
-    cfg, n = model.cfg, 0
+    """Parameters used in matmuls per token: active experts only, the untied embedding table excluded
+    (full-model figures, also for a sharded model)."""
+    from models.hf import our_shapes
+    cfg, n, shapes = model.cfg, 0, our_shapes(model.cfg)
     for name, p in model.named_parameters():
         if name == "embeddings.weight" and not cfg.tie_word_embeddings:
             continue
+        numel = math.prod(shapes[name]) if name in shapes else p.numel()
         if ".experts." in name:
-            n += p.numel() * cfg.num_experts_per_tok // cfg.n_routed_experts
+            n += numel * cfg.num_experts_per_tok // cfg.n_routed_experts
         else:
-            n += p.numel()
+            n += numel
     return n
 
 

@@ -27,15 +27,15 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from models.checkpoint import atomic_output_dir
 from models.errors import RemodelError
-from models.load import load_config, load_model, read_config_dict, save_model
+from models.load import load_config, load_model, read_config_dict
 
 from . import metrics
 from . import train_state as state
 from .evaluate import evaluate
 from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
-from .parallel import clip_grad_norm_, gather_model, parallel_info, parallelize
+from .parallel import clip_grad_norm_, parallel_info
+from .sharded import export_sharded, load_sharded, local_index, local_part
 from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank, source_dtype,
                       wait, wait_group, world_size)
 from .train_config import RESUME_KEYS, TrainConfig
@@ -302,7 +302,7 @@ def _resume_state(p: Plan):
     return ckpt, tensors, meta
 
 
-def _load_data(p: Plan, tokenizer, lead: bool):
+def _load_data(p: Plan, tokenizer, need_eval: bool):
     """-> (training blocks [N, seq_len] of at most steps * tokens_per_step tokens, held-out blocks or None)."""
     from .data import load_texts, pack
     c = p.cfg
@@ -311,39 +311,48 @@ def _load_data(p: Plan, tokenizer, lead: bool):
         raise RemodelError(f"token id {int(blocks.max())} from the tokenizer is outside the model's vocabulary "
                            f"({p.vocab_size})")
     eval_blocks = None
-    if c.eval_data and lead:
+    if c.eval_data and need_eval:
         eval_blocks = pack(load_texts(c.eval_data), tokenizer, c.seq_len, max_tokens=c.eval_tokens)
     return blocks, eval_blocks
 
 
-def _load_models(p: Plan):
+def _load_models(p: Plan, mesh, ep_dim):
+    """-> (student, teacher, projections, teacher layout). One process: whole models. Several: each rank
+    reads only its shards (pipelines.sharded): the student TP / EP / FSDP over dp, the frozen teacher
+    FSDP over dp plus TP (and EP over tp) where its widths allow."""
     torch.manual_seed(p.cfg.seed)
-    student = load_model(p.student_dir, device=p.dev).train()
-    teacher = None
-    if p.distill:
-        teacher = load_model(p.teacher_dir, device=p.dev).eval()
-        teacher.requires_grad_(False)
+    teacher, layout_t = None, None
+    if mesh is None:
+        student = load_model(p.student_dir, device=p.dev)
+        if p.distill:
+            teacher = load_model(p.teacher_dir, device=p.dev)
+    else:
+        student, _ = load_sharded(p.student_dir, mesh, "tp", ep_dim, "dp", p.dev)
+        if p.distill:
+            tries = [("tp", ep_dim if ep_dim == "tp" else None), ("tp", None), (None, None)]
+            teacher, layout_t = load_sharded(p.teacher_dir, mesh, None, None, "dp", p.dev, layouts=tries)
+    student.train()
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
     projections = build_projections(student, teacher, p.layer_map) if p.cfg.hidden_loss_weight else None
     if projections is not None:
         projections.to(p.dev)
-    return student, teacher, projections
+    return student, teacher, projections, layout_t
 
 
-def _shard(p: Plan, student, teacher, mesh, ep_dim) -> dict | None:
-    """Parallelize the student (TP, EP, FSDP over dp) and the teacher (TP, EP over tp, where its widths
-    allow); -> the teacher's layout. No-op for one process."""
-    if mesh is None:
-        return None
-    parallelize(student, mesh, tp_dim="tp", ep_dim=ep_dim, dp_dim="dp")
-    if teacher is None:
-        return None
-    for t_tp, t_ep in (("tp", ep_dim if ep_dim == "tp" else None), ("tp", None), (None, None)):
-        try:
-            parallelize(teacher, mesh, tp_dim=t_tp, ep_dim=t_ep)
-            return {"tp": p.cfg.tp if t_tp else 1, "ep": p.cfg.ep if t_ep else 1}
-        except RemodelError:
+@torch.no_grad()
+def _restore_weights(student, projections, tensors: dict, dev):
+    """A checkpoint's full model tensors -> this rank's shards (whole tensors in one process)."""
+    from torch.distributed.tensor import DTensor
+    for name, t in list(student.named_parameters()) + list(student.named_buffers()):
+        key = "model." + name
+        if key not in tensors:
             continue
-    return None
+        full = tensors[key]
+        local = t.to_local() if isinstance(t, DTensor) else t
+        local.copy_(local_part(full, local_index(student, name, t, full.shape)).to(dev))
+    if projections is not None:
+        projections.load_state_dict({k[5:]: v.to(dev) for k, v in tensors.items() if k.startswith("proj.")})
 
 
 def run(c: TrainConfig) -> dict | None:
@@ -365,34 +374,31 @@ def run(c: TrainConfig) -> dict | None:
 
     # -- resume state, data, models -------------------------------------------------------------
     ckpt, ck_tensors, ck_meta = _resume_state(p)
-    blocks, eval_blocks = _load_data(p, tokenizer, lead)
-    student, teacher, projections = _load_models(p)
+    blocks, eval_blocks = _load_data(p, tokenizer, need_eval=lead or mesh is not None)
+    student, teacher, projections, teacher_layout = _load_models(p, mesh, ep_dim)
+    info = parallel_info(student)
+    fns = parallel_loss_fns(info)
     start, history, resumed_from, evals = 0, [], None, {}
     if ck_meta is not None:
-        student.load_state_dict({k[6:]: v.to(dev) for k, v in ck_tensors.items() if k.startswith("model.")},
-                                strict=True)
-        if projections is not None:
-            projections.load_state_dict({k[5:]: v.to(dev) for k, v in ck_tensors.items() if k.startswith("proj.")})
+        _restore_weights(student, projections, ck_tensors, dev)
         state.set_rng_state(ck_tensors, dev)
         start, history, evals = ck_meta["step"], ck_meta["history"], ck_meta.get("eval", {})
         resumed_from = str(ckpt)
         if lead:
             tqdm.write(f"resuming from {ckpt} (step {start} of {p.steps})")
-    n_params = {"student": sum(q.numel() for q in student.parameters()),
-                "teacher": sum(q.numel() for q in teacher.parameters()) if p.distill else None,
+    n_params = {"student": metrics.param_count(student),
+                "teacher": metrics.param_count(teacher) if p.distill else None,
                 "trainable_extra": sum(q.numel() for q in projections.parameters()) if projections else 0}
     flops_tok = 3 * metrics.forward_flops_per_token(student, c.seq_len)
     if p.distill:
         flops_tok += metrics.forward_flops_per_token(teacher, c.seq_len)
     peak = metrics.measure_matmul_flops(dev, torch.bfloat16 if p.use_bf16 else torch.float32) * world
     if eval_blocks is not None and "before" not in evals:
-        evals["before"] = evaluate(student, eval_blocks, batch=c.batch, bf16=p.use_bf16)
+        evals["before"] = evaluate(student, eval_blocks, batch=c.batch, bf16=p.use_bf16, loss_fn=fns.get("lm_loss"))
         student.train()
     wait(group)
 
-    # -- shard, recompute, optimizer --------------------------------------------------------------
-    teacher_layout = _shard(p, student, teacher, mesh, ep_dim)
-    info = parallel_info(student)
+    # -- recompute, optimizer ---------------------------------------------------------------------
     set_recompute(student, c.recompute)
     params = dict(student.named_parameters())
     if projections is not None:
@@ -407,7 +413,6 @@ def run(c: TrainConfig) -> dict | None:
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
     w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight, "lb": p.args["lb_coeff"],
          "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk}
-    fns = parallel_loss_fns(info)
 
     def checkpoint(step):
         meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,
@@ -464,31 +469,34 @@ def run(c: TrainConfig) -> dict | None:
             checkpoint(step + 1)
     bar.close()
 
-    # -- final model and report (rank 0) ------------------------------------------------------------
+    # -- final evaluation, report, export (rank 0 writes; every rank takes part) ----------------------
     set_recompute(student, "none")
-    full = student if mesh is None else gather_model(student)
+    if eval_blocks is not None:
+        evals["after"] = evaluate(student, eval_blocks, batch=c.batch, bf16=p.use_bf16, loss_fn=fns.get("lm_loss"))
     report = None
     if lead:
-        if eval_blocks is not None:
-            evals["after"] = evaluate(full.to(dev), eval_blocks, batch=c.batch, bf16=p.use_bf16)
         tok_s = step_tokens / step_time if step_time else None
         report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, int(blocks.numel()),
                                 resumed_from, p.run_dir, history, evals, tok_s, flops_tok, peak, p.t_start)
         report["parallel"] = {"world": world, "tp": c.tp, "ep": info.ep, "dp": dp, "ep_over": info.ep_over,
-                              "teacher": teacher_layout, "backend": dist.get_backend() if mesh is not None else None}
+                              "teacher": teacher_layout, "teacher_fsdp": bool(p.distill and dp > 1),
+                              "backend": dist.get_backend() if mesh is not None else None}
         if world > 1:
             report["mfu_note"] += f", times {world} processes"
-        _write_outputs(p, full.cpu(), report)
+    _write_outputs(p, student, report)
     wait(group)
     return report
 
 
 def _write_outputs(p: Plan, student, report):
-    """OUT: the HF checkpoint of `student` (a plain HybridLM), remodel_report.json, metrics.csv, loss.png."""
-    history = report["history"]
+    """OUT: the HF checkpoint of `student`, streamed tensor by tensor from its shards, with
+    remodel_report.json, metrics.csv and loss.png (rank 0). Collective."""
     dtype = getattr(torch, p.cfg.save_dtype) if p.cfg.save_dtype else source_dtype(p.student_dir)
-    with atomic_output_dir(p.out, overwrite=p.cfg.overwrite, inputs=p.inputs) as tmp:
-        save_model(student, tmp, family=p.family, aux_from=p.student_dir, overwrite=True, dtype=dtype)
+
+    def finish(tmp):
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        metrics.write_metrics(history, tmp / "metrics.csv")
-        metrics.plot_losses(history, tmp / "loss.png", f"{report['command']}: {p.student_dir.name}")
+        metrics.write_metrics(report["history"], tmp / "metrics.csv")
+        metrics.plot_losses(report["history"], tmp / "loss.png", f"{report['command']}: {p.student_dir.name}")
+
+    export_sharded(student, p.out, family=p.family, aux_from=p.student_dir, overwrite=p.cfg.overwrite, dtype=dtype,
+                   inputs=p.inputs, finish=finish)

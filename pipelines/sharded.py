@@ -1,0 +1,145 @@
+"""Sharded from load to export: no rank ever holds a full copy of a model.
+
+`load_sharded` builds the model on the meta device, applies `parallelize` (TP / EP / FSDP2 over the
+mesh) while it is still empty, allocates only this rank's shards and fills each from the safetensors
+files with `models.regions.RegionReader` (safe_open(...).get_slice of exactly the rows, columns and
+experts this rank owns). `local_index` says which region of the full tensor a rank's shard is: the
+TP / EP split of its spec (segments split separately, e.g. Mamba's in_proj) composed with FSDP2's
+dim-0 chunk over dp. `export_sharded` writes the HF checkpoint from a sharded model tensor by tensor:
+each is gathered to rank 0, written, dropped (peak about one tensor above a rank's shard).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.checkpoint import CheckpointWriter, atomic_output_dir
+from models.errors import RemodelError
+from models.hf import config_to_hf, default_family, weight_table
+from models.load import iter_hf_tensors
+from models.model import HybridLM
+from models.regions import RegionReader
+
+from .parallel import _rank, _size, _unshard_all, parallel_info, parallelize, shard_tensor
+
+
+def _dtensor_chunk(t) -> tuple[int, int] | None:
+    """(this rank, number of ranks) of FSDP2's dim-0 sharding of a DTensor parameter, else None."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return None
+    return t.device_mesh.get_local_rank(), t.device_mesh.size()
+
+
+def local_index(model, name: str, t, full_shape) -> list:
+    """Per dimension, None (all) or the LongTensor of full-tensor indices that this rank's shard of
+    parameter `name` holds (its local tensor is full[idx0][:, idx1]...)."""
+    info = parallel_info(model)
+    idx = [None] * len(full_shape)
+    spec = info.specs.get(name)
+    if spec is not None:
+        kind, dim, sizes = spec
+        g = info.tp_group if kind == "tp" else info.ep_group
+        idx[dim] = shard_tensor(torch.arange(full_shape[dim]), 0, sizes, _rank(g), _size(g))
+    chunk = _dtensor_chunk(t)
+    if chunk is not None:
+        r, n = chunk
+        i0 = idx[0] if idx[0] is not None else torch.arange(full_shape[0])
+        parts = torch.chunk(i0, n)
+        idx[0] = parts[r] if r < len(parts) else i0[:0]
+    return idx
+
+
+def local_part(full: torch.Tensor, idx: list) -> torch.Tensor:
+    """full[idx] for a local_index (gathers along each restricted dimension)."""
+    for d, i in enumerate(idx):
+        if i is not None:
+            full = full.index_select(d, i.to(full.device))
+    return full
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _rope(model, device):
+    from models.attention import rope_inv_freq
+    for layer in model.layers:
+        if layer.kind == "*" and model.cfg.rope_theta is not None:
+            layer.mixer.inv_freq = rope_inv_freq(model.cfg).to(device)
+
+
+@torch.no_grad()
+def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None) -> tuple[HybridLM, dict]:
+    """This rank's shards of the checkpoint at `path` as a parallelized HybridLM (fp32 weights).
+
+    layouts: (tp_dim, ep_dim) pairs tried in order until the widths allow one (the teacher falls back
+    from TP + EP to TP to none); -> (model, {"tp": used, "ep": used})."""
+    reader = RegionReader(path)
+    tried = layouts or [(tp_dim, ep_dim)]
+    for i, (t_tp, t_ep) in enumerate(tried):
+        with torch.device("meta"):
+            model = HybridLM(reader.cfg)
+        try:
+            parallelize(model, mesh, tp_dim=t_tp, ep_dim=t_ep, dp_dim=dp_dim)
+            break
+        except RemodelError:
+            if i == len(tried) - 1:
+                raise
+    model.to_empty(device=device)
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    for name, t in state.items():
+        if name not in reader.shapes:
+            continue  # non-persistent buffers (RoPE) are rebuilt below
+        idx = local_index(model, name, t, reader.shapes[name])
+        local = _local(t)
+        part = reader.read(name, idx, dtype=local.dtype if local.is_floating_point() else torch.float32)
+        if tuple(part.shape) != tuple(local.shape):
+            raise AssertionError(f"{name}: region {tuple(part.shape)} != local shard {tuple(local.shape)}")
+        local.copy_(part)
+    missing = [n for n in state if n not in reader.shapes and "inv_freq" not in n]
+    if missing:
+        raise RemodelError(f"{path}: checkpoint is missing tensors: {missing[:3]}")
+    _rope(model, device)
+    reader.close()
+    info = parallel_info(model)
+    return model, {"tp": info.tp, "ep": info.ep}
+
+
+def gather_tensor(model, name: str, t) -> torch.Tensor | None:
+    """The full tensor `name` on rank 0 (None elsewhere). Collective: every rank calls it, same order."""
+    return _unshard_all(model, [(name, t)], rank0_only=True).get(name)
+
+
+def export_sharded(model, out, family: str | None = None, aux_from=None, overwrite=False, dtype=None,
+                   inputs=(), finish=None):
+    """Write a (possibly parallelized) model as a HF checkpoint from rank 0, one gathered tensor at a
+    time. Collective. finish(tmp): rank 0 adds its files (report, plots) before the atomic rename."""
+    cfg = model.cfg
+    family = family or default_family(cfg)
+    state = model.state_dict()
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+
+    def get(name):
+        return gather_tensor(model, name, state[name])
+
+    if not lead:  # the other ranks only take part in the gathers, in iter_hf_tensors' order
+        last = None
+        for ours, _, _ in weight_table(cfg, family):
+            if ours != last:
+                get(ours)
+                last = ours
+        return None
+    hf_cfg = config_to_hf(cfg, family)
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
+        w = CheckpointWriter(tmp)
+        for name, t in iter_hf_tensors(get, cfg, family, dtype):
+            w.add(name, t)
+        if dtype is not None:
+            hf_cfg["dtype"] = str(dtype).replace("torch.", "")
+        w.close(hf_cfg, aux_from=aux_from)
+        if finish is not None:
+            finish(tmp)
+    return out
