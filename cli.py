@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -9,6 +10,17 @@ import sys
 
 if __package__ in (None, "") and os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `python cli.py` in a checkout
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default; a required option says "(required)" instead of None."""
+
+    def _get_help_string(self, action):
+        if action.required and action.option_strings:
+            return (action.help or "") + " (required)"
+        if action.default is None and "None" in (action.help or ""):
+            return action.help  # the line already says what None means
+        return super()._get_help_string(action)
 
 
 def _ints(s: str) -> list[int]:
@@ -52,51 +64,65 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="remodel", description="Shrink (prune + distill) and grow (MoE upcycling) "
                                  "hybrid Mamba-Transformer and Llama-family models; Hugging Face in and out.")
     sub = ap.add_subparsers(dest="command", required=True)
+    # every command's --help shows each option's default (a parser may still pass its own formatter)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
 
     p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
-    p.add_argument("--out", default="remodel-demo")
+    p.add_argument("--out", default="remodel-demo", help="output directory (checkpoints, plots, report)")
     p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-demo OUT directory")
 
     p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
     p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
 
     p = sub.add_parser("convert", help="import/export through the shared model definition")
-    p.add_argument("model"); p.add_argument("out")
-    p.add_argument("--to", choices=["nemotron_h", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("model", help="checkpoint directory to read")
+    p.add_argument("out", help="new output directory")
+    p.add_argument("--to", choices=["nemotron_h", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"],
+                   help="output family (default None: the input's own family)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (default None: as read)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("score", help="activation importance of every prunable unit")
-    p.add_argument("model"); p.add_argument("--data", help="calibration text (needed for --method activation)")
-    p.add_argument("--out", required=True)
+    p.add_argument("model", help="checkpoint directory to score")
+    p.add_argument("--data", help="calibration text (needed for --method activation)")
+    p.add_argument("--out", required=True, help="new SCORES directory (reused by prune, plan and search)")
     p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
-                   help="activation importance (default) or a data-free baseline")
+                   help="activation importance, or a data-free baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--expert-method", choices=["contribution", "frequency", "mean", "random"], default="contribution",
                    help="what ranks MoE experts: router weight x output norm summed over tokens (default), "
                         "routing frequency, the mean per routed token, or random (--seed)")
-    p.add_argument("--samples", type=int, default=1024); p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto")
-    p.add_argument("--no-loss-increase", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--samples", type=int, default=1024, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--batch", type=int, default=4, help="sequences per forward pass")
+    p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto",
+                   help="whole model in memory, or layer by layer (streaming); auto picks by free memory")
+    p.add_argument("--no-loss-increase", action="store_true",
+                   help="skip the per-layer loss increase score (it costs one extra forward per layer)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("prune", help="structured pruning to a target shape")
-    p.add_argument("model"); p.add_argument("out")
+    p.add_argument("model", help="checkpoint directory to prune")
+    p.add_argument("out", help="new output directory")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--scores"); g.add_argument("--data")
+    g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
+    g.add_argument("--data", help="calibration text: score first, then prune")
     for flag in ("hidden-size", "ffn-size", "mamba-heads", "mamba-head-dim", "attn-heads", "experts",
                  "expert-ffn-size", "shared-expert-size", "latent-size"):
-        p.add_argument(f"--{flag}", type=int)
+        p.add_argument(f"--{flag}", type=int, help=f"target {flag.replace('-', ' ')} (None: kept)")
     d = p.add_mutually_exclusive_group()
-    d.add_argument("--num-layers", type=int); d.add_argument("--drop-layers", type=_ints)
-    p.add_argument("--overwrite", action="store_true")
+    d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
+    d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
-    p.add_argument("model"); p.add_argument("--params", type=_count, required=True)
-    p.add_argument("--active-params", type=_count); p.add_argument("--memory-gb", type=float)
+    p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
+    p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
+    p.add_argument("--active-params", type=_count, help="budget of parameters active per token (MoE)")
+    p.add_argument("--memory-gb", type=float, help="budget of bf16 weights + cache memory at --batch/--seq-len")
     p.add_argument("--scores", help="SCORES dir from `remodel score`: depth choices follow layer importance")
     p.add_argument("--axes", help="what to search: width, depth, all, or a comma list of axes")
     p.add_argument("--tol", type=float, default=0.02, help="accepted relative shortfall below the budget")
@@ -106,15 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the candidates as JSON instead of a table")
 
     p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
-    p.add_argument("model"); p.add_argument("out"); p.add_argument("--data", required=True)
-    p.add_argument("--params", type=_count, required=True); p.add_argument("--candidates", type=int, default=3)
+    p.add_argument("model", help="checkpoint directory to search from")
+    p.add_argument("out", help="new output directory (the best candidate and the report)")
+    p.add_argument("--data", required=True, help="calibration and training text")
+    p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
+    p.add_argument("--candidates", type=int, default=3, help="best candidates re-ranked after distillation")
     p.add_argument("--distill-tokens", type=_count, default=0, help="short distillation before the re-ranking")
     p.add_argument("--scores", help="SCORES dir from `remodel score` (computed into OUT/scores otherwise)")
-    p.add_argument("--active-params", type=_count); p.add_argument("--memory-gb", type=float)
+    p.add_argument("--active-params", type=_count, help="budget of parameters active per token (MoE)")
+    p.add_argument("--memory-gb", type=float, help="budget of bf16 weights + cache memory")
     p.add_argument("--top", type=int, default=20, help="plan candidates pruned and evaluated")
-    p.add_argument("--eval-data", help="held-out text (default: every 20th document of DATA)")
-    p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--eval-data", help="held-out text (None: every 20th document of DATA)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (scoring, ranking, distillation)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("distill", help="knowledge distillation (teacher -> student)")
     p.add_argument("--teacher", required=True); p.add_argument("--student", required=True); p.add_argument("out")
@@ -127,8 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model"); p.add_argument("out")
     _train_flags(p)
 
-    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
     p.add_argument("model", help="dense checkpoint directory (its MLP layers become MoE layers)")
     p.add_argument("out", help="new output directory")
     p.add_argument("--experts", type=int, required=True,
@@ -147,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the written weights (default None: the checkpoint's)")
+                   help="dtype of the written weights (None: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
@@ -164,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
     p = sub.add_parser("eval", help="perplexity and tokens/s")
-    p.add_argument("model"); p.add_argument("--data", required=True)
-    p.add_argument("--seq-len", type=int, default=256); p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--max-tokens", type=_count)
+    p.add_argument("model", help="checkpoint directory to evaluate")
+    p.add_argument("--data", required=True, help="held-out text")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
     return ap
 
 

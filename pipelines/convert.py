@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm import tqdm
 
 from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from models.errors import RemodelError
@@ -37,7 +38,8 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
-        for (ours, e, read), (ours2, hf, e2) in zip(plan, rows, strict=True):
+        progress = tqdm(zip(plan, rows, strict=True), total=len(rows), desc="convert", unit="tensor")
+        for (ours, e, read), (ours2, hf, e2) in progress:
             if (ours, e) != (ours2, e2):
                 raise RemodelError(f"internal: tensor order mismatch ({ours} != {ours2})")
             t = read()

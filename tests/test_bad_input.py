@@ -296,3 +296,37 @@ def test_inspect_flags_tensors_that_disagree(work, capsys):
     assert "DISAGREES WITH CONFIG" in out and "up_proj.weight has shape [768, 256]" in out
     assert err.count("\n") == 1 and "remodel inspect: error: 6 tensor(s) disagree with config.json" in err, err
     check_clean(work, *before)
+
+
+# 10. help that teaches -------------------------------------------------------------------------------------------
+
+def _subparsers():
+    import argparse
+    ap = cli.build_parser()
+    act = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    return act.choices
+
+
+@pytest.mark.parametrize("name", sorted(set(_subparsers()) - {"distill", "train"}))  # those two: the trainer's flags
+def test_help_describes_every_option_with_default(name):
+    p = _subparsers()[name]
+    text = p.format_help()
+    fmt = p._get_formatter()
+    for a in p._actions:
+        if a.dest == "help":
+            continue
+        assert a.help and a.help.strip(), f"{name}: {a.option_strings or a.dest} has no help line"
+        if a.option_strings:
+            line = fmt._get_help_string(a)
+            assert "(default: " in line or "(required)" in line or "None" in line, (name, a.option_strings, line)
+            assert a.option_strings[-1] in text
+
+
+def test_help_teaches_upcycle_and_convert_progress(work, capsys):
+    text = _subparsers()["upcycle"].format_help()
+    assert "N = E x G" in " ".join(text.split())
+    assert "sigmoid for nemotron_h sources, topk-softmax otherwise" in " ".join(text.split())
+    assert cli.main(["convert", str(work / "model"), str(work / "o")]) == 0
+    assert "convert: 100%" in capsys.readouterr().err  # a progress bar over the tensors
+    line = fails(capsys, "convert", work / "model", work / "o")
+    assert "pass --overwrite" in line  # the flag, not the Python argument name
