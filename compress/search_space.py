@@ -2,13 +2,15 @@
 
 A candidate is one homogeneous width per axis plus a number of layers removed per layer type:
   widths  the source value, or a multiple of the axis divisor cut by at most `max_width_cut`:
-          hidden 256, FFN / expert FFN / shared expert 512, Mamba head_dim 8, experts 8 (and a
-          multiple of n_group), Mamba heads a multiple of n_groups (group-aware pruning keeps the same
-          number per group), attention heads a multiple of num_key_value_heads. A width below 8x its
-          divisor steps by the largest power of two <= width / 8 instead (expert FFN 1856 by 128, a
-          32-wide toy model by 4), so every axis offers a handful of values; the source's own value
-          is always kept even when it is no multiple (Nano's hidden 2688 = 10.5 x 256). Expert FFN (and hidden, without a latent) stays a multiple of 8 (transformers'
-          grouped expert matmul, as compress.prune checks); Llama hidden stays a multiple of the heads.
+          hidden and LatentMoE latent 256, FFN / expert FFN / shared expert 512, Mamba head_dim 8,
+          experts 8 (and a multiple of n_group), Mamba heads a multiple of n_groups (group-aware pruning
+          keeps the same number per group), attention heads a multiple of num_key_value_heads. A width
+          below 8x its divisor steps by the largest power of two <= width / 8 instead (expert FFN 1856
+          by 128, latent 1024 by 128, a 32-wide toy model by 4), so every axis offers a handful of
+          values; the source's own value is always kept even when it is no multiple (Nano's hidden
+          2688 = 10.5 x 256). Expert FFN and latent (hidden, without a latent) stay multiples of 8
+          (transformers' grouped expert matmul, as compress.prune checks); Llama hidden stays a
+          multiple of the heads.
   depth   per layer type (M, *, -, E; for Llama/Mixtral/Qwen the '*-' / '*E' decoder layer, dropped as
           a pair like compress.prune.layer_units), up to `max_type_cut` of that type (one always kept)
           and `max_depth_cut` of all layers together. MiniPuzzle's 56B -> 47B removed 9/54 M, 6/54 -,
@@ -48,9 +50,11 @@ WIDTHS = {
     "experts": ("E", "n_routed_experts", 8),
     "expert_ffn_size": ("E", "moe_intermediate_size", 512),
     "shared_expert_size": ("E", "moe_shared_expert_intermediate_size", 512),
+    "latent_size": ("E", "moe_latent_size", 256),  # LatentMoE only (a model without a latent: not searched)
 }
 ALL_AXES = tuple(WIDTHS) + ("depth",)
-DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size", "depth")
+DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
+                "latent_size", "depth")
 PRESETS = {"default": DEFAULT_AXES, "width": DEFAULT_AXES[:-1], "depth": ("depth",), "all": ALL_AXES}
 METRICS = ("params", "active_params", "memory_bytes")
 MOE_ALIGN = 8  # compress.prune.MOE_ALIGN
@@ -80,7 +84,8 @@ def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
         k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         return v >= k and (G == 1 or (v % G == 0 and v // G >= 2 and tg * (v // G) >= k))
     moe = "E" in cfg.pattern
-    if (axis == "expert_ffn_size" or (axis == "hidden_size" and moe and not cfg.moe_latent_size)) and v % MOE_ALIGN:
+    expert_rows = axis in ("expert_ffn_size", "latent_size") or (axis == "hidden_size" and moe and not cfg.moe_latent_size)
+    if expert_rows and v % MOE_ALIGN:
         return False
     return True
 

@@ -38,7 +38,8 @@ from .inspect import _n, _resolve
 
 FIELDS = {a: field for a, (_, field, _) in WIDTHS.items()}  # axis -> ModelConfig field
 SHORT = {"hidden_size": "hidden", "ffn_size": "ffn", "mamba_heads": "m.heads", "mamba_head_dim": "m.hd",
-         "attn_heads": "a.heads", "experts": "experts", "expert_ffn_size": "e.ffn", "shared_expert_size": "shared"}
+         "attn_heads": "a.heads", "experts": "experts", "expert_ffn_size": "e.ffn", "shared_expert_size": "shared",
+         "latent_size": "latent"}
 
 
 def _budgets(params, active_params, memory_gb) -> dict:
@@ -195,7 +196,7 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
     """Print and return the `top` candidates under the budget (see the module docstring).
 
     axes: which knobs to search: None (default: hidden, FFN, Mamba heads, experts, expert FFN, shared
-    expert, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
+    expert, LatentMoE latent, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
     divisors: {axis: divisor} overriding the reference width divisors (e.g. scaled with a miniature).
     """
     cfg, _, _, where = _resolve(model)
