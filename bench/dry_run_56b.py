@@ -61,17 +61,28 @@ def reference(name: str):
     return config_from_hf(json.loads((p if p.is_file() else SHIPPED / p.name).read_text()))
 
 
-def scaled_config(scale: int):
-    """The 56B structure with every width / scale (Mamba heads kept a multiple of its 8 groups)."""
-    src = reference("nemotron-h-56b")
+def scale_widths(src, scale: int):
+    """`src`'s structure (pattern, expert count, top-k) with every width / scale: Mamba heads kept a
+    multiple of the groups, the query:KV head ratio kept on 1 KV head, MoE widths (expert FFN, shared
+    expert, LatentMoE latent) divided too."""
     inner = src.mamba_num_heads * src.mamba_head_dim // scale
     heads = max(src.n_groups, 2 * src.mamba_num_heads // scale)
     q = src.num_attention_heads * src.head_dim // scale
-    nq = src.num_attention_heads // src.num_key_value_heads  # 8 query heads on 1 KV head: GQA 8:1 kept
+    nq = src.num_attention_heads // src.num_key_value_heads  # e.g. 56B: 8 query heads on 1 KV head
+    moe = {}
+    if "E" in src.pattern:
+        moe = dict(moe_intermediate_size=src.moe_intermediate_size // scale,
+                   moe_shared_expert_intermediate_size=src.moe_shared_expert_intermediate_size // scale,
+                   moe_latent_size=src.moe_latent_size // scale if src.moe_latent_size else None)
     return src.replace(vocab_size=src.vocab_size // scale, hidden_size=src.hidden_size // scale,
                        intermediate_size=src.intermediate_size // scale, mamba_num_heads=heads,
                        mamba_head_dim=inner // heads, ssm_state_size=src.ssm_state_size // scale,
-                       num_attention_heads=nq, num_key_value_heads=1, head_dim=q // nq, chunk_size=64)
+                       num_attention_heads=nq, num_key_value_heads=1, head_dim=q // nq, chunk_size=64, **moe)
+
+
+def scaled_config(scale: int):
+    """The 56B structure with every width / scale (Mamba heads kept a multiple of its 8 groups)."""
+    return scale_widths(reference("nemotron-h-56b"), scale)
 
 
 def scaled_budget(cfg, scale: int) -> dict:
@@ -93,8 +104,42 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def counts(pattern: str) -> dict:
-    return {c: pattern.count(c) for c in "M-*"}
+def counts(pattern: str, chars: str = "M-*") -> dict:
+    return {c: pattern.count(c) for c in chars}
+
+
+def build_checkpoint(cfg, path: Path, seed: int = 0):
+    """A random-weight (std 0.02) bf16 HF checkpoint of cfg with the embedded tokenizer's files."""
+    model = init_weights(HybridLM(cfg), std=0.02, seed=seed)
+    save_model(model, path, family="nemotron_h", aux_from=embedded_tokenizer_path(), overwrite=True,
+               dtype=torch.bfloat16)
+
+
+def check_refusals(ckpt: Path, root: Path, data, cfg) -> dict:
+    """search() on budgets below the smallest / above the source: refused, nothing written."""
+    from pipelines.search import search
+    refused = {}
+    for name, p in (("below", 1e3), ("above", 2.0 * count_params(cfg)["total"])):
+        bad = root / f"refused-{name}"
+        try:
+            search(ckpt, bad, data, params=p, progress=False)
+            refused[name] = "NOT REFUSED"
+        except RemodelError as e:
+            refused[name] = str(e)
+        assert not bad.exists(), bad
+    return refused
+
+
+def check_export(out: Path, vocab: int = 2048) -> dict:
+    """The searched checkpoint in transformers against ours: parameters and max |logit diff| (fp32)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_model(out)
+    ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+    return {"transformers_params": sum(p.numel() for p in hf.parameters()),
+            "max_abs_logit_diff": (ref - got).abs().max().item()}
 
 
 def main():
@@ -127,22 +172,10 @@ def main():
     b = scaled_budget(cfg, a.scale)
 
     t = time.time()
-    model = init_weights(HybridLM(cfg), std=0.02, seed=0)
-    save_model(model, ckpt, family="nemotron_h", aux_from=embedded_tokenizer_path(), overwrite=True,
-               dtype=torch.bfloat16)
-    del model
+    build_checkpoint(cfg, ckpt)
     mark("build", t)
 
-    # refusals before any heavy work: nothing may be written
-    refused = {}
-    for name, p in (("below", 1e3), ("above", 2.0 * count_params(cfg)["total"])):
-        bad = root / f"refused-{name}"
-        try:
-            search(ckpt, bad, train_txt, params=p, progress=False)
-            refused[name] = "NOT REFUSED"
-        except RemodelError as e:
-            refused[name] = str(e)
-        assert not bad.exists(), bad
+    refused = check_refusals(ckpt, root, train_txt, cfg)  # before any heavy work: nothing may be written
 
     t = time.time()
     score(ckpt, train_txt, scores, samples=a.samples, seq_len=a.seq_len, batch=a.batch, loss_batches=1,
@@ -165,15 +198,7 @@ def main():
     mark("search (prune, rank, distill, export)", t)
 
     t = time.time()
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ours = load_model(out)
-    ids = torch.randint(0, 2048, (1, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref, got = hf(ids).logits, ours(ids)
-    diff = (ref - got).abs().max().item()
-    n_hf = sum(p.numel() for p in hf.parameters())
-    del hf, ours
+    export = check_export(out)
     mark("transformers load + logits", t)
 
     pick = rep["pick"]
@@ -192,7 +217,7 @@ def main():
                                                      "distilled_loss", "chosen")} for r in rep["candidates"]]},
         "pick": {"shape": pick["shape"], "layers": len(pick["pattern"]), "counts": counts(pick["pattern"]),
                  "params": pick["params"], "is_47b_class": counts(pick["pattern"]) == {"M": 45, "-": 48, "*": 5}},
-        "export": {"transformers_params": n_hf, "max_abs_logit_diff": diff},
+        "export": export,
         "refused": refused,
         "phases": phases,
         "wall_seconds": round(time.time() - t0, 1),
