@@ -37,7 +37,8 @@ def choose_mode(mode: str, weight_bytes: int, available_bytes: int) -> str:
 
 def _positive(name, v):
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise RemodelError(f"{name} must be a positive integer, got {v!r}")
+        flag = f" (--{name.replace('_', '-')})" if name in ("samples", "seq_len", "batch") else ""
+        raise RemodelError(f"{name} must be a positive integer{flag}, got {v!r}")
 
 
 def _tokenizer(model_dir: Path):

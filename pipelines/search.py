@@ -39,9 +39,13 @@ from .train import train
 PLAN_OPTIONS = {"axes", "tol", "max_width_cut", "max_depth_cut", "max_type_cut", "batch", "seq_len", "divisors"}
 
 
+CLI_FLAGS = {"candidates", "distill_tokens", "top", "seq_len", "batch"}  # names that are `remodel search` flags
+
+
 def _positive_int(name, v, zero_ok=False):
     if isinstance(v, bool) or not isinstance(v, int) or v < (0 if zero_ok else 1):
-        raise RemodelError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer, got {v!r}")
+        flag = f" (--{name.replace('_', '-')})" if name in CLI_FLAGS else ""
+        raise RemodelError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} integer{flag}, got {v!r}")
 
 
 def shape_str(c: dict, cfg) -> str:

@@ -333,3 +333,11 @@ def test_help_teaches_upcycle_and_convert_progress(work, capsys):
     assert "convert: 100%" in capsys.readouterr().err  # a progress bar over the tensors
     line = fails(capsys, "convert", work / "model", work / "o")
     assert "pass --overwrite" in line  # the flag, not the Python argument name
+
+
+def test_errors_name_flags(work, capsys):
+    fails(capsys, "score", work / "model", "--data", ROOT / "data/corpus/valid.txt.gz", "--out", work / "s",
+          "--seq-len", "0", match="(--seq-len)")
+    fails(capsys, "search", work / "model", work / "o", "--data", ROOT / "data/corpus/valid.txt.gz",
+          "--params", "2M", "--candidates", "0", match="(--candidates)")
+    assert not (work / "s").exists() and not (work / "o").exists()
