@@ -132,12 +132,13 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
         raise RemodelError(f"no tokenizer files in {model_dir}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
+    # the data is read and checked before OUT (or any parent of it) is created
+    tok = _tokenizer(model_dir)
+    blocks = pack(load_texts(data), tok, seq_len, max_tokens=samples * seq_len)
+    if int(blocks.max()) >= cfg.vocab_size:
+        raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(blocks.max())} but the model's "
+                           f"vocab_size is {cfg.vocab_size}")
     with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
-        tok = _tokenizer(model_dir)
-        blocks = pack(load_texts(data), tok, seq_len, max_tokens=samples * seq_len)
-        if int(blocks.max()) >= cfg.vocab_size:
-            raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(blocks.max())} but the model's "
-                               f"vocab_size is {cfg.vocab_size}")
         batch_list = list(make_batches(blocks, batch))
         import psutil
         available = psutil.virtual_memory().available

@@ -404,6 +404,8 @@ def test_exact_dtype_rules(nemo, tmp_path):
     ids = _ids()
     assert (_hf_logits32(tmp_path / "o", ids) - _hf_logits32(src, ids)).abs().max().item() < TOL
     _refused(tmp_path, nemo[1], "drop --exact", experts=8, granularity=2, top_k=3, exact=True)
+    _refused(tmp_path, nemo[1], "--dtype bfloat16 cannot hold every float32 weight", experts=8, granularity=2,
+             top_k=4, exact=True, dtype=torch.bfloat16)
 
 
 def test_exact_softmax_topk_refused(llama, tmp_path):

@@ -129,14 +129,18 @@ def _source_dtype(reader) -> torch.dtype:
 
 
 def check_exact_dtype(p, src: torch.dtype, out: torch.dtype):
-    """--exact: W2 x a must not round. A power-of-two a never does; an integer a fits when the written
-    dtype has bit_length(a) more mantissa bits than the source's. One-line RemodelError otherwise."""
+    """--exact: the written dtype must hold every source weight (the same dtype, or float32/64) and
+    W2 x a must not round: a power-of-two a never does; an integer a fits when the written dtype has
+    bit_length(a) more mantissa bits than the source's. One-line RemodelError otherwise."""
+    name = str(out).replace("torch.", "")
+    if out != src and (_MANTISSA.get(out, 0) < _MANTISSA.get(src, 99) or out in (torch.float16, torch.bfloat16)):
+        raise RemodelError(f"--exact: --dtype {name} cannot hold every {str(src).replace('torch.', '')} weight "
+                           f"exactly; use float32 or the checkpoint's own dtype")
     _, a = p.scales
     if a == 2 ** round(math.log2(a)):
         return
     if a == int(a) and _MANTISSA.get(out, 0) >= _MANTISSA.get(src, 99) + int(a).bit_length():
         return
-    name = str(out).replace("torch.", "")
     fix = "pass --dtype float32 or " if _MANTISSA.get(src, 99) + int(a).bit_length() <= 24 else ""
     raise RemodelError(f"--exact: scaling down_proj by a={a:g} (not a power of two) rounds in {name}; "
                        f"{fix}use a power-of-two --granularity, or drop --exact")
