@@ -77,6 +77,22 @@ def test_unwritable_out_is_one_line_error(work, capsys, where):
     check_clean(work, *before)
 
 
+def test_permission_denied_out_is_one_line_error(work, capsys, monkeypatch):
+    """EACCES as a non-root user would get it on a read-only parent (as root, chmod does not block)."""
+    real = Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self.parent == work / "ro":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    (work / "ro").mkdir()
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    before = listing(work), snapshot(work)
+    fails(capsys, "convert", work / "model", work / "ro" / "out", match="Permission denied")
+    check_clean(work, *before)
+
+
 def test_unwritable_out_other_commands(work, capsys):
     (work / "afile").write_text("x")
     before = listing(work), snapshot(work)
@@ -341,3 +357,11 @@ def test_errors_name_flags(work, capsys):
     fails(capsys, "search", work / "model", work / "o", "--data", ROOT / "data/corpus/valid.txt.gz",
           "--params", "2M", "--candidates", "0", match="(--candidates)")
     assert not (work / "s").exists() and not (work / "o").exists()
+
+
+def test_oserror_anywhere_is_one_line(monkeypatch, capsys):
+    """A disk that fills up mid-run: one line naming the cause and the file, exit 2, no traceback."""
+    def run(a):
+        raise OSError(28, "No space left on device", "/out/.o.tmp-1-00000000/model.safetensors")
+    monkeypatch.setattr(cli, "run", run)
+    fails(capsys, "convert", "m", "o", match="No space left on device: /out/.o.tmp-1-00000000/model.safetensors")
