@@ -40,24 +40,12 @@ def _count(s: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number like 4.5e9 or 47B, got {s!r}") from None
 
 
-def _train_flags(p):
-    p.add_argument("--data", required=True, help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
-    p.add_argument("--tokens", type=_count, help="token budget (alternative to --steps)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--min-lr", type=float, default=None)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--keep-last", type=int, default=2)
-    p.add_argument("--eval-data", help="held-out data for the final perplexity")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (run under torchrun)")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+def _train_flags(p, distill: bool):
+    """The TrainConfig options (pipelines.train_config: one place for every default and help line)."""
+    from pipelines.train_config import add_train_flags
+    p.add_argument("--data", required=True, help="training data: text file/folder, .jsonl/.json, .parquet or "
+                   "save_to_disk folder")
+    add_train_flags(p, distill, count=_count)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,16 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
-    p = sub.add_parser("distill", help="knowledge distillation (teacher -> student)")
-    p.add_argument("--teacher", required=True); p.add_argument("--student", required=True); p.add_argument("out")
-    _train_flags(p)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lm-loss-weight", type=float, default=0.0)
-    p.add_argument("--hidden-loss-weight", type=float, default=0.0)
+    p = sub.add_parser("distill", help="knowledge distillation (teacher -> student); give --steps or --tokens",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--teacher", required=True, help="teacher checkpoint directory (frozen)")
+    p.add_argument("--student", required=True, help="student checkpoint directory (the model trained)")
+    p.add_argument("out", help="output directory of the final HF checkpoint (checkpoints go to OUT.run/)")
+    _train_flags(p, True)
 
-    p = sub.add_parser("train", help="plain LM training / continued pretraining")
-    p.add_argument("model"); p.add_argument("out")
-    _train_flags(p)
+    p = sub.add_parser("train", help="plain LM training / continued pretraining; give --steps or --tokens",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="checkpoint directory (the model trained)")
+    p.add_argument("out", help="output directory of the final HF checkpoint (checkpoints go to OUT.run/)")
+    _train_flags(p, False)
 
     p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
     p.add_argument("model", help="dense checkpoint directory (its MLP layers become MoE layers)")
@@ -213,13 +203,6 @@ def _targets(a) -> dict:
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 
-def _train_kwargs(a) -> dict:
-    return dict(data=a.data, tokens=a.tokens, steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr,
-                min_lr=a.min_lr, warmup=a.warmup, grad_accum=a.grad_accum, checkpoint_every=a.checkpoint_every,
-                keep_last=a.keep_last, eval_data=a.eval_data, resume=a.resume, seed=a.seed, overwrite=a.overwrite,
-                tp=a.tp, ep=a.ep)
-
-
 def run(a) -> object:
     from models.errors import RemodelError
     c = a.command
@@ -263,20 +246,19 @@ def run(a) -> object:
                       distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
                       active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
                       seq_len=a.seq_len, batch=a.batch)
-    if c == "distill":
-        from pipelines.train import train
-        return train(a.student, a.out, teacher_dir=a.teacher, temperature=a.temperature,
-                     lm_loss_weight=a.lm_loss_weight, hidden_loss_weight=a.hidden_loss_weight, **_train_kwargs(a))
-    if c == "train":
-        from pipelines.train import train
-        return train(a.model, a.out, **_train_kwargs(a))
+    if c in ("distill", "train"):
+        from pipelines.train_config import config_from_args
+        from pipelines.trainer import run as run_training
+        if c == "distill":
+            return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
+        return run_training(config_from_args(a, student_dir=a.model, out=a.out))
     if c == "upcycle":
         from upcycle.pipeline import upcycle
         return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                        shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
                        seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
     if c == "eval":
-        from pipelines.train import evaluate
+        from pipelines.evaluate import evaluate
         r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
         loss = r.get("loss")
         if isinstance(loss, float) and not math.isfinite(loss):

@@ -55,6 +55,8 @@ class TrainConfig:
     z_coeff: float = _f(0.0, "MoE router z-loss coefficient", resume=True)
     checkpoint_every: int | None = _f(None, "steps between resumable checkpoints in OUT.run/ (when not given: "
                                       "max(1, steps // 10); one is always written after the last step)")
+    async_checkpoint: bool = _f(False, "write checkpoints from a CPU copy on a background thread while training "
+                                "continues")
     keep_last: int = _f(2, "checkpoints kept in OUT.run/ (0 keeps every one)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in OUT.run/ (starts fresh when "
                       "there is none)")

@@ -1,37 +1,264 @@
-"""The resumable state of a training run: `<out>.run/step-NNNNNN/` checkpoints.
+"""The resumable state of a training run: `<out>.run/step-NNNNNN/`, torch.distributed.checkpoint (DCP).
 
-Each holds the full (unsharded) model, optimizer, RNG and data position in the single-process format
-(safetensors for tensors, JSON for the rest, no pickle), written atomically (a temporary sibling renamed
-at the end), so a run resumes exactly under any layout, also in one process. The last `keep_last` are
-kept. `snapshot` gathers a (possibly sharded) run's state on rank 0; `local_optimizer_tensors` shards a
-checkpoint's optimizer state back to this rank.
+Every rank writes its own shards of the model, the AdamW moments and the projections in parallel (no
+gather): each tensor is described to DCP as the rectangular chunks of the full tensor that this rank
+holds (`Chunks`: the TP / EP split composed with FSDP2's dim-0 chunk, see pipelines.sharded.local_index),
+keyed by parameter name, so a checkpoint is independent of the layout that wrote it. Replicas (a
+TP-replicated norm on every tp rank) are written by one rank only. On load every rank asks DCP for
+exactly the chunks it holds under the new layout (DP 4 -> DP 2 x TP 2 -> one process). Rank 0 adds
+meta.json (step, data position, history, args, per-parameter AdamW step counts) last; the directory
+appears by rename from `.step-NNNNNN.partial`, so a kill during a save leaves the previous checkpoint
+usable. `save(..., background=True)` writes a staged CPU copy on a thread with its own gloo group.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from tqdm.auto import tqdm
 
-from models.checkpoint import atomic_output_dir, read_header
-from models.errors import RemodelError
+from models.regions import runs
 
-from .parallel import _rank, _size, _unshard_all, full_state_dict, shard_tensor
+from .parallel import parallel_info
+from .sharded import local_index
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE_TENSORS, STATE_JSON = "state.safetensors", "state.json"
+META = "meta.json"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def run_dir_for(out) -> Path:
     """Where the resumable checkpoints of a run writing OUT live: `<out>.run/`."""
     out = Path(out).absolute()
     return out.parent / (out.name + ".run")
+
+
+# ---- a rank's chunks of one tensor, as DCP sees them ---------------------------------------------
+
+class Chunks:
+    """This rank's rectangular pieces of a full tensor of shape `size`: [(offsets, view of local data)].
+    Implements the parts of DCP's checkpointable protocol its planners call (write items, chunk list)."""
+
+    def __init__(self, size, pieces):
+        self._size = torch.Size(size)
+        self.pieces = [(torch.Size(o), t) for o, t in pieces]
+
+    def size(self):
+        return self._size
+
+    def __create_write_items__(self, fqn, obj):
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self._size))
+                for o, t in self.pieces]
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.pieces]
+
+    def __get_tensor_shard__(self, index):
+        for o, t in self.pieces:
+            if o == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: no local chunk at offset {tuple(index.offset)}")
+
+
+def _lookup(state_dict, index):
+    obj = state_dict[index.fqn]
+    return obj.__get_tensor_shard__(index) if isinstance(obj, Chunks) else None
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner over a flat {key: Chunks or tensor} dict."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index):
+        return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), Chunks) \
+            else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner over a flat {key: Chunks or tensor} dict (its set-up would replace the
+    Chunks: it only knows tensors)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index):
+        return _lookup(self.state_dict, index) if isinstance(self.state_dict.get(index.fqn), Chunks) \
+            else super().lookup_tensor(index)
+
+
+def chunks_of(local: torch.Tensor, idx: list, full_shape) -> Chunks:
+    """Chunks of a local shard whose rows / columns are the full-tensor indices `idx` (runs of
+    consecutive indices become separate rectangular pieces)."""
+    dims = [runs(i) if i is not None else [(0, 0, n)] for i, n in zip(idx, full_shape)]
+    pieces = []
+    for combo in itertools.product(*dims):
+        where = tuple(slice(p, p + (b - a)) for p, a, b in combo)
+        pieces.append((tuple(a for _, a, _ in combo), local[where]))
+    return Chunks(full_shape, pieces)
+
+
+def _owner(model, name: str, t) -> bool:
+    """Whether this rank writes its copy of `name`: replicas over a mesh dimension that does not split
+    the tensor are written by the rank at coordinate 0 of that dimension."""
+    from torch.distributed.tensor import DTensor
+    info = parallel_info(model)
+    if info.mesh is None:
+        return True
+    uses = set()
+    spec = info.specs.get(name)
+    if spec is not None:
+        uses.add("tp" if spec[0] == "tp" else info.ep_over)
+    if isinstance(t, DTensor):
+        uses.add("dp")
+    coords = {"dp": info.dp_rank, "tp": info.tp_rank}
+    return all(coords[d] == 0 for d in coords if d not in uses)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full_shape(model, name, t):
+    from models.hf import our_shapes
+    return our_shapes(model.cfg).get(name, tuple(t.shape))
+
+
+def state_dict(student, projections, opt, saving: bool) -> dict:
+    """{key: Chunks or tensor} of the trainable state on this rank (saving: replicas once, see _owner)."""
+    sd, shapes = {}, _shapes(student)
+    params = dict(student.named_parameters())
+    for name, t in list(params.items()) + list(student.named_buffers()):
+        if name not in shapes or (saving and not _owner(student, name, t)):
+            continue
+        full = _full_shape(student, name, t)
+        idx = local_index(student, name, t, full)
+        sd[f"model.{name}"] = chunks_of(_local(t), idx, full)
+        st = opt.state.get(t, {}) if name in params else {}
+        for k in MOMENTS:
+            if k in st:
+                sd[f"optim.{name}.{k}"] = chunks_of(_local(st[k]), idx, full)
+    for name, t in (projections.named_parameters() if projections is not None else []):
+        sd[f"proj.{name}"] = t.data
+        for k in MOMENTS:
+            if k in opt.state.get(t, {}):
+                sd[f"optim.proj.{name}.{k}"] = opt.state[t][k]
+    return sd
+
+
+def _shapes(model):
+    from models.hf import our_shapes
+    return our_shapes(model.cfg)
+
+
+def _named_params(student, projections):
+    out = dict(student.named_parameters())
+    if projections is not None:
+        out.update({f"proj.{k}": p for k, p in projections.named_parameters()})
+    return out
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+def _stage(sd: dict) -> dict:
+    """A CPU copy of a state dict (for a background save while training goes on)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, Chunks):
+            out[k] = Chunks(v.size(), [(o, t.detach().to("cpu", copy=True)) for o, t in v.pieces])
+        else:
+            out[k] = v.detach().to("cpu", copy=True)
+    return out
+
+
+class Saver:
+    """Writes checkpoints; with background=True each save runs on a thread (one at a time) with its own
+    gloo group, so the next training steps overlap the writing."""
+
+    def __init__(self, run_dir: Path, keep_last: int, background: bool = False, group=None):
+        from .runtime import timeout
+        self.run_dir, self.keep_last, self.background = run_dir, keep_last, background
+        self.group = group  # long-timeout gloo group: writing a large shard may outlast the step timeout
+        if background and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600))
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def save(self, step: int, student, projections, opt, meta: dict):
+        self.wait()
+        sd = state_dict(student, projections, opt, saving=True)
+        sd["rng.torch"] = torch.get_rng_state()
+        params = _named_params(student, projections)
+        meta = {**meta, "adam_steps": {n: float(opt.state[p]["step"]) for n, p in params.items()
+                                       if "step" in opt.state.get(p, {})}}
+        if not self.background:
+            return _write(self.run_dir, step, sd, meta, self.keep_last, self.group)
+        staged = _stage(sd)
+        self.thread = threading.Thread(target=self._run, args=(step, staged, meta), daemon=True)
+        self.thread.start()
+
+    def _run(self, step, sd, meta):
+        try:
+            _write(self.run_dir, step, sd, meta, self.keep_last, self.group)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the training thread
+            self.error = e
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
+def _write(run_dir: Path, step: int, sd: dict, meta: dict, keep_last: int, group) -> Path:
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    final = run_dir / f"step-{step:06d}"
+    tmp = run_dir / f".step-{step:06d}.partial"
+    if lead and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier(group)
+    tmp.mkdir(parents=True, exist_ok=True)
+    dcp.save(sd, checkpoint_id=str(tmp), planner=_SavePlanner(), process_group=group,
+             no_dist=not dist.is_initialized())
+    if lead:
+        _write_meta(tmp, meta)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync(run_dir)
+        for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+            gone = old.parent / f".{old.name}.del-{os.getpid()}"
+            old.rename(gone)  # a kill during rmtree leaves a hidden dir, never a half checkpoint
+            shutil.rmtree(gone, ignore_errors=True)
+    _barrier(group)
+    return final
+
+
+def _barrier(group):
+    if dist.is_initialized():
+        dist.barrier(group=group)
 
 
 def _fsync(path: Path):
@@ -42,68 +269,13 @@ def _fsync(path: Path):
         os.close(fd)
 
 
-def _write_state(tmp: Path, tensors: dict, meta: dict):
-    """The files of one checkpoint: tensors first, the JSON (which marks it readable) last."""
-    save_file(tensors, tmp / STATE_TENSORS)
-    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
-    for f in (STATE_TENSORS, STATE_JSON):
-        _fsync(tmp / f)
+def _write_meta(tmp: Path, meta: dict):
+    """meta.json last: its presence marks the DCP files beside it complete."""
+    (tmp / META).write_text(json.dumps(meta) + "\n")
+    _fsync(tmp / META)
 
 
-def optimizer_state(opt: torch.optim.Optimizer, sd: dict | None = None) -> tuple[dict, dict]:
-    """Optimizer state_dict (`opt`'s, or `sd`) split into ({'optim.<param>.<key>': tensor}, JSON-able rest)."""
-    sd = opt.state_dict() if sd is None else sd
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optim.{pid}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{pid}.{k}"] = v
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
-
-
-def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict, meta: dict):
-    state: dict = {}
-    for name, t in tensors.items():
-        if name.startswith("optim."):
-            _, pid, k = name.split(".", 2)
-            state.setdefault(int(pid), {})[k] = t
-    for key, v in meta["scalars"].items():
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
-              for g in meta["param_groups"]]
-    opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def rng_state(device: torch.device) -> dict:
-    out = {"rng.torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"rng.cuda.{i}"] = s
-    return out
-
-
-def set_rng_state(tensors: dict, device: torch.device):
-    torch.set_rng_state(tensors["rng.torch"])
-    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
-    if device.type == "cuda" and cuda:
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
-
-
-def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict, keep_last: int) -> Path:
-    """Write `run_dir/step-NNNNNN/` atomically, then delete all but the newest `keep_last`."""
-    final = run_dir / f"step-{step:06d}"
-    with atomic_output_dir(final, overwrite=True) as tmp:
-        _write_state(tmp, tensors, meta)
-    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        gone = old.parent / f".{old.name}.del-{os.getpid()}"
-        old.rename(gone)  # a kill during rmtree leaves a hidden dir, never a half checkpoint
-        shutil.rmtree(gone, ignore_errors=True)
-    return final
-
+# ---- find and load --------------------------------------------------------------------------------
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """step-* dirs, oldest first (complete by construction: they appear by rename)."""
@@ -113,12 +285,15 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def read_meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / META).read_text())
+
+
 def _readable(ckpt: Path) -> bool:
     try:
-        json.loads((ckpt / STATE_JSON).read_text())
-        read_header(ckpt / STATE_TENSORS)
-        return True
-    except (OSError, ValueError, RemodelError):
+        read_meta(ckpt)
+        return (ckpt / ".metadata").is_file()
+    except (OSError, ValueError):
         return False
 
 
@@ -130,10 +305,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(ckpt: Path) -> tuple[dict, dict]:
-    return load_file(ckpt / STATE_TENSORS), json.loads((ckpt / STATE_JSON).read_text())
-
-
 def clean_stale(run_dir: Path):
     """Remove temporaries left by a killed writer (hidden .step-* dirs)."""
     if run_dir.is_dir():
@@ -142,65 +313,27 @@ def clean_stale(run_dir: Path):
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def param_order(params: dict) -> list[str]:
-    """Names in the optimizer's parameter-id order (build_optimizer: matrices first, then the rest)."""
-    return [n for n, p in params.items() if p.ndim >= 2] + [n for n, p in params.items() if p.ndim < 2]
+@torch.no_grad()
+def load(ckpt: Path, student, projections, opt) -> dict:
+    """Fill this rank's shards of the model, projections, AdamW state and the RNG from `ckpt` (any
+    layout wrote it); -> its meta. Collective."""
+    meta = read_meta(ckpt)
+    for name, p in _named_params(student, projections).items():
+        if name in meta["adam_steps"]:
+            opt.state[p] = {"step": torch.tensor(meta["adam_steps"][name], dtype=torch.float32),
+                            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    sd = state_dict(student, projections, opt, saving=False)
+    sd["rng.torch"] = torch.empty_like(torch.get_rng_state())
+    dcp.load(sd, checkpoint_id=str(ckpt), planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+    torch.set_rng_state(sd["rng.torch"])
+    return meta
 
 
-def _full_optimizer_state(opt, order, info) -> dict:
-    """opt.state_dict() with every sharded state tensor gathered to full (valid on rank 0; collective)."""
-    sd = opt.state_dict()
-    state = {pid: dict(st) for pid, st in sd["state"].items()}
-    keys = sorted({k for st in state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"})
-    holder = _Named(info)
-    for k in keys:  # exp_avg, exp_avg_sq: sharded like their parameter
-        pids = [pid for pid in sorted(state) if k in state[pid]]
-        full = _unshard_all(holder, [(order[pid], state[pid][k]) for pid in pids], rank0_only=True)
-        for pid in pids:
-            state[pid][k] = full.get(order[pid])
-    return {"state": state, "param_groups": sd["param_groups"]}
-
-
-class _Named:
-    """Stand-in model for parallel._unshard_all, which reads only its ParallelInfo."""
-
-    def __init__(self, info):
-        self._parallel = info
-
-
-def snapshot(student, projections, opt, order, info, dev, meta: dict):
-    """(tensors, meta) of a checkpoint in this module's format on rank 0, (None, None) elsewhere."""
-    model_sd = full_state_dict(student)
-    opt_sd = _full_optimizer_state(opt, order, info)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None, None
-    tensors = {f"model.{k}": v.contiguous() for k, v in model_sd.items()}
-    if projections is not None:
-        tensors.update({f"proj.{k}": v.detach().cpu().contiguous() for k, v in projections.state_dict().items()})
-    opt_t, opt_meta = optimizer_state(None, opt_sd)
-    tensors.update({k: v.detach().cpu().contiguous() for k, v in opt_t.items()})
-    tensors.update(rng_state(dev))
-    return tensors, {**meta, "optimizer": opt_meta}
-
-
-def local_optimizer_tensors(ck_tensors: dict, order, params: dict, info, dev) -> dict:
-    """A checkpoint's full optimizer tensors -> this rank's shards (TP/EP spec, then FSDP's DTensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    out = {}
-    for key, t in ck_tensors.items():
-        if not key.startswith("optim."):
-            continue
-        _, pid, k = key.split(".", 2)
-        name = order[int(pid)]
-        p = params[name]
-        if k != "step":
-            t = t.to(dev)
-            spec = info.specs.get(name)
-            if spec is not None:
-                kind, dim, sizes = spec
-                g = info.tp_group if kind == "tp" else info.ep_group
-                t = shard_tensor(t, dim, sizes, _rank(g), _size(g)).contiguous()
-            if isinstance(p, DTensor):
-                t = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
-        out[key] = t
-    return out
+def read_full(ckpt: Path, prefix: str = "model.") -> dict:
+    """Whole tensors of a checkpoint (small models and tests; `remodel convert` streams instead)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if k.startswith(prefix) and hasattr(v, "size")}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    return sd

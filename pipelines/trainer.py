@@ -35,7 +35,7 @@ from . import train_state as state
 from .evaluate import evaluate
 from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
 from .parallel import clip_grad_norm_, parallel_info
-from .sharded import export_sharded, load_sharded, local_index, local_part
+from .sharded import export_sharded, load_sharded
 from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank, source_dtype,
                       wait, wait_group, world_size)
 from .train_config import RESUME_KEYS, TrainConfig
@@ -285,21 +285,22 @@ def prepare(c: TrainConfig) -> Plan:
 
 
 def _resume_state(p: Plan):
-    """-> (checkpoint dir, its tensors, its meta) to continue from, or Nones; refuses a checkpoint of
-    another trajectory (RESUME_KEYS)."""
+    """-> (checkpoint dir, its meta) to continue from, or Nones; refuses a checkpoint of another
+    trajectory (RESUME_KEYS)."""
     if not p.cfg.resume:
-        return None, None, None
-    state.clean_stale(p.run_dir)
+        return None, None
+    if rank() == 0:
+        state.clean_stale(p.run_dir)
     ckpt = state.latest_checkpoint(p.run_dir)
     if ckpt is None:
-        return None, None, None
-    tensors, meta = state.load_checkpoint(ckpt)
+        return None, None
+    meta = state.read_meta(ckpt)
     keys = [k for k in RESUME_KEYS if k in p.args]
     diff = [k for k in keys if meta["args"].get(k) != json.loads(json.dumps(p.args[k]))]
     if diff:
         was = ", ".join(f"{k}={meta['args'].get(k)!r}" for k in diff)
         raise RemodelError(f"cannot resume from {ckpt}: {', '.join(diff)} differ from that run ({was})")
-    return ckpt, tensors, meta
+    return ckpt, meta
 
 
 def _load_data(p: Plan, tokenizer, need_eval: bool):
@@ -340,21 +341,6 @@ def _load_models(p: Plan, mesh, ep_dim):
     return student, teacher, projections, layout_t
 
 
-@torch.no_grad()
-def _restore_weights(student, projections, tensors: dict, dev):
-    """A checkpoint's full model tensors -> this rank's shards (whole tensors in one process)."""
-    from torch.distributed.tensor import DTensor
-    for name, t in list(student.named_parameters()) + list(student.named_buffers()):
-        key = "model." + name
-        if key not in tensors:
-            continue
-        full = tensors[key]
-        local = t.to_local() if isinstance(t, DTensor) else t
-        local.copy_(local_part(full, local_index(student, name, t, full.shape)).to(dev))
-    if projections is not None:
-        projections.load_state_dict({k[5:]: v.to(dev) for k, v in tensors.items() if k.startswith("proj.")})
-
-
 def run(c: TrainConfig) -> dict | None:
     """Train (or distil) per `c` on this process's share; returns the report on rank 0, None elsewhere."""
     p = prepare(c)
@@ -373,15 +359,13 @@ def run(c: TrainConfig) -> dict | None:
     from models.recompute import set_recompute
 
     # -- resume state, data, models -------------------------------------------------------------
-    ckpt, ck_tensors, ck_meta = _resume_state(p)
+    ckpt, ck_meta = _resume_state(p)
     blocks, eval_blocks = _load_data(p, tokenizer, need_eval=lead or mesh is not None)
     student, teacher, projections, teacher_layout = _load_models(p, mesh, ep_dim)
     info = parallel_info(student)
     fns = parallel_loss_fns(info)
     start, history, resumed_from, evals = 0, [], None, {}
     if ck_meta is not None:
-        _restore_weights(student, projections, ck_tensors, dev)
-        state.set_rng_state(ck_tensors, dev)
         start, history, evals = ck_meta["step"], ck_meta["history"], ck_meta.get("eval", {})
         resumed_from = str(ckpt)
         if lead:
@@ -403,12 +387,10 @@ def run(c: TrainConfig) -> dict | None:
     params = dict(student.named_parameters())
     if projections is not None:
         params.update({f"proj.{k}": q for k, q in projections.named_parameters()})
-    order = state.param_order(params)
     opt = build_optimizer(params, c.lr, c.weight_decay)
-    if ck_meta is not None:
-        state.load_optimizer_state(opt, state.local_optimizer_tensors(ck_tensors, order, params, info, dev),
-                                   ck_meta["optimizer"])
-        del ck_tensors
+    if ckpt is not None:  # every rank reads only the chunks it holds, whatever layout wrote them
+        state.load(ckpt, student, projections, opt)
+    saver = state.Saver(p.run_dir, c.keep_last, background=c.async_checkpoint, group=group)
 
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
     w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight, "lb": p.args["lb_coeff"],
@@ -417,10 +399,7 @@ def run(c: TrainConfig) -> dict | None:
     def checkpoint(step):
         meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,
                 "eval": evals}
-        tensors, meta = state.snapshot(student, projections, opt, order, info, dev, meta)
-        if lead:
-            state.save_checkpoint(p.run_dir, step, tensors, meta, keep_last=c.keep_last)
-        wait(group)
+        saver.save(step, student, projections, opt, meta)
 
     # -- loop -------------------------------------------------------------------------------------
     if lead and not c.resume and p.run_dir.exists():
@@ -468,6 +447,7 @@ def run(c: TrainConfig) -> dict | None:
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
             checkpoint(step + 1)
     bar.close()
+    saver.wait()
 
     # -- final evaluation, report, export (rank 0 writes; every rank takes part) ----------------------
     set_recompute(student, "none")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from models.config import ModelConfig
 from models.errors import RemodelError
@@ -199,22 +200,20 @@ from pipelines import train as T
 from pipelines import train_state as S
 kw, mode = json.loads(sys.argv[1]), sys.argv[2]
 if mode == "stall_after_4":  # a slow process: the SIGKILL lands after the step-4 checkpoint, before step 5 ends
-    save = S.save_checkpoint
+    write = S._write
     def slow(run_dir, step, *a, **k):
-        r = save(run_dir, step, *a, **k)
+        r = write(run_dir, step, *a, **k)
         if step == 4:
             time.sleep(600)
         return r
-    S.save_checkpoint = slow
-if mode == "die_writing_4":  # dies with the tensors of step 4 on disk but not its JSON
-    write = S._write_state
-    def die(tmp, tensors, meta):
+    S._write = slow
+if mode == "die_writing_4":  # dies with the DCP files of step 4 on disk but not its meta.json
+    write_meta = S._write_meta
+    def die(tmp, meta):
         if meta["step"] == 4:
-            from safetensors.torch import save_file
-            save_file(tensors, tmp / S.STATE_TENSORS)
             os._exit(3)
-        write(tmp, tensors, meta)
-    S._write_state = die
+        write_meta(tmp, meta)
+    S._write_meta = die
 T.train(**kw)
 """
 
@@ -286,7 +285,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous(work, crashed, refer
     names = sorted(x.name for x in run.iterdir())
     assert "step-000002" in names and "step-000004" not in names
     torn = [x for x in run.iterdir() if x.name.startswith(".step-000004")]
-    assert len(torn) == 1 and (torn[0] / S.STATE_TENSORS).exists() and not (torn[0] / S.STATE_JSON).exists()
+    assert len(torn) == 1 and (torn[0] / ".metadata").exists() and not (torn[0] / S.META).exists()
     assert S.latest_checkpoint(run).name == "step-000002"
 
     rep = T.train(**kwargs(work, out, resume=True))
@@ -323,14 +322,18 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert any(not torch.equal(v, s0[k]) for k, v in student.state_dict().items())
     assert _sha(work / "teacher" / "model.safetensors") == before
 
-    tensors, meta = S.load_checkpoint(S.latest_checkpoint(S.run_dir_for(out)))
-    assert {k[6:] for k in tensors if k.startswith("model.")} == set(student.state_dict())
+    ckpt = S.latest_checkpoint(S.run_dir_for(out))
+    keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)  # the DCP checkpoint's tensors
+    assert {k[6:] for k in keys if k.startswith("model.")} == set(student.state_dict())
     n_proj = len(student.layers) if rep["params"]["trainable_extra"] else 0  # one projection per mapped layer
     assert n_proj == 4
-    opt_ids = {int(k.split(".")[1]) for k in tensors if k.startswith("optim.")}
-    assert len(opt_ids) == len(list(student.parameters())) + n_proj
-    assert set(k.split(".")[0] for k in tensors) == {"model", "proj", "optim", "rng"}
-    assert sum(len(g["params"]) for g in meta["optimizer"]["param_groups"]) == len(opt_ids)
+    moments = {k[6:].rsplit(".", 1)[0] for k in keys if k.startswith("optim.")}
+    assert len(moments) == len(list(student.parameters())) + n_proj
+    assert {k.rsplit(".", 1)[1] for k in keys if k.startswith("optim.")} == {"exp_avg", "exp_avg_sq"}
+    assert set(k.split(".")[0] for k in keys) == {"model", "proj", "optim", "rng"}
+    assert set(S.read_meta(ckpt)["adam_steps"]) == moments
+    w = S.read_full(ckpt)  # the checkpoint holds the trained weights, whole
+    assert all(torch.equal(w["model." + k], v) for k, v in student.state_dict().items())
     # outputs: HF checkpoint + report + metrics + plot
     assert {"config.json", "model.safetensors", "tokenizer.json", "remodel_report.json", "metrics.csv",
             "loss.png"} <= {x.name for x in out.iterdir()}

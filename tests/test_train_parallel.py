@@ -39,6 +39,7 @@ CASES = {  # name: (processes, tp, ep, reference)
     "lm_ep2": (2, 1, 2, "lm"), "lm_tp2_ep2": (2, 2, 2, "lm"), "kd_tp2": (2, 2, 1, "kd"),
     "kd_topk_tp2": (2, 2, 1, "kd_topk"), "lm_dp2_tp2": (4, 2, 1, "lm"), "kd_dp2_tp2_ep2": (4, 2, 2, "kd"),
 }
+ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
 LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "lm_ep2": (1, 2, 2, "dp"), "lm_tp2_ep2": (2, 2, 1, "tp"), "kd_tp2": (2, 1, 1, None),
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
@@ -68,6 +69,11 @@ def worker(d: Path, cases):
             rc = cli.main(["distill", "--teacher", str(d / "teacher"), "--student", str(d / "student"), str(d / name),
                            "--data", str(d / "train.txt"), *CLI_FLAGS, "--tp", "2"])
             assert rc == 0
+        elif name == "lm_dp4_resumed":  # lm_dp2_tp2's step-2 checkpoint (DCP) continued under DP 4
+            if dist.get_rank() == 0:
+                shutil.copytree(d / "lm_dp2_tp2.run" / "step-000002", d / "lm_dp4_resumed.run" / "step-000002")
+            dist.barrier()
+            train(**kwargs(d, name, "lm", tp=1, resume=True))
         elif name == "kd_tp2_resumed":  # continue kd_tp2's step-2 checkpoint: must repeat its step 3 exactly
             if dist.get_rank() == 0:
                 shutil.copytree(d / "kd_tp2.run" / "step-000002", d / "kd_tp2_resumed.run" / "step-000002")
@@ -75,7 +81,7 @@ def worker(d: Path, cases):
             train(**kwargs(d, name, "kd", tp=2, resume=True))
         else:
             n, tp, ep, ref = CASES[name]
-            train(**kwargs(d, name, ref, tp=tp, ep=ep))
+            train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC))
         if dist.get_rank() == 0:
             print(f"CASE {name} {time.time() - t0:.1f} s", flush=True)
     sys.stdout.flush()
@@ -195,7 +201,7 @@ def runs(tmp_path_factory):
     with ThreadPoolExecutor(4) as ex:  # everything at once: the launches spend much of their time waiting
         jobs = {how: ex.submit(failing_run, d, how) for how in ("die", "stall")}
         jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2"])
-        jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "kd_dp2_tp2_ep2"])
+        jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2"])
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:  # the one-process references, meanwhile
@@ -206,6 +212,9 @@ def runs(tmp_path_factory):
     if res[2][0] == 0:  # kd_tp2's (gathered) step-2 checkpoint continued by one process
         shutil.copytree(d / "kd_tp2.run" / "step-000002", d / "kd_1proc.run" / "step-000002")
         res["kd_1proc"] = T.train(**kwargs(d, "kd_1proc", "kd", resume=True))
+    if res[4][0] == 0:  # lm_dp2_tp2's step-2 checkpoint continued by one process
+        shutil.copytree(d / "lm_dp2_tp2.run" / "step-000002", d / "lm_1proc.run" / "step-000002")
+        res["lm_1proc"] = T.train(**kwargs(d, "lm_1proc", "lm", resume=True))
     res["dir"] = d
     return res
 
@@ -291,3 +300,25 @@ def test_dead_or_stalled_rank_ends_the_job(runs, how):
     assert rc != 0, log
     assert rank0_gone < 60, log  # stall: the 5 s collective timeout (REMODEL_DIST_TIMEOUT) fired
     assert not out.exists()
+
+
+def test_dcp_checkpoint_resumes_under_other_layouts(runs):
+    """DP 2 x TP 2 wrote step 2 (each rank its own chunks); DP 4 and one process continue it: every
+    step's loss and the final weights equal the uninterrupted one-process run."""
+    d = runs["dir"]
+    assert runs[4][0] == 0, runs[4][1]
+    ref = json.loads((d / "ref_lm" / "remodel_report.json").read_text())
+    dp4 = json.loads((d / "lm_dp4_resumed" / "remodel_report.json").read_text())
+    assert (dp4["parallel"]["dp"], dp4["parallel"]["tp"]) == (4, 1)
+    for rep in (dp4, runs["lm_1proc"]):
+        assert rep["resumed_from"].endswith("step-000002")
+        for got, want in zip(rep["history"], ref["history"], strict=True):
+            assert rel(got["loss"], want["loss"]) <= 1e-5, (got, want)
+    for name in ("lm_dp4_resumed", "lm_1proc"):
+        w_rel, worst = weights_rel(load_file(d / name / "model.safetensors"), load_file(d / "ref_lm" / "model.safetensors"))
+        assert w_rel <= 1e-5, (name, worst)
+    # the DP 2 x TP 2 x EP 2 run saved in the background: both checkpoints complete
+    from pipelines.train_state import list_checkpoints, read_meta
+    cks = list_checkpoints(d / "kd_dp2_tp2_ep2.run")
+    assert [read_meta(c)["step"] for c in cks] == [2, 3] and all((c / ".metadata").is_file() for c in cks)
+
