@@ -43,8 +43,9 @@ def _count(s: str) -> int:
 def _train_flags(p, distill: bool):
     """The TrainConfig options (pipelines.train_config: one place for every default and help line)."""
     from pipelines.train_config import add_train_flags
-    p.add_argument("--data", required=True, help="training data: text file/folder, .jsonl/.json, .parquet or "
-                   "save_to_disk folder")
+    p.add_argument("--data", required=True, help="training data: text file/folder, .jsonl/.json, .parquet, "
+                   "save_to_disk folder (tokenized once into a cached token set), a token set from `remodel "
+                   "tokenize`, or a blend 'W1 A W2 B ...' of those")
     add_train_flags(p, distill, count=_count)
 
 

@@ -61,6 +61,10 @@ class TrainConfig:
     resume: bool = _f(False, "continue from the newest complete checkpoint in OUT.run/ (starts fresh when "
                       "there is none)")
     seed: int = _f(0, "seed of the data order and of any random initialisation", resume=True)
+    num_proc: int = _f(1, "processes tokenizing a text DATA into its cached token set ($REMODEL_CACHE or "
+                       "~/.cache/remodel/tokens)")
+    doc_split: str = _f("line", "what a document is in .txt data: line (newlines dropped), paragraph (blank-line "
+                        "separated, newlines kept) or file", choices=DOC_SPLITS)
     eval_data: str | None = _f(None, "held-out data for perplexity before and after training")
     eval_tokens: int = _f(65536, "held-out tokens evaluated", count=True)
     recompute: str = _f("none", "activation recomputation: none, selective (cheap memory-heavy internals) or full "

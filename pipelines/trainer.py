@@ -303,18 +303,32 @@ def _resume_state(p: Plan):
     return ckpt, meta
 
 
-def _load_data(p: Plan, tokenizer, need_eval: bool):
-    """-> (training blocks [N, seq_len] of at most steps * tokens_per_step tokens, held-out blocks or None)."""
-    from .data import load_texts, pack
+def _token_data(p: Plan, tokenizer, lead: bool, group):
+    """The training tokens on disk: a token set (remodel tokenize), a text DATA tokenized once into the
+    cache (rank 0 first, the others then find it), or a blend 'W1 A W2 B ...' of either."""
+    from .tokens import Blend, TokenSet, ensure_tokens, is_token_set, parse_blend
     c = p.cfg
-    blocks = pack(load_texts(c.data), tokenizer, c.seq_len, max_tokens=p.steps * p.tokens_per_step)
-    if int(blocks.max()) >= p.vocab_size:
-        raise RemodelError(f"token id {int(blocks.max())} from the tokenizer is outside the model's vocabulary "
-                           f"({p.vocab_size})")
-    eval_blocks = None
-    if c.eval_data and need_eval:
-        eval_blocks = pack(load_texts(c.eval_data), tokenizer, c.seq_len, max_tokens=c.eval_tokens)
-    return blocks, eval_blocks
+    d = c.data
+    parts = [(1.0, d)] if is_token_set(d) or Path(d).expanduser().exists() else parse_blend(d)
+    for who in ("lead", "rest"):
+        if (who == "lead") == lead:
+            paths = [(w, ensure_tokens(x, tokenizer, num_proc=c.num_proc, doc_split=c.doc_split)) for w, x in parts]
+        wait(group)
+    sets = [(w, TokenSet(x)) for w, x in paths]
+    for _, s in sets:
+        if s.vocab_size > p.vocab_size:
+            raise RemodelError(f"{s.path}: token ids go up to {s.vocab_size - 1}, beyond the model's vocabulary "
+                               f"({p.vocab_size})")
+    return sets[0][1] if len(sets) == 1 else Blend(sets)
+
+
+def _eval_blocks(p: Plan, tokenizer):
+    from .data import load_texts, pack
+    return pack(load_texts(p.cfg.eval_data), tokenizer, p.cfg.seq_len, max_tokens=p.cfg.eval_tokens)
+
+
+def _fingerprint(data) -> list[str]:
+    return [s.fingerprint for s in getattr(data, "sets", [data])]
 
 
 def _load_models(p: Plan, mesh, ep_dim):
@@ -360,7 +374,12 @@ def run(c: TrainConfig) -> dict | None:
 
     # -- resume state, data, models -------------------------------------------------------------
     ckpt, ck_meta = _resume_state(p)
-    blocks, eval_blocks = _load_data(p, tokenizer, need_eval=lead or mesh is not None)
+    data = _token_data(p, tokenizer, lead, group)
+    p.args["data_fingerprint"] = _fingerprint(data)
+    if ck_meta is not None and ck_meta["args"].get("data_fingerprint") != p.args["data_fingerprint"]:
+        raise RemodelError(f"cannot resume from {ckpt}: the training data changed since that run (its tokens' "
+                           "fingerprint differs); pass the same --data, or --overwrite to start over")
+    eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (lead or mesh is not None) else None
     student, teacher, projections, teacher_layout = _load_models(p, mesh, ep_dim)
     info = parallel_info(student)
     fns = parallel_loss_fns(info)
@@ -404,10 +423,9 @@ def run(c: TrainConfig) -> dict | None:
     # -- loop -------------------------------------------------------------------------------------
     if lead and not c.resume and p.run_dir.exists():
         shutil.rmtree(p.run_dir)  # overwrite: start over (only now that every input has loaded)
-    from .data import batches
-    it = batches(blocks, c.batch, shuffle_seed=c.seed, start=start * c.grad_accum, epochs=None, drop_last=True)
-    per = c.batch // dp
-    rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+    from .tokens import sequences
+    it = sequences(data, c.seq_len, c.batch, seed=c.seed, start=start * c.grad_accum, dp_rank=info.dp_rank,
+                   dp_size=dp)  # this rank's rows of each global batch, read from disk by a prefetch thread
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     step_time, step_tokens = 0.0, 0
     bar = tqdm(total=p.steps, initial=start, desc="distill" if p.distill else "train", unit="step",
@@ -419,7 +437,7 @@ def run(c: TrainConfig) -> dict | None:
             g["lr"] = cur_lr
         sums: dict[str, float] = {}
         for _ in range(c.grad_accum):
-            ids = next(it)[rows].to(dev, non_blocking=True)
+            ids = next(it).to(dev, non_blocking=True)
             loss, parts = compute_losses(student, teacher, ids, w, p.layer_map, projections, autocast, fns)
             (loss / c.grad_accum).backward()
             for k, v in parts.items():
@@ -447,6 +465,7 @@ def run(c: TrainConfig) -> dict | None:
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
             checkpoint(step + 1)
     bar.close()
+    it.close()
     saver.wait()
 
     # -- final evaluation, report, export (rank 0 writes; every rank takes part) ----------------------
@@ -456,7 +475,7 @@ def run(c: TrainConfig) -> dict | None:
     report = None
     if lead:
         tok_s = step_tokens / step_time if step_time else None
-        report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, int(blocks.numel()),
+        report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, sum(s.n_tokens for s in getattr(data, "sets", [data])),
                                 resumed_from, p.run_dir, history, evals, tok_s, flops_tok, peak, p.t_start)
         report["parallel"] = {"world": world, "tp": c.tp, "ep": info.ep, "dp": dp, "ep_over": info.ep_over,
                               "teacher": teacher_layout, "teacher_fsdp": bool(p.distill and dp > 1),

@@ -363,14 +363,14 @@ def test_bad_requests_fail_before_writing(work, tmp_path):
 
 
 def test_distillation_beats_lm_only_at_equal_tokens(work):
-    """A small-scale proxy (~25 s): teacher = a 2-layer-pair tiny model trained LM-only for 150 steps;
+    """A small-scale proxy (~25 s): teacher = a 2-layer-pair tiny model trained LM-only for 300 steps;
     student = a smaller random model given 40 steps either way (same tokens, lr, data order). Pure KD
     ends at a lower held-out loss than LM-only. (The real experiment is pruned-vs-teacher at scale.)"""
     common = dict(data=str(work / "train.txt"), seq_len=32, batch=8, warmup=5, lr=2e-2, log_every=0,
                   checkpoint_every=1000)
     tiny(work / "big", 48, "*-*-", seed=2)
     tiny(work / "small", 24, "*-", seed=3)
-    T.train(str(work / "big"), str(work / "big_trained"), steps=150, **common)
+    T.train(str(work / "big"), str(work / "big_trained"), steps=300, **common)
     lm = T.train(str(work / "small"), str(work / "lm_only"), steps=40, **common)
     kd = T.train(str(work / "small"), str(work / "kd"), teacher_dir=str(work / "big_trained"), steps=40, **common)
     assert kd["tokens"] == lm["tokens"] == 40 * 8 * 32 and kd["args"]["lm_loss_weight"] == 0.0
@@ -378,3 +378,32 @@ def test_distillation_beats_lm_only_at_equal_tokens(work):
           for name in ("big_trained", "lm_only", "kd")}
     print(f"held-out loss: teacher {ev['big_trained']:.3f}, LM-only {ev['lm_only']:.3f}, KD {ev['kd']:.3f}")
     assert ev["big_trained"] < ev["kd"] < ev["lm_only"] - 0.05
+
+
+def test_resume_refuses_changed_data_and_trains_on_a_blend(work, tmp_path, capsys):
+    """A resume fingerprints the training tokens: editing DATA in place is refused (issue 19 case 8).
+    --data also takes a blend 'W1 A W2 B' of text files / token sets, tokenized once into the cache."""
+    data = tmp_path / "d.txt"
+    data.write_text((work / "train.txt").read_text())
+    out = tmp_path / "o"
+    kw = kwargs(work, out, data=str(data), steps=2, checkpoint_every=1, teacher_dir=None, hidden_loss_weight=0.0,
+                lm_loss_weight=None)
+    rep = T.train(**kw)
+    assert len(rep["args"]["data_fingerprint"]) == 1
+    shutil.rmtree(out)  # keep the checkpoints in o.run/, as after a crash before the export
+    data.write_text(data.read_text().replace("LORD", "Lord"))
+    with pytest.raises(RemodelError, match="data changed"):
+        T.train(**{**kw, "resume": True})
+    import cli  # the same through the command line: one line, exit 2, nothing written
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    rc = cli.main(["train", str(work / "student"), str(out), "--data", str(data), "--steps", "2", "--seq-len", "32",
+                   "--batch", "2", "--grad-accum", "2", "--lr", "3e-3", "--warmup", "2", "--checkpoint-every", "1",
+                   "--log-every", "0", "--resume"])
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "|" not in x]  # no progress bars
+    assert rc == 2 and len(err) == 1 and "data changed" in err[0] and "--data" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    blend = f"0.75 {work / 'train.txt'} 0.25 {work / 'valid.txt'}"
+    rep = T.train(**kwargs(work, tmp_path / "b", data=blend, steps=2, teacher_dir=None, hidden_loss_weight=0.0,
+                           lm_loss_weight=None))
+    assert len(rep["args"]["data_fingerprint"]) == 2 and rep["history"][-1]["loss"] > 0
