@@ -15,7 +15,7 @@ Caller (next-token CE; KL at every position, as compute_losses does):
 
 Tensor parallelism (`group` = parallel_info(model).vocab_group): h is replicated, W is this rank's
 vocabulary shard (rows [r*Vl, (r+1)*Vl)); the logsumexp, the picked target logit and the per-token KL
-are all-reduced over the group (pipelines.vocab_parallel's math), grad_h is all-reduced (h is
+are all-reduced over the group (pipelines.vocab_parallel's math, in place), grad_h is all-reduced (h is
 replicated), grad_W stays local. A full (unsharded) teacher weight is sliced to this rank's shard.
 Every rank returns the same loss. Under autocast the matmuls run in the autocast dtype (as the
 unfused F.linear would), the softmax arithmetic in fp32.
@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import _all_reduce, _rank, _size
-from .vocab_parallel import vocab_parallel_logsumexp
+from .parallel import _rank, _size
 
 CHUNK_ELEMS = 1 << 25  # default chunk: rows such that one [chunk, V_local] fp32 block is ~128 MB
 
@@ -95,18 +94,19 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     for a in range(0, N, step):
         b = min(a + step, N)
         z = (hc[a:b] @ wc.T).float()
-        lse = vocab_parallel_logsumexp(z, group)
         i, m = idx[a:b, None], inside[a:b, None]
-        picked = torch.where(m, z.gather(1, i), torch.zeros_like(lse))
-        if _size(group) > 1:
-            picked = _all_reduce(picked, group)
-        total += ((lse - picked).squeeze(1) * keep[a:b]).sum(dtype=torch.float64)
+        picked = _group_sum(torch.where(m, z.gather(1, i), torch.zeros_like(z[:, :1])), group)
+        mx = _group_max(z, group)
+        s = _group_sum(z.sub_(mx).exp_().sum(-1, keepdim=True), group)  # z <- exp(z - max), in place
+        total += ((mx + s.log() - picked).squeeze(1) * keep[a:b]).sum(dtype=torch.float64)
         if gh is None and gw is None:
+            del z
             continue
-        z.sub_(lse).exp_()  # softmax
+        z.div_(s)  # softmax
         z.scatter_add_(1, i, -m.to(z.dtype))
         z.mul_((keep[a:b, None] / n).to(z.dtype))
         _backprop_chunk(z, hc, wc, gh, gw, a, b)
+        del z  # before the next chunk's block is allocated
     return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h, w)
 
 
@@ -143,10 +143,25 @@ def _teacher_shard(w_t, Vl: int, group):
     return w_t[r * Vl:(r + 1) * Vl]
 
 
+def _group_max(z, group):
+    """Row max over the (sharded) vocabulary, 0 where not finite (vocab_parallel_logsumexp's shift)."""
+    m = z.amax(-1, keepdim=True)
+    if _size(group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _group_sum(x, group):
+    if _size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
 def _log_softmax_(z, temperature: float, group):
-    """In place: z <- log_softmax(z / T) over the (sharded) vocabulary."""
+    """In place: z <- log_softmax(z / T) over the (sharded) vocabulary; one [c, Vl] temporary (exp)."""
     z.div_(temperature)
-    return z.sub_(vocab_parallel_logsumexp(z, group))
+    z.sub_(_group_max(z, group))
+    return z.sub_(_group_sum(z.exp().sum(-1, keepdim=True), group).log_())
 
 
 def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w, cd, cdt):
@@ -166,16 +181,14 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need
         logp = _log_softmax_((ht[a:b] @ wt.T).float(), temperature, group)
         p = logp.exp()
         logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0)  # p (log p - log q), 0 where p == 0
-        per = logp.sum(-1)
-        if _size(group) > 1:
-            per = _all_reduce(per, group)
+        per = _group_sum(logp.sum(-1), group)
         total += (per * keep[a:b]).sum(dtype=torch.float64)
         del logp
-        if gh is None and gw is None:
-            continue
-        dz = logq.exp_().sub_(p).mul_((keep[a:b, None] / (n * temperature)))  # (q - p) / (T n)
-        del p
-        _backprop_chunk(dz, hs, ws, gh, gw, a, b)
+        if gh is not None or gw is not None:
+            dz = logq.exp_().sub_(p).mul_((keep[a:b, None] / (n * temperature)))  # (q - p) / (T n)
+            _backprop_chunk(dz, hs, ws, gh, gw, a, b)
+            del dz
+        del logq, p  # every block freed before the next chunk's are allocated
     return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h_s, w_s)
 
 

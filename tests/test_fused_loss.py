@@ -1,0 +1,208 @@
+"""pipelines.fused_loss against the unfused pipelines.losses on materialised logits: values and gradients
+(fp32 within 1e-6, bf16 and autocast within bf16 tolerances), every chunking, the vocab-parallel group
+(2 gloo processes), and memory: nothing [N, V] is saved for backward and peak RSS stays far below it."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.fused_loss import fused_kl_div, fused_lm_loss
+from pipelines.losses import kl_div, lm_loss
+from tests.rss import PEAK_RSS
+
+ROOT = Path(__file__).resolve().parents[1]
+N, H, HT, V = 67, 24, 40, 300  # N prime: no chunk size > 1 below N divides it
+
+
+def rel(a, b) -> float:
+    """Norm-relative difference of a against the reference b."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::7] = -100
+    h_t = torch.randn(N, HT, generator=g).to(dtype)
+    w_t = (0.3 * torch.randn(V, HT, generator=g)).to(dtype)
+    return h, w, labels, h_t, w_t
+
+
+def value_and_grads(loss, h, w):
+    return (loss.detach(),) + torch.autograd.grad(loss, (h, w))
+
+
+def assert_close(got, ref, tol):
+    for name, a, b in zip(("loss", "grad_h", "grad_w"), got, ref):
+        assert rel(a, b) <= tol, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 16, N, 1000, None])
+def test_ce_matches_unfused_fp32(chunk):
+    h, w, labels, _, _ = inputs()
+    ref = value_and_grads(lm_loss(h @ w.T, labels), h, w)
+    got = value_and_grads(fused_lm_loss(h, w, labels, chunk=chunk), h, w)
+    assert_close(got, ref, 1e-6)
+    assert ref[0].item() > 1.0  # a real loss, not an empty mean
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("chunk", [5, 16, None])
+def test_kl_matches_unfused_fp32(temperature, chunk):
+    """Teacher of another hidden size (HT != H); frozen: only h_s and w_s get gradients."""
+    h, w, _, h_t, w_t = inputs()
+    ref = value_and_grads(kl_div(h @ w.T, h_t @ w_t.T, temperature), h, w)
+    got = value_and_grads(fused_kl_div(h, w, h_t, w_t, temperature, chunk=chunk), h, w)
+    assert_close(got, ref, 1e-6)
+    assert ref[0].item() > 0.1
+
+
+def test_kl_mask_and_grad_output_scaling():
+    h, w, _, h_t, w_t = inputs()
+    mask = torch.arange(N) % 3 != 0
+    ref = value_and_grads(3.0 * kl_div(h @ w.T, h_t @ w_t.T, 1.5, mask=mask), h, w)
+    got = value_and_grads(3.0 * fused_kl_div(h, w, h_t, w_t, 1.5, chunk=10, mask=mask), h, w)
+    assert_close(got, ref, 1e-6)
+
+
+def test_ce_ignore_rows_get_zero_grad_and_no_grad_mode():
+    h, w, labels, _, _ = inputs()
+    gh = torch.autograd.grad(fused_lm_loss(h, w, labels, chunk=9), h)[0]
+    assert gh[labels == -100].abs().max().item() == 0.0
+    assert gh[labels != -100].abs().max().item() > 0.0
+    with torch.no_grad():
+        loss = fused_lm_loss(h, w, labels, chunk=9)
+    assert not loss.requires_grad and abs(loss.item() - lm_loss(h @ w.T, labels).item()) < 1e-5
+
+
+def test_bf16_inputs():
+    """bf16 h and W: against the unfused bf16 path (bf16 logits) and against fp32 within bf16 tolerances."""
+    h, w, labels, h_t, w_t = inputs(torch.bfloat16)
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    for fused, unfused in [
+        (lambda a, b: fused_lm_loss(a, b, labels, chunk=16), lambda a, b: lm_loss(a @ b.T, labels)),
+        (lambda a, b: fused_kl_div(a, b, h_t, w_t, 2.0, chunk=16), lambda a, b: kl_div(a @ b.T, h_t @ w_t.T, 2.0)),
+    ]:
+        got = value_and_grads(fused(h, w), h, w)
+        assert got[1].dtype == got[2].dtype == torch.bfloat16
+        assert_close(got, value_and_grads(unfused(h, w), h, w), 2e-2)
+        assert_close(got, value_and_grads(unfused(h32, w32), h32, w32), 2e-2)
+
+
+def test_autocast_fp32_master_weights():
+    """fp32 h and W under CPU bf16 autocast (the trainer's setting): matmuls in bf16 like F.linear, fp32 grads."""
+    h, w, labels, h_t, w_t = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = value_and_grads(fused_lm_loss(h, w, labels, chunk=16), h, w)
+        ref = value_and_grads(lm_loss(torch.nn.functional.linear(h, w), labels), h, w)
+        got_kl = value_and_grads(fused_kl_div(h, w, h_t, w_t, chunk=16), h, w)
+        ref_kl = value_and_grads(kl_div(torch.nn.functional.linear(h, w), torch.nn.functional.linear(h_t, w_t)), h, w)
+    assert got[0].dtype == torch.float32 and got[2].dtype == torch.float32
+    assert_close(got, ref, 2e-2)
+    assert_close(got_kl, ref_kl, 2e-2)
+    assert rel(got[0], lm_loss(h.detach() @ w.detach().T, labels)) < 2e-2
+
+
+def largest_saved(fn) -> int:
+    """Elements of the largest tensor autograd saves for backward while fn() runs its forward."""
+    sizes = [0]
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return max(sizes)
+
+
+def test_nothing_n_by_v_saved_for_backward():
+    h, w, labels, h_t, w_t = inputs()
+    assert largest_saved(lambda: lm_loss(h @ w.T, labels)) >= N * V  # the check sees unfused logits
+    assert largest_saved(lambda: fused_lm_loss(h, w, labels, chunk=16)) <= V * H
+    assert largest_saved(lambda: fused_kl_div(h, w, h_t, w_t, chunk=16)) <= V * H
+
+
+MEMORY_SCRIPT = PEAK_RSS + textwrap.dedent('''
+    import json, sys, torch
+    from pipelines.fused_loss import fused_kl_div, fused_lm_loss
+    from pipelines.losses import lm_loss
+    torch.manual_seed(0)
+    N, H, V = 4096, 32, 32768
+    h = torch.randn(N, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    h_t, w_t = torch.randn(N, 48), torch.randn(V, 48)
+    chunk = int(sys.argv[1])
+    runs = {"fused_ce": lambda n: fused_lm_loss(h[:n], w, labels[:n], chunk=chunk),
+            "fused_kl": lambda n: fused_kl_div(h[:n], w, h_t[:n], w_t, chunk=chunk),
+            "unfused_ce": lambda n: lm_loss(h[:n] @ w.T, labels[:n])}
+    for name in runs:  # warm-up on 8 rows: one-time allocations (BLAS buffers, lazy init) out of the count
+        runs[name](8).backward()
+    out = {}
+    for name in sys.argv[2:]:
+        base = reset_peak()
+        runs[name](N).backward()
+        out[name] = status("VmHWM") - base
+        h.grad = w.grad = None
+    print(json.dumps(out))
+''')
+
+
+def test_peak_memory_far_below_logits(tmp_path):
+    """N=4096, V=32768: the [N, V] fp32 logits are 512 MB. Fused CE and KL forward+backward in chunks of
+    128 rows (16 MB blocks) grow the peak RSS by under a quarter of that; the unfused CE (same process,
+    control) by more than all of it."""
+    script = tmp_path / "mem.py"
+    script.write_text(MEMORY_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    res = subprocess.run([sys.executable, str(script), "128", "fused_ce", "fused_kl", "unfused_ce"], env=env,
+                         check=True, capture_output=True, text=True, timeout=120)
+    grow = json.loads(res.stdout.strip().splitlines()[-1])
+    logits = 4096 * 32768 * 4
+    assert grow["fused_ce"] < logits / 4, grow
+    assert grow["fused_kl"] < logits / 4, grow
+    assert grow["unfused_ce"] > logits, grow
+
+
+def _tp_worker(rank, world, init_file, out_dir):
+    """One rank of a vocab-parallel group: W and the teacher W sharded by rows (teacher also full)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    h, w, labels, h_t, w_t = inputs()
+    Vl = V // world
+    ws = w.detach()[rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+    g = dist.group.WORLD
+    res = {}
+    for name, fn in [("ce", lambda: fused_lm_loss(h, ws, labels, chunk=16, group=g)),
+                     ("kl_shard", lambda: fused_kl_div(h, ws, h_t, w_t[rank * Vl:(rank + 1) * Vl], 2.0, chunk=16, group=g)),
+                     ("kl_full_teacher", lambda: fused_kl_div(h, ws, h_t, w_t, 2.0, chunk=16, group=g))]:
+        loss, gh, gw = value_and_grads(fn(), h, ws)
+        res[name] = [loss.item(), gh.tolist(), gw.tolist()]
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_group_matches_single_process(tmp_path):
+    """2 gloo ranks, V split in halves: every rank's loss and grad_h equal the unsharded ones, its grad_W
+    equals its rows of the unsharded grad_W."""
+    import torch.multiprocessing as mp
+    world = 2
+    mp.spawn(_tp_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    h, w, labels, h_t, w_t = inputs()
+    refs = {"ce": value_and_grads(lm_loss(h @ w.T, labels), h, w),
+            "kl_shard": value_and_grads(kl_div(h @ w.T, h_t @ w_t.T, 2.0), h, w)}
+    refs["kl_full_teacher"] = refs["kl_shard"]
+    Vl = V // world
+    for rank in range(world):
+        res = json.loads((tmp_path / f"{rank}.json").read_text())
+        for name, (loss, gh, gw) in res.items():
+            ref = refs[name]
+            got = (torch.tensor(loss), torch.tensor(gh), torch.tensor(gw))
+            assert_close(got, (ref[0], ref[1], ref[2][rank * Vl:(rank + 1) * Vl]), 1e-6)
