@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -22,19 +23,61 @@ def source_shard_bytes(model_dir) -> int:
     return max(f.stat().st_size for f in shards) if len(shards) > 1 else 2 * 1024**3
 
 
+def _dcp_checkpoint(path: Path) -> Path | None:
+    """The DCP training checkpoint at `path`: a step-N directory, or the newest one in an OUT.run/."""
+    from .train_state import latest_checkpoint
+    if (path / ".metadata").is_file() and (path / "meta.json").is_file():
+        return path
+    return latest_checkpoint(path) if path.is_dir() and any(path.glob("step-*/.metadata")) else None
+
+
+def _open_source(model_dir: Path):
+    """-> (HF config dict, plan rows, aux-files folder or None, input label) for a HF checkpoint or a DCP
+    training checkpoint (`OUT.run/` or one of its step-N directories)."""
+    ckpt = _dcp_checkpoint(model_dir)
+    if ckpt is None:
+        reader = CheckpointReader(model_dir)
+        cfg = config_from_hf(reader.config)
+        return reader.config, source_plan(reader, cfg), model_dir, cfg  # validates every shape before reading
+    from .train_state import read_meta
+    meta = read_meta(ckpt)
+    hf = meta.get("hf_config")
+    if hf is None:
+        raise RemodelError(f"{ckpt}: training checkpoint without its model config (written by an older remodel)")
+    cfg = config_from_hf(hf)
+    rows = [(ours, e, r) for ours, e, r in _dcp_plan_rows(ckpt, cfg, hf["model_type"])]
+    aux = Path(meta["args"]["student_dir"])
+    return hf, rows, aux if aux.is_dir() else None, cfg
+
+
+def _dcp_plan_rows(ckpt: Path, cfg, family: str):
+    from .train_state import read_tensor
+    cache = {}
+
+    def reader(ours, e):
+        def read():
+            if ours not in cache:
+                cache.clear()
+                cache[ours] = read_tensor(ckpt, "model." + ours)
+            return cache[ours] if e is None else cache[ours][e]
+        return read
+    return [(ours, e, reader(ours, e)) for ours, _, e in weight_table(cfg, family)]
+
+
 def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtype=None,
             max_shard_bytes: int | None = None) -> dict:
+    """MODEL (a HF checkpoint, or a DCP training checkpoint: OUT.run/ or its step-N) -> HF checkpoint in
+    OUT, one tensor at a time."""
     t0 = time.time()
-    reader = CheckpointReader(model_dir)
+    model_dir = Path(model_dir)
+    src_cfg, plan, aux_from, cfg = _open_source(model_dir)
     max_shard_bytes = max_shard_bytes or source_shard_bytes(model_dir)
-    src = reader.config.get("model_type")
-    cfg = config_from_hf(reader.config)
+    src = src_cfg.get("model_type")
     family = to or src
     if family not in FAMILIES:
         raise RemodelError(f"unknown target {family!r} (supported: {', '.join(FAMILIES)})")
     check_exportable(cfg, family)
     hf_cfg = config_to_hf(cfg, family)
-    plan = source_plan(reader, cfg)  # validates every shape before reading data
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -48,7 +91,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
         for hf, shape in extra_hf_tensors(cfg, family).items():
             w.add(hf, torch.zeros(shape, dtype=dtype or torch.float32))
         n = len(rows)
-        w.close(hf_cfg, aux_from=model_dir)
+        w.close(hf_cfg, aux_from=aux_from)
         report = {"command": "convert", "input": str(model_dir), "output": str(out), "from": src, "to": family,
                   "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
         write_report(tmp, report)

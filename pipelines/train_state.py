@@ -337,3 +337,13 @@ def read_full(ckpt: Path, prefix: str = "model.") -> dict:
           if k.startswith(prefix) and hasattr(v, "size")}
     dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
     return sd
+
+
+def read_tensor(ckpt: Path, key: str) -> torch.Tensor:
+    """One whole tensor of a DCP checkpoint (peak memory: that tensor), e.g. for a streaming export."""
+    from torch.distributed.checkpoint import FileSystemReader
+    reader = FileSystemReader(str(ckpt))
+    md = reader.read_metadata().state_dict_metadata[key]
+    sd = {key: torch.empty(md.size, dtype=md.properties.dtype)}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd[key]

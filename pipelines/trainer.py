@@ -417,8 +417,10 @@ def run(c: TrainConfig) -> dict | None:
 
     def checkpoint(step):
         meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,
-                "eval": evals}
+                "eval": evals, "hf_config": hf_config}  # hf_config: `remodel convert` exports a checkpoint alone
         saver.save(step, student, projections, opt, meta)
+
+    hf_config = read_config_dict(p.student_dir)
 
     # -- loop -------------------------------------------------------------------------------------
     if lead and not c.resume and p.run_dir.exists():

@@ -334,6 +334,10 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert set(S.read_meta(ckpt)["adam_steps"]) == moments
     w = S.read_full(ckpt)  # the checkpoint holds the trained weights, whole
     assert all(torch.equal(w["model." + k], v) for k, v in student.state_dict().items())
+    from pipelines.convert import convert  # `remodel convert OUT.run` streams the newest checkpoint to HF
+    convert(S.run_dir_for(out), work / "frozen_converted")
+    got, want = load_file(work / "frozen_converted" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     # outputs: HF checkpoint + report + metrics + plot
     assert {"config.json", "model.safetensors", "tokenizer.json", "remodel_report.json", "metrics.csv",
             "loss.png"} <= {x.name for x in out.iterdir()}
