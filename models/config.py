@@ -65,6 +65,10 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(w.x)
+    # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
+    # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
+    mtp_layers: int = 0
+    mtp_pattern: str = ""
     # HF fields carried through untouched (bos/eos ids, max positions, ...)
     extra: dict = field(default_factory=dict)
 
@@ -91,6 +95,11 @@ class ModelConfig:
     @property
     def moe_input_size(self) -> int:
         return self.moe_latent_size or self.hidden_size
+
+    @property
+    def mtp_full_pattern(self) -> str:
+        """Every MTP block in order (vLLM numbers them flat: mtp.layers.0 .. len-1)."""
+        return self.mtp_pattern * self.mtp_layers
 
     def count(self, layer_char: str) -> int:
         return self.pattern.count(layer_char)
@@ -123,8 +132,12 @@ class ModelConfig:
 
         need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be > 0")
         need(len(self.pattern) > 0, "the layer pattern is empty")
-        bad = sorted(set(self.pattern) - set(LAYER_TYPES))
+        bad = sorted(set(self.pattern + self.mtp_pattern) - set(LAYER_TYPES))
         need(not bad, f"unknown layer characters {bad} in pattern (allowed: M * - E)")
+        need(self.mtp_layers >= 0 and bool(self.mtp_layers) == bool(self.mtp_pattern),
+             "MTP needs both mtp_layers > 0 and a non-empty mtp_pattern (or neither)")
+        need(set(self.mtp_pattern) <= set(self.pattern),
+             f"MTP layer types {self.mtp_pattern!r} must also occur in the trunk (they share its widths)")
         if "*" in self.pattern:
             need(self.num_attention_heads > 0 and self.num_key_value_heads > 0 and self.head_dim > 0,
                  "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")

@@ -86,8 +86,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     if mt == "nemotron_h":
         if getattr(h, "mamba_hidden_act", "silu") != "silu":
             raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
-        if getattr(h, "num_nextn_predict_layers", 0):
-            extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers
+        mtp = int(getattr(h, "num_nextn_predict_layers", 0) or 0)
+        mtp_pattern = "".join(_CHAR[t] for t in h.mtp_layers_block_type) if mtp else ""
         if h.mlp_bias and "moe" in h.layers_block_type:
             raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
         shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
@@ -105,7 +105,7 @@ def config_from_hf(d: dict) -> ModelConfig:
             moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
             moe_latent_size=h.moe_latent_size, router="sigmoid", norm_topk_prob=h.norm_topk_prob,
             routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group,
-            extra=extra)
+            mtp_layers=mtp, mtp_pattern=mtp_pattern, extra=extra)
     # Llama family
     window = getattr(h, "sliding_window", None) if mt in ("mistral", "mixtral") else None
     if mt.startswith("qwen") and getattr(h, "use_sliding_window", False):
@@ -154,6 +154,7 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
             raise RemodelError(f"cannot export to {family}: {why}")
 
     need(family in FAMILIES, f"unknown target (supported: {', '.join(FAMILIES)})")
+    need(family == "nemotron_h" or not cfg.mtp_layers, "MTP layers are nemotron_h only")
     if family == "nemotron_h":
         need(cfg.rope_theta is None or "*" not in cfg.pattern, "nemotron_h attention has no RoPE")
         need(not (cfg.attention_bias or cfg.attention_out_bias or cfg.qk_norm), "nemotron_h attention has no bias or q/k norm")
@@ -211,6 +212,8 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
                      moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 1,
                      moe_latent_size=cfg.moe_latent_size, norm_topk_prob=cfg.norm_topk_prob,
                      routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
+        if cfg.mtp_layers:
+            d.update(num_nextn_predict_layers=cfg.mtp_layers, mtp_layers_block_type=[_TYPE[c] for c in cfg.mtp_pattern])
     else:
         rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
         d.update(num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps,
@@ -243,59 +246,73 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
 # ---- tensor names -----------------------------------------------------------------------
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every parameter of our model definition, with its shape (no allocation)."""
+    """Every parameter of our model definition, with its shape (no allocation); the MTP blocks
+    (`mtp.layers.{j}`, named as in the checkpoint) come last."""
     H, s = cfg.hidden_size, {}
     s["embeddings.weight"] = (cfg.vocab_size, H)
     for i, c in enumerate(cfg.pattern):
-        p = f"layers.{i}."
-        s[p + "norm.weight"] = (H,)
-        m = p + "mixer."
-        if c == "M":
-            s[m + "in_proj.weight"] = (cfg.mamba_in_proj_size, H)
-            if cfg.mamba_proj_bias:
-                s[m + "in_proj.bias"] = (cfg.mamba_in_proj_size,)
-            s[m + "conv1d.weight"] = (cfg.mamba_conv_dim, 1, cfg.conv_kernel)
-            if cfg.use_conv_bias:
-                s[m + "conv1d.bias"] = (cfg.mamba_conv_dim,)
-            for n in ("dt_bias", "A_log", "D"):
-                s[m + n] = (cfg.mamba_num_heads,)
-            s[m + "norm.weight"] = (cfg.mamba_inner,)
-            s[m + "out_proj.weight"] = (H, cfg.mamba_inner)
-            if cfg.mamba_proj_bias:
-                s[m + "out_proj.bias"] = (H,)
-        elif c == "*":
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                s[m + n + ".weight"] = (rows, H)
-                if cfg.attention_bias:
-                    s[m + n + ".bias"] = (rows,)
-            s[m + "o_proj.weight"] = (H, q)
-            if cfg.attention_out_bias:
-                s[m + "o_proj.bias"] = (H,)
-            if cfg.qk_norm:
-                s[m + "q_norm.weight"] = s[m + "k_norm.weight"] = (cfg.head_dim,)
-        elif c == "-":
-            _mlp_shapes(s, m, H, cfg.intermediate_size, cfg.mlp_gated, cfg.mlp_bias)
-        else:
-            E, F, Lt = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
-            s[m + "gate.weight"] = (E, H)
-            if cfg.router == "sigmoid":
-                s[m + "gate.e_score_correction_bias"] = (E,)
-            s[m + "experts.up_proj"] = (E, F, Lt)
-            if cfg.mlp_gated:
-                s[m + "experts.gate_proj"] = (E, F, Lt)
-            s[m + "experts.down_proj"] = (E, Lt, F)
-            if cfg.moe_shared_expert_intermediate_size:
-                _mlp_shapes(s, m + "shared_experts.", H, cfg.moe_shared_expert_intermediate_size, cfg.mlp_gated, False)
-            if cfg.shared_expert_gate:
-                s[m + "shared_expert_gate.weight"] = (1, H)
-            if cfg.moe_latent_size:
-                s[m + "fc1_latent_proj.weight"] = (Lt, H)
-                s[m + "fc2_latent_proj.weight"] = (H, Lt)
+        s[f"layers.{i}.norm.weight"] = (H,)
+        _layer_shapes(s, cfg, f"layers.{i}.mixer.", c)
     s["norm_f.weight"] = (H,)
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = (cfg.vocab_size, H)
+    P = len(cfg.mtp_pattern)
+    for j, c in enumerate(cfg.mtp_full_pattern):
+        p = f"mtp.layers.{j}."
+        if j % P == 0:
+            s[p + "enorm.weight"], s[p + "hnorm.weight"], s[p + "eh_proj.weight"] = (H,), (H,), (H, 2 * H)
+        s[p + "norm.weight"] = (H,)
+        _layer_shapes(s, cfg, p + "mixer.", c)
+        if j % P == P - 1:
+            s[p + "final_layernorm.weight"] = (H,)
     return s
+
+
+def _layer_shapes(s: dict, cfg: ModelConfig, m: str, c: str) -> None:
+    """The mixer parameters of one layer of kind `c` under the prefix `m` (…mixer.)."""
+    H = cfg.hidden_size
+    if c == "M":
+        s[m + "in_proj.weight"] = (cfg.mamba_in_proj_size, H)
+        if cfg.mamba_proj_bias:
+            s[m + "in_proj.bias"] = (cfg.mamba_in_proj_size,)
+        s[m + "conv1d.weight"] = (cfg.mamba_conv_dim, 1, cfg.conv_kernel)
+        if cfg.use_conv_bias:
+            s[m + "conv1d.bias"] = (cfg.mamba_conv_dim,)
+        for n in ("dt_bias", "A_log", "D"):
+            s[m + n] = (cfg.mamba_num_heads,)
+        s[m + "norm.weight"] = (cfg.mamba_inner,)
+        s[m + "out_proj.weight"] = (H, cfg.mamba_inner)
+        if cfg.mamba_proj_bias:
+            s[m + "out_proj.bias"] = (H,)
+    elif c == "*":
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            s[m + n + ".weight"] = (rows, H)
+            if cfg.attention_bias:
+                s[m + n + ".bias"] = (rows,)
+        s[m + "o_proj.weight"] = (H, q)
+        if cfg.attention_out_bias:
+            s[m + "o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            s[m + "q_norm.weight"] = s[m + "k_norm.weight"] = (cfg.head_dim,)
+    elif c == "-":
+        _mlp_shapes(s, m, H, cfg.intermediate_size, cfg.mlp_gated, cfg.mlp_bias)
+    else:
+        E, F, Lt = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
+        s[m + "gate.weight"] = (E, H)
+        if cfg.router == "sigmoid":
+            s[m + "gate.e_score_correction_bias"] = (E,)
+        s[m + "experts.up_proj"] = (E, F, Lt)
+        if cfg.mlp_gated:
+            s[m + "experts.gate_proj"] = (E, F, Lt)
+        s[m + "experts.down_proj"] = (E, Lt, F)
+        if cfg.moe_shared_expert_intermediate_size:
+            _mlp_shapes(s, m + "shared_experts.", H, cfg.moe_shared_expert_intermediate_size, cfg.mlp_gated, False)
+        if cfg.shared_expert_gate:
+            s[m + "shared_expert_gate.weight"] = (1, H)
+        if cfg.moe_latent_size:
+            s[m + "fc1_latent_proj.weight"] = (Lt, H)
+            s[m + "fc2_latent_proj.weight"] = (H, Lt)
 
 
 def _mlp_shapes(s, m, H, F, gated, bias):
@@ -334,11 +351,12 @@ def weight_table(cfg: ModelConfig, family: str) -> list[tuple[str, str, int | No
 
 def _hf_name(cfg: ModelConfig, family: str, ours: str) -> str:
     if family == "nemotron_h":
+        top = "" if ours.startswith("mtp.") else "backbone."  # MTP tensors are named as vLLM reads them
         if ours == "lm_head.weight":
             return ours
         if ".experts." in ours and not ours.endswith(".weight"):
-            return "backbone." + ours.rsplit(".", 1)[0] + ".{e}.{leaf}.weight"
-        return "backbone." + ours
+            return top + ours.rsplit(".", 1)[0] + ".{e}.{leaf}.weight"
+        return top + ours
     top = {"embeddings.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}
     if ours in top:

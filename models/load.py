@@ -140,7 +140,7 @@ def load_model(path, dtype=torch.float32, device="cpu") -> HybridLM:
 
 def _materialise_buffers(model: HybridLM, device):
     from .attention import rope_inv_freq
-    for layer in model.layers:
+    for layer in _blocks(model):
         if layer.kind == "*" and model.cfg.rope_theta is not None:
             layer.mixer.inv_freq = rope_inv_freq(model.cfg).to(device)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
@@ -148,8 +148,13 @@ def _materialise_buffers(model: HybridLM, device):
         raise RemodelError(f"checkpoint is missing tensors: {missing[:3]}")
 
 
+def _blocks(model: HybridLM) -> list:
+    """The trunk's blocks and the MTP head's (when the model has one)."""
+    return list(model.layers) + (list(model.mtp.layers) if hasattr(model, "mtp") else [])
+
+
 def _keep_fp32(model: HybridLM):
-    for m in model.moe_layers():
+    for m in [b.mixer for b in _blocks(model) if b.kind == "E"]:
         if hasattr(m.gate, "e_score_correction_bias"):
             m.gate.e_score_correction_bias.data = m.gate.e_score_correction_bias.data.float()
 

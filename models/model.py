@@ -55,6 +55,9 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.mtp_layers:  # only when the checkpoint has an MTP head; the trunk never reads it
+            from .mtp import MTP
+            self.mtp = MTP(cfg)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
         x = self.embeddings(input_ids)
@@ -74,6 +77,21 @@ class HybridLM(nn.Module):
         h, states = self.hidden(input_ids, attention_mask, position_ids, output_hidden_states)
         logits = self.logits(h)
         return (logits, states) if output_hidden_states else logits
+
+    def mtp_logits(self, h, next_ids, step: int = 0, attention_mask=None):
+        """MTP step `step` -> logits [b, l, V]: h [b, l, H] is the trunk's output after norm_f (or
+        step-1's output), next_ids [b, l] the tokens one position further on (input_ids[:, 1:] for
+        step 0); row t then predicts token t + 2 + step."""
+        return self.logits(self.mtp.step(step, h, self.embeddings(next_ids), attention_mask))
+
+    def forward_mtp(self, input_ids):
+        """-> (trunk logits [b, l, V], [MTP logits of step k: [b, l - 1 - k, V] for every step])."""
+        h, _ = self.hidden(input_ids)
+        out, x = [], h
+        for k in range(self.cfg.mtp_layers):
+            x = self.mtp.step(k, x[:, :-1], self.embeddings(input_ids[:, k + 1:]))
+            out.append(self.logits(x))
+        return self.logits(h), out
 
     def moe_layers(self):
         return [layer.mixer for layer in self.layers if layer.kind == "E"]

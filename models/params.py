@@ -1,7 +1,8 @@
 """Exact parameter counts and memory of a ModelConfig, by arithmetic alone (nothing is allocated).
 
-`count_params(cfg)['total']` is the number of *parameters* of our model, the same number as
-`sum(p.numel() for p in HybridLM(cfg).parameters())` and as transformers' own count of the exported
+`count_params(cfg)['total']` is the number of *parameters* of our model's trunk, the same number as
+`sum(p.numel() for p in HybridLM(cfg).parameters())` (less the MTP head, counted apart in
+`count_params(cfg)['mtp']`: transformers does not build it) and as transformers' own count of the exported
 model (`e_score_correction_bias` is a buffer on both sides, reported apart as `buffers`). It is
 summed from `models.hf.our_shapes` (exact by construction); `_closed_form` derives the same numbers
 from per-layer formulas, which also give the pruner its per-axis view (`by_axis`).
@@ -138,18 +139,10 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
     from .load import extra_hf_tensors
 
     shapes = our_shapes(cfg)
-    by_type = dict.fromkeys(TYPES, 0)
-    buffers = routed = 0
-    for name, shape in shapes.items():
-        if name.endswith(BUFFERS):
-            buffers += _numel(shape)
-            continue
-        by_type[_type_of(name, cfg)] += _numel(shape)
-        if _is_routed_expert(name):
-            routed += _numel(shape)
+    trunk = {n: v for n, v in shapes.items() if not n.startswith("mtp.")}
+    by_type, buffers, routed = _tally(trunk, lambda n: _type_of(n, cfg), TYPES)
     total = sum(by_type.values())
-    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
-    active = total - routed + (routed * k // E if routed else 0)
+    active = _active(cfg, total, routed)
     family = family or default_family(cfg)
     extra = sum(_numel(s) for s in extra_hf_tensors(cfg, family).values())
     return {
@@ -158,7 +151,48 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
         "by_type": by_type,
         "by_axis": _axis_table(cfg),
         "per_layer": {LAYER_TYPES[c]: layer_params(cfg, c) for c in LAYER_TYPES if c in cfg.pattern},
+        "mtp": mtp_params(cfg),
     }
+
+
+def _tally(shapes: dict, type_of, types=()) -> tuple[dict, int, int]:
+    """-> ({type: params} (every one of `types` present), buffer elements, routed-expert params)."""
+    by_type, buffers, routed = dict.fromkeys(types, 0), 0, 0
+    for name, shape in shapes.items():
+        if name.endswith(BUFFERS):
+            buffers += _numel(shape)
+            continue
+        t = type_of(name)
+        by_type[t] = by_type.get(t, 0) + _numel(shape)
+        if _is_routed_expert(name):
+            routed += _numel(shape)
+    return by_type, buffers, routed
+
+
+def _active(cfg: ModelConfig, total: int, routed: int) -> int:
+    return total - routed + (routed * cfg.num_experts_per_tok // cfg.n_routed_experts if routed else 0)
+
+
+def _mtp_type(name: str, cfg: ModelConfig) -> str:
+    leaf = name.split(".", 3)[3]  # mtp.layers.j.<leaf>
+    if leaf == "eh_proj.weight":
+        return "eh_proj"
+    if not leaf.startswith("mixer."):
+        return "norms"  # norm, enorm, hnorm, final_layernorm
+    return LAYER_TYPES[cfg.mtp_full_pattern[int(name.split(".")[2])]]
+
+
+def mtp_params(cfg: ModelConfig) -> dict:
+    """The MTP head's own parameters, apart from `total` (transformers does not build it; it shares
+    the trunk's embeddings and lm_head): total, active per token, routed, buffers, by_type
+    ({eh_proj, norms, attention, moe, ...}) and with_trunk (total + the trunk's total)."""
+    shapes = {n: v for n, v in our_shapes(cfg).items() if n.startswith("mtp.")}
+    by_type, buffers, routed = _tally(shapes, lambda n: _mtp_type(n, cfg))
+    total = sum(by_type.values())
+    trunk = sum(_numel(v) for n, v in our_shapes(cfg).items() if not n.startswith("mtp.") and not n.endswith(BUFFERS))
+    return {"layers": cfg.mtp_layers, "pattern": cfg.mtp_pattern, "total": total,
+            "active": _active(cfg, total, routed), "routed": routed, "buffers": buffers,
+            "by_type": by_type, "with_trunk": trunk + total}
 
 
 def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len: int = 4096,

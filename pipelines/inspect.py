@@ -62,6 +62,8 @@ def _widths(cfg: ModelConfig) -> dict:
                  moe_intermediate_size=cfg.moe_intermediate_size,
                  moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                  moe_latent_size=cfg.moe_latent_size, router=cfg.router)
+    if cfg.mtp_layers:
+        w.update(mtp_layers=cfg.mtp_layers, mtp_pattern=cfg.mtp_pattern)
     return w
 
 
@@ -114,6 +116,18 @@ def _b(x: int) -> str:
     return f"{x} B"
 
 
+def _format_mtp(mtp: dict, row) -> None:
+    """The MTP head, apart from the trunk's total (transformers does not build it)."""
+    if not mtp.get("total"):
+        return
+    row(f"MTP head ({mtp['layers']} x {mtp['pattern']!r}, not in total)", f"{mtp['total']:,} ({_n(mtp['total'])})")
+    if mtp["routed"]:
+        row("  MTP active per token", f"{mtp['active']:,}")
+    for t, n in mtp["by_type"].items():
+        row(f"  MTP {t}", f"{n:>16,}")
+    row("trunk + MTP (the checkpoint)", f"{mtp['with_trunk']:,} ({_n(mtp['with_trunk'])})")
+
+
 def format_inspect(d: dict) -> str:
     """A readable report of `inspect`'s dict."""
     p, m, lines = d["params"], d["memory_bf16"], []
@@ -141,6 +155,7 @@ def format_inspect(d: dict) -> str:
             row(f"  {t}", f"{n:>16,}  {100 * n / p['total']:5.1f}%")
     for t, n in p["per_layer"].items():
         row(f"  one {t} layer", f"{n:>16,}")
+    _format_mtp(p.get("mtp") or {}, row)
     lines.append(f"  {'axis':<18} {'size':>8} {'params using it':>18} {'freed per unit':>16}")
     for a, v in p["by_axis"].items():
         lines.append(f"  {a:<18} {v['size']:>8} {v['params']:>18,} {v['per_unit']:>16,}")
