@@ -157,17 +157,18 @@ MEMORY_SCRIPT = PEAK_RSS + textwrap.dedent('''
 
 def test_peak_memory_far_below_logits(tmp_path):
     """N=4096, V=32768: the [N, V] fp32 logits are 512 MB. Fused CE and KL forward+backward in chunks of
-    128 rows (16 MB blocks) grow the peak RSS by under a quarter of that; the unfused CE (same process,
-    control) by more than all of it."""
+    128 rows (16 MB blocks) grow the peak RSS by under 1/16 (CE, measured ~21 MB) and 1/6 (KL, ~60 MB)
+    of that; the unfused CE (same process, control) by more than all of it (~1.6 GB)."""
     script = tmp_path / "mem.py"
     script.write_text(MEMORY_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    # fixed mmap threshold: freed blocks go back to the OS, so the peak RSS counts live memory only
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
     res = subprocess.run([sys.executable, str(script), "128", "fused_ce", "fused_kl", "unfused_ce"], env=env,
                          check=True, capture_output=True, text=True, timeout=120)
     grow = json.loads(res.stdout.strip().splitlines()[-1])
     logits = 4096 * 32768 * 4
-    assert grow["fused_ce"] < logits / 4, grow
-    assert grow["fused_kl"] < logits / 4, grow
+    assert grow["fused_ce"] < logits / 16, grow
+    assert grow["fused_kl"] < logits / 6, grow
     assert grow["unfused_ce"] > logits, grow
 
 
