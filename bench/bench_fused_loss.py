@@ -1,0 +1,100 @@
+"""Fused vocabulary losses (pipelines.fused_loss) against the unfused losses on materialised logits (CPU).
+
+    python bench/bench_fused_loss.py [--tokens 4096] [--hidden 512] [--teacher-hidden 768] [--vocab 32768]
+                                     [--reps 3] [--chunk ROWS] [--only ce|kl]
+
+Forward + backward of the LM cross-entropy and of KL(teacher || student), fused and unfused, alternating
+in one process; prints the median time and the median peak-RSS growth of each, and the ratios.
+Peak RSS: VmHWM reset before each call (clear_refs), glibc's mmap threshold fixed so freed blocks
+return to the OS and the peak counts live memory.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from pipelines.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
+from pipelines.losses import kl_div, lm_loss  # noqa: E402
+
+
+def _status(field: str) -> int:
+    return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def _reset_peak() -> int:
+    open("/proc/self/clear_refs", "w").write("5")
+    return _status("VmRSS")
+
+
+def measure(fn):
+    """-> (seconds, peak RSS growth in bytes) of fn() (forward + backward)."""
+    base = _reset_peak()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t, _status("VmHWM") - base
+
+
+def cases(a):
+    g = torch.Generator().manual_seed(0)
+    N, H, Ht, V = a.tokens, a.hidden, a.teacher_hidden, a.vocab
+    h = torch.randn(N, H, generator=g).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    h_t, w_t = torch.randn(N, Ht, generator=g), torch.randn(V, Ht, generator=g) / Ht ** 0.5
+
+    def run(loss_fn):
+        def go():
+            loss_fn().backward()
+            h.grad = w.grad = None
+        return go
+
+    def unfused_kl():
+        with torch.no_grad():
+            t = F.linear(h_t, w_t)
+        return kl_div(F.linear(h, w), t, 2.0)
+    out = {}
+    if a.only in (None, "ce"):
+        out["ce"] = (run(lambda: fused_lm_loss(h, w, labels, chunk=a.chunk)),
+                     run(lambda: lm_loss(F.linear(h, w), labels)))
+    if a.only in (None, "kl"):
+        out["kl"] = (run(lambda: fused_kl_div(h, w, h_t, w_t, 2.0, chunk=a.chunk)), run(unfused_kl))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--teacher-hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: pipelines.fused_loss's)")
+    p.add_argument("--only", choices=["ce", "kl"], default=None)
+    a = p.parse_args()
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, N={a.tokens} H={a.hidden} "
+          f"H_t={a.teacher_hidden} V={a.vocab}; [N, V] fp32 logits = {a.tokens * a.vocab * 4 / 2**20:.0f} MiB")
+    for name, (fused, unfused) in cases(a).items():
+        fused(), unfused()  # warm-up
+        res = {"fused": [], "unfused": []}
+        for _ in range(a.reps):
+            res["fused"].append(measure(fused))
+            res["unfused"].append(measure(unfused))
+        med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
+        (tf, mf), (tu, mu) = med["fused"], med["unfused"]
+        print(f"{name}: fused {tf:.2f} s, peak +{mf / 2**20:.0f} MiB | unfused {tu:.2f} s, peak +{mu / 2**20:.0f} MiB"
+              f" | time fused/unfused {tf / tu:.2f}x, memory unfused/fused {mu / max(mf, 1):.1f}x")
+
+
+if __name__ == "__main__":
+    main()
