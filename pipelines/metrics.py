@@ -117,3 +117,25 @@ def report(args, family, n_params, steps, tokens_per_step, data_tokens: int, res
         "mfu_note": "model FLOPs (6N student + 2N teacher + attention) over one measured 1024^3 matmul",
         "time_s": time.time() - t_start, "history": history,
     }
+
+
+class PeakRSS:
+    """This process's peak resident memory (MB, the kernel's high-water mark) at the end of each phase of
+    a run (load, first checkpoint, train, export); written per rank beside the checkpoints."""
+
+    def __init__(self):
+        self.marks: dict[str, float] = {}
+
+    @staticmethod
+    def now_mb() -> float:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def mark(self, phase: str, first: bool = False):
+        if not (first and phase in self.marks):
+            self.marks[phase] = round(self.now_mb(), 1)
+
+    def write(self, path: Path):
+        import json
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.marks) + "\n")

@@ -381,6 +381,8 @@ def run(c: TrainConfig) -> dict | None:
                            "fingerprint differs); pass the same --data, or --overwrite to start over")
     eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (lead or mesh is not None) else None
     student, teacher, projections, teacher_layout = _load_models(p, mesh, ep_dim)
+    rss = metrics.PeakRSS()
+    rss.mark("load")
     info = parallel_info(student)
     fns = parallel_loss_fns(info)
     start, history, resumed_from, evals = 0, [], None, {}
@@ -419,6 +421,7 @@ def run(c: TrainConfig) -> dict | None:
         meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,
                 "eval": evals, "hf_config": hf_config}  # hf_config: `remodel convert` exports a checkpoint alone
         saver.save(step, student, projections, opt, meta)
+        rss.mark("checkpoint", first=True)
 
     hf_config = read_config_dict(p.student_dir)
 
@@ -469,6 +472,7 @@ def run(c: TrainConfig) -> dict | None:
     bar.close()
     it.close()
     saver.wait()
+    rss.mark("train")
 
     # -- final evaluation, report, export (rank 0 writes; every rank takes part) ----------------------
     set_recompute(student, "none")
@@ -485,6 +489,8 @@ def run(c: TrainConfig) -> dict | None:
         if world > 1:
             report["mfu_note"] += f", times {world} processes"
     _write_outputs(p, student, report)
+    rss.mark("export")
+    rss.write(p.run_dir / f"peak-rss-rank{rank()}.json")
     wait(group)
     return report
 

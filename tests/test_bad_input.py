@@ -326,7 +326,7 @@ def _subparsers():
     return act.choices
 
 
-@pytest.mark.parametrize("name", sorted(set(_subparsers()) - {"distill", "train"}))  # those two: the trainer's flags
+@pytest.mark.parametrize("name", sorted(_subparsers()))
 def test_help_describes_every_option_with_default(name):
     p = _subparsers()[name]
     text = p.format_help()
@@ -365,3 +365,18 @@ def test_oserror_anywhere_is_one_line(monkeypatch, capsys):
         raise OSError(28, "No space left on device", "/out/.o.tmp-1-00000000/model.safetensors")
     monkeypatch.setattr(cli, "run", run)
     fails(capsys, "convert", "m", "o", match="No space left on device: /out/.o.tmp-1-00000000/model.safetensors")
+
+
+def test_train_help_teaches():
+    """distill/train: the budget rule, --keep-last 0, the warm-up cap, recompute modes, data forms; each
+    default comes from TrainConfig (so the CLI and the API agree)."""
+    from pipelines.train_config import FIELDS
+    for name in ("distill", "train"):
+        p = _subparsers()[name]
+        text = " ".join(p.format_help().split())
+        assert "give --steps or --tokens" in text and "0 keeps every one" in text and "capped at steps" in text
+        assert "{none,selective,full}" in text and "'W1 A W2 B ...'" in text
+        for a in p._actions:
+            if a.dest in FIELDS:
+                assert a.default == FIELDS[a.dest].default, (name, a.dest)
+
