@@ -14,6 +14,7 @@ A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of
   layers.{i}.shared_ffn       [S']          'E' layers with a shared expert
   layers.{i}.latent           [Lt']         'E' layers of a LatentMoE (fc1/fc2_latent_proj and the experts)
   layers                      [L']          kept layers (depth pruning)
+  mtp.layers.{j}.<axis>                     the MTP blocks' own units, keyed like the trunk's (never dropped)
 
 Composite axes are derived from those: 'attn_q' rows (heads x head_dim), 'mamba_inner' (heads x
 head_dim channels), 'mamba_conv' (x by inner, B|C whole), 'mamba_in_proj' (z, x by inner, B|C whole,
@@ -36,6 +37,15 @@ def layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
+def block_of(name: str) -> str | None:
+    """The block a parameter belongs to, as keep keys name it: 'layers.3' (trunk), 'mtp.layers.1' (MTP)."""
+    if name.startswith("layers."):
+        return name.split(".", 2)[0] + "." + name.split(".")[1]
+    if name.startswith("mtp.layers."):
+        return ".".join(name.split(".")[:3])
+    return None
+
+
 def _mlp(m: str, ax: str, gated: bool, bias: bool) -> dict:
     t = {m + "up_proj.weight": (ax, "hidden"), m + "down_proj.weight": ("hidden", ax)}
     if gated:
@@ -52,9 +62,14 @@ def tensor_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     """{our parameter name: axis name per dimension}, covering exactly `our_shapes(cfg)`."""
     t = {"embeddings.weight": ("vocab", "hidden"), "norm_f.weight": ("hidden",), "lm_head.weight": ("vocab", "hidden")}
     lt = "latent" if cfg.moe_latent_size else "hidden"  # what the experts read and write
-    for i, c in enumerate(cfg.pattern):
-        p, m = f"layers.{i}.", f"layers.{i}.mixer."
+    blocks = [(f"layers.{i}.", c) for i, c in enumerate(cfg.pattern)]
+    blocks += [(f"mtp.layers.{j}.", c) for j, c in enumerate(cfg.mtp_full_pattern)]  # MTP: the trunk's axes
+    for p, c in blocks:
+        m = p + "mixer."
         t[p + "norm.weight"] = ("hidden",)
+        if p.startswith("mtp."):  # a step's fusion [embedding | hidden] -> hidden, and its norms
+            t.update({p + "enorm.weight": ("hidden",), p + "hnorm.weight": ("hidden",),
+                      p + "eh_proj.weight": ("hidden", "mtp_eh_in"), p + "final_layernorm.weight": ("hidden",)})
         if c == "M":
             t.update({m + "in_proj.weight": ("mamba_in_proj", "hidden"), m + "in_proj.bias": ("mamba_in_proj",),
                       m + "conv1d.weight": ("mamba_conv", "one", "conv_kernel"), m + "conv1d.bias": ("mamba_conv",),
@@ -83,13 +98,18 @@ def tensor_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | None) -> torch.Tensor | None:
-    """Index (original positions, in order) of the kept units of `axis` in `layer`; None = all."""
+def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | str | None) -> torch.Tensor | None:
+    """Index (original positions, in order) of the kept units of `axis` in `layer` (a trunk index or a
+    block name such as 'mtp.layers.1'); None = all."""
     if axis in FIXED:
         return None
     if axis == "hidden":
         return keep.get("hidden")
-    k = lambda a: keep.get(f"layers.{layer}.{a}")  # noqa: E731
+    if axis == "mtp_eh_in":  # eh_proj reads [embedding | hidden]: the hidden channels kept in both halves
+        h = keep.get("hidden")
+        return None if h is None else torch.cat([h, cfg.hidden_size + h])
+    block = layer if isinstance(layer, str) else f"layers.{layer}"
+    k = lambda a: keep.get(f"{block}.{a}")  # noqa: E731
     if axis in PRIMARY:
         return k(axis)
     if axis == "attn_q":
@@ -116,7 +136,7 @@ def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | None) -> to
 def dim_indices(cfg: ModelConfig, keep: dict, name: str, table: dict | None = None) -> list:
     """One index (or None) per dimension of our parameter `name`."""
     axes = (table or tensor_axes(cfg))[name]
-    return [axis_index(cfg, keep, a, layer_of(name)) for a in axes]
+    return [axis_index(cfg, keep, a, block_of(name)) for a in axes]
 
 
 def select(t: torch.Tensor, idxs: list) -> torch.Tensor:

@@ -213,36 +213,9 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
     if "hidden_size" in t:
         keep["hidden"] = _top(_score(scores, "hidden", (cfg.hidden_size,), "--hidden-size"), t["hidden_size"])
     for i, c in enumerate(cfg.pattern):
-        p = f"layers.{i}."
-        if c == "-" and "ffn_size" in t:
-            keep[p + "ffn"] = _top(_score(scores, p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])
-        elif c == "*" and "attn_heads" in t:
-            s = _score(scores, p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
-            keep[p + "attn_heads"] = _top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])
-        elif c == "M" and ("mamba_heads" in t or "mamba_head_dim" in t):
-            nh, hd = cfg.mamba_num_heads, cfg.mamba_head_dim
-            s = _score(scores, p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
-            chans = _top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
-            if "mamba_head_dim" in t:
-                keep[p + "mamba_head_dim"] = chans
-            if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
-                keep[p + "mamba_heads"] = _top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
-        elif c == "E":
-            E = cfg.n_routed_experts
-            experts = torch.arange(E)
-            if "experts" in t:
-                s = _score(scores, p + "experts", (E,), "--experts")
-                experts = _top_per_group(s, cfg.n_group, t["experts"])  # n_group=1: plain top-k
-                keep[p + "experts"] = experts
-            if "expert_ffn_size" in t:
-                s = _score(scores, p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
-                keep[p + "expert_ffn"] = torch.stack([_top(row, t["expert_ffn_size"]) for row in s])
-            if "shared_expert_size" in t:
-                s = _score(scores, p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
-                keep[p + "shared_ffn"] = _top(s, t["shared_expert_size"])
-            if "latent_size" in t:
-                s = _score(scores, p + "latent", (cfg.moe_latent_size,), "--latent-size")
-                keep[p + "latent"] = _top(s, t["latent_size"])
+        keep.update(_block_keep(cfg, scores, t, f"layers.{i}.", c))
+    for j, c in enumerate(cfg.mtp_full_pattern):
+        keep.update(_block_keep(cfg, scores, t, f"mtp.layers.{j}.", c, _mtp_stand_in(cfg, scores, j)))
     units = layer_units(cfg, family)
     drop = []
     if "drop_layers" in t:
@@ -259,6 +232,59 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
     return keep
 
 
+def _block_keep(cfg: ModelConfig, scores: dict, t: dict, p: str, c: str, src: str | None = None) -> dict:
+    """Keep entries of one block (prefix `p`, kind `c`) from the scores of block `src` (default `p`)."""
+    keep, scores = {}, _scores_at(scores, src or p, p)
+    if c == "-" and "ffn_size" in t:
+        keep[p + "ffn"] = _top(_score(scores, p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])
+    elif c == "*" and "attn_heads" in t:
+        s = _score(scores, p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
+        keep[p + "attn_heads"] = _top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])
+    elif c == "M" and ("mamba_heads" in t or "mamba_head_dim" in t):
+        nh, hd = cfg.mamba_num_heads, cfg.mamba_head_dim
+        s = _score(scores, p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
+        chans = _top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
+        if "mamba_head_dim" in t:
+            keep[p + "mamba_head_dim"] = chans
+        if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
+            keep[p + "mamba_heads"] = _top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
+    elif c == "E":
+        E = cfg.n_routed_experts
+        experts = torch.arange(E)
+        if "experts" in t:
+            s = _score(scores, p + "experts", (E,), "--experts")
+            experts = _top_per_group(s, cfg.n_group, t["experts"])  # n_group=1: plain top-k
+            keep[p + "experts"] = experts
+        if "expert_ffn_size" in t:
+            s = _score(scores, p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
+            keep[p + "expert_ffn"] = torch.stack([_top(row, t["expert_ffn_size"]) for row in s])
+        if "shared_expert_size" in t:
+            s = _score(scores, p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
+            keep[p + "shared_ffn"] = _top(s, t["shared_expert_size"])
+        if "latent_size" in t:
+            s = _score(scores, p + "latent", (cfg.moe_latent_size,), "--latent-size")
+            keep[p + "latent"] = _top(s, t["latent_size"])
+    return keep
+
+
+def _scores_at(scores: dict, src: str, p: str) -> dict:
+    """`scores` where block `p`'s entries are those of block `src` (the same shapes)."""
+    if src == p:
+        return scores
+    return {**scores, **{p + k[len(src):]: v for k, v in scores.items() if k.startswith(src)}}
+
+
+def _mtp_stand_in(cfg: ModelConfig, scores: dict, j: int) -> str:
+    """Whose scores rank MTP block j's units: its own (`mtp.layers.j.*`) when the scores have them, else
+    the last trunk layer of its kind. Calibration runs the trunk only, so no activation reaches the
+    MTP head; the stand-in keeps its widths consistent with the trunk's, not a measure of importance."""
+    own = f"mtp.layers.{j}."
+    if any(k.startswith(own) for k in scores):
+        return own
+    c = cfg.mtp_full_pattern[j]
+    return f"layers.{cfg.pattern.rindex(c)}."
+
+
 # ---- the pruned model ---------------------------------------------------------------------------
 
 def kept_layers(cfg: ModelConfig, keep: dict) -> list[int]:
@@ -266,8 +292,9 @@ def kept_layers(cfg: ModelConfig, keep: dict) -> list[int]:
 
 
 def _size(cfg, keep, layers, kind, axis, full):
-    sizes = {full if keep.get(f"layers.{i}.{axis}") is None else keep[f"layers.{i}.{axis}"].shape[-1]
-             for i in layers if cfg.pattern[i] == kind}
+    blocks = [f"layers.{i}" for i in layers if cfg.pattern[i] == kind]
+    blocks += [f"mtp.layers.{j}" for j, c in enumerate(cfg.mtp_full_pattern) if c == kind]  # same widths
+    sizes = {full if keep.get(f"{b}.{axis}") is None else keep[f"{b}.{axis}"].shape[-1] for b in blocks}
     if len(sizes) > 1:
         raise RemodelError(f"keep sets give {LAYER_TYPES[kind]} layers different {axis} sizes {sorted(sizes)}; "
                            "widths must be the same in every layer of a type")
