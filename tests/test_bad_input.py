@@ -222,6 +222,29 @@ def test_kill9_then_rerun_leaves_only_out(work, cmd):
     assert snapshot(work / "model") == before
 
 
+@pytest.mark.parametrize("moment", ["checkpoint", "export"])
+def test_kill9_distill_then_rerun_leaves_out_and_run(work, moment):
+    """distill (with --resume, so the same command continues) killed once a checkpoint is being written or
+    the export's temporary sibling exists, then rerun: the parent holds exactly OUT and OUT.run."""
+    parent = work / "outs"
+    parent.mkdir()
+    out = parent / "o"
+    data = work / "d.txt"
+    import gzip
+    with gzip.open(ROOT / "data/corpus/valid.txt.gz", "rt") as f:
+        data.write_text(f.read())
+    args = ["distill", "--teacher", work / "model", "--student", work / "model", out, "--data", data, "--steps",
+            "6", "--seq-len", "64", "--batch", "2", "--checkpoint-every", "2", "--lm-loss-weight", "1", "--resume"]
+    run = parent / "o.run"
+    probe = {"checkpoint": lambda: run.is_dir() and any(q.name.startswith(".step-") for q in run.iterdir()),
+             "export": lambda: any(q.name.startswith(".o.tmp-") for q in parent.iterdir())}[moment]
+    before = snapshot(work / "model")
+    assert _kill_then_rerun(args, out, parent, probe), "the run ended before the kill"
+    assert sorted(q.name for q in parent.iterdir()) == ["o", "o.run"]
+    assert json.loads((out / "remodel_report.json").read_text())["steps"] == 6
+    assert snapshot(work / "model") == before
+
+
 # 5. a failed run leaves no new parent directories -----------------------------------------------------------
 
 def test_failed_run_leaves_no_new_parents(work, capsys):
