@@ -67,6 +67,8 @@ class TrainConfig:
                         "separated, newlines kept) or file", choices=DOC_SPLITS)
     eval_data: str | None = _f(None, "held-out data for perplexity before and after training")
     eval_tokens: int = _f(65536, "held-out tokens evaluated", count=True)
+    fused_loss: bool = _f(False, "CE and KL from the final hidden states in vocabulary chunks (no [tokens, vocab] "
+                          "logits for student or teacher; one process or --tp alone)")
     recompute: str = _f("none", "activation recomputation: none, selective (cheap memory-heavy internals) or full "
                         "(every layer from its input)", choices=RECOMPUTE_CHOICES)
     tp: int = _f(1, "tensor-parallel size (run under torchrun; data parallel = processes / tp)")

@@ -85,6 +85,8 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     fns = {**LOSS_FNS, **(fns or {})}
     autocast = autocast or torch.autocast("cpu", enabled=False)
     need_states = teacher is not None and w["hidden"] > 0
+    if w.get("fused"):
+        return _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states)
     with autocast:
         out = student(ids, output_hidden_states=need_states)
         s_logits, s_states = out if need_states else (out, None)
@@ -108,6 +110,42 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
             hid = hidden_cosine_loss(s_states, t_states, layer_map, projections)
         total = total + w["hidden"] * hid
         parts["hidden"] = hid.item()
+    return _router_losses(student, w, fns, total, parts)
+
+
+def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
+    """compute_losses with the vocabulary losses fused (pipelines.fused_loss): CE and KL from the final
+    hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
+    from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
+    g = w.get("vocab_group")
+    with autocast:
+        s_h, s_states = student.hidden(ids, output_hidden_states=need_states)
+        if teacher is not None:
+            with torch.no_grad():
+                t_h, t_states = teacher.hidden(ids, output_hidden_states=need_states)
+    flat = s_h.reshape(-1, s_h.shape[-1])
+    total, parts = s_h.new_zeros((), dtype=torch.float32), {}
+    if teacher is not None:
+        kl = fused_kl_div(flat, lm_head_weight(student), t_h.reshape(-1, t_h.shape[-1]), lm_head_weight(teacher),
+                          w["temperature"], group=g)
+        total = total + w["kl"] * kl
+        parts["kl"] = kl.item()
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w["lm"] > 0):
+        lm = fused_lm_loss(s_h[:, :-1].reshape(-1, s_h.shape[-1]), lm_head_weight(student), ids[:, 1:].reshape(-1),
+                           group=g)
+    if w["lm"] > 0:
+        total = total + w["lm"] * lm
+    parts["lm"] = lm.item()
+    if need_states:
+        with autocast:
+            hid = hidden_cosine_loss(s_states, t_states, layer_map, projections)
+        total = total + w["hidden"] * hid
+        parts["hidden"] = hid.item()
+    return _router_losses(student, w, fns, total, parts)
+
+
+def _router_losses(student, w, fns, total, parts):
+    """Adds the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
     moe = student.moe_layers()
     if moe and (w["lb"] > 0 or w["z"] > 0):
         cfg = student.cfg
@@ -248,6 +286,8 @@ def prepare(c: TrainConfig) -> Plan:
                            f"keep_last={c.keep_last})")
     if c.topk is not None and c.topk < 1:
         raise RemodelError(f"--topk must be >= 1, got {c.topk}")
+    if c.fused_loss and c.topk:
+        raise RemodelError("--fused-loss computes the full-vocabulary KL; drop --topk or --fused-loss")
     if not c.distill and (c.hidden_loss_weight or c.topk):
         raise RemodelError("--hidden-loss-weight and --topk need a teacher (distill)")
     if kl_w == 0 and lm_w == 0 and not c.hidden_loss_weight:
@@ -363,6 +403,9 @@ def run(c: TrainConfig) -> dict | None:
     dev = init_dist(p.dev) if world > 1 or c.tp * c.ep > 1 else p.dev
     world = world_size()
     dp, ep_dim = layout(world, c.tp, c.ep, c.batch)
+    if c.fused_loss and dp > 1:
+        raise RemodelError("--fused-loss runs in one process or under tensor parallelism alone (--tp equal to the "
+                           "number of processes) for now: FSDP over data-parallel ranks is not wired to it yet")
     mesh = init_mesh(dev.type, dp, c.tp)
     if mesh is not None:
         from .parallel import _check
@@ -415,7 +458,8 @@ def run(c: TrainConfig) -> dict | None:
 
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
     w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight, "lb": p.args["lb_coeff"],
-         "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk}
+         "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk, "fused": c.fused_loss,
+         "vocab_group": info.vocab_group}
 
     def checkpoint(step):
         meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,

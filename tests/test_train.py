@@ -411,3 +411,19 @@ def test_resume_refuses_changed_data_and_trains_on_a_blend(work, tmp_path, capsy
     rep = T.train(**kwargs(work, tmp_path / "b", data=blend, steps=2, teacher_dir=None, hidden_loss_weight=0.0,
                            lm_loss_weight=None))
     assert len(rep["args"]["data_fingerprint"]) == 2 and rep["history"][-1]["loss"] > 0
+
+
+def test_fused_loss_trains_like_the_unfused(work, tmp_path):
+    """--fused-loss (CE and KL in vocabulary chunks from hidden states) gives the same per-step losses and
+    weights as the logits path (fp32, distillation with KL + CE + hidden loss + MoE load balancing)."""
+    kw = kwargs(work, tmp_path / "a", steps=3, checkpoint_every=3)
+    a = T.train(**kw)
+    b = T.train(**{**kw, "out": str(tmp_path / "b"), "fused_loss": True})
+    for x, y in zip(a["history"], b["history"], strict=True):
+        for k in ("loss", "kl", "lm", "hidden", "lb"):
+            assert abs(x[k] - y[k]) <= 1e-5 * abs(y[k]) + 1e-7, (k, x[k], y[k])
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    with pytest.raises(RemodelError, match="topk"):
+        T.train(**{**kw, "out": str(tmp_path / "c"), "fused_loss": True, "topk": 8})
+

@@ -38,11 +38,13 @@ REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0)
 CASES = {  # name: (processes, tp, ep, reference)
     "lm_ep2": (2, 1, 2, "lm"), "lm_tp2_ep2": (2, 2, 2, "lm"), "kd_tp2": (2, 2, 1, "kd"),
     "kd_topk_tp2": (2, 2, 1, "kd_topk"), "lm_dp2_tp2": (4, 2, 1, "lm"), "kd_dp2_tp2_ep2": (4, 2, 2, "kd"),
+    "kd_tp2_fused": (2, 2, 1, "kd"),
 }
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
 LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "lm_ep2": (1, 2, 2, "dp"), "lm_tp2_ep2": (2, 2, 1, "tp"), "kd_tp2": (2, 1, 1, None),
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
+    "kd_tp2_fused": (2, 1, 1, None),
 }
 CLI_FLAGS = ["--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4", "--warmup", "1", "--checkpoint-every",
              "2", "--grad-accum", "2", "--hidden-loss-weight", "0.5", "--lm-loss-weight", "0.1"]
@@ -81,7 +83,7 @@ def worker(d: Path, cases):
             train(**kwargs(d, name, "kd", tp=2, resume=True))
         else:
             n, tp, ep, ref = CASES[name]
-            train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC))
+            train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC, fused_loss=name.endswith("fused")))
         if dist.get_rank() == 0:
             print(f"CASE {name} {time.time() - t0:.1f} s", flush=True)
     sys.stdout.flush()
@@ -200,7 +202,7 @@ def runs(tmp_path_factory):
     res = {}
     with ThreadPoolExecutor(4) as ex:  # everything at once: the launches spend much of their time waiting
         jobs = {how: ex.submit(failing_run, d, how) for how in ("die", "stall")}
-        jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2"])
+        jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2", "kd_tp2_fused"])
         jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2"])
         n = torch.get_num_threads()
         torch.set_num_threads(1)
