@@ -3,7 +3,8 @@
 No [tokens, V] logits tensor is ever materialised, for the student or the teacher (Liger-style fused
 linear loss). The loss is a scalar, so its gradients are computed during the forward, one [chunk, V]
 block at a time: grad_h rows are written per chunk, grad_W is accumulated (fp32); backward only
-scales the stored gradients by grad_output. Peak extra memory: a few [chunk, V] fp32 blocks.
+scales the stored gradients by grad_output. Peak extra memory: one [chunk, V] fp32 block for CE, about
+three for KL, plus grad_h [N, H] and an fp32 grad_W [V, H].
 
 Same definitions as pipelines.losses.lm_loss / kl_div on `h @ W.T` (CE mean over non-ignored tokens;
 KL(teacher || student) of softmax(z / T) summed over the vocabulary, mean over tokens, no T^2).
