@@ -33,7 +33,7 @@ def _dry():
 
 def test_super_counts_match_published_figures():
     """inspect on the shipped name: 88 layers (40 M, 40 E, 8 *), LatentMoE 1024, 512 experts top-22;
-    total within 1% of 120B, active without the input embeddings within 3% of 12B; MTP not counted."""
+    total within 1% of 120B, active without the input embeddings within 3% of 12B; the MTP head counted apart, not in total."""
     d = inspect(NAME)
     p, w = d["params"], d["widths"]
     assert d["layers"] == {"mamba": 40, "attention": 8, "moe": 40}
@@ -43,7 +43,8 @@ def test_super_counts_match_published_figures():
     no_embed = p["active"] - p["by_type"]["embeddings"]
     assert no_embed == 12_233_346_048 and abs(no_embed / 12e9 - 1) < 0.03
     assert p["by_axis"]["latent_size"]["size"] == 1024
-    assert config_from_hf(json.loads(CONFIG.read_text())).extra["num_nextn_predict_layers_dropped"] == 1
+    cfg = config_from_hf(json.loads(CONFIG.read_text()))  # the MTP block is read, counted apart
+    assert (cfg.mtp_layers, cfg.mtp_pattern) == (1, "*E") and p["mtp"]["total"] == 2_942_324_736
 
 
 def test_super_config_loads_in_transformers_with_the_same_count():
