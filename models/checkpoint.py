@@ -129,6 +129,8 @@ class CheckpointReader:
                     raise RemodelError(f"{file}: tensor {name!r} listed in {INDEX} is missing from the shard")
                 self._where[name] = (shard, header[name])
         self._keys = sorted(self._where)
+        from .hf import without_absent_mtp  # MTP declared in config.json but absent from the weights: off
+        self.config = without_absent_mtp(self.config, self._keys)
 
     def keys(self) -> list[str]:
         return list(self._keys)

@@ -87,6 +87,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         if getattr(h, "mamba_hidden_act", "silu") != "silu":
             raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
         mtp = int(getattr(h, "num_nextn_predict_layers", 0) or 0)
+        if getattr(h, "num_nextn_predict_layers_dropped", 0):  # declared, but the checkpoint has no mtp.*
+            extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers_dropped
         mtp_pattern = "".join(_CHAR[t] for t in h.mtp_layers_block_type) if mtp else ""
         if h.mlp_bias and "moe" in h.layers_block_type:
             raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
@@ -137,6 +139,15 @@ def config_from_hf(d: dict) -> ModelConfig:
                        moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
                        shared_expert_gate=mt == "qwen2_moe", router="softmax",
                        norm_topk_prob=bool(h.norm_topk_prob), **common)
+
+
+def without_absent_mtp(d: dict, tensor_names) -> dict:
+    """The HF config of a checkpoint whose config declares MTP layers (num_nextn_predict_layers) but whose
+    weights hold no `mtp.*` tensor (e.g. a trunk-only export): MTP off, the declared count recorded in
+    `num_nextn_predict_layers_dropped`. MTP is on only when the checkpoint has it."""
+    if not (d.get("num_nextn_predict_layers") or 0) or any(k.startswith("mtp.") for k in tensor_names):
+        return d
+    return {**d, "num_nextn_predict_layers": 0, "num_nextn_predict_layers_dropped": d["num_nextn_predict_layers"]}
 
 
 def default_family(cfg: ModelConfig) -> str:

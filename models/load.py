@@ -32,7 +32,12 @@ def read_config_dict(path) -> dict:
 
 
 def load_config(path) -> ModelConfig:
-    return config_from_hf(read_config_dict(path))
+    """The ModelConfig of a checkpoint or config.json; MTP layers only when the weights have them."""
+    d = read_config_dict(path)
+    if d.get("num_nextn_predict_layers") and Path(path).is_dir() and any(Path(path).glob("model*.safetensors*")):
+        with CheckpointReader(path) as r:
+            d = r.config
+    return config_from_hf(d)
 
 
 class _Source:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from .checkpoint import INDEX, SINGLE, read_json
 from .errors import RemodelError
-from .hf import config_from_hf, our_shapes, weight_table
+from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
 
 
 def runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -38,8 +38,6 @@ class RegionReader:
     def __init__(self, path, family: str | None = None):
         self.path = Path(path)
         self.config = read_json(self.path / "config.json")
-        self.cfg = config_from_hf(self.config)
-        self.family = family or self.config.get("model_type")
         if (self.path / SINGLE).is_file():
             with safe_open(self.path / SINGLE, framework="pt") as f:
                 self.where = {k: SINGLE for k in f.keys()}
@@ -47,6 +45,9 @@ class RegionReader:
             self.where = dict(read_json(self.path / INDEX)["weight_map"])
         else:
             raise RemodelError(f"{self.path}: no {SINGLE} or {INDEX}")
+        self.config = without_absent_mtp(self.config, self.where)  # as CheckpointReader does
+        self.cfg = config_from_hf(self.config)
+        self.family = family or self.config.get("model_type")
         self.shapes = our_shapes(self.cfg)
         self.rows: dict[str, list[tuple[str, int | None]]] = {}
         for ours, hf, e in weight_table(self.cfg, self.family):

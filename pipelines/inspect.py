@@ -38,8 +38,11 @@ def _resolve(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
             raise RemodelError(f"{src}: no such checkpoint directory, config.json or shipped config "
                                f"(shipped: {', '.join(shipped_configs())})")
     d = read_json(p / "config.json" if p.is_dir() else p)
-    cfg = config_from_hf(d)
     ckpt = p if p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES) else None
+    if ckpt is not None and d.get("num_nextn_predict_layers"):
+        with CheckpointReader(ckpt) as r:
+            d = r.config  # MTP only when the weights have it
+    cfg = config_from_hf(d)
     return cfg, d, ckpt, str(p)
 
 

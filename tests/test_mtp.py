@@ -46,7 +46,7 @@ def make_model(cfg=CFG, seed=0):
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    for b in list(model.layers) + list(model.mtp.layers):
+    for b in list(model.layers) + (list(model.mtp.layers) if cfg.mtp_layers else []):
         if b.kind == "E":
             b.mixer.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts, generator=g))
     return model.eval()
@@ -267,3 +267,22 @@ def test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers(ckpt, tmp_path):
         assert (both_logits(ours)[1] - both_logits(want)[1]).abs().max().item() <= 1e-5
     assert count_params(ours.cfg)["mtp"]["total"] == sum(v.numel() for k, v in t.items() if k.startswith("mtp.")
                                                          and not k.endswith("correction_bias"))
+
+
+def test_declared_but_absent_mtp_is_off(tmp_path):
+    """A config declaring MTP over weights without mtp.* (a trunk-only export) loads as the trunk alone."""
+    from models.checkpoint import CheckpointReader
+    from models.load import load_config
+    from models.hf import weight_table
+    plain = CFG.replace(mtp_layers=0, mtp_pattern="")
+    model = make_model(plain)
+    save_model(model, tmp_path / "src")
+    cfg = read_config_dict(tmp_path / "src")
+    cfg.update(num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+    (tmp_path / "src" / "config.json").write_text(__import__("json").dumps(cfg))
+    assert load_config(tmp_path / "src").mtp_layers == 0
+    with CheckpointReader(tmp_path / "src") as r:
+        assert r.config["num_nextn_predict_layers_dropped"] == 1
+    assert (load_model(tmp_path / "src")(IDS) - model(IDS)).abs().max().item() == 0
+    assert inspect(str(tmp_path / "src"))["params"]["mtp"]["total"] == 0
+    assert len(weight_table(plain, "nemotron_h")) == len(CheckpointReader(tmp_path / "src"))
