@@ -105,12 +105,8 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     if w["lm"] > 0:
         total = total + w["lm"] * lm
     parts["lm"] = lm.item()
-    if need_states:
-        with autocast:
-            hid = hidden_cosine_loss(s_states, t_states, layer_map, projections)
-        total = total + w["hidden"] * hid
-        parts["hidden"] = hid.item()
-    return _router_losses(student, w, fns, total, parts)
+    states = (s_states, t_states, layer_map, projections) if need_states else None
+    return _other_losses(student, w, fns, total, parts, states, autocast)
 
 
 def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
@@ -136,16 +132,18 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     if w["lm"] > 0:
         total = total + w["lm"] * lm
     parts["lm"] = lm.item()
-    if need_states:
+    states = (s_states, t_states, layer_map, projections) if need_states else None
+    return _other_losses(student, w, fns, total, parts, states, autocast)
+
+
+def _other_losses(student, w, fns, total, parts, states, autocast):
+    """Adds the hidden-state cosine loss (states: (student's, teacher's, layer_map, projections) or None)
+    and the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
+    if states is not None:
         with autocast:
-            hid = hidden_cosine_loss(s_states, t_states, layer_map, projections)
+            hid = hidden_cosine_loss(*states)
         total = total + w["hidden"] * hid
         parts["hidden"] = hid.item()
-    return _router_losses(student, w, fns, total, parts)
-
-
-def _router_losses(student, w, fns, total, parts):
-    """Adds the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
     moe = student.moe_layers()
     if moe and (w["lb"] > 0 or w["z"] > 0):
         cfg = student.cfg
