@@ -71,16 +71,19 @@ def _rope(model, device):
 
 
 @torch.no_grad()
-def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None) -> tuple[HybridLM, dict]:
+def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None, prepare=None) -> tuple[HybridLM, dict]:
     """This rank's shards of the checkpoint at `path` as a parallelized HybridLM (fp32 weights).
 
     layouts: (tp_dim, ep_dim) pairs tried in order until the widths allow one (the teacher falls back
-    from TP + EP to TP to none); -> (model, {"tp": used, "ep": used})."""
+    from TP + EP to TP to none); prepare(model): applied to the empty model before it is sharded (e.g.
+    the FP8 module swap); -> (model, {"tp": used, "ep": used})."""
     reader = RegionReader(path)
     tried = layouts or [(tp_dim, ep_dim)]
     for i, (t_tp, t_ep) in enumerate(tried):
         with torch.device("meta"):
             model = HybridLM(reader.cfg)
+        if prepare is not None:
+            prepare(model)
         try:
             parallelize(model, mesh, tp_dim=t_tp, ep_dim=t_ep, dp_dim=dp_dim)
             break

@@ -67,6 +67,9 @@ class TrainConfig:
                         "separated, newlines kept) or file", choices=DOC_SPLITS)
     eval_data: str | None = _f(None, "held-out data for perplexity before and after training")
     eval_tokens: int = _f(65536, "held-out tokens evaluated", count=True)
+    fp8: bool = _f(False, "FP8 Linear layers of the student via torchao.float8 (CUDA, H100-class; the first and "
+                   "last blocks, routers and lm_head stay bf16)")
+    fp8_teacher: bool = _f(False, "run the teacher's forward with the same FP8 Linear layers")
     fused_loss: bool = _f(False, "CE and KL from the final hidden states in vocabulary chunks (no [tokens, vocab] "
                           "logits for student or teacher; one process or --tp alone)")
     recompute: str = _f("none", "activation recomputation: none, selective (cheap memory-heavy internals) or full "

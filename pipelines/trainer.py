@@ -284,6 +284,9 @@ def prepare(c: TrainConfig) -> Plan:
                            f"keep_last={c.keep_last})")
     if c.topk is not None and c.topk < 1:
         raise RemodelError(f"--topk must be >= 1, got {c.topk}")
+    if (c.fp8 or c.fp8_teacher) and (pick_device(c.device).type != "cuda" or c.tp > 1):
+        raise RemodelError("--fp8 / --fp8-teacher need a CUDA GPU with FP8 matmuls (H100-class) and --tp 1 "
+                           "(FSDP / one process) for now")
     if c.fused_loss and c.topk:
         raise RemodelError("--fused-loss computes the full-vocabulary KL; drop --topk or --fused-loss")
     if not c.distill and (c.hidden_loss_weight or c.topk):
@@ -375,15 +378,22 @@ def _load_models(p: Plan, mesh, ep_dim):
     FSDP over dp plus TP (and EP over tp) where its widths allow."""
     torch.manual_seed(p.cfg.seed)
     teacher, layout_t = None, None
+    from .fp8 import convert
+    s_fp8, t_fp8 = (convert if p.cfg.fp8 else None), (convert if p.cfg.fp8_teacher else None)
     if mesh is None:
         student = load_model(p.student_dir, device=p.dev)
+        if s_fp8:
+            s_fp8(student)
         if p.distill:
             teacher = load_model(p.teacher_dir, device=p.dev)
+            if t_fp8:
+                t_fp8(teacher)
     else:
-        student, _ = load_sharded(p.student_dir, mesh, "tp", ep_dim, "dp", p.dev)
+        student, _ = load_sharded(p.student_dir, mesh, "tp", ep_dim, "dp", p.dev, prepare=s_fp8)
         if p.distill:
             tries = [("tp", ep_dim if ep_dim == "tp" else None), ("tp", None), (None, None)]
-            teacher, layout_t = load_sharded(p.teacher_dir, mesh, None, None, "dp", p.dev, layouts=tries)
+            teacher, layout_t = load_sharded(p.teacher_dir, mesh, None, None, "dp", p.dev, layouts=tries,
+                                             prepare=t_fp8)
     student.train()
     if teacher is not None:
         teacher.eval().requires_grad_(False)
