@@ -94,6 +94,7 @@ class HybridLM(nn.Module):
         return self.logits(h), out
 
     def moe_layers(self):
+        """The trunk's MoE mixers (the MTP head's are under self.mtp.layers)."""
         return [layer.mixer for layer in self.layers if layer.kind == "E"]
 
 

@@ -216,6 +216,8 @@ def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len
         "mamba_ssm_state": nM * batch * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size
         * state_dtype_bytes,
     }
+    mtp = c["mtp"]  # the MTP head's weights, apart (not in weights / total; needed to serve it)
+    out["mtp_weights"] = mtp["total"] * dtype_bytes + mtp["buffers"] * 4
     out["mamba_state"] = out["mamba_conv_state"] + out["mamba_ssm_state"]
     out["cache"] = out["kv_cache"] + out["mamba_state"]
     out["total"] = out["weights"] + out["cache"]

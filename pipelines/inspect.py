@@ -164,6 +164,8 @@ def format_inspect(d: dict) -> str:
         lines.append(f"  {a:<18} {v['size']:>8} {v['params']:>18,} {v['per_unit']:>16,}")
     lines.append(f"memory at bf16 (batch {m['batch']}, {m['seq_len']} tokens)")
     row("weights", _b(m["weights"]))
+    if m.get("mtp_weights"):
+        row("MTP head weights (not in total)", _b(m["mtp_weights"]))
     if m["kv_cache"]:
         row("KV cache", _b(m["kv_cache"]))
     if m["mamba_state"]:
