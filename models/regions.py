@@ -1,20 +1,24 @@
 """Read parts of a Hugging Face checkpoint's tensors, addressed by our parameter names.
 
 A sharded rank needs only its own rows / columns / experts of each tensor: `RegionReader.read(name,
-index)` reads exactly that region through safetensors' `safe_open(...).get_slice`, never the whole
-tensor. `index` has one entry per dimension: None (all of it) or a 1-D LongTensor of the indices kept,
-read as runs of consecutive indices. Fused expert tensors [E, ...] are read from the per-expert HF
-tensors (or a fused 3-D HF tensor) of the experts kept.
+index)` reads exactly that region, never the whole tensor. `index` has one entry per dimension: None
+(all of it) or a 1-D LongTensor of the indices kept, read as runs of consecutive indices. The reads are
+positioned reads (os.preadv) of the byte spans the region covers, like safetensors' get_slice but
+without its memory map: a column slice of a row-major tensor touches every page of it, and mapped
+pages count as the rank's resident memory. Fused expert tensors [E, ...] are read from the per-expert
+HF tensors (or a fused 3-D HF tensor) of the experts kept.
 """
 from __future__ import annotations
 
 import itertools
+import math
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
-from .checkpoint import INDEX, SINGLE, read_json
+from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_json
 from .errors import RemodelError
 from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
 
@@ -38,37 +42,35 @@ class RegionReader:
     def __init__(self, path, family: str | None = None):
         self.path = Path(path)
         self.config = read_json(self.path / "config.json")
-        if (self.path / SINGLE).is_file():
-            with safe_open(self.path / SINGLE, framework="pt") as f:
-                self.where = {k: SINGLE for k in f.keys()}
-        elif (self.path / INDEX).is_file():
-            self.where = dict(read_json(self.path / INDEX)["weight_map"])
-        else:
-            raise RemodelError(f"{self.path}: no {SINGLE} or {INDEX}")
-        self.config = without_absent_mtp(self.config, self.where)  # as CheckpointReader does
         self.cfg = config_from_hf(self.config)
         self.family = family or self.config.get("model_type")
+        if (self.path / SINGLE).is_file():
+            shards = [SINGLE]
+        elif (self.path / INDEX).is_file():
+            shards = sorted(set(read_json(self.path / INDEX)["weight_map"].values()))
+        else:
+            raise RemodelError(f"{self.path}: no {SINGLE} or {INDEX}")
+        self.where = {}  # HF name -> (file, absolute data offset, dtype, shape)
+        for shard in shards:
+            start, header = read_header(self.path / shard)
+            for k, e in header.items():
+                self.where[k] = (self.path / shard, start + e["data_offsets"][0], DTYPES[e["dtype"]], e["shape"])
         self.shapes = our_shapes(self.cfg)
         self.rows: dict[str, list[tuple[str, int | None]]] = {}
         for ours, hf, e in weight_table(self.cfg, self.family):
             self.rows.setdefault(ours, []).append((hf, e))
-        self._files: dict[str, object] = {}
+        self._fds: dict[Path, int] = {}
 
-    def _file(self, shard: str):
-        if shard not in self._files:
-            self._files[shard] = safe_open(self.path / shard, framework="pt")
-        return self._files[shard]
-
-    def _slice(self, hf: str, expert: int | None):
-        """(get_slice object, leading index) of one HF tensor, whatever its on-disk variant."""
+    def _entry(self, hf: str, expert: int | None):
+        """(file, data offset, dtype, shape, leading index) of one HF tensor, whatever its on-disk variant."""
         for k in (hf, "model." + hf[9:] if hf.startswith("backbone.") else None):
             if k is not None and k in self.where:
-                return self._file(self.where[k]).get_slice(k), ()
+                return (*self.where[k], ())
         if expert is not None:  # fused 3-D experts, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
-            for k in (base + "." + leaf.rsplit(".weight", 1)[0],):
-                if k in self.where:
-                    return self._file(self.where[k]).get_slice(k), (expert,)
+            k = base + "." + leaf.rsplit(".weight", 1)[0]
+            if k in self.where:
+                return (*self.where[k], (expert,))
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
 
     def read(self, name: str, index: list, dtype=torch.float32) -> torch.Tensor:
@@ -77,23 +79,49 @@ class RegionReader:
         idx = [torch.arange(n) if i is None else i for n, i in zip(shape, index)]
         out = torch.empty([len(i) for i in idx], dtype=dtype)
         rows = self.rows[name]
-        fused = rows[0][1] is not None
-        if fused:  # dim 0 = experts, one HF tensor each
+        if rows[0][1] is not None:  # dim 0 = experts, one HF tensor each
             for pos, e in enumerate(idx[0].tolist()):
-                sl, lead = self._slice(rows[e][0], e)
-                self._fill(out[pos], sl, lead, idx[1:])
+                self._fill(out[pos], self._entry(rows[e][0], e), idx[1:])
         else:
-            sl, lead = self._slice(rows[0][0], None)
-            self._fill(out, sl, lead, idx)
+            self._fill(out, self._entry(rows[0][0], None), idx)
         return out
 
-    @staticmethod
-    def _fill(dst: torch.Tensor, sl, lead: tuple, idx: list):
+    def _fill(self, dst: torch.Tensor, entry, idx: list):
+        file, offset, dt, shape, lead = entry
         for combo in itertools.product(*[runs(i) for i in idx]):
-            key = lead + tuple(slice(a, b) for _, a, b in combo)
-            block = sl[key] if key else sl[:]
+            ranges = [(e, e + 1) for e in lead] + [(a, b) for _, a, b in combo]
+            block = self._read_block(file, offset, dt, shape, ranges)
             where = tuple(slice(p, p + (b - a)) for p, a, b in combo)
-            dst[where].copy_(block.to(dst.dtype) if dst.is_floating_point() else block)
+            dst[where].copy_(block.reshape(dst[where].shape))
+
+    def _read_block(self, file: Path, offset: int, dt, shape, ranges) -> torch.Tensor:
+        """The box `ranges` ([a, b) per dimension) of a row-major tensor at `offset`, by positioned reads
+        of its contiguous spans."""
+        item = torch.empty((), dtype=dt).element_size()
+        k = len(shape)
+        while k > 0 and ranges[k - 1] == (0, shape[k - 1]):
+            k -= 1  # trailing whole dimensions are contiguous with the run before them
+        inner = math.prod(shape[k:])
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        a, b = ranges[k - 1] if k > 0 else (0, 1)
+        span = (b - a) * inner * item
+        outer = [range(lo, hi) for lo, hi in ranges[:max(k - 1, 0)]]
+        n = math.prod(len(r) for r in outer) if outer else 1
+        buf = np.empty(n * span, dtype=np.uint8)
+        fd = self._fd(file)
+        for j, pre in enumerate(itertools.product(*outer)):
+            start = sum(i * s for i, s in zip(pre, strides)) + (a * strides[k - 1] if k > 0 else 0)
+            view = memoryview(buf)[j * span:(j + 1) * span]
+            if os.preadv(fd, [view], offset + start * item) != span:
+                raise RemodelError(f"{file}: truncated while reading a region")
+        return torch.from_numpy(buf).view(dt)
+
+    def _fd(self, file: Path) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
 
     def close(self):
-        self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -122,11 +122,12 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     flat = s_h.reshape(-1, s_h.shape[-1])
     total, parts = s_h.new_zeros((), dtype=torch.float32), {}
     if teacher is not None:
-        kl = fused_kl_div(flat, lm_head_weight(student), t_h.reshape(-1, t_h.shape[-1]), lm_head_weight(teacher),
-                          w["temperature"], group=g)
+        with autocast:  # the matmuls in the autocast dtype, as the logits path's F.linear
+            kl = fused_kl_div(flat, lm_head_weight(student), t_h.reshape(-1, t_h.shape[-1]), lm_head_weight(teacher),
+                              w["temperature"], group=g)
         total = total + w["kl"] * kl
         parts["kl"] = kl.item()
-    with torch.set_grad_enabled(torch.is_grad_enabled() and w["lm"] > 0):
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w["lm"] > 0), autocast:
         lm = fused_lm_loss(s_h[:, :-1].reshape(-1, s_h.shape[-1]), lm_head_weight(student), ids[:, 1:].reshape(-1),
                            group=g)
     if w["lm"] > 0:
@@ -519,6 +520,7 @@ def run(c: TrainConfig) -> dict | None:
         bar.set_postfix(loss=f"{sums['loss']:.4f}", lr=f"{cur_lr:.2e}")
         if lead and c.log_every and (step + 1) % c.log_every == 0:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rss.mark("first step", first=True)
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
             checkpoint(step + 1)
     bar.close()
