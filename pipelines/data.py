@@ -39,6 +39,12 @@ def embedded_corpus() -> tuple[Path, Path]:
     return DATA_DIR / "corpus" / "train.txt.gz", DATA_DIR / "corpus" / "valid.txt.gz"
 
 
+def embedded_moe_path() -> Path:
+    """Folder of the shipped trained MoE: data/embedded upcycled to 8 experts and trained further
+    (made by data/make_embedded_moe.py; loads with AutoModelForCausalLM.from_pretrained)."""
+    return DATA_DIR / "embedded_moe"
+
+
 def embedded_tokenizer_path() -> Path:
     """Folder of the shipped 2048-token byte-level BPE (loads with AutoTokenizer.from_pretrained)."""
     return DATA_DIR / "tokenizer"
