@@ -18,7 +18,7 @@ from models.errors import RemodelError
 from models.load import load_config
 from models.params import count_params
 
-from .data import DATA_DIR, embedded_corpus
+from .data import DATA_DIR, embedded_corpus, embedded_moe_path
 from .report import write_report
 
 EMBEDDED = DATA_DIR / "embedded"
@@ -118,6 +118,9 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
         print("[5/6] upcycling the dense teacher to a fine-grained MoE (8 experts, G=4, top-4)")
         upcycle(EMBEDDED, work / "moe", experts=8, granularity=4, top_k=4, router="sigmoid", exact=True)
         rows.append(_row("upcycled MoE", work / "moe", ev(work / "moe"), "exact at init (G=4 virtual groups)"))
+        if embedded_moe_path().is_dir():  # the same upcycle, trained further and shipped: one more eval
+            rows.append(_row("embedded MoE (trained)", embedded_moe_path(), ev(embedded_moe_path()),
+                             "shipped data/embedded_moe: upcycled + trained"))
 
         print("[6/6] loading the results in transformers (no trust_remote_code), comparing logits")
         ids = torch.randint(0, cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))

@@ -37,6 +37,8 @@ def test_demo_quick(tmp_path, capsys):
     assert distilled["ppl"] < pruned["ppl"]            # distillation recovers part of the pruning loss
     assert moe["ppl"] == pytest.approx(teacher["ppl"], rel=1e-3)  # exact upcycling
     assert moe["active"] < moe["params"]
+    trained = rows["embedded MoE (trained)"]  # the shipped MoE: same shape, trained further
+    assert trained["params"] == moe["params"] and trained["ppl"] < 0.9 * teacher["ppl"]
     for d in r["loaded_in_transformers"].values():
         assert d["max_abs_logit_diff_vs_remodel"] <= 1e-4
     assert "pruned + distilled" in (out / "table.txt").read_text()
