@@ -116,7 +116,7 @@ expert-pruning experiments. Loads with `transformers.AutoModelForCausalLM.from_p
 | held-out loss / perplexity | {log["valid_loss"]} / {log["valid_ppl"]} on all {log["valid_tokens"]:,} valid tokens (seq {log["seq_len"]}, shipped bf16 weights evaluated in fp32); the dense start: {log["valid_loss_at_init"]} |
 | via transformers | {log["valid_loss_transformers"]} |
 
-Made by (the MoE arm of the upcycling-quality bench, shipped from that run):
+Made by{" (the MoE arm of the upcycling-quality bench, shipped from that run)" if "bench" in log["command"] else ""}:
 
     {log["command"]}
 
