@@ -43,8 +43,8 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "global gradient-norm clip (0: no clipping)", resume=True)
     temperature: float = _f(1.0, "softmax temperature of the distillation KL", cli="distill", resume=True)
     kl_weight: float = _f(1.0, "weight of KL(teacher || student)", cli="distill", resume=True)
-    lm_loss_weight: float | None = _f(None, "weight of the next-token CE on the data (when not given: 0 with a teacher, "
-                                      "1 without)", cli="distill", resume=True)
+    lm_loss_weight: float | None = _f(None, "weight of the next-token CE on the data (when not given: 0 with a "
+                                      "teacher, 1 without)", cli="distill", resume=True)
     hidden_loss_weight: float = _f(0.0, "weight of 1 - cos between mapped residual states of student and teacher",
                                    cli="distill", resume=True)
     layer_map: list | None = _f(None, "(student state, teacher state) pairs of the hidden loss", cli=None,

@@ -36,8 +36,8 @@ from .evaluate import evaluate
 from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
 from .parallel import clip_grad_norm_, parallel_info
 from .sharded import export_sharded, load_sharded
-from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank, source_dtype,
-                      wait, wait_group, world_size)
+from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank,
+                      return_freed_memory, source_dtype, wait, wait_group, world_size)
 from .train_config import RESUME_KEYS, TrainConfig
 from .vocab_parallel import parallel_loss_fns
 
@@ -409,6 +409,7 @@ def run(c: TrainConfig) -> dict | None:
     p = prepare(c)
     tokenizer = load_tokenizer(p.student_dir)
     world = world_size()
+    return_freed_memory(sharded=world > 1 or c.tp * c.ep > 1)
     dev = init_dist(p.dev) if world > 1 or c.tp * c.ep > 1 else p.dev
     world = world_size()
     dp, ep_dim = layout(world, c.tp, c.ep, c.batch)
@@ -535,8 +536,8 @@ def run(c: TrainConfig) -> dict | None:
     report = None
     if lead:
         tok_s = step_tokens / step_time if step_time else None
-        report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, sum(s.n_tokens for s in getattr(data, "sets", [data])),
-                                resumed_from, p.run_dir, history, evals, tok_s, flops_tok, peak, p.t_start)
+        data_tokens = sum(s.n_tokens for s in getattr(data, "sets", [data]))
+        report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, data_tokens, resumed_from, p.run_dir, history, evals, tok_s, flops_tok, peak, p.t_start)
         report["parallel"] = {"world": world, "tp": c.tp, "ep": info.ep, "dp": dp, "ep_over": info.ep_over,
                               "teacher": teacher_layout, "teacher_fsdp": bool(p.distill and dp > 1),
                               "backend": dist.get_backend() if mesh is not None else None}

@@ -83,7 +83,8 @@ def worker(d: Path, cases):
             train(**kwargs(d, name, "kd", tp=2, resume=True))
         else:
             n, tp, ep, ref = CASES[name]
-            train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC, fused_loss=name.endswith("fused")))
+            train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC,
+                           fused_loss=name.endswith("fused")))
         if dist.get_rank() == 0:
             print(f"CASE {name} {time.time() - t0:.1f} s", flush=True)
     sys.stdout.flush()
