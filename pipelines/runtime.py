@@ -26,9 +26,10 @@ def pick_device(device="auto") -> torch.device:
 
 
 def load_tokenizer(model_dir):
-    """The model directory's tokenizer (AutoTokenizer, local files only); a one-line error otherwise."""
+    """The tokenizer of a model or tokenizer folder (AutoTokenizer, local files only); a one-line error
+    otherwise."""
     from transformers import AutoTokenizer
-    d = Path(model_dir)
+    d = Path(model_dir).expanduser()
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory")
     try:

@@ -32,6 +32,7 @@ from models.checkpoint import atomic_output_dir
 from models.errors import RemodelError
 
 from .data import DOC_SPLITS, load_texts
+from .runtime import load_tokenizer
 
 FORMAT, VERSION = "remodel-tokens", 1
 SHARD_DOCS = 1 << 16  # documents tokenized per datasets.map call: bounds the memory of the map's output
@@ -39,18 +40,6 @@ BLEND_PERIOD = 1 << 16  # blend weights are quantized to 1/65536; the dataset pa
 
 
 # -- tokenizing ------------------------------------------------------------------------------------
-
-def load_tokenizer(path):
-    """AutoTokenizer from a model or tokenizer folder, or a one-line RemodelError."""
-    from transformers import AutoTokenizer
-    d = Path(path).expanduser()
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-    try:
-        return AutoTokenizer.from_pretrained(str(d))
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a bad input
-        raise RemodelError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from None
-
 
 def tokenizer_hash(tok) -> str:
     """Content hash of a tokenizer (its serialized vocabulary and rules, plus eos), for cache keys."""
