@@ -64,8 +64,15 @@ def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def random_scores(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Uniform [0, 1) scores in the shapes an activation run writes, its per-expert contribution and
+    frequency included (drawn last, so the other keys keep the draws they had before those existed)."""
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.rand(shape, generator=g) for k, shape in score_shapes(cfg).items()}
+    out = {k: torch.rand(shape, generator=g) for k, shape in score_shapes(cfg).items()}
+    for i, c in enumerate(cfg.pattern):
+        if c == "E":
+            for k in ("expert_contribution", "expert_frequency"):
+                out[f"layers.{i}.{k}"] = torch.rand(cfg.n_routed_experts, generator=g)
+    return out
 
 
 def _sq(t: torch.Tensor, dim: int) -> torch.Tensor:
