@@ -302,7 +302,7 @@ def _group_of(mesh, dim):
     return mesh.get_group(dim)
 
 
-def _check(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
+def check_layout(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
     def need(ok, msg):
         if not ok:
             raise RemodelError(msg)
@@ -407,7 +407,7 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
     cfg = model.cfg
     tp_group, ep_group, dp_group = _group_of(mesh, tp_dim), _group_of(mesh, ep_dim), _group_of(mesh, dp_dim)
     tp, ep, dp = _size(tp_group), _size(ep_group), _size(dp_group)
-    _check(cfg, tp, ep, ep_dim, tp_dim, dp_dim, mesh)
+    check_layout(cfg, tp, ep, ep_dim, tp_dim, dp_dim, mesh)
     info = ParallelInfo(mesh=mesh, tp_group=tp_group if tp > 1 else None, ep_group=ep_group if ep > 1 else None,
                         dp_group=dp_group if dp > 1 else None, tp=tp, ep=ep, dp=dp)
     specs = info.specs

@@ -34,7 +34,7 @@ from . import metrics
 from . import train_state as state
 from .evaluate import evaluate
 from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
-from .parallel import clip_grad_norm_, parallel_info
+from .parallel import check_layout, clip_grad_norm_, parallel_info
 from .sharded import export_sharded, load_sharded
 from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank,
                       return_freed_memory, source_dtype, wait, wait_group, world_size)
@@ -418,8 +418,7 @@ def run(c: TrainConfig) -> dict | None:
                            "number of processes) for now: FSDP over data-parallel ranks is not wired to it yet")
     mesh = init_mesh(dev.type, dp, c.tp)
     if mesh is not None:
-        from .parallel import _check
-        _check(load_config(p.student_dir), c.tp, c.ep, ep_dim, "tp", "dp", mesh)
+        check_layout(load_config(p.student_dir), c.tp, c.ep, ep_dim, "tp", "dp", mesh)  # before any heavy work
     p.args["device"] = str(dev)
     lead = rank() == 0
     group = wait_group()
