@@ -111,20 +111,25 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h, w)
 
 
-class _FusedLMLoss(torch.autograd.Function):
+class _GradsInForward(torch.autograd.Function):
+    """Backward of a loss whose gradients w.r.t. its first two inputs were computed in the forward:
+    scale them by grad_output; the `ctx.n_rest` other inputs get none."""
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gw = ctx.saved_tensors
+        return (gh * g if gh is not None else None, gw * g if gw is not None else None) + (None,) * ctx.n_rest
+
+
+class _FusedLMLoss(_GradsInForward):
     @staticmethod
     def forward(ctx, h, w, labels, chunk, ignore_index, group, need_h, need_w):
         cd = _compute_dtype(h, w)
         with torch.autocast(h.device.type, enabled=False):
             loss, gh, gw = _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd)
         ctx.save_for_backward(gh, gw)
+        ctx.n_rest = 6
         return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        gh, gw = ctx.saved_tensors
-        return (gh * g if gh is not None else None, gw * g if gw is not None else None,
-                None, None, None, None, None, None)
 
 
 def fused_lm_loss(h, weight, labels, chunk: int | None = None, ignore_index: int = -100, group=None):
@@ -193,20 +198,15 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need
     return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h_s, w_s)
 
 
-class _FusedKL(torch.autograd.Function):
+class _FusedKL(_GradsInForward):
     @staticmethod
     def forward(ctx, h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w):
         cd, cdt = _compute_dtype(h_s, w_s), _compute_dtype(h_t, w_t)
         with torch.autocast(h_s.device.type, enabled=False):
             loss, gh, gw = _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w, cd, cdt)
         ctx.save_for_backward(gh, gw)
+        ctx.n_rest = 8
         return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        gh, gw = ctx.saved_tensors
-        return (gh * g if gh is not None else None, gw * g if gw is not None else None,
-                None, None, None, None, None, None, None, None)
 
 
 def fused_kl_div(h_s, w_s, h_t, w_t, temperature: float = 1.0, chunk: int | None = None, group=None, mask=None):

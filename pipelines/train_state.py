@@ -139,11 +139,6 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _full_shape(model, name, t):
-    from models.hf import our_shapes
-    return our_shapes(model.cfg).get(name, tuple(t.shape))
-
-
 def state_dict(student, projections, opt, saving: bool) -> dict:
     """{key: Chunks or tensor} of the trainable state on this rank (saving: replicas once, see _owner)."""
     sd, shapes = {}, _shapes(student)
@@ -151,7 +146,7 @@ def state_dict(student, projections, opt, saving: bool) -> dict:
     for name, t in list(params.items()) + list(student.named_buffers()):
         if name not in shapes or (saving and not _owner(student, name, t)):
             continue
-        full = _full_shape(student, name, t)
+        full = shapes[name]
         idx = local_index(student, name, t, full)
         sd[f"model.{name}"] = chunks_of(_local(t), idx, full)
         st = opt.state.get(t, {}) if name in params else {}
