@@ -254,7 +254,7 @@ def run(a) -> object:
             return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
         return run_training(config_from_args(a, student_dir=a.model, out=a.out))
     if c == "upcycle":
-        from upcycle.pipeline import upcycle
+        from pipelines.upcycle import upcycle
         return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                        shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
                        seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))

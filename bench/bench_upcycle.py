@@ -27,7 +27,7 @@ from models.checkpoint import copy_checkpoint  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.load import save_model  # noqa: E402
 from models.model import HybridLM  # noqa: E402
-from upcycle.pipeline import upcycle  # noqa: E402
+from pipelines.upcycle import upcycle  # noqa: E402
 
 SUBHEAD = "### Time against a plain copy (bench/bench_upcycle.py)"
 

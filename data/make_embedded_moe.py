@@ -5,7 +5,7 @@ top-4, Nemotron-H sigmoid router, exact at init) and trained further on the ship
     python data/make_embedded_moe.py --tokens 262144 --out /tmp/moe
 
 Steps: an fp32 copy of data/embedded (so the upcycled model starts equal to the dense one to ~1e-6);
-upcycle.pipeline.upcycle; pipelines.train.train on the whole train split (the trainer caches it as a
+pipelines.upcycle.upcycle; pipelines.train.train on the whole train split (the trainer caches it as a
 token set under $REMODEL_CACHE) with the same settings as bench/bench_upcycle_quality.py's MoE arm;
 save in bfloat16 (like data/embedded), reload, and evaluate the *shipped* weights in fp32 on the whole
 valid split, ours and transformers' (must agree within 1e-3). README.md and train_log.json record it.
@@ -32,7 +32,7 @@ from models.load import load_config, load_model, save_model  # noqa: E402
 from pipelines.data import DATA_DIR, embedded_corpus, embedded_tokenizer_path  # noqa: E402
 from pipelines.evaluate import evaluate  # noqa: E402
 from pipelines.train import train  # noqa: E402
-from upcycle.pipeline import upcycle  # noqa: E402
+from pipelines.upcycle import upcycle  # noqa: E402
 
 EMBEDDED = DATA_DIR / "embedded"
 # the recipe (bench/bench_upcycle_quality.py uses the same defaults)

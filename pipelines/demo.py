@@ -79,7 +79,7 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
     from pipelines.score import score
     from pipelines.evaluate import evaluate
     from pipelines.train import train
-    from upcycle.pipeline import upcycle
+    from .upcycle import upcycle
 
     torch.manual_seed(0)
     t0 = time.time()

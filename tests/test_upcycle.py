@@ -12,8 +12,8 @@ from models.errors import RemodelError
 from models.load import load_model, save_model
 from models.mlp import Router
 from models.model import HybridLM, init_weights
-from upcycle import pipeline
-from upcycle.pipeline import upcycle
+from pipelines import upcycle as pipeline
+from pipelines.upcycle import upcycle
 from upcycle.virtual_groups import make_plan, router_weight, upcycle_mlp, upcycle_model
 
 NEMO = dict(vocab_size=64, hidden_size=32, pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2,

@@ -23,15 +23,14 @@ from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_
 from models.errors import RemodelError
 from models.hf import check_exportable, config_from_hf, config_to_hf, our_shapes, weight_table
 from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
-from pipelines.report import write_report
+from upcycle.deviation import StreamCheck
+from upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
 
-from .deviation import StreamCheck
-from .virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
+from .report import write_report
 
 TARGETS = ("nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe")
-# random sequences x length. The check is bound by casting each weight block to fp32 and packing it
-# for the skinny matmuls, hardly by the tokens (bench checkpoint: 1 token 0.24-0.28 s, 8 tokens
-# 0.31-0.34 s, 16 tokens 0.33-0.36 s; 32 tokens took 0.51-0.58 s before ShardExperts)
+# (random sequences, tokens each) of the deviation check: it is bound by casting and packing the weight
+# blocks, hardly by the tokens (bench/RESULTS.md)
 DEVIATION_TOKENS = (1, 16)
 
 
@@ -99,7 +98,7 @@ def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
 @contextlib.contextmanager
 def _one_thread():
     """The work here is memory-bound copies and a 16-token check: one intra-op thread is as fast on an
-    idle machine and avoids OpenMP barrier stalls (10-25x slower copies) on an oversubscribed one."""
+    idle machine and avoids OpenMP barrier stalls on an oversubscribed one."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -146,6 +145,115 @@ def check_exact_dtype(p, src: torch.dtype, out: torch.dtype):
                        f"{fix}use a power-of-two --granularity, or drop --exact")
 
 
+def _hf_config(reader, new_cfg, family: str, dtype) -> dict:
+    """The written config.json: the MoE config, with the source's dtype (or the written one)."""
+    hf_cfg = config_to_hf(new_cfg, family)
+    for k in ("dtype", "torch_dtype"):
+        if reader.config.get(k):
+            hf_cfg[k] = reader.config[k]
+    if dtype is not None:
+        hf_cfg["dtype"] = str(dtype).replace("torch.", "")
+        hf_cfg.pop("torch_dtype", None)
+    return hf_cfg
+
+
+class _LayerStream:
+    """Serves the MoE checkpoint's tensors one layer group at a time: reads a group of the source,
+    upcycles its dense MLP, and hands the group to the deviation check on the `pool` thread."""
+
+    def __init__(self, reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir):
+        self.cfg, self.p, self.family, self.seed, self.dtype, self.model_dir = cfg, p, family, seed, dtype, model_dir
+        stream = iter_our_tensors(reader, cfg, src_family)
+        first = next(stream)  # checks every tensor's shape against the config before anything is written
+        self.groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
+        self.cache: dict = {}
+        self.mlp_dtypes, self.logit_std, self.t_check, self.pending = set(), 0.0, 0.0, []
+        self.check = StreamCheck(cfg, new_cfg, seed, *DEVIATION_TOKENS)
+        self.pool = None
+
+    def feed(self, key, source, moe):  # on the check's own thread; torch ops release the GIL
+        t = time.perf_counter()
+        self.check.feed(key, source, moe)
+        self.t_check += time.perf_counter() - t
+
+    def get(self, name):
+        """Called once per our tensor of the MoE config, in table order, layer after layer."""
+        while name not in self.cache:
+            self.cache.clear()
+            self._next_group()
+        return self.cache.pop(name)
+
+    def _next_group(self):
+        key, items = next(self.groups)
+        tensors = dict(items)
+        _check_finite(tensors, self.model_dir)
+        source, moe = dict(tensors), None
+        if self.dtype is not None:  # scaled in the written dtype: rounded once
+            tensors = {k: _cast(k, v, self.dtype) for k, v in tensors.items()}
+        if key.startswith("layers.") and self.cfg.pattern[int(key.split(".")[1])] == "-":
+            moe = self._upcycle_layer(key, tensors)
+        # the check runs beside the conversion and the writes, at most two groups behind (memory)
+        while len(self.pending) >= 2:
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(self.feed, key, source, moe))
+        self.cache.update(tensors)
+
+    def _upcycle_layer(self, key: str, tensors: dict) -> dict:
+        """Replaces the dense MLP of `tensors` (layer `key`) by router + experts, in place; -> the MoE tensors."""
+        p, m = self.p, f"{key}.mixer."
+        # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
+        self.logit_std = max(self.logit_std, ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
+        self.mlp_dtypes.add(str(tensors[m + "up_proj.weight"].dtype).replace("torch.", ""))
+        r = router_weight(p, self.cfg.hidden_size, layer_seed(self.seed, int(key.split(".")[1])))
+        moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
+                          tensors.pop(m + "gate_proj.weight", None), r, self.family)
+        tensors.update((m + k, v) for k, v in moe.items())
+        return moe
+
+    def deviation(self) -> dict:
+        """The check's figures, once every group was written (re-raises a failure of the check)."""
+        for f in self.pending:
+            f.result()
+        if self.check.result is None:
+            raise RemodelError(f"internal: the deviation check did not see every tensor group ({self.check.todo[:1]})")
+        return self.check.result
+
+
+def _notes(p, kind: str, mlp_dtypes: set, dtype, logit_std: float) -> list[str]:
+    """Warnings for the report: kernel strides, rounding of non-power-of-2 scales, saturated sigmoid scores."""
+    notes = []
+    if p.expert_size % 8:
+        notes.append(f"expert size {p.expert_size} is not a multiple of 8: transformers' default grouped_mm "
+                     f"experts kernel needs 16-byte strides; load with experts_implementation='eager'")
+    low = sorted(mlp_dtypes - {"float32", "float64"})
+    if dtype is not None:
+        low = sorted({str(dtype).replace("torch.", "")} - {"float32", "float64"})
+    odd = [f for f in p.scales if f != 2 ** round(math.log2(f))]
+    if low and odd:
+        notes.append(f"expert weights were scaled by {odd[0]:.4g} (not a power of 2) in {', '.join(low)}: "
+                     f"expect deviations at that precision even where the method is exact")
+    if kind == "sigmoid" and 6 * logit_std > 16.0:
+        notes.append(f"router logits at init have std ~{logit_std:.3g}: sigmoid scores saturate to exactly 1.0 "
+                     f"above ~16.6 in fp32, and top-k may split exactly tied groups there")
+    return notes
+
+
+def _method_report(p, router: str, family: str, seed: int, logit_std: float) -> dict:
+    """The report's description of the router and the expert scaling."""
+    kind, norm = ROUTER_MODES[router]
+    return {
+        "router": {"mode": router, "type": kind, "norm_topk_prob": norm, "routed_scaling_factor": 1.0,
+                   "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": ROUTER_STD, "seed": seed,
+                   "logit_std_estimate": round(logit_std, 6)},
+        "scaling": {"a": p.a, "s": p.s, "placement": p.placement, "w1_scale": p.scales[0],
+                    "w2_scale": p.scales[1],
+                    "applied_to": "W1 (gate and up) and W2 of every routed expert" if p.placement == "balanced"
+                    else "W2 (down) of every routed expert, the whole factor a (--exact)",
+                    "shared_expert": "unscaled" + (", down_proj x2 with a zero sigmoid gate (qwen2_moe)"
+                                                   if family == "qwen2_moe" and p.shared else "")},
+    }
+
+
 def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
              overwrite, dtype=None) -> dict:
     t0 = time.perf_counter()
@@ -161,104 +269,35 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
         check_exact_dtype(p, src_dtype, dtype or src_dtype)
     new_cfg = moe_config(cfg, p, family)
     check_exportable(new_cfg, family)
-    hf_cfg = config_to_hf(new_cfg, family)
-    for k in ("dtype", "torch_dtype"):
-        if reader.config.get(k):
-            hf_cfg[k] = reader.config[k]
-    if dtype is not None:
-        hf_cfg["dtype"] = str(dtype).replace("torch.", "")
-        hf_cfg.pop("torch_dtype", None)
+    hf_cfg = _hf_config(reader, new_cfg, family, dtype)
     moe_total, moe_active = _params(new_cfg, p.top_k)
-    stream = iter_our_tensors(reader, cfg, src_family)
-    first = next(stream)  # checks every tensor's shape against the config before anything is written
-    groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
-    cache: dict = {}
-    mlp_dtypes, logit_std, t_check, pending = set(), [0.0], [0.0], []
-    check = StreamCheck(cfg, new_cfg, seed, *DEVIATION_TOKENS)
-
-    def feed(key, source, moe):  # on the check's own thread; torch ops release the GIL
-        t = time.perf_counter()
-        check.feed(key, source, moe)
-        t_check[0] += time.perf_counter() - t
-
-    def get(name):  # called once per our tensor of new_cfg, in table order, layer after layer
-        while name not in cache:
-            cache.clear()
-            key, items = next(groups)
-            tensors = dict(items)
-            _check_finite(tensors, model_dir)
-            source, moe = dict(tensors), None
-            if dtype is not None:  # scaled in the written dtype: rounded once
-                tensors = {k: _cast(k, v, dtype) for k, v in tensors.items()}
-            if key.startswith("layers.") and cfg.pattern[int(key.split(".")[1])] == "-":
-                i = int(key.split(".")[1])
-                m = f"{key}.mixer."
-                # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
-                logit_std[0] = max(logit_std[0], ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
-                mlp_dtypes.add(str(tensors[m + "up_proj.weight"].dtype).replace("torch.", ""))
-                r = router_weight(p, cfg.hidden_size, layer_seed(seed, i))
-                moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
-                                  tensors.pop(m + "gate_proj.weight", None), r, family)
-                tensors.update((m + k, v) for k, v in moe.items())
-            # the check runs beside the conversion and the writes, at most two groups behind (memory)
-            while len(pending) >= 2:
-                pending.pop(0).result()
-            pending.append(pool.submit(feed, key, source, moe))
-            cache.update(tensors)
-        return cache.pop(name)
-
+    layers = _LayerStream(reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir)
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp, \
-            ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as pool:
+            ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as layers.pool:
         w = CheckpointWriter(tmp)
-        for hf, t in tqdm(iter_hf_tensors(get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
+        for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
             w.add(hf, t if dtype is None else _cast(hf, t, dtype))
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0
-        for f in pending:  # re-raises a failure of the check
-            f.result()
-        deviation = check.result
-        if deviation is None:
-            raise RemodelError(f"internal: the deviation check did not see every tensor group ({check.todo[:1]})")
-        t_check = t_check[0]
-        kind, norm = ROUTER_MODES[router]
-        notes = []
-        if p.expert_size % 8:
-            notes.append(f"expert size {p.expert_size} is not a multiple of 8: transformers' default grouped_mm "
-                         f"experts kernel needs 16-byte strides; load with experts_implementation='eager'")
-        low = sorted(mlp_dtypes - {"float32", "float64"})
-        if dtype is not None:
-            low = sorted({str(dtype).replace("torch.", "")} - {"float32", "float64"})
-        odd = [f for f in p.scales if f != 2 ** round(math.log2(f))]
-        if low and odd:
-            notes.append(f"expert weights were scaled by {odd[0]:.4g} (not a power of 2) in {', '.join(low)}: "
-                         f"expect deviations at that precision even where the method is exact")
-        if kind == "sigmoid" and 6 * logit_std[0] > 16.0:
-            notes.append(f"router logits at init have std ~{logit_std[0]:.3g}: sigmoid scores saturate to exactly 1.0 "
-                         f"above ~16.6 in fp32, and top-k may split exactly tied groups there")
+        deviation = layers.deviation()
         report = {
             "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
             "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "
                       "tied per group, W1 and W2 of every routed expert scaled by s = a^(1/d)",
             "experts": p.experts, "granularity": p.granularity, "expansion": p.expansion, "top_k": p.top_k,
             "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
-            "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(mlp_dtypes),
+            "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(layers.mlp_dtypes),
             "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
-            "router": {"mode": router, "type": kind, "norm_topk_prob": norm, "routed_scaling_factor": 1.0,
-                       "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": ROUTER_STD, "seed": seed,
-                       "logit_std_estimate": round(logit_std[0], 6)},
-            "scaling": {"a": p.a, "s": p.s, "placement": p.placement, "w1_scale": p.scales[0],
-                        "w2_scale": p.scales[1],
-                        "applied_to": "W1 (gate and up) and W2 of every routed expert" if p.placement == "balanced"
-                        else "W2 (down) of every routed expert, the whole factor a (--exact)",
-                        "shared_expert": "unscaled" + (", down_proj x2 with a zero sigmoid gate (qwen2_moe)"
-                                                       if family == "qwen2_moe" and p.shared else "")},
+            **_method_report(p, router, family, seed, layers.logit_std),
             "exact_expected": p.exact, "why_not_exact": p.why_not_exact, "exact_requested": exact,
             "layers_upcycled": [i for i, c in enumerate(cfg.pattern) if c == "-"],
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
-            "deviation": deviation, "notes": notes, "tensors_written": n_out, "bytes_written": w.total_size,
-            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check_overlapped": round(t_check, 3),
+            "deviation": deviation,
+            "notes": _notes(p, ROUTER_MODES[router][0], layers.mlp_dtypes, dtype, layers.logit_std),
+            "tensors_written": n_out, "bytes_written": w.total_size,
+            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check_overlapped": round(layers.t_check, 3),
                         "total": round(time.perf_counter() - t0, 3)},
         }
         write_report(tmp, report)
