@@ -211,7 +211,7 @@ def run(a) -> object:
         from pipelines.demo import demo
         return demo(a.out, quick=a.quick, overwrite=a.overwrite)
     if c == "inspect":
-        from pipelines.inspect import format_inspect, inspect
+        from pipelines.inspection import format_inspect, inspect
         d = inspect(a.model)
         print(_json(d, a.command) if a.json else format_inspect(d))
         bad = (d.get("checkpoint") or {}).get("config_mismatches")

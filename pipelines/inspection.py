@@ -23,7 +23,7 @@ def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 
-def _resolve(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
+def resolve_source(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
     """-> (cfg, HF config dict or None, checkpoint dir with weights or None, description)."""
     if isinstance(src, ModelConfig):
         return src, None, None, "ModelConfig"
@@ -88,7 +88,7 @@ def _weights(path: Path, cfg: ModelConfig) -> dict:
 
 def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
     """Architecture, widths, exact parameter counts and bf16 memory of a checkpoint or config."""
-    cfg, d, ckpt, where = _resolve(src)
+    cfg, d, ckpt, where = resolve_source(src)
     family = (d or {}).get("model_type") or default_family(cfg)
     counts = count_params(cfg, family=family)
     out = {
@@ -105,7 +105,8 @@ def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
     return out
 
 
-def _n(x: int) -> str:
+def fmt_count(x: int) -> str:
+    """1234567 -> '1.235M' (B, M, K with 3 decimals; plain below 1000)."""
     for unit, s in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(x) >= unit:
             return f"{x / unit:.3f}{s}"
@@ -123,12 +124,12 @@ def _format_mtp(mtp: dict, row) -> None:
     """The MTP head, apart from the trunk's total (transformers does not build it)."""
     if not mtp.get("total"):
         return
-    row(f"MTP head ({mtp['layers']} x {mtp['pattern']!r}, not in total)", f"{mtp['total']:,} ({_n(mtp['total'])})")
+    row(f"MTP head ({mtp['layers']} x {mtp['pattern']!r}, not in total)", f"{mtp['total']:,} ({fmt_count(mtp['total'])})")
     if mtp["routed"]:
         row("  MTP active per token", f"{mtp['active']:,}")
     for t, n in mtp["by_type"].items():
         row(f"  MTP {t}", f"{n:>16,}")
-    row("trunk + MTP (the checkpoint)", f"{mtp['with_trunk']:,} ({_n(mtp['with_trunk'])})")
+    row("trunk + MTP (the checkpoint)", f"{mtp['with_trunk']:,} ({fmt_count(mtp['with_trunk'])})")
 
 
 def format_inspect(d: dict) -> str:
@@ -146,9 +147,9 @@ def format_inspect(d: dict) -> str:
     for k, v in d["widths"].items():
         row(k, v)
     lines.append("parameters")
-    row("total", f"{p['total']:,} ({_n(p['total'])})")
+    row("total", f"{p['total']:,} ({fmt_count(p['total'])})")
     if p["routed"]:
-        row("active per token", f"{p['active']:,} ({_n(p['active'])})")
+        row("active per token", f"{p['active']:,} ({fmt_count(p['active'])})")
     if p["hf_total"] != p["total"]:
         row(f"as exported to {p['family']}", f"{p['hf_total']:,}")
     if p["buffers"]:

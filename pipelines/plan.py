@@ -1,6 +1,6 @@
 """`remodel plan`: candidate architectures under a parameter / active-parameter / memory budget.
 
-Needs no weights: any source pipelines.inspect accepts (checkpoint dir, config-only dir, config.json
+Needs no weights: any source pipelines.inspection accepts (checkpoint dir, config-only dir, config.json
 path, shipped name such as 'nemotron-h-56b', an HF config dict or a ModelConfig). The grid and its
 arithmetic are in compress/search_space.py; here every returned candidate is rebuilt as a ModelConfig
 and re-counted with models.params.count_params / memory_bytes (the plan's numbers are exact, and
@@ -32,14 +32,13 @@ import time
 from compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
 from models.config import LAYER_TYPES, ModelConfig
 from models.errors import RemodelError
+from models.layout import WIDTHS as LAYOUT_WIDTHS
 from models.params import count_params, memory_bytes
 
-from .inspect import _n, _resolve
+from .inspection import fmt_count, resolve_source
 
 FIELDS = {a: field for a, (_, field, _) in WIDTHS.items()}  # axis -> ModelConfig field
-SHORT = {"hidden_size": "hidden", "ffn_size": "ffn", "mamba_heads": "m.heads", "mamba_head_dim": "m.hd",
-         "attn_heads": "a.heads", "experts": "experts", "expert_ffn_size": "e.ffn", "shared_expert_size": "shared",
-         "latent_size": "latent"}
+SHORT = {a: LAYOUT_WIDTHS[a].short for a in WIDTHS}  # axis -> table column label
 
 
 def _budgets(params, active_params, memory_gb) -> dict:
@@ -61,7 +60,7 @@ def _gb(v: int) -> str:
 
 
 def _fmt(metric: str, v: int) -> str:
-    return _gb(v) if metric == "memory_bytes" else _n(v)
+    return _gb(v) if metric == "memory_bytes" else fmt_count(v)
 
 
 def _ranges(ex: dict, budgets: dict) -> str:
@@ -157,8 +156,8 @@ def _removed_str(removed: dict) -> str:
 
 def format_plan(d: dict) -> str:
     """The table `plan` prints."""
-    lines = [f"{d['source']}: {d['family']}, {_n(d['source_params']['params'])} params"
-             + (f" ({_n(d['source_params']['active_params'])} active)" if d["moe"] else "")
+    lines = [f"{d['source']}: {d['family']}, {fmt_count(d['source_params']['params'])} params"
+             + (f" ({fmt_count(d['source_params']['active_params'])} active)" if d["moe"] else "")
              + f", {d['source_layers']} layers, {_gb(d['source_params']['memory_bytes'])}"]
     lines.append("budget: " + ", ".join(f"{m.replace('_bytes', '')} <= {_fmt(m, v)}" for m, v in d["budgets"].items())
                  + f" (window: tightest within {100 * d['tol']:g}%); memory = bf16 weights + cache at batch "
@@ -175,7 +174,7 @@ def format_plan(d: dict) -> str:
     rows = []
     for c in d["candidates"]:
         m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
-        r = [str(c["rank"]), _n(c["params"])] + ([_n(c["active_params"])] if d["moe"] else []) \
+        r = [str(c["rank"]), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
             + [_gb(c["memory_bytes"]), f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
             + [str(c["widths"][a]) for a in axes] + [_removed_str(c["removed"]), str(c["num_layers"])] \
             + ([f"{c['drop_cost']:.4g}" if c["drop_cost"] is not None else "-"] if d["scored"] else [])
@@ -199,7 +198,7 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
     expert, LatentMoE latent, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
     divisors: {axis: divisor} overriding the reference width divisors (e.g. scaled with a miniature).
     """
-    cfg, _, _, where = _resolve(model)
+    cfg, _, _, where = resolve_source(model)
     t0 = time.time()
     budgets = _budgets(params, active_params, memory_gb)
     if not 0 <= tol < 1:

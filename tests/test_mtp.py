@@ -19,7 +19,7 @@ from models.hf import config_from_hf, config_to_hf, our_shapes
 from models.load import load_model, read_config_dict, save_model
 from models.model import HybridLM, init_weights
 from models.params import count_params
-from pipelines.inspect import format_inspect, inspect
+from pipelines.inspection import format_inspect, inspect
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,

@@ -12,7 +12,7 @@ from models.hf import config_from_hf, config_to_hf, default_family
 from models.load import load_model, save_model
 from models.model import HybridLM, init_weights
 from models.params import AXES, _closed_form, count_params, layer_params, memory_bytes
-from pipelines.inspect import format_inspect, inspect
+from pipelines.inspection import format_inspect, inspect
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 PUBLISHED = {"nemotron-h-56b": 56.324, "nemotron-h-47b": 46.792, "nemotron-h-8b": 8.101,

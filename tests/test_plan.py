@@ -13,7 +13,7 @@ from models.config import ModelConfig
 from models.errors import RemodelError
 from models.hf import config_from_hf
 from models.params import count_params, memory_bytes
-from pipelines.inspect import _n
+from pipelines.inspection import fmt_count
 from pipelines.plan import FIELDS, candidate_config, plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
@@ -230,11 +230,11 @@ def test_infeasible_budgets_refused():
     with pytest.raises(RemodelError) as e:
         plan("nemotron-h-8b", params=9e9)
     msg = str(e.value)
-    assert "nothing to prune" in msg and "\n" not in msg and _n(ex[0]) in msg and _n(ex[1]) in msg
+    assert "nothing to prune" in msg and "\n" not in msg and fmt_count(ex[0]) in msg and fmt_count(ex[1]) in msg
     with pytest.raises(RemodelError) as e:
         plan("nemotron-h-8b", params=ex[0] - 1)
     msg = str(e.value)
-    assert "below every candidate" in msg and "\n" not in msg and _n(ex[0]) in msg and _n(ex[1]) in msg
+    assert "below every candidate" in msg and "\n" not in msg and fmt_count(ex[0]) in msg and fmt_count(ex[1]) in msg
     assert plan("nemotron-h-8b", params=ex[0], top=1, verbose=False)["candidates"][0]["params"] == ex[0]
     for bad in (dict(params=-1), dict(params=float("nan")), dict()):
         with pytest.raises(RemodelError):

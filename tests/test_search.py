@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.model import HybridLM, init_weights
 from models.params import count_params
 from pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
-from pipelines.inspect import _n
+from pipelines.inspection import fmt_count
 from pipelines.plan import plan
 from pipelines.search import search
 from pipelines.evaluate import evaluate
@@ -133,7 +133,7 @@ def test_infeasible_budgets_refused(tmp_path, data, capsys):
             search(src, out, data, params=params, **KW)
         msg = str(e.value)
         assert why in msg and "\n" not in msg and "smallest reachable" in msg
-        assert _n(ex[0]) in msg and _n(ex[1]) in msg
+        assert fmt_count(ex[0]) in msg and fmt_count(ex[1]) in msg
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written
     for bad in (dict(candidates=0), dict(distill_tokens=-1), dict(top=0)):
         with pytest.raises(RemodelError):
@@ -148,7 +148,7 @@ def test_infeasible_budgets_refused(tmp_path, data, capsys):
     from cli import main  # the command line refuses the same way: exit 2, one line naming both sizes
     assert main(["search", str(src), str(tmp_path / "out"), "--data", str(data), "--params", "1k"]) == 2
     err = capsys.readouterr().err
-    assert "below every candidate" in err and _n(ex[0]) in err and _n(ex[1]) in err
+    assert "below every candidate" in err and fmt_count(ex[0]) in err and fmt_count(ex[1]) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 

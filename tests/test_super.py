@@ -14,7 +14,7 @@ from compress.search_space import build_space
 from models.hf import config_from_hf
 from models.load import load_config, load_model
 from models.params import count_params
-from pipelines.inspect import inspect
+from pipelines.inspection import inspect
 from pipelines.plan import plan
 from pipelines.search import search
 
