@@ -1,6 +1,6 @@
 """Named axes: for every parameter, which axis each of its dimensions runs over.
 
-One table (`tensor_axes`) says e.g. that `layers.3.mixer.in_proj.weight` is ('mamba_in_proj', 'hidden').
+The table (models.layout.param_axes) says e.g. that `layers.3.mixer.in_proj.weight` is ('mamba_in_proj', 'hidden').
 A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of original indices
 (a missing key keeps everything):
 
@@ -17,20 +17,19 @@ A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of
   mtp.layers.{j}.<axis>                     the MTP blocks' own units, keyed like the trunk's (never dropped)
 
 Composite axes are derived from those: 'attn_q' rows (heads x head_dim), 'mamba_inner' (heads x
-head_dim channels), 'mamba_conv' (x by inner, B|C whole), 'mamba_in_proj' (z, x by inner, B|C whole,
-dt by heads). `dim_indices` turns a keep dict into one index per tensor dimension: None (keep all),
+head_dim channels), and the concatenated axes of models.layout.SEGMENTS, each segment by its own
+axis. `dim_indices` turns a keep dict into one index per tensor dimension: None (keep all),
 a 1-D index (index_select), or a 2-D [rows, k] index that selects per row of dimension 0 (gather).
-Fixed axes ('vocab', 'attn_kv', 'head_dim', 'conv_kernel', 'one') are never pruned.
+Fixed axes (models.layout.FIXED_AXES) are never pruned.
 """
 from __future__ import annotations
 
 import torch
 
 from models.config import ModelConfig
-from models.hf import our_shapes
+from models.layout import FIXED_AXES, SEGMENTS, UNITS, axis_size, param_axes
 
-PRIMARY = ("ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn", "latent")
-FIXED = ("vocab", "attn_kv", "head_dim", "conv_kernel", "one")
+PRIMARY, FIXED = UNITS, FIXED_AXES  # models.layout: the keep-dict units, the axes never pruned
 
 
 def layer_of(name: str) -> int | None:
@@ -46,56 +45,9 @@ def block_of(name: str) -> str | None:
     return None
 
 
-def _mlp(m: str, ax: str, gated: bool, bias: bool) -> dict:
-    t = {m + "up_proj.weight": (ax, "hidden"), m + "down_proj.weight": ("hidden", ax)}
-    if gated:
-        t[m + "gate_proj.weight"] = (ax, "hidden")
-    if bias:
-        t[m + "up_proj.bias"] = (ax,)
-        t[m + "down_proj.bias"] = ("hidden",)
-        if gated:
-            t[m + "gate_proj.bias"] = (ax,)
-    return t
-
-
 def tensor_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """{our parameter name: axis name per dimension}, covering exactly `our_shapes(cfg)`."""
-    t = {"embeddings.weight": ("vocab", "hidden"), "norm_f.weight": ("hidden",), "lm_head.weight": ("vocab", "hidden")}
-    lt = "latent" if cfg.moe_latent_size else "hidden"  # what the experts read and write
-    blocks = [(f"layers.{i}.", c) for i, c in enumerate(cfg.pattern)]
-    blocks += [(f"mtp.layers.{j}.", c) for j, c in enumerate(cfg.mtp_full_pattern)]  # MTP: the trunk's axes
-    for p, c in blocks:
-        m = p + "mixer."
-        t[p + "norm.weight"] = ("hidden",)
-        if p.startswith("mtp."):  # a step's fusion [embedding | hidden] -> hidden, and its norms
-            t.update({p + "enorm.weight": ("hidden",), p + "hnorm.weight": ("hidden",),
-                      p + "eh_proj.weight": ("hidden", "mtp_eh_in"), p + "final_layernorm.weight": ("hidden",)})
-        if c == "M":
-            t.update({m + "in_proj.weight": ("mamba_in_proj", "hidden"), m + "in_proj.bias": ("mamba_in_proj",),
-                      m + "conv1d.weight": ("mamba_conv", "one", "conv_kernel"), m + "conv1d.bias": ("mamba_conv",),
-                      m + "dt_bias": ("mamba_heads",), m + "A_log": ("mamba_heads",), m + "D": ("mamba_heads",),
-                      m + "norm.weight": ("mamba_inner",), m + "out_proj.weight": ("hidden", "mamba_inner"),
-                      m + "out_proj.bias": ("hidden",)})
-        elif c == "*":
-            for n, ax in (("q_proj", "attn_q"), ("k_proj", "attn_kv"), ("v_proj", "attn_kv")):
-                t[m + n + ".weight"], t[m + n + ".bias"] = (ax, "hidden"), (ax,)
-            t.update({m + "o_proj.weight": ("hidden", "attn_q"), m + "o_proj.bias": ("hidden",),
-                      m + "q_norm.weight": ("head_dim",), m + "k_norm.weight": ("head_dim",)})
-        elif c == "-":
-            t.update(_mlp(m, "ffn", cfg.mlp_gated, cfg.mlp_bias))
-        else:
-            t.update({m + "gate.weight": ("experts", "hidden"), m + "gate.e_score_correction_bias": ("experts",),
-                      m + "experts.up_proj": ("experts", "expert_ffn", lt),
-                      m + "experts.gate_proj": ("experts", "expert_ffn", lt),
-                      m + "experts.down_proj": ("experts", lt, "expert_ffn"),
-                      m + "shared_expert_gate.weight": ("one", "hidden"),
-                      m + "fc1_latent_proj.weight": ("latent", "hidden"), m + "fc2_latent_proj.weight": ("hidden", "latent")})
-            t.update(_mlp(m + "shared_experts.", "shared_ffn", cfg.mlp_gated, False))
-    shapes = our_shapes(cfg)
-    out = {n: t[n] for n in shapes}  # KeyError here = a parameter this table forgot
-    for n, s in shapes.items():
-        assert len(out[n]) == len(s), f"axes of {n}: {out[n]} vs shape {s}"
-    return out
+    """{our parameter name: axis name per dimension} (models.layout.param_axes)."""
+    return param_axes(cfg)
 
 
 def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | str | None) -> torch.Tensor | None:
@@ -115,22 +67,21 @@ def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | str | None)
     if axis == "attn_q":
         heads, d = k("attn_heads"), cfg.head_dim
         return None if heads is None else (heads[:, None] * d + torch.arange(d)).reshape(-1)
-    Im, GN, nh, hd = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_head_dim
+    if axis in SEGMENTS:  # concatenated axes: each segment's kept units, at its offset
+        parts = [axis_index(cfg, keep, sub, layer) for _, sub in SEGMENTS[axis]]
+        if all(p is None for p in parts):
+            return None
+        sizes = [axis_size(cfg, sub) for _, sub in SEGMENTS[axis]]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return torch.cat([o + (torch.arange(n) if p is None else p) for p, n, o in zip(parts, sizes, offsets)])
+    if axis != "mamba_inner":
+        raise KeyError(f"unknown axis {axis!r}")
     heads, chans = k("mamba_heads"), k("mamba_head_dim")
     if heads is None and chans is None:
         return None
-    heads = torch.arange(nh) if heads is None else heads
-    inner = (heads[:, None] * hd + (torch.arange(hd) if chans is None else chans)).reshape(-1)
-    if axis == "mamba_heads":
-        return heads
-    if axis == "mamba_inner":
-        return inner
-    bc = torch.arange(2 * GN)
-    if axis == "mamba_conv":  # x | B | C
-        return torch.cat([inner, Im + bc])
-    if axis == "mamba_in_proj":  # z | x | B | C | dt
-        return torch.cat([inner, Im + inner, 2 * Im + bc, 2 * Im + 2 * GN + heads])
-    raise KeyError(f"unknown axis {axis!r}")
+    heads = torch.arange(cfg.mamba_num_heads) if heads is None else heads
+    hd = cfg.mamba_head_dim
+    return (heads[:, None] * hd + (torch.arange(hd) if chans is None else chans)).reshape(-1)
 
 
 def dim_indices(cfg: ModelConfig, keep: dict, name: str, table: dict | None = None) -> list:

@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 
 from models.config import ModelConfig
+from models.layout import segment_sizes
 
 from .axes import layer_of, tensor_axes
 
@@ -80,78 +81,82 @@ def _sq(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.square().sum(dim=[d for d in range(t.dim()) if d != dim]) if t.dim() > 1 else t.square()
 
 
+def _hidden_terms(cfg, name, t, axes, i, acc) -> None:
+    """What a tensor adds to the hidden channels' score: norm gains, squared input-column sums per
+    reading site (layer index or 'f'), squared output rows written to the residual stream."""
+    gamma, read = acc["gamma"], acc["read"]
+    if name == "norm_f.weight" or name == f"layers.{i}.norm.weight":
+        gamma["f" if i is None else i] = t
+    elif name == "embeddings.weight":
+        acc["write"] += _sq(t, 1)
+        if cfg.tie_word_embeddings:
+            _add(read, "f", _sq(t, 1))
+    elif name == "lm_head.weight":
+        _add(read, "f", _sq(t, 1))
+    elif "hidden" in axes:
+        d = axes.index("hidden")
+        if d == t.dim() - 1 and t.dim() >= 2:
+            _add(read, i, _sq(t, d))
+        else:
+            acc["write"] += _sq(t, d)
+
+
+def _unit_terms(cfg, local, t, i, units) -> None:
+    """What a tensor of layer i adds to its units' squared norms (see the module docstring)."""
+    p, c = f"layers.{i}.", cfg.pattern[i]
+    if c == "-" or local.startswith("shared_experts."):
+        key = p + ("ffn" if c == "-" else "shared_ffn")
+        if local.endswith(("up_proj.weight", "gate_proj.weight", "up_proj.bias", "gate_proj.bias")):
+            _add(units, key, _sq(t, 0))
+        elif local.endswith("down_proj.weight"):
+            _add(units, key, _sq(t, 1))
+    elif c == "*" and local in ("q_proj.weight", "q_proj.bias", "o_proj.weight"):
+        _add(units, p + "attn", _sq(t, 1 if local == "o_proj.weight" else 0))
+    elif c == "M" and local in ("in_proj.weight", "in_proj.bias"):
+        sizes = segment_sizes(cfg, "mamba_in_proj")
+        seg = dict(zip(sizes, _sq(t, 0).split(list(sizes.values()))))
+        _add(units, p + "mamba_x", seg["z"] + seg["x"] + (seg["dt"] / cfg.mamba_head_dim).repeat_interleave(cfg.mamba_head_dim))
+    elif c == "M" and local == "out_proj.weight":
+        _add(units, p + "mamba_x", _sq(t, 1))
+    elif c == "E" and local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
+        per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
+        _add(units, p + "expert_ffn", per)
+        _add(units, p + "experts", per.sum(1))
+        if cfg.moe_latent_size:
+            _add(units, p + "latent", _sq(t, 1 if local == "experts.down_proj" else 2))
+    elif c == "E" and local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
+        _add(units, p + "latent", _sq(t, 0 if local.startswith("fc1") else 1))
+
+
+def _add(d, key, v):
+    d[key] = d[key] + v if key in d else v.clone()
+
+
 @torch.no_grad()
 def magnitude_scores(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Weight-magnitude scores from (our_name, tensor) pairs (a state dict's items() or
     models.load.iter_our_tensors); see the module docstring for what each unit's norm covers."""
     table = tensor_axes(cfg)
-    Im, GN, nh, hd = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_head_dim
-    acc: dict[str, torch.Tensor] = {}
-    gamma, read = {}, {}  # norm gains and squared input-column sums per reading site (layer index or 'f')
-    write = torch.zeros(cfg.hidden_size)
+    units: dict[str, torch.Tensor] = {}
+    acc = {"gamma": {}, "read": {}, "write": torch.zeros(cfg.hidden_size)}
     block = torch.zeros(cfg.num_layers, dtype=torch.float64)
-
-    def add(d, key, v):
-        d[key] = d[key] + v if key in d else v.clone()
-
     for name, t in tensors:
-        t, axes, i = t.detach().float().cpu(), table[name], layer_of(name)
-        local = name.split(".", 3)[-1] if i is not None else name  # e.g. 'in_proj.weight', 'experts.up_proj'
-        # ---- hidden channels
-        if name == "norm_f.weight" or name == f"layers.{i}.norm.weight":
-            gamma["f" if i is None else i] = t
-        elif name == "embeddings.weight":
-            write += _sq(t, 1)
-            if cfg.tie_word_embeddings:
-                add(read, "f", _sq(t, 1))
-        elif name == "lm_head.weight":
-            add(read, "f", _sq(t, 1))
-        elif "hidden" in axes:
-            d = axes.index("hidden")
-            if d == t.dim() - 1 and t.dim() >= 2:
-                add(read, i, _sq(t, d))
-            else:
-                write += _sq(t, d)
-        if i is not None and local.endswith(WRITERS):
-            block[i] += t.double().square().sum()
-        # ---- units of the layer
-        p, c = f"layers.{i}.", cfg.pattern[i] if i is not None else None
-        if c == "-" or local.startswith("shared_experts."):
-            key = p + ("ffn" if c == "-" else "shared_ffn")
-            if local.endswith(("up_proj.weight", "gate_proj.weight", "up_proj.bias", "gate_proj.bias")):
-                add(acc, key, _sq(t, 0))
-            elif local.endswith("down_proj.weight"):
-                add(acc, key, _sq(t, 1))
-        elif c == "*":
-            if local in ("q_proj.weight", "q_proj.bias"):
-                add(acc, p + "attn", _sq(t, 0))
-            elif local == "o_proj.weight":
-                add(acc, p + "attn", _sq(t, 1))
-        elif c == "M":
-            if local in ("in_proj.weight", "in_proj.bias"):
-                rows = _sq(t, 0)
-                dt = rows[2 * Im + 2 * GN:]
-                add(acc, p + "mamba_x", rows[:Im] + rows[Im:2 * Im] + (dt / hd).repeat_interleave(hd))
-            elif local == "out_proj.weight":
-                add(acc, p + "mamba_x", _sq(t, 1))
-        elif c == "E" and local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
-            per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
-            add(acc, p + "expert_ffn", per)
-            add(acc, p + "experts", per.sum(1))
-            if cfg.moe_latent_size:
-                add(acc, p + "latent", _sq(t, 1 if local == "experts.down_proj" else 2))
-        if c == "E" and local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
-            add(acc, p + "latent", _sq(t, 0 if local.startswith("fc1") else 1))
-
-    H = write.clone()
-    for site, r in read.items():
-        g = gamma.get(site)
+        t, i = t.detach().float().cpu(), layer_of(name)
+        _hidden_terms(cfg, name, t, table[name], i, acc)
+        if i is not None:
+            local = name.split(".", 3)[-1]  # e.g. 'in_proj.weight', 'experts.up_proj'
+            if local.endswith(WRITERS):
+                block[i] += t.double().square().sum()
+            _unit_terms(cfg, local, t, i, units)
+    H = acc["write"].clone()
+    for site, r in acc["read"].items():
+        g = acc["gamma"].get(site)
         H += r if g is None else r * g.square()
     out = {"hidden": H.sqrt(), "block_importance": block.sqrt().float()}
-    for k, v in acc.items():
+    for k, v in units.items():
         v = v.sqrt()
-        out[k] = v.view(nh, hd) if k.endswith("mamba_x") else v.view(cfg.num_attention_heads, -1) \
-            if k.endswith("attn") else v
+        out[k] = v.view(cfg.mamba_num_heads, cfg.mamba_head_dim) if k.endswith("mamba_x") \
+            else v.view(cfg.num_attention_heads, -1) if k.endswith("attn") else v
     want = score_shapes(cfg)
     want.pop("loss_increase")
     missing = sorted(set(want) - set(out))

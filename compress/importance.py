@@ -59,6 +59,7 @@ from models.attention import rope_inv_freq
 from models.checkpoint import CheckpointReader
 from models.config import ModelConfig
 from models.hf import config_from_hf, our_shapes
+from models.layout import segment_span
 from models.load import iter_our_tensors
 from models.model import Block
 from models.norm import RMSNorm
@@ -108,9 +109,9 @@ class Scorer:
         elif block.kind == "*":
             hook(m.o_proj.register_forward_pre_hook(self._input(p + "attn")))
         elif block.kind == "M":
-            Im = self.cfg.mamba_inner
             self.wnorm[p + "mamba_x"] = col_norms(m.out_proj.weight)
-            hook(m.in_proj.register_forward_hook(self._output(p + "mamba_x", slice(Im, 2 * Im))))
+            x = segment_span(self.cfg, "mamba_in_proj", "x")
+            hook(m.in_proj.register_forward_hook(self._output(p + "mamba_x", x)))
         else:
             self._attach_moe(p, m)
 

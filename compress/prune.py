@@ -29,16 +29,11 @@ import torch
 from models.config import LAYER_TYPES, ModelConfig
 from models.errors import RemodelError
 from models.hf import check_exportable, config_to_hf, default_family
+from models.layout import PRUNABLE, WIDTHS
 
 from .axes import dim_indices, layer_of, select, tensor_axes
 
-# target -> (layer char, config field)
-AXES = {"hidden_size": (None, "hidden_size"), "ffn_size": ("-", "intermediate_size"),
-        "mamba_heads": ("M", "mamba_num_heads"), "mamba_head_dim": ("M", "mamba_head_dim"),
-        "attn_heads": ("*", "num_attention_heads"), "experts": ("E", "n_routed_experts"),
-        "expert_ffn_size": ("E", "moe_intermediate_size"),
-        "shared_expert_size": ("E", "moe_shared_expert_intermediate_size"),
-        "latent_size": ("E", "moe_latent_size")}
+AXES = {n: (WIDTHS[n].layer, WIDTHS[n].field) for n in PRUNABLE}  # target -> (layer char, config field)
 TARGETS = tuple(AXES) + ("num_layers", "drop_layers")
 MOE_ALIGN = 8
 

@@ -38,20 +38,13 @@ import numpy as np
 from models.config import LAYER_TYPES, ModelConfig
 from models.errors import RemodelError
 from models.hf import default_family
-from models.params import _dims, _per_layer
+from models.layout import PRUNABLE
+from models.layout import WIDTHS as LAYOUT_WIDTHS
+from models.layout import widths as cfg_widths
+from models.params import per_layer
 
-# axis (named as compress.prune's targets) -> (layer char using it, None: every layer; config field; divisor)
-WIDTHS = {
-    "hidden_size": (None, "hidden_size", 256),
-    "ffn_size": ("-", "intermediate_size", 512),
-    "mamba_heads": ("M", "mamba_num_heads", None),  # multiples of n_groups
-    "mamba_head_dim": ("M", "mamba_head_dim", 8),
-    "attn_heads": ("*", "num_attention_heads", None),  # multiples of num_key_value_heads
-    "experts": ("E", "n_routed_experts", 8),
-    "expert_ffn_size": ("E", "moe_intermediate_size", 512),
-    "shared_expert_size": ("E", "moe_shared_expert_intermediate_size", 512),
-    "latent_size": ("E", "moe_latent_size", 256),  # LatentMoE only (a model without a latent: not searched)
-}
+# search axis (models.layout.WIDTHS) -> (layer char using it, None: every layer; config field; divisor)
+WIDTHS = {n: (LAYOUT_WIDTHS[n].layer, LAYOUT_WIDTHS[n].field, LAYOUT_WIDTHS[n].divisor) for n in PRUNABLE}
 ALL_AXES = tuple(WIDTHS) + ("depth",)
 DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
                 "latent_size", "depth")
@@ -184,7 +177,7 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
 def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
     """[params, active params, memory bytes] of one unit of type t at widths d (pre-norms included)."""
     cfg = sp.cfg
-    one = _per_layer(cfg, d)
+    one = per_layer(cfg, d)
     H = d["hidden_size"]
     out = np.zeros(3, dtype=np.int64)
     for c in t:
@@ -212,7 +205,7 @@ def base_metrics(sp: Space, H: int) -> np.ndarray:
 
 def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
     """[params, active, memory] of one candidate: widths {axis: value} (missing: source), removed {type: n}."""
-    d = {**_dims(sp.cfg), **widths}
+    d = {**cfg_widths(sp.cfg), **widths}
     out = base_metrics(sp, d["hidden_size"])
     for t in sp.types:
         out += (len(sp.units[t]) - removed.get(t, 0)) * unit_metrics(sp, t, d)
@@ -222,7 +215,7 @@ def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
 def _options(sp: Space, t: str, H: int):
     """Every (widths, removed) option of unit type t at hidden H: metrics [n, 3], removed [n], rows."""
     axes, n = sp.type_axes(t), len(sp.units[t])
-    base = {**_dims(sp.cfg), "hidden_size": H}
+    base = {**cfg_widths(sp.cfg), "hidden_size": H}
     rows, mets = [], []
     for w in itertools.product(*(sp.values[a] for a in axes)):
         d = {**base, **dict(zip(axes, w))}
@@ -252,7 +245,7 @@ def extremes(sp: Space) -> dict:
     # largest below the source: every metric is monotone in every knob, so a single step attains it
     steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1]
     steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0]
-    steps = [s for s in steps if _joint_ok(sp, {**_dims(sp.cfg), **s[0]})]
+    steps = [s for s in steps if _joint_ok(sp, {**cfg_widths(sp.cfg), **s[0]})]
     largest = np.max(np.stack([evaluate(sp, w, r) for w, r in steps]), axis=0) if steps else src
     return {m: (int(smallest[k]), int(largest[k]), int(src[k])) for k, m in enumerate(METRICS)}
 

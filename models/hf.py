@@ -11,6 +11,7 @@ import json
 
 from .config import ModelConfig
 from .errors import RemodelError
+from .layout import shapes
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -257,85 +258,8 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
 # ---- tensor names -----------------------------------------------------------------------
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every parameter of our model definition, with its shape (no allocation); the MTP blocks
-    (`mtp.layers.{j}`, named as in the checkpoint) come last."""
-    H, s = cfg.hidden_size, {}
-    s["embeddings.weight"] = (cfg.vocab_size, H)
-    for i, c in enumerate(cfg.pattern):
-        s[f"layers.{i}.norm.weight"] = (H,)
-        _layer_shapes(s, cfg, f"layers.{i}.mixer.", c)
-    s["norm_f.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        s["lm_head.weight"] = (cfg.vocab_size, H)
-    P = len(cfg.mtp_pattern)
-    for j, c in enumerate(cfg.mtp_full_pattern):
-        p = f"mtp.layers.{j}."
-        if j % P == 0:
-            s[p + "enorm.weight"], s[p + "hnorm.weight"], s[p + "eh_proj.weight"] = (H,), (H,), (H, 2 * H)
-        s[p + "norm.weight"] = (H,)
-        _layer_shapes(s, cfg, p + "mixer.", c)
-        if j % P == P - 1:
-            s[p + "final_layernorm.weight"] = (H,)
-    return s
-
-
-def _layer_shapes(s: dict, cfg: ModelConfig, m: str, c: str) -> None:
-    """The mixer parameters of one layer of kind `c` under the prefix `m` (…mixer.)."""
-    H = cfg.hidden_size
-    if c == "M":
-        s[m + "in_proj.weight"] = (cfg.mamba_in_proj_size, H)
-        if cfg.mamba_proj_bias:
-            s[m + "in_proj.bias"] = (cfg.mamba_in_proj_size,)
-        s[m + "conv1d.weight"] = (cfg.mamba_conv_dim, 1, cfg.conv_kernel)
-        if cfg.use_conv_bias:
-            s[m + "conv1d.bias"] = (cfg.mamba_conv_dim,)
-        for n in ("dt_bias", "A_log", "D"):
-            s[m + n] = (cfg.mamba_num_heads,)
-        s[m + "norm.weight"] = (cfg.mamba_inner,)
-        s[m + "out_proj.weight"] = (H, cfg.mamba_inner)
-        if cfg.mamba_proj_bias:
-            s[m + "out_proj.bias"] = (H,)
-    elif c == "*":
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            s[m + n + ".weight"] = (rows, H)
-            if cfg.attention_bias:
-                s[m + n + ".bias"] = (rows,)
-        s[m + "o_proj.weight"] = (H, q)
-        if cfg.attention_out_bias:
-            s[m + "o_proj.bias"] = (H,)
-        if cfg.qk_norm:
-            s[m + "q_norm.weight"] = s[m + "k_norm.weight"] = (cfg.head_dim,)
-    elif c == "-":
-        _mlp_shapes(s, m, H, cfg.intermediate_size, cfg.mlp_gated, cfg.mlp_bias)
-    else:
-        E, F, Lt = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
-        s[m + "gate.weight"] = (E, H)
-        if cfg.router == "sigmoid":
-            s[m + "gate.e_score_correction_bias"] = (E,)
-        s[m + "experts.up_proj"] = (E, F, Lt)
-        if cfg.mlp_gated:
-            s[m + "experts.gate_proj"] = (E, F, Lt)
-        s[m + "experts.down_proj"] = (E, Lt, F)
-        if cfg.moe_shared_expert_intermediate_size:
-            _mlp_shapes(s, m + "shared_experts.", H, cfg.moe_shared_expert_intermediate_size, cfg.mlp_gated, False)
-        if cfg.shared_expert_gate:
-            s[m + "shared_expert_gate.weight"] = (1, H)
-        if cfg.moe_latent_size:
-            s[m + "fc1_latent_proj.weight"] = (Lt, H)
-            s[m + "fc2_latent_proj.weight"] = (H, Lt)
-
-
-def _mlp_shapes(s, m, H, F, gated, bias):
-    s[m + "up_proj.weight"] = (F, H)
-    if gated:
-        s[m + "gate_proj.weight"] = (F, H)
-    s[m + "down_proj.weight"] = (H, F)
-    if bias:
-        s[m + "up_proj.bias"] = (F,)
-        if gated:
-            s[m + "gate_proj.bias"] = (F,)
-        s[m + "down_proj.bias"] = (H,)
+    """Every parameter of our model definition with its shape (models.layout; the MTP blocks last)."""
+    return shapes(cfg)
 
 
 _EXPERT_NAMES = {  # our fused tensor -> per-expert HF leaf, per family

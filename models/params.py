@@ -4,7 +4,7 @@
 `sum(p.numel() for p in HybridLM(cfg).parameters())` (less the MTP head, counted apart in
 `count_params(cfg)['mtp']`: transformers does not build it) and as transformers' own count of the exported
 model (`e_score_correction_bias` is a buffer on both sides, reported apart as `buffers`). It is
-summed from `models.hf.our_shapes` (exact by construction); `_closed_form` derives the same numbers
+summed from `models.hf.our_shapes` (exact by construction); `closed_form` derives the same numbers
 from per-layer formulas, which also give the pruner its per-axis view (`by_axis`).
 """
 from __future__ import annotations
@@ -13,19 +13,12 @@ import math
 
 from .config import LAYER_TYPES, ModelConfig
 from .hf import default_family, our_shapes
+from .layout import BUFFERS, WIDTHS, axis_size, widths
+from .layout import layer_params as layout_params
 
-BUFFERS = ("e_score_correction_bias",)  # in our_shapes and on disk, but buffers, not parameters
 TYPES = ("embeddings", "mamba", "attention", "mlp", "moe", "norms", "lm_head")
 KIND = {**{c: c for c in LAYER_TYPES}, **{v: k for k, v in LAYER_TYPES.items()}}  # 'mamba' -> 'M'
-
-# the widths a pruner can change, named as the `remodel prune` flags name them
-AXES = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "ffn_size": "intermediate_size",
-    "mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
-    "attn_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "experts": "n_routed_experts", "expert_ffn_size": "moe_intermediate_size",
-    "shared_expert_size": "moe_shared_expert_intermediate_size", "latent_size": "moe_latent_size",
-}
+AXES = {n: w.field for n, w in WIDTHS.items()}  # width name (the prune / plan flag) -> ModelConfig field
 
 
 def _numel(shape) -> int:
@@ -46,42 +39,28 @@ def _is_routed_expert(name: str) -> bool:
     return ".experts." in name and not name.endswith(".weight")
 
 
-# ---- closed form: the same numbers from per-layer formulas over plain sizes ------------------
+# ---- closed form: the same numbers from the layout table over plain sizes ---------------------
 
-def _dims(cfg: ModelConfig) -> dict:
-    return {axis: getattr(cfg, field) for axis, field in AXES.items()}
-
-
-def _per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
+def per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
     """Mixer parameters of one layer of each type (pre-norm excluded), plus 'routed' (the routed
     experts of one MoE layer), for the structure of `cfg` with the widths `d` (default: cfg's own;
     any width may be changed, even to values a ModelConfig would reject, e.g. 0)."""
-    d = d or _dims(cfg)
-    H, F = d["hidden_size"], d["ffn_size"]
-    nh, hd, N, G, K = d["mamba_heads"], d["mamba_head_dim"], d["ssm_state_size"], cfg.n_groups, cfg.conv_kernel
-    nq, nkv, hdA = d["attn_heads"], d["kv_heads"], d["head_dim"]
-    E, Fm, Fs = d["experts"], d["expert_ffn_size"], d["shared_expert_size"]
-    Lt = d["latent_size"] if cfg.moe_latent_size else H  # what the routed experts read and write
-    gated = 3 if cfg.mlp_gated else 2
-
-    Im = nh * hd
-    P, conv = 2 * Im + 2 * G * N + nh, Im + 2 * G * N  # in_proj rows [z|x|B|C|dt], conv channels [x|B|C]
-    b = cfg.mamba_proj_bias
-    mamba = P * H + b * P + conv * K + cfg.use_conv_bias * conv + 3 * nh + Im + H * Im + b * H
-    q, kv = nq * hdA, nkv * hdA
-    attention = 2 * q * H + 2 * kv * H + cfg.attention_bias * (q + 2 * kv) + cfg.attention_out_bias * H \
-        + cfg.qk_norm * 2 * hdA
-    mlp = gated * F * H + cfg.mlp_bias * ((gated - 1) * F + H)
-    routed = gated * E * Fm * Lt
-    moe = E * H + routed + gated * Fs * H + cfg.shared_expert_gate * H + (2 * Lt * H if cfg.moe_latent_size else 0)
-    return {"mamba": mamba, "attention": attention, "mlp": mlp, "moe": moe, "routed": routed}
+    d = d or widths(cfg)
+    out = {"routed": 0}
+    for c, t in LAYER_TYPES.items():
+        ps = [p for p in layout_params(cfg, c) if not p.leaf.endswith(BUFFERS)]
+        out[t] = sum(math.prod(axis_size(cfg, a, d) for a in p.axes) for p in ps)
+        if c == "E":
+            out["routed"] = sum(math.prod(axis_size(cfg, a, d) for a in p.axes) for p in ps
+                                if p.leaf.startswith("experts."))
+    return out
 
 
-def _closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
+def closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
     """{type: params} over TYPES plus 'buffers' and 'routed' (inside 'moe'), from the formulas."""
-    d = d or _dims(cfg)
+    d = d or widths(cfg)
     V, H = d["vocab_size"], d["hidden_size"]
-    one = _per_layer(cfg, d)
+    one = per_layer(cfg, d)
     n = {t: cfg.pattern.count(c) for c, t in LAYER_TYPES.items()}
     out = {t: n[t] * one[t] for t in LAYER_TYPES.values()}
     out.update(embeddings=V * H, norms=(cfg.num_layers + 1) * H, lm_head=0 if cfg.tie_word_embeddings else V * H,
@@ -92,13 +71,13 @@ def _closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
 def _axis_table(cfg: ModelConfig) -> dict:
     """For each prunable width: its size, the params that depend on it (per type) and the params
     freed by removing one unit of it (the marginal cost, at the current other widths)."""
-    base = _dims(cfg)
-    now = _closed_form(cfg, base)
+    base = widths(cfg)
+    now = closed_form(cfg, base)
     out = {}
     for axis, size in base.items():
         if not size:
             continue
-        zero, less = _closed_form(cfg, {**base, axis: 0}), _closed_form(cfg, {**base, axis: size - 1})
+        zero, less = closed_form(cfg, {**base, axis: 0}), closed_form(cfg, {**base, axis: size - 1})
         by_type = {t: now[t] - zero[t] for t in TYPES if now[t] != zero[t]}
         if not by_type:
             continue  # a width no layer of this pattern uses
@@ -115,7 +94,7 @@ def layer_params(cfg: ModelConfig, kind: str, active: bool = False) -> int:
     if kind not in KIND:
         raise ValueError(f"unknown layer kind {kind!r}")
     t = LAYER_TYPES[KIND[kind]]
-    one = _per_layer(cfg)
+    one = per_layer(cfg)
     p = one[t]
     if active and t == "moe":
         p -= one["routed"] - one["routed"] * cfg.num_experts_per_tok // cfg.n_routed_experts

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import _rank, _size
+from .collectives import group_rank, group_size
 
 CHUNK_ELEMS = 1 << 25  # default chunk: rows such that one [chunk, V_local] fp32 block is ~128 MB
 
@@ -59,7 +59,7 @@ def _accumulate(gw, dz, x):
 def _finish(gh, gw, group, h, w):
     """All-reduce grad_h over the vocab group (h is replicated there); cast to the inputs' dtypes."""
     if gh is not None:
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(gh, group=group)
         gh = gh.to(h.dtype)
     return gh, (gw.to(w.dtype) if gw is not None else None)
@@ -86,7 +86,7 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     N, Vl = h.shape[0], w.shape[0]
     keep = labels != ignore_index
     n = keep.sum().clamp(min=1).to(torch.float32)
-    local = labels - _rank(group) * Vl
+    local = labels - group_rank(group) * Vl
     inside = (local >= 0) & (local < Vl) & keep
     idx = torch.where(inside, local, torch.zeros_like(local))
     gh, gw = _grad_buffers(h, w, cd, need_h, need_w)
@@ -145,20 +145,20 @@ def _teacher_shard(w_t, Vl: int, group):
     """This rank's vocabulary rows of the teacher weight (sharded already, or full)."""
     if w_t.shape[0] == Vl:
         return w_t
-    r = _rank(group)
+    r = group_rank(group)
     return w_t[r * Vl:(r + 1) * Vl]
 
 
 def _group_max(z, group):
     """Row max over the (sharded) vocabulary, 0 where not finite (vocab_parallel_logsumexp's shift)."""
     m = z.amax(-1, keepdim=True)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
 def _group_sum(x, group):
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(x, group=group)
     return x
 

@@ -6,17 +6,18 @@ forwards with autograd-aware collectives and hands data parallelism to FSDP2. Th
 gloo/CPU and NCCL/GPU.
 
 Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
-replicated over 'tp'):
+replicated over 'tp'): each parameter is split along its first tensor-parallel axis of the layout
+table (models.layout.TP_AXES / tp_split), a concatenated axis piece by piece (its SEGMENTS), so:
   attention  q/k/v column-parallel by KV groups (whole KV heads with their query heads), o_proj row
   MLP        up/gate column, down row (also the MoE shared expert)
-  Mamba-2    split by group: in_proj rows [z_r, x_r, B_r, C_r, dt_r], conv1d channels [x_r, B_r, C_r],
-             dt_bias/A_log/D by heads, gated-norm weight by inner channels, out_proj row
+  Mamba-2    split by group: each in_proj and conv1d segment in rank pieces, heads, inner channels,
+             out_proj row
   vocab      embedding rows (out-of-shard ids masked, all-reduced); lm_head rows, so the model returns
              this rank's vocab shard of the logits: use pipelines.vocab_parallel for the losses
   norms, router, latent projections: replicated
 A column block's input passes `copy_to_group` (identity forward, all-reduce backward), a row block's
 output `reduce_from_group` (all-reduce forward, identity backward). The DTensor plans cannot express
-the interleaved Mamba in_proj split, so one mechanism (plain shards) serves every layer.
+the piecewise Mamba in_proj split, so one mechanism (plain shards) serves every layer.
 
 Expert parallelism: E/ep experts per rank, tokens exchanged with uneven `all_to_all_single` (autograd
 version), dropless; router replicated. Folded over 'dp' (each rank routes its own micro-batch) or
@@ -42,129 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.errors import RemodelError
+from models.layout import layer_params, tp_split
 
-
-# ---- autograd-aware collectives ------------------------------------------------------------
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def _all_reduce(x, group):
-    x = x.clone()
-    dist.all_reduce(x, group=group)
-    return x
-
-
-def _chunk_bounds(T: int, n: int, r: int):
-    c = -(-T // n)
-    return c, min(r * c, T), min((r + 1) * c, T)
-
-
-def _all_gather_rows(x, group, T: int):
-    """Rows of every rank (each at most ceil(T/n), in rank order) -> [T, ...]."""
-    n = _size(group)
-    c = -(-T // n)
-    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, c - x.shape[0])).contiguous()
-    out = x.new_empty((n * c,) + tuple(x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)  # all_gather_into_tensor is deprecated in torch 2.13
-    return out[:T]
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
-
-
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.T = group, x.shape[0]
-        _, a, b = _chunk_bounds(x.shape[0], _size(group), _rank(group))
-        return x[a:b].clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_rows(g, ctx.group, ctx.T), None
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, T):
-        ctx.group, ctx.T = group, T
-        return _all_gather_rows(x, group, T)
-
-    @staticmethod
-    def backward(ctx, g):
-        _, a, b = _chunk_bounds(ctx.T, _size(ctx.group), _rank(ctx.group))
-        return g[a:b].contiguous(), None, None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
-def copy_to_group(x, group):
-    """Identity forward, all-reduce(sum) backward: a replicated tensor entering per-rank-partial work."""
-    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
-
-
-def reduce_from_group(x, group):
-    """All-reduce(sum) forward, identity backward: partial results becoming a replicated tensor."""
-    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
-
-
-def all_reduce_sum(x, group):
-    """All-reduce(sum) both ways: a replicated sum consumed by per-rank-partial work (the vocab LSE)."""
-    return x if _size(group) == 1 else _AllReduceSum.apply(x, group)
-
-
-def split_rows(x, group):
-    """This rank's contiguous block of the rows of a replicated tensor; backward all-gathers."""
-    return x if _size(group) == 1 else _SplitRows.apply(x, group)
-
-
-def gather_rows(x, group, T: int):
-    """All ranks' row blocks (from `split_rows`) -> the replicated [T, ...]; backward keeps own block."""
-    return x if _size(group) == 1 else _GatherRows.apply(x, group, T)
+from .collectives import (ScaleGrad, chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
+                          reduce_from_group, split_rows)
 
 
 # ---- sharding layouts ------------------------------------------------------------------------
@@ -202,11 +84,11 @@ class ParallelInfo:
 
     @property
     def dp_rank(self) -> int:
-        return _rank(self.dp_group)
+        return group_rank(self.dp_group)
 
     @property
     def tp_rank(self) -> int:
-        return _rank(self.tp_group)
+        return group_rank(self.tp_group)
 
     @property
     def vocab_group(self):
@@ -259,9 +141,9 @@ def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicat
     models.mlp.Experts.forward, experts e in [rank*El, (rank+1)*El) computed on this rank."""
     T_all = x.shape[0]
     if tokens_replicated:
-        _, a, b = _chunk_bounds(T_all, _size(group), _rank(group))
+        _, a, b = chunk_bounds(T_all, group_size(group), group_rank(group))
         x, weights, idx = split_rows(x, group), split_rows(weights, group), idx[a:b]
-    n, El = _size(group), self.up_proj.shape[0]
+    n, El = group_size(group), self.up_proj.shape[0]
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -275,7 +157,7 @@ def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicat
     local_e = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(n), recv.reshape(-1))
     perm = local_e.argsort(stable=True)
     xe = xr[perm]
-    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: _ScaleGrad.apply(p, grad_scale))
+    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: ScaleGrad.apply(p, grad_scale))
     up, down = scale(self.up_proj), scale(self.down_proj)
     gate = None if self.gate_proj is None else scale(self.gate_proj)
     ys, start = [], 0
@@ -341,27 +223,29 @@ def _shard_param(module, attr, prefix, specs, dim, sizes, rank, n, kind="tp"):
     specs[f"{prefix}{attr}"] = (kind, dim, tuple(sizes))
 
 
-def _tp_mlp(mlp, prefix, specs, group, rank, n):
-    F_ = mlp.up_proj.weight.shape[0]
-    for lin in ("up_proj", "gate_proj"):
-        mod = getattr(mlp, lin)
-        if mod is not None:
-            _shard_param(mod, "weight", f"{prefix}{lin}.", specs, 0, [F_], rank, n)
-            _shard_param(mod, "bias", f"{prefix}{lin}.", specs, 0, [F_], rank, n)
-    _shard_param(mlp.down_proj, "weight", f"{prefix}down_proj.", specs, 1, [F_], rank, n)
-    mlp.down_proj.forward = functools.partial(types.MethodType(_row_linear_forward, mlp.down_proj), group=group)
+def tp_shard_layer(mixer, kind, cfg, prefix, specs, rank, n):
+    """Shard every parameter of one layer's mixer as the layout table says: the dimension of its first
+    tensor-parallel axis, cut piece by piece (models.layout.tp_split); the rest stays replicated."""
+    for p in layer_params(cfg, kind):
+        split = tp_split(cfg, p.axes)
+        if split is not None:
+            path, _, attr = p.leaf.rpartition(".")
+            module = mixer.get_submodule(path) if path else mixer
+            _shard_param(module, attr, prefix + (path + "." if path else ""), specs, *split, rank, n)
+
+
+def _row_parallel(linear, group):
+    linear.forward = functools.partial(types.MethodType(_row_linear_forward, linear), group=group)
+
+
+def _tp_mlp(mlp, group):
+    _row_parallel(mlp.down_proj, group)
     mlp.register_forward_pre_hook(_copy_input_hook(group))
 
 
-def _tp_attention(att, prefix, specs, group, rank, n):
+def _tp_attention(att, group, n):
     cfg = att.cfg
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    for lin, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        mod = getattr(att, lin)
-        _shard_param(mod, "weight", f"{prefix}{lin}.", specs, 0, [rows], rank, n)
-        _shard_param(mod, "bias", f"{prefix}{lin}.", specs, 0, [rows], rank, n)
-    _shard_param(att.o_proj, "weight", f"{prefix}o_proj.", specs, 1, [q], rank, n)
-    att.o_proj.forward = functools.partial(types.MethodType(_row_linear_forward, att.o_proj), group=group)
+    _row_parallel(att.o_proj, group)
     if cfg.qk_norm:
         for nm in (att.q_norm, att.k_norm):
             nm.forward = functools.partial(types.MethodType(_rmsnorm_shared_weight_forward, nm), group=group)
@@ -370,25 +254,30 @@ def _tp_attention(att, prefix, specs, group, rank, n):
     att.register_forward_pre_hook(_copy_input_hook(group))
 
 
-def _tp_mamba(mx, prefix, specs, group, rank, n):
+def _tp_mamba(mx, group, n):
     cfg = mx.cfg
-    Im, GN, nh = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
-    _shard_param(mx.in_proj, "weight", f"{prefix}in_proj.", specs, 0, [Im, Im, GN, GN, nh], rank, n)
-    _shard_param(mx.in_proj, "bias", f"{prefix}in_proj.", specs, 0, [Im, Im, GN, GN, nh], rank, n)
-    _shard_param(mx.conv1d, "weight", f"{prefix}conv1d.", specs, 0, [Im, GN, GN], rank, n)
-    _shard_param(mx.conv1d, "bias", f"{prefix}conv1d.", specs, 0, [Im, GN, GN], rank, n)
-    for attr in ("dt_bias", "A_log", "D"):
-        _shard_param(mx, attr, prefix, specs, 0, [nh], rank, n)
-    _shard_param(mx.norm, "weight", f"{prefix}norm.", specs, 0, [Im], rank, n)
-    _shard_param(mx.out_proj, "weight", f"{prefix}out_proj.", specs, 1, [Im], rank, n)
-    mx.out_proj.forward = functools.partial(types.MethodType(_row_linear_forward, mx.out_proj), group=group)
-    mx.cfg = cfg.replace(mamba_num_heads=nh // n, n_groups=cfg.n_groups // n)
+    _row_parallel(mx.out_proj, group)
+    mx.cfg = cfg.replace(mamba_num_heads=cfg.mamba_num_heads // n, n_groups=cfg.n_groups // n)
     mx.norm.groups = cfg.n_groups // n
     mx.register_forward_pre_hook(_copy_input_hook(group))
 
 
+def _tp_layers(model, cfg, specs, group, r, tp):
+    """Tensor-parallel plan of every trunk layer: shards from the layout table, then the forwards."""
+    for i, layer in enumerate(model.layers):
+        tp_shard_layer(layer.mixer, layer.kind, cfg, f"layers.{i}.mixer.", specs, r, tp)
+        if layer.kind == "M":
+            _tp_mamba(layer.mixer, group, tp)
+        elif layer.kind == "*":
+            _tp_attention(layer.mixer, group, tp)
+        elif layer.kind == "-":
+            _tp_mlp(layer.mixer, group)
+        elif layer.mixer.shared_experts is not None:
+            _tp_mlp(layer.mixer.shared_experts, group)
+
+
 def _ep_experts(experts, prefix, specs, group, n_experts, tokens_replicated, grad_scale):
-    rank, n = _rank(group), _size(group)
+    rank, n = group_rank(group), group_size(group)
     for attr in ("up_proj", "gate_proj", "down_proj"):
         _shard_param(experts, attr, prefix, specs, 0, [n_experts], rank, n, kind="ep")
     experts.forward = functools.partial(types.MethodType(_ep_experts_forward, experts), group=group,
@@ -406,14 +295,14 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         raise RemodelError("model is already parallelized")
     cfg = model.cfg
     tp_group, ep_group, dp_group = _group_of(mesh, tp_dim), _group_of(mesh, ep_dim), _group_of(mesh, dp_dim)
-    tp, ep, dp = _size(tp_group), _size(ep_group), _size(dp_group)
+    tp, ep, dp = group_size(tp_group), group_size(ep_group), group_size(dp_group)
     check_layout(cfg, tp, ep, ep_dim, tp_dim, dp_dim, mesh)
     info = ParallelInfo(mesh=mesh, tp_group=tp_group if tp > 1 else None, ep_group=ep_group if ep > 1 else None,
                         dp_group=dp_group if dp > 1 else None, tp=tp, ep=ep, dp=dp)
     specs = info.specs
 
     if tp > 1:
-        r = _rank(tp_group)
+        r = group_rank(tp_group)
         V = cfg.vocab_size
         _shard_param(model.embeddings, "weight", "embeddings.", specs, 0, [V], r, tp)
         model.embeddings.forward = functools.partial(
@@ -421,16 +310,7 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         if model.lm_head is not None:
             _shard_param(model.lm_head, "weight", "lm_head.", specs, 0, [V], r, tp)
         model.logits = functools.partial(_vocab_logits, model=model, group=tp_group)
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}.mixer."
-            if layer.kind == "M":
-                _tp_mamba(layer.mixer, prefix, specs, tp_group, r, tp)
-            elif layer.kind == "*":
-                _tp_attention(layer.mixer, prefix, specs, tp_group, r, tp)
-            elif layer.kind == "-":
-                _tp_mlp(layer.mixer, prefix, specs, tp_group, r, tp)
-            elif layer.mixer.shared_experts is not None:
-                _tp_mlp(layer.mixer.shared_experts, f"{prefix}shared_experts.", specs, tp_group, r, tp)
+        _tp_layers(model, cfg, specs, tp_group, r, tp)
 
     expert_params = set()
     if ep > 1:
@@ -507,7 +387,7 @@ def dp_mean(x: torch.Tensor, model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _unshard_all(model, named, rank0_only: bool) -> dict:
+def unshard_all(model, named, rank0_only: bool) -> dict:
     from torch.distributed.tensor import DTensor
     info = parallel_info(model)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
@@ -519,7 +399,7 @@ def _unshard_all(model, named, rank0_only: bool) -> dict:
         if spec is not None:  # TP or EP shard
             kind, dim, sizes = spec
             group = info.tp_group if kind == "tp" else info.ep_group
-            parts = [torch.empty_like(t) for _ in range(_size(group))]
+            parts = [torch.empty_like(t) for _ in range(group_size(group))]
             dist.all_gather(parts, t.contiguous(), group=group)
             t = unshard_tensor(parts, dim, sizes)
         if keep:
@@ -530,12 +410,12 @@ def _unshard_all(model, named, rank0_only: bool) -> dict:
 def full_state_dict(model, rank0_only: bool = True) -> dict:
     """The unsharded state dict (same names and shapes as the single-process HybridLM), on CPU.
     Collective: every rank must call it; with rank0_only the other ranks get {}."""
-    return _unshard_all(model, model.state_dict().items(), rank0_only)
+    return unshard_all(model, model.state_dict().items(), rank0_only)
 
 
 def full_grads(model, rank0_only: bool = True) -> dict:
     """The unsharded gradients {param name: grad} (as after a single-process backward). Collective."""
-    return _unshard_all(model, [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None], rank0_only)
+    return unshard_all(model, [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None], rank0_only)
 
 
 def gather_model(model):

@@ -20,7 +20,8 @@ from models.load import iter_hf_tensors
 from models.model import HybridLM
 from models.regions import RegionReader
 
-from .parallel import _rank, _size, _unshard_all, parallel_info, parallelize, shard_tensor
+from .collectives import group_rank, group_size
+from .parallel import parallel_info, parallelize, shard_tensor, unshard_all
 
 
 def _dtensor_chunk(t) -> tuple[int, int] | None:
@@ -40,7 +41,7 @@ def local_index(model, name: str, t, full_shape) -> list:
     if spec is not None:
         kind, dim, sizes = spec
         g = info.tp_group if kind == "tp" else info.ep_group
-        idx[dim] = shard_tensor(torch.arange(full_shape[dim]), 0, sizes, _rank(g), _size(g))
+        idx[dim] = shard_tensor(torch.arange(full_shape[dim]), 0, sizes, group_rank(g), group_size(g))
     chunk = _dtensor_chunk(t)
     if chunk is not None:
         r, n = chunk
@@ -113,7 +114,7 @@ def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None, prepa
 
 def gather_tensor(model, name: str, t) -> torch.Tensor | None:
     """The full tensor `name` on rank 0 (None elsewhere). Collective: every rank calls it, same order."""
-    return _unshard_all(model, [(name, t)], rank0_only=True).get(name)
+    return unshard_all(model, [(name, t)], rank0_only=True).get(name)
 
 
 def export_sharded(model, out, family: str | None = None, aux_from=None, overwrite=False, dtype=None,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import load_balancing_loss, router_probs, topk_kl
-from .parallel import _rank, _size, all_reduce_sum, gather_rows, reduce_from_group
+from .collectives import all_reduce_sum, gather_rows, group_rank, group_size, reduce_from_group
 
 
 def _masked_mean(per_token, mask):
@@ -29,7 +29,7 @@ def _masked_mean(per_token, mask):
 def vocab_parallel_logsumexp(z, group=None):
     """logsumexp over the full (sharded) last dim of z (float), keepdim."""
     m = z.detach().amax(-1, keepdim=True)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     d = all_reduce_sum((z - m).exp().sum(-1, keepdim=True), group)
@@ -47,7 +47,7 @@ def vocab_parallel_lm_loss(logits, labels, group=None, mask=None, ignore_index: 
     the caller); labels == ignore_index (or mask 0) don't count. Mean over counted tokens."""
     logp = vocab_parallel_log_softmax(logits, group)
     Vl = logp.shape[-1]
-    local = labels - _rank(group) * Vl
+    local = labels - group_rank(group) * Vl
     inside = (local >= 0) & (local < Vl) & (labels != ignore_index)
     picked = logp.gather(-1, torch.where(inside, local, torch.zeros_like(local))[..., None]).squeeze(-1)
     per = -reduce_from_group(torch.where(inside, picked, torch.zeros_like(picked)), group)
@@ -69,11 +69,11 @@ def vocab_parallel_kl_div(student_logits, teacher_logits, group=None, temperatur
 
 def vocab_shard(full_logits, group=None):
     """This rank's vocabulary shard of full logits [..., V] (e.g. an unsharded teacher's)."""
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return full_logits
     Vl = full_logits.shape[-1] // n
-    return full_logits[..., _rank(group) * Vl:(_rank(group) + 1) * Vl]
+    return full_logits[..., group_rank(group) * Vl:(group_rank(group) + 1) * Vl]
 
 
 # ---- every loss of the trainer on a parallelized model ----------------------------------------
@@ -84,7 +84,7 @@ def dp_load_balancing_loss(router_logits_list, top_k: int, n_experts: int, route
     expert load f counts every rank's routing slots (all-reduced; not differentiable), the mean routing
     probability P is this rank's. The group mean of the per-rank values (and of their gradients)
     is the single-process loss of the whole batch."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return load_balancing_loss(router_logits_list, top_k, n_experts, router_kind)
     logits = [lg.reshape(-1, lg.shape[-1]).float() for lg in router_logits_list]
     counts = torch.stack([torch.bincount(lg.detach().topk(top_k, dim=-1)[1].reshape(-1), minlength=n_experts)
@@ -92,14 +92,14 @@ def dp_load_balancing_loss(router_logits_list, top_k: int, n_experts: int, route
     dist.all_reduce(counts, group=group)
     losses = []
     for lg, c in zip(logits, counts):
-        f = c / (lg.shape[0] * top_k * _size(group))
+        f = c / (lg.shape[0] * top_k * group_size(group))
         losses.append(n_experts * (f * router_probs(lg, router_kind).mean(0)).sum())
     return torch.stack(losses).mean()
 
 
 def parallel_loss_fns(info) -> dict:
     """compute_losses' loss functions on vocab-sharded logits (teacher logits may be a shard or full)."""
-    g, n = info.vocab_group, _size(info.vocab_group)
+    g, n = info.vocab_group, group_size(info.vocab_group)
     if n == 1 and info.dp_group is None:
         return {}  # one rank: the plain losses
 

@@ -11,7 +11,7 @@ from models.errors import RemodelError
 from models.hf import config_from_hf, config_to_hf, default_family
 from models.load import load_model, save_model
 from models.model import HybridLM, init_weights
-from models.params import AXES, _closed_form, count_params, layer_params, memory_bytes
+from models.params import AXES, closed_form, count_params, layer_params, memory_bytes
 from pipelines.inspection import format_inspect, inspect
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
@@ -41,7 +41,7 @@ def test_real_configs_match_transformers(name):
     assert c["total"] == theirs == c["hf_total"]
     assert round(c["total"] / 1e9, 3) == PUBLISHED[name]
     assert c["buffers"] == numel(b for n, b in m.named_buffers() if n.endswith("e_score_correction_bias"))
-    cf = _closed_form(cfg)  # the per-layer formulas agree type by type with the shape table
+    cf = closed_form(cfg)  # the per-layer formulas agree type by type with the shape table
     assert {t: cf[t] for t in c["by_type"]} == c["by_type"]
     assert sum(c["by_type"].values()) == c["total"]
     # per-layer figures against transformers' own layers
@@ -96,7 +96,7 @@ def test_counts_match_our_model_and_transformers_export(name):
     for t, ch in (("mamba", "M"), ("attention", "*"), ("mlp", "-"), ("moe", "E")):
         groups[t] = [blk.mixer for blk in model.layers if blk.kind == ch]
     assert c["by_type"] == {t: sum(numel(mod.parameters()) for mod in groups[t]) for t in c["by_type"]}
-    cf = _closed_form(cfg)
+    cf = closed_form(cfg)
     assert {t: cf[t] for t in c["by_type"]} == c["by_type"] and cf["routed"] == c["routed"]
     for blk in model.layers:
         assert layer_params(cfg, blk.kind) == numel(blk.parameters())

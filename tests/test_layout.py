@@ -1,0 +1,90 @@
+"""The layout registry (models/layout.py) is the one table: shapes equal the built model's, and the
+parameter counts, the pruning indices and the TP plan all change when the table changes."""
+import json
+import pathlib
+import re
+
+import pytest
+import torch
+
+from compress.axes import axis_index, dim_indices
+from models import layout
+from models.config import ModelConfig
+from models.hf import config_from_hf
+from models.model import HybridLM
+from models.params import count_params, per_layer
+from pipelines.parallel import tp_shard_layer
+from tests.test_params import tiny_configs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRODUCT = ["models", "compress", "upcycle", "pipelines"]
+
+
+def all_configs():
+    cfgs = dict(tiny_configs())
+    for f in sorted((ROOT / "models" / "configs").glob("*.json")):
+        cfgs[f.stem] = config_from_hf(json.loads(f.read_text()))
+    return cfgs
+
+
+@pytest.mark.parametrize("name", sorted(all_configs()))
+def test_shapes_equal_the_built_model(name):
+    cfg = all_configs()[name]
+    if sum(layout.numel(s) for s in layout.shapes(cfg).values()) > 3e9:
+        cfg = cfg.replace(hidden_size=64)  # the real configs: same structure, small enough for meta
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    ours = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if not n.endswith(("inv_freq",)) and "." in n}
+    assert ours == layout.shapes(cfg)
+
+
+def _mamba_cfg():
+    return ModelConfig(vocab_size=64, hidden_size=16, pattern="M*-", num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=4, intermediate_size=32, mamba_num_heads=4, mamba_head_dim=3, n_groups=2,
+                       ssm_state_size=5)
+
+
+def test_params_pruning_and_tp_plan_derive_from_the_segments(monkeypatch):
+    cfg = _mamba_cfg()
+    nh, H, Im, GN = 4, 16, 12, 10
+    sizes = layout.segment_sizes(cfg, "mamba_in_proj")
+    assert list(sizes) == ["z", "x", "B", "C", "dt"] and list(sizes.values()) == [Im, Im, GN, GN, nh]
+    keep = {"layers.0.mamba_heads": torch.tensor([0, 2])}
+    base_total, base_idx = count_params(cfg)["total"], axis_index(cfg, keep, "mamba_in_proj", 0)
+    mixer = HybridLM(cfg).layers[0].mixer
+    specs = {}
+    tp_shard_layer(mixer, "M", cfg, "layers.0.mixer.", specs, 0, 2)
+    assert specs["layers.0.mixer.in_proj.weight"] == ("tp", 0, (Im, Im, GN, GN, nh))
+    assert specs["layers.0.mixer.conv1d.weight"] == ("tp", 0, (Im, GN, GN))
+
+    # one more in_proj segment in the table: every consumer follows
+    extra = layout.SEGMENTS["mamba_in_proj"] + (("w", "mamba_heads"),)
+    monkeypatch.setitem(layout.SEGMENTS, "mamba_in_proj", extra)
+    assert count_params(cfg)["total"] == base_total + nh * H
+    assert per_layer(cfg)["mamba"] == per_layer(cfg, layout.widths(cfg))["mamba"]
+    idx = axis_index(cfg, keep, "mamba_in_proj", 0)
+    assert idx.tolist() == base_idx.tolist() + [2 * Im + 2 * GN + nh + 0, 2 * Im + 2 * GN + nh + 2]
+    assert dim_indices(cfg, keep, "layers.0.mixer.in_proj.weight")[0].tolist() == idx.tolist()
+    assert layout.tp_split(cfg, ("mamba_in_proj", "hidden")) == (0, [Im, Im, GN, GN, nh, nh])
+
+
+def test_the_in_proj_layout_is_written_once():
+    """Its segment order is spelled only in models/layout.py (code and docstrings)."""
+    order = re.compile(r"\bz\W{1,4}x\W{1,4}B\W{1,4}C\W{1,4}dt\b|\[\s*Im\s*,\s*Im\s*,\s*GN")
+    files = [p for d in PRODUCT for p in (ROOT / d).rglob("*.py")] + [ROOT / "cli.py"]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.name != "layout.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if order.search(line)]
+    assert not hits, hits
+    assert order.search((ROOT / "models" / "layout.py").read_text())
+
+
+def test_one_width_vocabulary():
+    """The pruner's targets, the search axes and the parameter-count axes are the registry's names."""
+    from compress.prune import AXES as PRUNE_AXES
+    from compress.search_space import WIDTHS as SEARCH
+    from models.params import AXES as COUNT_AXES
+    assert set(PRUNE_AXES) == set(layout.PRUNABLE)
+    assert set(SEARCH) <= set(layout.WIDTHS) and set(COUNT_AXES) == set(layout.WIDTHS)
+    for name, (layer, field, *_) in {**PRUNE_AXES, **SEARCH}.items():
+        assert (layer, field) == (layout.WIDTHS[name].layer, layout.WIDTHS[name].field)
