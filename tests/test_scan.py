@@ -1,12 +1,15 @@
-"""The chunked SSD scan against the naive sequential recurrence (float64)."""
+"""The chunked SSD scan against the naive sequential recurrence (float64), and the mixer's CPU kernels
+against its whole-tensor path."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import models.mamba as mamba
+import models.mamba_kernels as kernels
 from models.config import ModelConfig
-from models.mamba import Mamba2Mixer, _CausalConvSiLU, ssd_reference, ssd_scan
+from models.mamba import Mamba2Mixer, ssd_reference
+from models.mamba_kernels import ssd_scan
 
 
 def make(b=2, l=37, h=4, p=3, g=2, n=5, seed=0, dtype=torch.float64):
@@ -97,7 +100,7 @@ def test_float32_close_to_float64():
 
 @pytest.mark.parametrize("block", [1, 700])  # one chunk per block; several chunks and a short last block
 def test_blocked_scan_equals_recurrence(block, monkeypatch):
-    monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+    monkeypatch.setattr(kernels, "BLOCK_ELEMS", block)
     for chunk, l in ((3, 37), (8, 64), (16, 50)):
         x, dt, A, B, C, D = make(l=l, g=2, seed=chunk)
         args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)]
@@ -117,34 +120,10 @@ def test_blocked_scan_equals_recurrence(block, monkeypatch):
         lambda x, dt, A, B, C, D, s0: ssd_scan(x, dt, A, B, C, 3, D=D, initial_state=s0, return_state=True), args)
 
 
-@pytest.mark.parametrize("block", [1, None])  # 16-step blocks with a short first block; one block
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_causal_conv_equals_conv1d(K, block, monkeypatch):
-    if block:
-        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
-    g = torch.Generator().manual_seed(K)
-    x = torch.randn(2, 37, 6, 10, dtype=torch.float64, generator=g)[..., 2, :]  # a strided view, as in the mixer
-    w = torch.randn(10, 1, K, dtype=torch.float64, generator=g)
-    bias = torch.randn(10, dtype=torch.float64, generator=g)
-    for b in (bias, None):
-        args = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
-        ref_args = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
-        y = _CausalConvSiLU.apply(*args)
-        ref = F.silu(F.conv1d(ref_args[0].transpose(1, 2), ref_args[1], ref_args[2], padding=K - 1, groups=10)[..., :37])
-        ref = ref.transpose(1, 2)
-        assert (y - ref).abs().max().item() < 1e-12
-        dout = torch.randn(y.shape, dtype=torch.float64, generator=g)
-        y.backward(dout)
-        ref.backward(dout)
-        for a, r in zip(args, ref_args):
-            if a is not None:
-                assert (a.grad - r.grad).abs().max().item() < 1e-12
-
-
-def perturbed_mixer(chunk, seed):
+def perturbed_mixer(chunk, seed, **changes):
     """A float64 mixer with every parameter perturbed (so no gradient is trivially zero) and an input."""
     cfg = ModelConfig(vocab_size=16, hidden_size=24, pattern="M", mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-                      ssm_state_size=8, chunk_size=chunk)
+                      ssm_state_size=8, chunk_size=chunk, **changes)
     torch.manual_seed(seed)
     mixer = Mamba2Mixer(cfg).double()
     with torch.no_grad():
@@ -156,8 +135,8 @@ def perturbed_mixer(chunk, seed):
 def test_mixer_blocked_equals_unblocked(monkeypatch):
     mixer, u = perturbed_mixer(chunk=16, seed=0)
     results = []
-    for block in (mamba.BLOCK_ELEMS, 1):
-        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+    for block in (kernels.BLOCK_ELEMS, 1):
+        monkeypatch.setattr(kernels, "BLOCK_ELEMS", block)
         mixer.zero_grad()
         y = mixer(u)
         (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
@@ -173,6 +152,28 @@ def test_gpu_path_equals_fused_cpu_path(monkeypatch):
     mixer, u = perturbed_mixer(chunk=32, seed=1)
     mask = torch.ones(2, 150)
     mask[1, :17] = 0
+    results, cpu_block = [], kernels.BLOCK_ELEMS
+    for gpu in (False, True):
+        monkeypatch.setattr(mamba, "_on_gpu", lambda t, gpu=gpu: gpu)
+        monkeypatch.setattr(kernels, "BLOCK_ELEMS", kernels.GPU_BLOCK_ELEMS if gpu else cpu_block)
+        mixer.zero_grad()
+        y = mixer(u, attention_mask=mask)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in mixer.parameters()])
+    for a, b in zip(*results):
+        assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item())
+
+
+@pytest.mark.parametrize("K,bias,block", [(1, True, 1), (2, False, 1), (4, True, 1), (3, False, None)])
+def test_fused_conv_equals_conv1d(K, bias, block, monkeypatch):
+    """The fused CPU core's causal conv (shifted multiply-adds over cache-sized sub-blocks, hand-written
+    backward) equals the whole-tensor path's F.conv1d for several kernel widths, with and without the
+    conv bias, in 8-step sub-blocks and in one; outputs and every gradient, with padding masked."""
+    if block:
+        monkeypatch.setattr(kernels, "BLOCK_ELEMS", block)
+    mixer, u = perturbed_mixer(chunk=16, seed=K, conv_kernel=K, use_conv_bias=bias)
+    mask = torch.ones(2, 150)
+    mask[0, :5] = 0
     results = []
     for gpu in (False, True):
         monkeypatch.setattr(mamba, "_on_gpu", lambda t, gpu=gpu: gpu)
@@ -180,6 +181,7 @@ def test_gpu_path_equals_fused_cpu_path(monkeypatch):
         y = mixer(u, attention_mask=mask)
         (y * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
         results.append([y.detach()] + [p.grad.clone() for p in mixer.parameters()])
+    assert (mixer.conv1d.bias is not None) == bias and mixer.conv1d.weight.shape[-1] == K
     for a, b in zip(*results):
         assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item())
 
@@ -235,8 +237,8 @@ def test_gated_norm_equals_autograd_formula(groups, dtypes, monkeypatch):
     yz = (y.float() * F.silu(z.float())).view(2, 23, groups, -1)
     ref = w * (yz * torch.rsqrt(yz.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 23, 64).to(yd)
     ref_grads = torch.autograd.grad(ref, (y, z, w), dout.to(ref.dtype))
-    for block in (3 * 64, mamba.BLOCK_ELEMS):
-        monkeypatch.setattr(mamba, "BLOCK_ELEMS", block)
+    for block in (3 * 64, kernels.BLOCK_ELEMS):
+        monkeypatch.setattr(kernels, "BLOCK_ELEMS", block)
         out = mamba.GatedRMSNorm(64, groups, 1e-5)
         out.weight = torch.nn.Parameter(w.detach().clone())
         o = out(y, z)
