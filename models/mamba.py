@@ -90,7 +90,7 @@ class Mamba2Mixer(nn.Module):
         self.conv1d = nn.Conv1d(conv, conv, cfg.conv_kernel, groups=conv, bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(cfg.mamba_num_heads))
         self.A_log = nn.Parameter(torch.empty(cfg.mamba_num_heads))
-        if not self.A_log.is_meta:  # arange on the meta device imports torch._dynamo (~1.8 s)
+        if not self.A_log.is_meta:  # arange on the meta device imports torch._dynamo (slow)
             with torch.no_grad():
                 init_a_log(self.A_log)
         self.D = nn.Parameter(torch.ones(cfg.mamba_num_heads))
