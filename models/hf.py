@@ -1,9 +1,9 @@
-"""Hugging Face formats: configs in and out, and one tensor-name table per family.
+"""Hugging Face formats: configs in and out, for every supported family.
 
-`weight_table(cfg, family)` lists (our_name, hf_name, expert) rows. Import stacks the rows of a
-fused expert tensor in expert order; export slices `ours[our_name][expert]`. The same table serves
-both directions, so a round trip is the identity by construction. Configs are parsed through
-transformers' own config classes, so their defaults and legacy field names are the oracle's.
+Configs are parsed through transformers' own config classes, so their defaults and legacy field
+names are the oracle's; `check_exportable` refuses a family that cannot hold a model exactly. Tensor
+names live in models.hf_adapter (one declarative key map per family) and are re-exported here:
+`weight_table`, `to_hf_name`, `from_hf_name`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import json
 
 from .config import ModelConfig
 from .errors import RemodelError
+from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
+
+__all__ = ["FAMILIES", "KEY_MAPS", "check_exportable", "config_from_hf", "config_to_hf", "default_family",
+           "from_hf_name", "our_shapes", "to_hf_name", "weight_table", "without_absent_mtp"]
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -82,34 +86,42 @@ def _rope(h) -> tuple[float, dict | None]:
 def config_from_hf(d: dict) -> ModelConfig:
     """HF config.json dict -> ModelConfig (one-line RemodelError when unsupported)."""
     h = _hf_config(d)
-    mt = h.model_type
     extra = {k: getattr(h, k) for k in PASSTHROUGH if getattr(h, k, None) is not None}
-    if mt == "nemotron_h":
-        if getattr(h, "mamba_hidden_act", "silu") != "silu":
-            raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
-        mtp = int(getattr(h, "num_nextn_predict_layers", 0) or 0)
-        if getattr(h, "num_nextn_predict_layers_dropped", 0):  # declared, but the checkpoint has no mtp.*
-            extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers_dropped
-        mtp_pattern = "".join(_CHAR[t] for t in h.mtp_layers_block_type) if mtp else ""
-        if h.mlp_bias and "moe" in h.layers_block_type:
-            raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
-        shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
-        return ModelConfig(
-            vocab_size=h.vocab_size, hidden_size=h.hidden_size,
-            pattern="".join(_CHAR[t] for t in h.layers_block_type), norm_eps=h.layer_norm_epsilon,
-            tie_word_embeddings=bool(h.tie_word_embeddings),
-            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-            head_dim=h.head_dim, rope_theta=None,
-            intermediate_size=h.intermediate_size, mlp_act=h.mlp_hidden_act, mlp_gated=False, mlp_bias=h.mlp_bias,
-            mamba_num_heads=h.mamba_num_heads, mamba_head_dim=h.mamba_head_dim, n_groups=h.n_groups,
-            ssm_state_size=h.ssm_state_size, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
-            use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=h.time_step_min,
-            n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
-            moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
-            moe_latent_size=h.moe_latent_size, router="sigmoid", norm_topk_prob=h.norm_topk_prob,
-            routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group,
-            mtp_layers=mtp, mtp_pattern=mtp_pattern, extra=extra)
-    # Llama family
+    return _nemotron_h_config(h, extra) if h.model_type == "nemotron_h" else _llama_config(h, extra)
+
+
+def _nemotron_h_config(h, extra: dict) -> ModelConfig:
+    """ModelConfig of a transformers NemotronHConfig (no RoPE, squared-ReLU MLPs, sigmoid router, MTP)."""
+    if getattr(h, "mamba_hidden_act", "silu") != "silu":
+        raise RemodelError(f"unsupported mamba_hidden_act {h.mamba_hidden_act!r} (only silu)")
+    mtp = int(getattr(h, "num_nextn_predict_layers", 0) or 0)
+    if getattr(h, "num_nextn_predict_layers_dropped", 0):  # declared, but the checkpoint has no mtp.*
+        extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers_dropped
+    mtp_pattern = "".join(_CHAR[t] for t in h.mtp_layers_block_type) if mtp else ""
+    if h.mlp_bias and "moe" in h.layers_block_type:
+        raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
+    shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
+    return ModelConfig(
+        vocab_size=h.vocab_size, hidden_size=h.hidden_size,
+        pattern="".join(_CHAR[t] for t in h.layers_block_type), norm_eps=h.layer_norm_epsilon,
+        tie_word_embeddings=bool(h.tie_word_embeddings),
+        num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+        head_dim=h.head_dim, rope_theta=None,
+        intermediate_size=h.intermediate_size, mlp_act=h.mlp_hidden_act, mlp_gated=False, mlp_bias=h.mlp_bias,
+        mamba_num_heads=h.mamba_num_heads, mamba_head_dim=h.mamba_head_dim, n_groups=h.n_groups,
+        ssm_state_size=h.ssm_state_size, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
+        use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=h.time_step_min,
+        n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
+        moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
+        moe_latent_size=h.moe_latent_size, router="sigmoid", norm_topk_prob=h.norm_topk_prob,
+        routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group,
+        mtp_layers=mtp, mtp_pattern=mtp_pattern, extra=extra)
+
+
+def _llama_config(h, extra: dict) -> ModelConfig:
+    """ModelConfig of a Llama-family config: decoder layer j becomes our layers 2j (attention) and
+    2j+1 (SwiGLU MLP, or a softmax-routed MoE)."""
+    mt = h.model_type
     window = getattr(h, "sliding_window", None) if mt in ("mistral", "mixtral") else None
     if mt.startswith("qwen") and getattr(h, "use_sliding_window", False):
         raise RemodelError(f"{mt} with use_sliding_window=true is not supported (per-layer windows)")
@@ -255,58 +267,8 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
     return out
 
 
-# ---- tensor names -----------------------------------------------------------------------
+# ---- tensor names (models.hf_adapter; re-exported here, where callers import them) -----------------
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Every parameter of our model definition with its shape (models.layout; the MTP blocks last)."""
     return shapes(cfg)
-
-
-_EXPERT_NAMES = {  # our fused tensor -> per-expert HF leaf, per family
-    "nemotron_h": {"up_proj": "up_proj", "down_proj": "down_proj"},
-    "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
-    "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
-}
-_EXPERT_NAMES["qwen3_moe"] = _EXPERT_NAMES["qwen2_moe"]
-
-
-def weight_table(cfg: ModelConfig, family: str) -> list[tuple[str, str, int | None]]:
-    """Rows (our_name, hf_name, expert_index or None) covering every tensor of the HF checkpoint."""
-    rows = []
-    for ours, shape in our_shapes(cfg).items():
-        hf = _hf_name(cfg, family, ours)
-        if ".experts." in ours and not ours.endswith(".weight"):
-            leaf = ours.rsplit(".", 1)[1]
-            for e in range(shape[0]):
-                rows.append((ours, hf.replace("{leaf}", _EXPERT_NAMES[family][leaf]).replace("{e}", str(e)), e))
-        else:
-            rows.append((ours, hf, None))
-    return rows
-
-
-def _hf_name(cfg: ModelConfig, family: str, ours: str) -> str:
-    if family == "nemotron_h":
-        top = "" if ours.startswith("mtp.") else "backbone."  # MTP tensors are named as vLLM reads them
-        if ours == "lm_head.weight":
-            return ours
-        if ".experts." in ours and not ours.endswith(".weight"):
-            return top + ours.rsplit(".", 1)[0] + ".{e}.{leaf}.weight"
-        return top + ours
-    top = {"embeddings.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight"}
-    if ours in top:
-        return top[ours]
-    _, i, rest = ours.split(".", 2)
-    j, second = divmod(int(i), 2)
-    p = f"model.layers.{j}."
-    if rest == "norm.weight":
-        return p + ("post_attention_layernorm.weight" if second else "input_layernorm.weight")
-    rest = rest[len("mixer."):]
-    if not second:
-        return p + "self_attn." + rest
-    if family in DENSE_FAMILIES:
-        return p + "mlp." + rest
-    moe = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
-    if rest.startswith("experts."):
-        return moe + "experts.{e}.{leaf}.weight"
-    return moe + rest.replace("shared_experts.", "shared_expert.")

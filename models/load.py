@@ -15,7 +15,7 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .errors import RemodelError
-from .hf import config_from_hf, config_to_hf, default_family, our_shapes, weight_table
+from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
 from .model import HybridLM
 
 
@@ -166,23 +166,21 @@ def _keep_fp32(model: HybridLM):
 
 def extra_hf_tensors(cfg: ModelConfig, family: str) -> dict[str, tuple]:
     """Tensors the family needs but our model lacks: a shared expert of size 1 with zero weights
-    stands for 'no shared expert' (transformers always builds one)."""
-    out = {}
+    stands for 'no shared expert' (transformers always builds one); named through the key map."""
     if cfg.moe_shared_expert_intermediate_size or family not in ("nemotron_h", "qwen2_moe"):
-        return out
+        return {}
     H = cfg.hidden_size
+    leaves = {"up_proj.weight": (1, H), "down_proj.weight": (H, 1)}
+    if family == "qwen2_moe":
+        leaves = {"gate_proj.weight": (1, H), **leaves}
+    out = {}
     for i, c in enumerate(cfg.pattern):
         if c != "E":
             continue
-        if family == "nemotron_h":
-            p = f"backbone.layers.{i}.mixer.shared_experts."
-            out[p + "up_proj.weight"], out[p + "down_proj.weight"] = (1, H), (H, 1)
-        else:
-            p = f"model.layers.{i // 2}.mlp."
-            for n in ("gate_proj", "up_proj"):
-                out[p + f"shared_expert.{n}.weight"] = (1, H)
-            out[p + "shared_expert.down_proj.weight"] = (H, 1)
-            out[p + "shared_expert_gate.weight"] = (1, H)
+        for leaf, shape in leaves.items():
+            out[to_hf_name(cfg, family, f"layers.{i}.mixer.shared_experts.{leaf}")] = shape
+        if family == "qwen2_moe":
+            out[to_hf_name(cfg, family, f"layers.{i}.mixer.shared_expert_gate.weight")] = (1, H)
     return out
 
 

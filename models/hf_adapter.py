@@ -1,0 +1,161 @@
+"""Tensor names between our model and each Hugging Face family: one declarative key map per family.
+
+`KEY_MAPS[family]` maps our parameter names to the family's checkpoint names, with placeholders:
+`{i}` a layer index kept as is; `{a}` / `{m}` our layer 2j / 2j+1 (the attention / MLP-or-MoE half
+of a Llama-family decoder layer j: HF has one index j for both); `{e}` an expert, on the HF side only
+(our routed experts are fused [E, ...] tensors that HF stores one tensor per expert). Those two
+placeholders are the only transforms that need code. `to_hf_name` and `from_hf_name` read the same
+map in opposite directions, so export is the exact inverse of import (tests/test_hf_adapter.py).
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from .config import ModelConfig
+from .errors import RemodelError
+from .layout import BLOCK_NORM, MTP_FIRST, MTP_LAST, PARAMS, shapes
+
+# our index -> HF index (None: not this placeholder's layer), HF index -> our index
+_INDEX = {"i": (lambda n: n, lambda n: n),
+          "a": (lambda n: n // 2 if n % 2 == 0 else None, lambda j: 2 * j),
+          "m": (lambda n: n // 2 if n % 2 == 1 else None, lambda j: 2 * j + 1)}
+_SLOT = re.compile(r"\{([iame])\}")
+
+
+def _nemotron_h() -> dict[str, str]:
+    """Our names are Nemotron-H's: `backbone.` in front of the trunk; MTP tensors unprefixed, as vLLM
+    reads them; routed experts split per expert. Every layer parameter of the layout registry."""
+    leaves = [BLOCK_NORM.leaf] + ["mixer." + p.leaf for ps in PARAMS.values() for p in ps]
+    out = {"embeddings.weight": "backbone.embeddings.weight", "norm_f.weight": "backbone.norm_f.weight",
+           "lm_head.weight": "lm_head.weight"}
+    for top, hf_top in (("layers.{i}.", "backbone.layers.{i}."), ("mtp.layers.{i}.", "mtp.layers.{i}.")):
+        for leaf in dict.fromkeys(leaves):
+            if leaf.startswith("mixer.experts."):
+                out[top + leaf] = f"{hf_top}mixer.experts.{{e}}.{leaf.rsplit('.', 1)[1]}.weight"
+            else:
+                out[top + leaf] = hf_top + leaf
+    for p in MTP_FIRST + MTP_LAST:
+        out["mtp.layers.{i}." + p.leaf] = "mtp.layers.{i}." + p.leaf
+    return out
+
+
+def _llama(attn: tuple, mlp: str, router: str = "", experts: dict | None = None,
+           shared: bool = False) -> dict[str, str]:
+    """A Llama-family map: our layers 2j (attention) and 2j+1 (MLP or MoE) are HF decoder layer j, their
+    norms its input_layernorm and post_attention_layernorm. `attn`: the attention tensors the family
+    has; `mlp`: the MLP / MoE module; `experts`: our fused expert -> HF per-expert leaf (MoE only)."""
+    hf_a, hf_m = "model.layers.{a}.", f"model.layers.{{m}}.{mlp}."
+    out = {"embeddings.weight": "model.embed_tokens.weight",
+           "layers.{a}.norm.weight": hf_a + "input_layernorm.weight",
+           "layers.{m}.norm.weight": "model.layers.{m}.post_attention_layernorm.weight"}
+    out.update({f"layers.{{a}}.mixer.{t}": f"{hf_a}self_attn.{t}" for t in attn})
+    if experts is None:
+        out.update({f"layers.{{m}}.mixer.{p}.weight": f"{hf_m}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")})
+    else:
+        out["layers.{m}.mixer.gate.weight"] = f"{hf_m}{router}.weight"
+        out.update({f"layers.{{m}}.mixer.experts.{p}": f"{hf_m}experts.{{e}}.{leaf}.weight" for p, leaf in experts.items()})
+    if shared:
+        out.update({f"layers.{{m}}.mixer.shared_experts.{p}.weight": f"{hf_m}shared_expert.{p}.weight"
+                    for p in ("gate_proj", "up_proj", "down_proj")})
+        out["layers.{m}.mixer.shared_expert_gate.weight"] = f"{hf_m}shared_expert_gate.weight"
+    out.update({"norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"})
+    return out
+
+
+_QKV = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+_ATTN = _QKV + ("o_proj.weight", "o_proj.bias")  # attention_bias covers o_proj too
+_QWEN2_ATTN = _QKV + ("o_proj.weight",)  # q/k/v bias, never an o_proj bias
+_QWEN3_ATTN = _ATTN + ("q_norm.weight", "k_norm.weight")
+_SWIGLU = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+KEY_MAPS = {
+    "nemotron_h": _nemotron_h(),
+    "llama": _llama(_ATTN, "mlp"), "mistral": _llama(_ATTN, "mlp"),
+    "qwen2": _llama(_QWEN2_ATTN, "mlp"), "qwen3": _llama(_QWEN3_ATTN, "mlp"),
+    "mixtral": _llama(_ATTN, "block_sparse_moe", "gate", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+    "qwen2_moe": _llama(_QWEN2_ATTN, "mlp", "gate", _SWIGLU, shared=True),
+    "qwen3_moe": _llama(_QWEN3_ATTN, "mlp", "gate", _SWIGLU),
+}
+
+
+class _Pattern:
+    """One key-map pattern, matched and filled in on one side (ours or HF)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.slots = _SLOT.findall(text)
+        parts = _SLOT.split(text)  # literal, slot, literal, slot, ..., literal
+        self.regex = re.compile("".join(re.escape(p) if k % 2 == 0 else rf"(?P<{p}>\d+)"
+                                        for k, p in enumerate(parts)))
+        self.skeleton = _skeleton(_SLOT.sub("0", text))
+
+    def match(self, name: str) -> dict[str, int] | None:
+        m = self.regex.fullmatch(name)
+        return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+
+    def fill(self, values: dict[str, int]) -> str:
+        return _SLOT.sub(lambda m: str(values[m.group(1)]), self.text)
+
+
+def _skeleton(name: str) -> str:
+    """A name with every number replaced: the bucket its candidate patterns are looked up in."""
+    return re.sub(r"\d+", "#", name)
+
+
+@lru_cache(maxsize=None)
+def _compiled(family: str, side: int) -> dict[str, list[tuple[_Pattern, _Pattern]]]:
+    """{skeleton: [(pattern on `side`, pattern on the other side)]}; side 0: ours, 1: HF."""
+    if family not in KEY_MAPS:
+        raise RemodelError(f"unknown Hugging Face family {family!r} (supported: {', '.join(KEY_MAPS)})")
+    out: dict[str, list] = {}
+    for pair in KEY_MAPS[family].items():
+        src, dst = _Pattern(pair[side]), _Pattern(pair[1 - side])
+        out.setdefault(src.skeleton, []).append((src, dst))
+    return out
+
+
+def _check_expert(cfg: ModelConfig, family: str, name: str, expert, wants: bool):
+    if wants != (expert is not None):
+        raise RemodelError(f"{family} tensor {name!r} {'needs' if wants else 'takes no'} expert index")
+    if wants and not 0 <= expert < (cfg.n_routed_experts or 0):
+        raise RemodelError(f"expert {expert} of {name!r} is out of range (the model has {cfg.n_routed_experts})")
+
+
+def to_hf_name(cfg: ModelConfig, family: str, our_name: str, expert: int | None = None) -> str:
+    """The family's checkpoint name of our tensor `our_name` (of its expert `expert`, for a fused
+    expert tensor, which HF stores per expert). RemodelError when the family has no such tensor."""
+    for ours, hf in _compiled(family, 0).get(_skeleton(our_name), ()):
+        got = ours.match(our_name)
+        if got is None:
+            continue
+        values = {k: _INDEX[k][0](v) for k, v in got.items()}
+        if None in values.values():  # e.g. an odd layer index for an attention-half slot
+            continue
+        _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
+        return hf.fill({**values, "e": expert})
+    raise RemodelError(f"{family} has no tensor for our {our_name!r}")
+
+
+def from_hf_name(cfg: ModelConfig, family: str, hf_name: str) -> tuple[str, int | None]:
+    """(our name, expert index or None) of a checkpoint tensor of the family: the inverse of to_hf_name."""
+    for hf, ours in _compiled(family, 1).get(_skeleton(hf_name), ()):
+        got = hf.match(hf_name)
+        if got is None:
+            continue
+        expert = got.pop("e", None)
+        _check_expert(cfg, family, hf_name, expert, "e" in hf.slots)
+        return ours.fill({k: _INDEX[k][1](v) for k, v in got.items()}), expert
+    raise RemodelError(f"{hf_name!r} is not a {family} tensor remodel knows")
+
+
+def weight_table(cfg: ModelConfig, family: str) -> list[tuple[str, str, int | None]]:
+    """Rows (our_name, hf_name, expert_index or None) covering every tensor of the HF checkpoint, in
+    our storage order (models.layout), each fused expert tensor expanded into its experts in order.
+    Import stacks a fused tensor's rows; export slices `ours[our_name][expert]`."""
+    rows = []
+    for ours, shape in shapes(cfg).items():
+        if ".experts." in ours and not ours.endswith(".weight"):  # fused [E, ...]: one HF tensor per expert
+            rows += [(ours, to_hf_name(cfg, family, ours, e), e) for e in range(shape[0])]
+        else:
+            rows.append((ours, to_hf_name(cfg, family, ours), None))
+    return rows

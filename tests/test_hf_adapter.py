@@ -1,0 +1,122 @@
+"""The HF key maps (models.hf_adapter), for every family: export is the exact inverse of import, and
+the names are exactly the tensors transformers saves for the exported config (its oracle)."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from models.config import ModelConfig
+from models.errors import RemodelError
+from models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf, default_family, from_hf_name, to_hf_name, \
+    weight_table
+from models.layout import shapes
+from models.load import extra_hf_tensors
+
+BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, head_dim=6)
+MAMBA = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
+MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=10)
+LLAMA = dict(mlp_gated=True, mlp_act="silu", rope_theta=1e4, **BASE)
+CASES = {  # (family, tiny config of that family)
+    "nemotron_h": ("nemotron_h", ModelConfig(pattern="M*-EM-", intermediate_size=40, moe_shared_expert_intermediate_size=12,
+                                             **BASE, **MAMBA, **MOE)),
+    "nemotron_h_mtp_latent": ("nemotron_h", ModelConfig(pattern="ME*E", moe_latent_size=8, mamba_proj_bias=True,
+                                                        use_conv_bias=False, mtp_layers=1, mtp_pattern="*E",
+                                                        **BASE, **MAMBA, **MOE)),
+    "llama": ("llama", ModelConfig(pattern="*-" * 3, intermediate_size=40, attention_bias=True, attention_out_bias=True,
+                                   tie_word_embeddings=True, **LLAMA)),
+    "mistral": ("mistral", ModelConfig(pattern="*-" * 2, intermediate_size=40, sliding_window=16, **LLAMA)),
+    "qwen2": ("qwen2", ModelConfig(pattern="*-" * 2, intermediate_size=40, attention_bias=True, **LLAMA)),
+    "qwen3": ("qwen3", ModelConfig(pattern="*-" * 2, intermediate_size=40, qk_norm=True, **LLAMA)),
+    "mixtral": ("mixtral", ModelConfig(pattern="*E" * 2, router="softmax", **LLAMA, **MOE)),
+    "qwen2_moe": ("qwen2_moe", ModelConfig(pattern="*E" * 2, attention_bias=True, router="softmax",
+                                           shared_expert_gate=True, moe_shared_expert_intermediate_size=12,
+                                           **LLAMA, **MOE)),
+    "qwen2_moe_noshared": ("qwen2_moe", ModelConfig(pattern="*E" * 2, router="softmax", **LLAMA, **MOE)),
+    "qwen3_moe": ("qwen3_moe", ModelConfig(pattern="*E" * 2, qk_norm=True, router="softmax", **LLAMA, **MOE)),
+}
+
+
+def test_every_family_is_covered():
+    assert set(KEY_MAPS) == set(FAMILIES) == {f for f, _ in CASES.values()}
+    for family, cfg in CASES.values():
+        check_exportable(cfg, family)
+    for family, m in KEY_MAPS.items():  # one HF name per our name and back: from_hf is a function
+        assert len(set(m.values())) == len(m), family
+    assert {default_family(cfg) for _, cfg in CASES.values()} >= {"nemotron_h", "llama", "qwen3", "mixtral",
+                                                                   "qwen2_moe", "qwen3_moe"}
+
+
+def saved_names(cfg: ModelConfig, family: str) -> set[str]:
+    """The tensor names transformers' save_pretrained writes for `config_to_hf(cfg, family)`: the meta
+    model's state dict (persistent buffers included) less tied weights, in the checkpoint's original
+    format (per-expert tensors, backbone. prefix), as save_pretrained reverts its load-time conversions."""
+    d = PretrainedConfig._decode_special_floats(config_to_hf(cfg, family))
+    h = AutoConfig.for_model(family, **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(h)
+    sd = {k: v for k, v in m.state_dict().items() if k not in (m._keys_to_ignore_on_save or ())}
+    return set(revert_weight_conversion(m, remove_tied_weights_from_state_dict(sd, m)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_every_name(case):
+    family, cfg = CASES[case]
+    rows = weight_table(cfg, family)
+    for ours, shape in shapes(cfg).items():
+        experts = range(shape[0]) if ".experts." in ours and not ours.endswith(".weight") else [None]
+        for e in experts:
+            hf = to_hf_name(cfg, family, ours, e)
+            assert from_hf_name(cfg, family, hf) == (ours, e)
+            assert to_hf_name(cfg, family, *from_hf_name(cfg, family, hf)) == hf
+    assert [(o, e) for o, _, e in rows] == [from_hf_name(cfg, family, h) for _, h, _ in rows]
+    for hf in extra_hf_tensors(cfg, family):  # placeholders of an absent shared expert: same map
+        assert to_hf_name(cfg, family, *from_hf_name(cfg, family, hf)) == hf
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_names_are_what_transformers_saves(case):
+    family, cfg = CASES[case]
+    names = [h for _, h, _ in weight_table(cfg, family)] + list(extra_hf_tensors(cfg, family))
+    assert len(names) == len(set(names))  # unique
+    trunk = {h for h in names if not h.startswith("mtp.")}  # transformers builds no MTP head (vLLM reads it)
+    assert trunk == saved_names(cfg, family)
+    mtp = [(o, h, e) for o, h, e in weight_table(cfg, family) if h.startswith("mtp.")]
+    assert len(mtp) == sum(s[0] if ".experts." in n and not n.endswith(".weight") else 1
+                           for n, s in shapes(cfg).items() if n.startswith("mtp."))
+    for ours, hf, e in mtp:  # our names, unprefixed, experts split
+        assert hf == (ours if e is None else f"{ours.rsplit('.', 1)[0]}.{e}.{ours.rsplit('.', 1)[1]}.weight")
+
+
+def test_llama_pairing_and_experts():
+    _, cfg = CASES["mixtral"]
+    assert to_hf_name(cfg, "mixtral", "layers.2.norm.weight") == "model.layers.1.input_layernorm.weight"
+    assert to_hf_name(cfg, "mixtral", "layers.3.norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    assert to_hf_name(cfg, "mixtral", "layers.3.mixer.experts.gate_proj", 2) == \
+        "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    assert from_hf_name(cfg, "mixtral", "model.layers.1.self_attn.o_proj.weight") == ("layers.2.mixer.o_proj.weight", None)
+    _, nem = CASES["nemotron_h"]
+    assert to_hf_name(nem, "nemotron_h", "layers.3.mixer.experts.up_proj", 1) == \
+        "backbone.layers.3.mixer.experts.1.up_proj.weight"
+
+
+@pytest.mark.parametrize("family, name, expert", [
+    ("llama", "layers.1.mixer.q_proj.weight", None),  # an attention tensor on an MLP layer
+    ("qwen2", "layers.0.mixer.o_proj.bias", None),  # qwen2 has no o_proj bias
+    ("mixtral", "layers.1.mixer.experts.up_proj", None),  # a fused expert tensor needs its expert
+    ("mixtral", "layers.1.mixer.experts.up_proj", 4),  # out of range
+    ("mixtral", "layers.1.mixer.gate.weight", 0),  # not per expert
+])
+def test_unknown_names_are_refused(family, name, expert):
+    cfg = CASES[family][1]
+    with pytest.raises(RemodelError):
+        to_hf_name(cfg, family, name, expert)
+
+
+def test_unknown_hf_names_are_refused():
+    cfg = CASES["llama"][1]
+    for hf in ("model.layers.0.mlp.experts.0.up_proj.weight", "backbone.embeddings.weight", "model.rotary_emb.inv_freq"):
+        with pytest.raises(RemodelError):
+            from_hf_name(cfg, "llama", hf)
+    with pytest.raises(RemodelError):
+        to_hf_name(cfg, "gpt2", "embeddings.weight")
