@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 
 from models.config import ModelConfig
-from models.layout import segment_sizes
+from models.layout import axis_size, segment_sizes
 
 from .axes import layer_of, tensor_axes
 
@@ -43,24 +43,21 @@ METHODS = ("activation", "magnitude", "random")
 WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
 
 
+# per layer kind: the score tensors an activation run writes, each with its axes (models.layout)
+SCORED = {"-": {"ffn": ("ffn",)}, "*": {"attn": ("attn_heads", "head_dim")},
+          "M": {"mamba_x": ("mamba_heads", "mamba_head_dim")},
+          "E": {"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),
+                "latent": ("latent",)}}
+
+
 def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """{name: shape} of every tensor an activation scoring run writes for this config."""
     s = {"hidden": (cfg.hidden_size,), "block_importance": (cfg.num_layers,), "loss_increase": (cfg.num_layers,)}
     for i, c in enumerate(cfg.pattern):
-        p = f"layers.{i}."
-        if c == "-":
-            s[p + "ffn"] = (cfg.intermediate_size,)
-        elif c == "*":
-            s[p + "attn"] = (cfg.num_attention_heads, cfg.head_dim)
-        elif c == "M":
-            s[p + "mamba_x"] = (cfg.mamba_num_heads, cfg.mamba_head_dim)
-        else:
-            s[p + "experts"] = (cfg.n_routed_experts,)
-            s[p + "expert_ffn"] = (cfg.n_routed_experts, cfg.moe_intermediate_size)
-            if cfg.moe_shared_expert_intermediate_size:
-                s[p + "shared_ffn"] = (cfg.moe_shared_expert_intermediate_size,)
-            if cfg.moe_latent_size:
-                s[p + "latent"] = (cfg.moe_latent_size,)
+        for name, axes in SCORED[c].items():
+            shape = tuple(axis_size(cfg, a) for a in axes)
+            if all(shape):  # no shared expert / latent: not written
+                s[f"layers.{i}.{name}"] = shape
     return s
 
 

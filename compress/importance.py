@@ -61,6 +61,7 @@ from models.config import ModelConfig
 from models.hf import config_from_hf, our_shapes
 from models.layout import segment_span
 from models.load import iter_our_tensors
+from models.mlp import ffn
 from models.model import Block
 from models.norm import RMSNorm
 
@@ -179,9 +180,8 @@ class Scorer:
             ctx.update(token=order // idx.shape[1], w=w.reshape(-1)[order].float(), counts=counts, starts=starts)
 
         def expert(e, x):  # Experts.expert, recording its hidden and output
-            h = F.linear(x, experts.up_proj[e])
-            h = experts.act(F.linear(x, experts.gate_proj[e])) * h if experts.gate_proj is not None else experts.act(h)
-            y = F.linear(h, experts.down_proj[e])
+            gate = None if experts.gate_proj is None else experts.gate_proj[e]
+            h, y = ffn(x, experts.up_proj[e], gate, experts.down_proj[e], experts.act)
             self._expert_stats(p, e, h, y, ctx)
             return y
 

@@ -139,7 +139,7 @@ def axis_size(cfg: ModelConfig, axis: str, w: dict | None = None) -> int:
     sizes = {
         "hidden": w["hidden_size"], "vocab": w["vocab_size"], "one": 1, "conv_kernel": cfg.conv_kernel,
         "ffn": w["ffn_size"], "attn_q": w["attn_heads"] * w["head_dim"], "attn_kv": w["kv_heads"] * w["head_dim"],
-        "head_dim": w["head_dim"], "mamba_heads": w["mamba_heads"], "mamba_head_dim": w["mamba_head_dim"],
+        "head_dim": w["head_dim"], "attn_heads": w["attn_heads"], "mamba_heads": w["mamba_heads"], "mamba_head_dim": w["mamba_head_dim"],
         "mamba_inner": w["mamba_heads"] * w["mamba_head_dim"], "mamba_bc": cfg.n_groups * w["ssm_state_size"],
         "experts": w["experts"], "expert_ffn": w["expert_ffn_size"], "shared_ffn": w["shared_expert_size"],
         "latent": w["latent_size"], "mtp_eh_in": 2 * w["hidden_size"],

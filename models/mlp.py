@@ -36,6 +36,18 @@ ACT = {
 }
 
 
+def gated_act(act, h, gate=None):
+    """act(gate) * h for a gated (SwiGLU-style) FFN, act(h) otherwise."""
+    return act(gate) * h if gate is not None else act(h)
+
+
+def ffn(x, up, gate, down, act, linear=F.linear):
+    """One expert's arithmetic, down(gated_act(up x, gate x)), with weights given as tensors (a fused
+    expert's slice, a shard); returns (the activation entering down, the output) for scorers."""
+    h = gated_act(act, linear(x, up), None if gate is None else linear(x, gate))
+    return h, linear(h, down)
+
+
 class MLP(nn.Module):
     recompute_core = False  # models.recompute "selective": activation + down_proj recomputed in backward
 
@@ -54,8 +66,7 @@ class MLP(nn.Module):
 
     def _act_down(self, h, gate=None):
         """down(act(gate) * h), or down(act(h)): what selective recomputation replays."""
-        h = self.act(gate) * h if gate is not None else self.act(h)
-        return self.down_proj(h)
+        return self.down_proj(gated_act(self.act, h, gate))
 
 
 class Router(nn.Module):
@@ -114,8 +125,7 @@ class Experts(nn.Module):
         return maybe_checkpoint(self, self._act_down, e, h, F.linear(x, self.gate_proj[e]))
 
     def _act_down(self, e: int, h, gate=None):
-        h = self.act(gate) * h if gate is not None else self.act(h)
-        return F.linear(h, self.down_proj[e])
+        return F.linear(gated_act(self.act, h, gate), self.down_proj[e])
 
     def forward(self, x, weights, idx):
         """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless."""

@@ -44,6 +44,7 @@ from torch import nn
 
 from models.errors import RemodelError
 from models.layout import layer_params, tp_split
+from models.mlp import ffn
 
 from .collectives import (ScaleGrad, chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
                           reduce_from_group, split_rows)
@@ -163,9 +164,7 @@ def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicat
     ys, start = [], 0
     for e, m in enumerate(recv.sum(0).tolist()):  # every local expert runs, even on 0 rows, so that
         xi = xe[start:start + m]                  # every rank's backward meets the same collectives
-        h = F.linear(xi, up[e])
-        h = self.act(F.linear(xi, gate[e])) * h if gate is not None else self.act(h)
-        ys.append(F.linear(h, down[e]))
+        ys.append(ffn(xi, up[e], None if gate is None else gate[e], down[e], self.act)[1])
         start += m
     ye = torch.cat(ys)
     yr = torch.empty_like(ye).index_copy(0, perm, ye)  # back to arrival order

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import rope_inv_freq
-from models.mlp import ACT
+from models.mlp import ACT, ffn
 from models.model import Block
 from models.norm import RMSNorm
 
@@ -77,9 +77,9 @@ class ShardExperts(torch.nn.Module):
             tok = hit.any(1).nonzero().squeeze(1)
             if len(tok):
                 h = x[tok]
-                u = linear_f32(h, self.up.shards[g])
-                u = self.act(linear_f32(h, self.gate.shards[g])) * u if self.gate is not None else self.act(u)
-                out.index_add_(0, tok, linear_f32(u, self.down.shards[g]) * w[tok, None])
+                gate = None if self.gate is None else self.gate.shards[g]
+                _, y = ffn(h, self.up.shards[g], gate, self.down.shards[g], self.act, linear_f32)
+                out.index_add_(0, tok, y * w[tok, None])
         return out.to(x.dtype)
 
 
