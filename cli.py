@@ -55,16 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     # every command's --help shows each option's default (a parser may still pass its own formatter)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
+    for add in (_add_demo, _add_inspect, _add_convert, _add_score, _add_prune, _add_plan, _add_search,
+                _add_distill, _add_train, _add_upcycle, _add_tokenize, _add_eval):
+        add(sub)
+    return ap
 
+
+def _add_demo(sub):
     p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
     p.add_argument("--out", default="remodel-demo", help="output directory (checkpoints, plots, report)")
     p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-demo OUT directory")
 
+
+def _add_inspect(sub):
     p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
     p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
 
+
+def _add_convert(sub):
     p = sub.add_parser("convert", help="import/export through the shared model definition")
     p.add_argument("model", help="checkpoint directory to read")
     p.add_argument("out", help="new output directory")
@@ -74,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the written weights (default None: as read)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_score(sub):
     p = sub.add_parser("score", help="activation importance of every prunable unit")
     p.add_argument("model", help="checkpoint directory to score")
     p.add_argument("--data", help="calibration text (needed for --method activation)")
@@ -93,20 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the per-layer loss increase score (it costs one extra forward per layer)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_prune(sub):
+    from models.layout import PRUNABLE, WIDTHS
     p = sub.add_parser("prune", help="structured pruning to a target shape")
     p.add_argument("model", help="checkpoint directory to prune")
     p.add_argument("out", help="new output directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
     g.add_argument("--data", help="calibration text: score first, then prune")
-    for flag in ("hidden-size", "ffn-size", "mamba-heads", "mamba-head-dim", "attn-heads", "experts",
-                 "expert-ffn-size", "shared-expert-size", "latent-size"):
-        p.add_argument(f"--{flag}", type=int, help=f"target {flag.replace('-', ' ')} (None: kept)")
+    for name in PRUNABLE:  # one target flag per prunable width of the layout registry
+        p.add_argument("--" + name.replace("_", "-"), type=int, help=f"target {WIDTHS[name].help} (None: kept)")
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_plan(sub):
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
@@ -120,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the memory estimate")
     p.add_argument("--json", action="store_true", help="print the candidates as JSON instead of a table")
 
+
+def _add_search(sub):
     p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
     p.add_argument("model", help="checkpoint directory to search from")
     p.add_argument("out", help="new output directory (the best candidate and the report)")
@@ -136,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_distill(sub):
     p = sub.add_parser("distill", help="knowledge distillation (teacher -> student); give --steps or --tokens",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--teacher", required=True, help="teacher checkpoint directory (frozen)")
@@ -143,12 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory of the final HF checkpoint (checkpoints go to OUT.run/)")
     _train_flags(p, True)
 
+
+def _add_train(sub):
     p = sub.add_parser("train", help="plain LM training / continued pretraining; give --steps or --tokens",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="checkpoint directory (the model trained)")
     p.add_argument("out", help="output directory of the final HF checkpoint (checkpoints go to OUT.run/)")
     _train_flags(p, False)
 
+
+def _add_upcycle(sub):
     p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
     p.add_argument("model", help="dense checkpoint directory (its MLP layers become MoE layers)")
     p.add_argument("out", help="new output directory")
@@ -172,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_tokenize(sub):
     p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
@@ -184,13 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
 
+
+def _add_eval(sub):
     p = sub.add_parser("eval", help="perplexity and tokens/s")
     p.add_argument("model", help="checkpoint directory to evaluate")
     p.add_argument("--data", required=True, help="held-out text")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
-    return ap
 
 
 def _dtype(name):
@@ -199,79 +226,103 @@ def _dtype(name):
 
 
 def _targets(a) -> dict:
-    keys = ("hidden_size", "ffn_size", "mamba_heads", "mamba_head_dim", "attn_heads", "experts",
-            "expert_ffn_size", "shared_expert_size", "latent_size", "num_layers", "drop_layers")
+    from models.layout import PRUNABLE
+    keys = PRUNABLE + ("num_layers", "drop_layers")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 
-def run(a) -> object:
+def _run_demo(a):
+    from pipelines.demo import demo
+    return demo(a.out, quick=a.quick, overwrite=a.overwrite)
+
+
+def _run_inspect(a):
     from models.errors import RemodelError
-    c = a.command
-    if c == "demo":
-        from pipelines.demo import demo
-        return demo(a.out, quick=a.quick, overwrite=a.overwrite)
-    if c == "inspect":
-        from pipelines.inspection import format_inspect, inspect
-        d = inspect(a.model)
-        print(_json(d, a.command) if a.json else format_inspect(d))
-        bad = (d.get("checkpoint") or {}).get("config_mismatches")
-        if bad:
-            raise RemodelError(f"{len(bad)} tensor(s) disagree with config.json, e.g. {bad[0]}")
-        return None
-    if c == "convert":
-        import torch
-        from pipelines.convert import convert
-        return convert(a.model, a.out, to=a.to, overwrite=a.overwrite,
-                       dtype=getattr(torch, a.dtype) if a.dtype else None)
-    if c == "score":
-        from pipelines.score import score
-        if a.method == "activation" and not a.data:
-            raise RemodelError("--data is required for --method activation")
-        return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
-                     loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed,
-                     expert_method=a.expert_method)
-    if c == "prune":
-        from pipelines.prune import prune
-        return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
-    if c == "plan":
-        from pipelines.plan import plan
-        axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
-        r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
-                 axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
-        if a.json:
-            print(_json(r, a.command))
-        return None
-    if c == "search":
-        from pipelines.search import search
-        return search(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
+    from pipelines.inspection import format_inspect, inspect
+    d = inspect(a.model)
+    print(_json(d, a.command) if a.json else format_inspect(d))
+    bad = (d.get("checkpoint") or {}).get("config_mismatches")
+    if bad:
+        raise RemodelError(f"{len(bad)} tensor(s) disagree with config.json, e.g. {bad[0]}")
+
+
+def _run_convert(a):
+    from pipelines.convert import convert
+    return convert(a.model, a.out, to=a.to, overwrite=a.overwrite, dtype=_dtype(a.dtype))
+
+
+def _run_score(a):
+    from models.errors import RemodelError
+    from pipelines.score import score
+    if a.method == "activation" and not a.data:
+        raise RemodelError("--data is required for --method activation")
+    return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
+                 loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed,
+                 expert_method=a.expert_method)
+
+
+def _run_prune(a):
+    from pipelines.prune import prune
+    return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
+
+
+def _run_plan(a):
+    from pipelines.plan import plan
+    axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
+    r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
+             axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
+    if a.json:
+        print(_json(r, a.command))
+
+
+def _run_search(a):
+    from pipelines.search import search_job
+    return search_job(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
                       distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
                       active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
                       seq_len=a.seq_len, batch=a.batch)
-    if c in ("distill", "train"):
-        from pipelines.train_config import config_from_args
-        from pipelines.trainer import run as run_training
-        if c == "distill":
-            return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
-        return run_training(config_from_args(a, student_dir=a.model, out=a.out))
-    if c == "upcycle":
-        from pipelines.upcycle import upcycle
-        return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
-                       shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
-                       seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
-    if c == "eval":
-        from pipelines.evaluate import evaluate
-        r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
-        loss = r.get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss):
-            raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
-                               "hold NaN/inf or overflow")
-        print(_json(r, a.command))
-        return None
-    if c == "tokenize":
-        from pipelines.tokens import tokenize
-        return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
-                        overwrite=a.overwrite)
-    raise AssertionError(c)
+
+
+def _run_training(a):
+    from pipelines.train_config import config_from_args
+    from pipelines.trainer import run as run_training
+    if a.command == "distill":
+        return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
+    return run_training(config_from_args(a, student_dir=a.model, out=a.out))
+
+
+def _run_upcycle(a):
+    from pipelines.upcycle import upcycle
+    return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
+                   shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
+                   seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
+
+
+def _run_eval(a):
+    from models.errors import RemodelError
+    from pipelines.evaluate import evaluate
+    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
+    loss = r.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
+                           "hold NaN/inf or overflow")
+    print(_json(r, a.command))
+
+
+def _run_tokenize(a):
+    from pipelines.tokens import tokenize
+    return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
+                    overwrite=a.overwrite)
+
+
+COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
+            "prune": _run_prune, "plan": _run_plan, "search": _run_search, "distill": _run_training,
+            "train": _run_training, "upcycle": _run_upcycle, "eval": _run_eval, "tokenize": _run_tokenize}
+
+
+def run(a) -> object:
+    """Runs the parsed command `a`; -> its result (a report dict, or None when it printed its own output)."""
+    return COMMANDS[a.command](a)
 
 
 def _finite(obj, bad: list, where: str = ""):
@@ -304,9 +355,6 @@ def main(argv=None) -> int:
         r = run(a)
     except RemodelError as e:
         print(f"remodel {a.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
-        print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
         print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)

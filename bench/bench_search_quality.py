@@ -32,7 +32,7 @@ from models.load import load_config  # noqa: E402
 from models.params import count_params  # noqa: E402
 from pipelines.data import embedded_corpus, load_texts  # noqa: E402
 from pipelines.prune import prune  # noqa: E402
-from pipelines.search import search  # noqa: E402
+from pipelines.search import search_job  # noqa: E402
 from pipelines.evaluate import evaluate  # noqa: E402
 from pipelines.train import train  # noqa: E402
 
@@ -72,7 +72,7 @@ def main():
     root.mkdir(parents=True, exist_ok=True)
     kw = dict(seq_len=a.seq_len, batch=a.batch)
 
-    rep = search(EMBEDDED, root / "search", train_txt, params=budget, candidates=a.candidates,
+    rep = search_job(EMBEDDED, root / "search", train_txt, params=budget, candidates=a.candidates,
                  distill_tokens=a.tokens, overwrite=True, lr=a.lr, progress=False, **kw)
     pick = rep["pick"]
     t_search = time.time() - t0

@@ -116,13 +116,13 @@ def build_checkpoint(cfg, path: Path, seed: int = 0):
 
 
 def check_refusals(ckpt: Path, root: Path, data, cfg) -> dict:
-    """search() on budgets below the smallest / above the source: refused, nothing written."""
-    from pipelines.search import search
+    """search_job() on budgets below the smallest / above the source: refused, nothing written."""
+    from pipelines.search import search_job
     refused = {}
     for name, p in (("below", 1e3), ("above", 2.0 * count_params(cfg)["total"])):
         bad = root / f"refused-{name}"
         try:
-            search(ckpt, bad, data, params=p, progress=False)
+            search_job(ckpt, bad, data, params=p, progress=False)
             refused[name] = "NOT REFUSED"
         except RemodelError as e:
             refused[name] = str(e)
@@ -155,7 +155,7 @@ def main():
     ap.add_argument("--out", default=None, help="keep the outputs here (default: a temporary folder)")
     a = ap.parse_args()
     from pipelines.score import score
-    from pipelines.search import search
+    from pipelines.search import search_job
 
     t0 = time.time()
     phases = {}
@@ -192,7 +192,7 @@ def main():
     mark("plan", t)
 
     t = time.time()
-    rep = search(ckpt, out, train_txt, params=b["params"], memory_gb=b["memory_gb"], plan_options=b["plan_options"],
+    rep = search_job(ckpt, out, train_txt, params=b["params"], memory_gb=b["memory_gb"], plan_options=b["plan_options"],
                  top=a.top, candidates=a.candidates, distill_tokens=a.distill_tokens, scores_dir=scores,
                  seq_len=a.seq_len, batch=a.batch, eval_tokens=a.eval_tokens, overwrite=True, progress=False)
     mark("search (prune, rank, distill, export)", t)

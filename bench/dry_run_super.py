@@ -77,7 +77,7 @@ def main():
     ap.add_argument("--out", default=None, help="keep the outputs here (default: a temporary folder)")
     a = ap.parse_args()
     from pipelines.score import score
-    from pipelines.search import search
+    from pipelines.search import search_job
 
     t0, phases = time.time(), {}
 
@@ -108,7 +108,7 @@ def main():
     mark("plan", t)
 
     t = time.time()
-    rep = search(ckpt, out, train_txt, **budget, plan_options=b["plan_options"], top=a.top, candidates=a.candidates,
+    rep = search_job(ckpt, out, train_txt, **budget, plan_options=b["plan_options"], top=a.top, candidates=a.candidates,
                  distill_tokens=a.distill_tokens, scores_dir=scores, seq_len=a.seq_len, batch=a.batch,
                  eval_tokens=a.eval_tokens, overwrite=True, progress=False)
     mark("search (prune, rank, export)", t)

@@ -18,16 +18,14 @@ from compress.prune import (depth_metric, kept_layers, layer_units, new_config, 
 from compress.axes import tensor_axes
 from compress.scores import load_scores
 from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
-from models.config import LAYER_TYPES, ModelConfig
+from models.config import ModelConfig
 from models.errors import RemodelError
 from models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
 from models.load import iter_hf_tensors, iter_our_tensors
 from models.params import count_params
 
+from .plots import plot_importance
 from .report import write_report
-
-COLORS = {"M": "tab:blue", "*": "tab:orange", "-": "tab:green", "E": "tab:purple"}
-
 
 def check_scores_match(cfg: ModelConfig, meta: dict, where) -> None:
     try:
@@ -56,38 +54,6 @@ def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
             for k, v in keep.items()}
 
 
-def plot_importance(path, cfg: ModelConfig, scores: dict, dropped: list[int]) -> bool:
-    """Per-layer importance bars coloured by layer type, dropped layers hatched and marked."""
-    rows = [m for m in ("block_importance", "loss_increase") if m in scores]
-    if not rows:
-        return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    L = cfg.num_layers
-    fig, axes = plt.subplots(len(rows), 1, figsize=(max(6, 0.18 * L + 2), 2.6 * len(rows)), squeeze=False)
-    for ax, m in zip(axes[:, 0], rows):
-        v = scores[m].float().tolist()
-        bars = ax.bar(range(L), v, color=[COLORS[c] for c in cfg.pattern], edgecolor="black", linewidth=0.3)
-        for i in dropped:
-            bars[i].set_hatch("xx")
-            bars[i].set_alpha(0.45)
-            ax.annotate("x", (i, v[i]), ha="center", va="bottom", color="red", fontsize=9, fontweight="bold")
-        ax.set_ylabel(m)
-        ax.set_xlim(-1, L)
-    axes[-1, 0].set_xlabel("layer (original index; x = dropped)")
-    handles = [Patch(color=COLORS[c], label=LAYER_TYPES[c]) for c in COLORS if c in cfg.pattern]
-    fig.suptitle(f"per-layer importance ({cfg.pattern if L <= 60 else f'{L} layers'})", fontsize=9)
-    fig.legend(handles=handles, ncol=len(handles), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.95),
-               frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_size=None, mamba_heads=None,
           mamba_head_dim=None, attn_heads=None, experts=None, expert_ffn_size=None, shared_expert_size=None,
           latent_size=None, num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
@@ -105,55 +71,23 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
     if scores_dir is None:
-        import inspect
-        from pipelines.score import score
-        given, known = set(score_kwargs), set(inspect.signature(score).parameters) - {"model_dir", "data", "out"}
-        bad = sorted(given - known)
-        if bad:
-            raise RemodelError(f"unknown scoring options {bad} for prune --data")
-
-    def plan(scores):  # -> keep, pruned config, its HF config (refusals here still write nothing)
-        keep = plan_keep(cfg, scores, t, family)
-        new = new_config(cfg, keep)
-        hf_cfg = config_to_hf(new, family)
-        for k in ("dtype", "torch_dtype"):
-            if reader.config.get(k) is not None:
-                hf_cfg[k] = reader.config[k]
-        return keep, new, hf_cfg
-
-    if scores_dir is not None:
-        scores, meta = load_scores(scores_dir)
-        check_scores_match(cfg, meta, scores_dir)
-        keep, new, hf_cfg = plan(scores)
+        _check_score_options(score_kwargs)
+    else:
+        scores, meta = _checked_scores(cfg, scores_dir)
+        keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
     with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         if scores_dir is None:
+            from .score import score
             score(model_dir, data, tmp / "scores", **score_kwargs)  # kept as OUT/scores for re-pruning
-            scores, meta = load_scores(tmp / "scores")
-            check_scores_match(cfg, meta, tmp / "scores")
+            scores, meta = _checked_scores(cfg, tmp / "scores")
             scores_dir = Path(out) / "scores"
-            keep, new, hf_cfg = plan(scores)
-
-        table = tensor_axes(cfg)
-        old_names = [n for n in table if rename(n, keep) is not None]
-        stream = iter_our_tensors(reader, cfg, family, names=set(old_names))  # checks every shape first
-
-        def get(new_name):  # iter_hf_tensors asks in table order, which is the old order renumbered
-            old, tensor = next(stream)
-            if rename(old, keep) != new_name:
-                raise RemodelError(f"internal: tensor order mismatch ({old} -> {rename(old, keep)} != {new_name})")
-            return prune_tensor(old, tensor, cfg, keep, table)
-
+            keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
-        n = 0
-        for name, tensor in tqdm(iter_hf_tensors(get, new, family), desc="prune", unit="tensor",
-                                 total=len(weight_table(new, family)), leave=False):
-            w.add(name, tensor)
-            n += 1
+        n = _write_tensors(w, reader, cfg, family, keep, new)
         w.close(hf_cfg, aux_from=model_dir)
-
         kept = kept_layers(cfg, keep)
         dropped = [i for i in range(cfg.num_layers) if i not in set(kept)]
-        plotted = plot_importance(tmp / "importance.png", cfg, scores, dropped)
+        plotted = plot_importance(tmp / "importance.png", cfg.pattern, scores, dropped)
         report = {
             "command": "prune", "input": str(model_dir), "output": str(out), "scores": str(scores_dir),
             "family": family, "targets": t,
@@ -170,3 +104,51 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
             "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
         write_report(tmp, report)
     return report
+
+
+def _check_score_options(score_kwargs: dict):
+    """prune --data passes the remaining keywords to `score`: refuse unknown ones before any work."""
+    import inspect
+    from .score import score
+    known = set(inspect.signature(score).parameters) - {"model_dir", "data", "out"}
+    bad = sorted(set(score_kwargs) - known)
+    if bad:
+        raise RemodelError(f"unknown scoring options {bad} for prune --data")
+
+
+def _checked_scores(cfg: ModelConfig, scores_dir) -> tuple[dict, dict]:
+    """-> (score tensors, scores.json) of SCORES, refused when they were computed for another model."""
+    scores, meta = load_scores(scores_dir)
+    check_scores_match(cfg, meta, scores_dir)
+    return scores, meta
+
+
+def _plan(cfg: ModelConfig, src_hf: dict, scores: dict, targets: dict, family: str):
+    """-> keep, pruned config, its HF config (refusals here still write nothing)."""
+    keep = plan_keep(cfg, scores, targets, family)
+    new = new_config(cfg, keep)
+    hf_cfg = config_to_hf(new, family)
+    for k in ("dtype", "torch_dtype"):
+        if src_hf.get(k) is not None:
+            hf_cfg[k] = src_hf[k]
+    return keep, new, hf_cfg
+
+
+def _write_tensors(w: CheckpointWriter, reader, cfg: ModelConfig, family: str, keep: dict, new: ModelConfig) -> int:
+    """Streams every kept tensor, sliced, from `reader` to `w`; -> the number written."""
+    table = tensor_axes(cfg)
+    old_names = [n for n in table if rename(n, keep) is not None]
+    stream = iter_our_tensors(reader, cfg, family, names=set(old_names))  # checks every shape first
+
+    def get(new_name):  # iter_hf_tensors asks in table order, which is the old order renumbered
+        old, tensor = next(stream)
+        if rename(old, keep) != new_name:
+            raise RemodelError(f"internal: tensor order mismatch ({old} -> {rename(old, keep)} != {new_name})")
+        return prune_tensor(old, tensor, cfg, keep, table)
+
+    n = 0
+    for name, tensor in tqdm(iter_hf_tensors(get, new, family), desc="prune", unit="tensor",
+                             total=len(weight_table(new, family)), leave=False):
+        w.add(name, tensor)
+        n += 1
+    return n

@@ -20,13 +20,12 @@ from models.hf import config_from_hf
 from models.load import iter_our_tensors, load_model
 
 from .data import batches as make_batches, load_texts, pack
+from .plots import plot_importance
 from .report import write_report
 
 MODES = ("auto", "whole", "streaming")
 AUTO_FRACTION = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-COLORS = {"M": "tab:green", "*": "tab:red", "-": "tab:blue", "E": "tab:purple"}
-NAMES = {"M": "Mamba (M)", "*": "attention (*)", "-": "MLP (-)", "E": "MoE (E)"}
 
 
 def choose_mode(mode: str, weight_bytes: int, available_bytes: int) -> str:
@@ -48,28 +47,6 @@ def _tokenizer(model_dir: Path):
     except Exception as e:
         msg = f"cannot load the tokenizer in {model_dir} ({type(e).__name__}: {e})"
         raise RemodelError(msg.splitlines()[0]) from None
-
-
-def plot_importance(path, pattern: str, scores: dict):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    panels = [("block_importance", "block importance (1 - cos)"), ("loss_increase", "LM loss increase when removed")]
-    panels = [p for p in panels if p[0] in scores]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 0.25 * len(pattern) + 2), 2.8 * len(panels)),
-                             squeeze=False)
-    colors = [COLORS[c] for c in pattern]
-    for ax, (key, title) in zip(axes[:, 0], panels):
-        ax.bar(range(len(pattern)), scores[key].tolist(), color=colors)
-        ax.set_title(title)
-        ax.axhline(0, color="black", linewidth=0.5)
-    axes[-1, 0].set_xlabel("layer")
-    axes[0, 0].legend(handles=[Patch(color=COLORS[c], label=NAMES[c]) for c in "M*-E" if c in pattern], fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = False) -> dict:
@@ -115,29 +92,15 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
     check_expert_method(expert_method)
     if method != "activation":
         return score_weights(model_dir, out, method, seed, overwrite)
-    for name, v in (("samples", samples), ("seq_len", seq_len), ("batch", batch), ("loss_batches", loss_batches)):
-        _positive(name, v)
-    if mode not in MODES:
-        raise RemodelError(f"unknown mode {mode!r} (allowed: {', '.join(MODES)})")
-    if max_memory_bytes is not None and max_memory_bytes < 0:
-        raise RemodelError(f"max_memory_bytes must be >= 0, got {max_memory_bytes}")
+    _check_options(samples, seq_len, batch, loss_batches, mode, max_memory_bytes)
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise RemodelError(f"model not found: {model_dir}")
     reader = CheckpointReader(model_dir)  # config, safetensors headers and shards checked here
     cfg = config_from_hf(reader.config)
-    if not Path(data).expanduser().exists():
-        raise RemodelError(f"data not found: {data}")
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise RemodelError(f"no tokenizer files in {model_dir}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-
     # the data is read and checked before OUT (or any parent of it) is created
-    tok = _tokenizer(model_dir)
-    blocks = pack(load_texts(data), tok, seq_len, max_tokens=samples * seq_len)
-    if int(blocks.max()) >= cfg.vocab_size:
-        raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(blocks.max())} but the model's "
-                           f"vocab_size is {cfg.vocab_size}")
+    blocks = _calibration_blocks(model_dir, data, cfg, samples, seq_len)
     with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         batch_list = list(make_batches(blocks, batch))
         import psutil
@@ -160,15 +123,42 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
         write_scores(tmp, scores, meta)
         plot_importance(tmp / "importance.png", cfg.pattern, scores)
         seconds = time.time() - t0
-        layers = [{"index": i, "type": c, "block_importance": float(scores["block_importance"][i]),
-                   **({"loss_increase": float(scores["loss_increase"][i])} if "loss_increase" in scores else {})}
-                  for i, c in enumerate(cfg.pattern)]
         report = {"command": "score", "model": str(model_dir), "data": str(data), "output": str(out), "mode": mode,
                   "device": device, "samples": len(blocks), "samples_requested": samples, "seq_len": seq_len,
                   "batch": batch, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"],
                   "loss_batches": info["loss_batches"], "weight_bytes_fp32": weight_bytes,
                   "available_memory_bytes": available, "spilled_bytes": info.get("spilled_bytes", 0),
                   "seconds": round(seconds, 3), "tokens_per_s": round(info["tokens"] / max(seconds, 1e-9), 1),
-                  "layers": layers, "files": ["scores.safetensors", "scores.json", "importance.png"]}
+                  "layers": _layer_rows(cfg.pattern, scores),
+                  "files": ["scores.safetensors", "scores.json", "importance.png"]}
         write_report(tmp, report)
     return report
+
+
+def _check_options(samples, seq_len, batch, loss_batches, mode, max_memory_bytes):
+    for name, v in (("samples", samples), ("seq_len", seq_len), ("batch", batch), ("loss_batches", loss_batches)):
+        _positive(name, v)
+    if mode not in MODES:
+        raise RemodelError(f"unknown mode {mode!r} (allowed: {', '.join(MODES)})")
+    if max_memory_bytes is not None and max_memory_bytes < 0:
+        raise RemodelError(f"max_memory_bytes must be >= 0, got {max_memory_bytes}")
+
+
+def _calibration_blocks(model_dir: Path, data, cfg, samples: int, seq_len: int):
+    """The calibration token blocks [n, seq_len] of DATA, tokenized with MODEL's tokenizer (checked)."""
+    if not Path(data).expanduser().exists():
+        raise RemodelError(f"data not found: {data}")
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise RemodelError(f"no tokenizer files in {model_dir}")
+    tok = _tokenizer(model_dir)
+    blocks = pack(load_texts(data), tok, seq_len, max_tokens=samples * seq_len)
+    if int(blocks.max()) >= cfg.vocab_size:
+        raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(blocks.max())} but the model's "
+                           f"vocab_size is {cfg.vocab_size}")
+    return blocks
+
+
+def _layer_rows(pattern: str, scores: dict) -> list[dict]:
+    return [{"index": i, "type": c, "block_importance": float(scores["block_importance"][i]),
+             **({"loss_increase": float(scores["loss_increase"][i])} if "loss_increase" in scores else {})}
+            for i, c in enumerate(pattern)]

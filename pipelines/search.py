@@ -85,10 +85,10 @@ def plot_search(path, rows: list, source: dict, pick: int):
     plt.close(fig)
 
 
-def search(model_dir, out, data, params=None, candidates: int = 3, distill_tokens: int = 0, scores_dir=None,
-           overwrite: bool = False, *, active_params=None, memory_gb=None, top: int = 20, plan_options=None,
-           eval_data=None, seq_len: int = 256, batch: int = 8, score_samples: int = 64, eval_tokens: int = 16384,
-           lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None) -> dict:
+def search_job(model_dir, out, data, params=None, candidates: int = 3, distill_tokens: int = 0, scores_dir=None,
+               overwrite: bool = False, *, active_params=None, memory_gb=None, top: int = 20, plan_options=None,
+               eval_data=None, seq_len: int = 256, batch: int = 8, score_samples: int = 64,
+               eval_tokens: int = 16384, lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None) -> dict:
     """Search MODEL's pruned shapes under the budget and write the best to OUT (see the module doc).
 
     params / active_params / memory_gb: the budgets (plan's); top: how many of plan's candidates are
@@ -99,6 +99,61 @@ def search(model_dir, out, data, params=None, candidates: int = 3, distill_token
     t0 = time.time()
     scores_dir = scores_dir if scores_dir is not None else scores
     model_dir, out = Path(model_dir), Path(out)
+    _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_samples, eval_tokens, lr)
+    cfg, family = _check_inputs(model_dir, out, data, eval_data, scores_dir, overwrite)
+    budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
+    popts = _plan_options(plan_options)
+    # the budget is checked here (refusals name the smallest and largest reachable sizes), nothing written
+    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
+    tok = load_tokenizer(model_dir)
+    settings = dict(seq_len=seq_len, batch=batch, lr=lr, seed=seed, progress=progress)
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+        work = tmp / "work"
+        eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, eval_tokens)
+        used_scores, scores_note = _scores(model_dir, scores_dir, work, tmp, out, score_samples, settings)
+        d = plan(cfg, **budget, scores=used_scores, top=top, verbose=progress, **popts)
+        tensors, _ = load_scores(used_scores)
+        model = load_model(model_dir)
+        src, rows = _rank_candidates(model, cfg, family, tensors, d["candidates"], eval_blocks, batch, progress)
+        top_k = sorted(range(len(rows)), key=lambda i: rows[i]["loss_rank"])[:candidates]
+        if distill_tokens:
+            for i in top_k:  # written first (fp32), so the source model is freed before the teacher loads
+                save_model(prune_model(model, plan_keep(cfg, tensors, rows[i]["prune_targets"], family)),
+                           work / f"cand{i}", family=family, aux_from=model_dir)
+            del model
+            pick, best = _distill_best(rows, top_k, model_dir, work, eval_blocks, distill_tokens, settings)
+        else:
+            pick = top_k[0]
+            best = prune_model(model, plan_keep(cfg, tensors, rows[pick]["prune_targets"], family))
+            del model
+        rows = [dict(r, chosen=i == pick) for i, r in enumerate(rows)]
+        _write_best(best, tmp, work, family, model_dir)
+        plot_search(tmp / "search.png", rows, src, pick)
+        report = {
+            "command": "search", "model": str(model_dir), "data": str(data),
+            "eval_data": str(eval_data) if eval_data is not None else "every 20th document of data",
+            "output": str(out), "scores": scores_note, "family": family,
+            "budgets": d["budgets"], "plan": {k: d[k] for k in ("axes", "space", "depth", "grid", "window", "maximal",
+                                                                "reachable", "depth_metric", "tol", "note")},
+            "plan_options": popts, "seq_len": seq_len, "batch": batch, "eval_tokens": int(eval_blocks.numel()),
+            "distill_tokens": distill_tokens, "distilled": len(top_k) if distill_tokens else 0, "lr": lr,
+            "source": {"params": src["params"], "loss": src["loss"], "ppl": src["ppl"], "pattern": cfg.pattern},
+            "pick": {k: rows[pick].get(k) for k in PICK_KEYS},
+            "candidates": rows, "plot": "search.png", "seconds": round(time.time() - t0, 2),
+        }
+        write_report(tmp, report)
+    if progress:
+        _print_pick(rows[pick], src, distill_tokens)
+    return report
+
+
+PICK_KEYS = ("plan_rank", "loss_rank", "shape", "params", "active_params", "pattern", "widths", "loss", "ppl",
+             "distilled_loss", "distilled_ppl")
+ROW_KEYS = ("params", "active_params", "memory_bytes", "widths", "changed", "layers_removed", "num_layers",
+            "pattern", "drop_layers", "prune_targets")
+
+
+def _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_samples, eval_tokens, lr):
     _positive_int("candidates", candidates)
     _positive_int("distill_tokens", distill_tokens, zero_ok=True)
     for name, v in (("top", top), ("seq_len", seq_len), ("batch", batch), ("score_samples", score_samples),
@@ -106,6 +161,10 @@ def search(model_dir, out, data, params=None, candidates: int = 3, distill_token
         _positive_int(name, v)
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise RemodelError(f"lr must be > 0, got {lr!r}")
+
+
+def _check_inputs(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite: bool):
+    """-> (cfg, family) of MODEL, once every input exists and OUT may be written."""
     if not model_dir.is_dir():
         raise RemodelError(f"model not found: {model_dir}")
     with CheckpointReader(model_dir) as reader:  # config and safetensors headers checked here
@@ -117,96 +176,85 @@ def search(model_dir, out, data, params=None, candidates: int = 3, distill_token
     if scores_dir is not None and not Path(scores_dir).exists():
         raise RemodelError(f"scores not found: {scores_dir}")
     check_out(out, overwrite, [model_dir])
-    budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
+    return cfg, family
+
+
+def _plan_options(plan_options) -> dict:
     popts = dict(plan_options or {})
     bad = sorted(set(popts) - PLAN_OPTIONS)
     if bad:
         raise RemodelError(f"unknown plan options {bad} (known: {', '.join(sorted(PLAN_OPTIONS))})")
-    # the budget is checked here (refusals name the smallest and largest reachable sizes), nothing written
-    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
-    tok = load_tokenizer(model_dir)
+    return popts
 
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
-        work = tmp / "work"
-        if eval_data is not None:
-            train_ds, valid_ds = load_texts(data), load_texts(eval_data)
-        else:
-            train_ds, valid_ds = load_texts(data, split_valid=True)
-        eval_blocks = pack(valid_ds, tok, seq_len, max_tokens=eval_tokens)
-        if int(eval_blocks.max()) >= cfg.vocab_size:
-            raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(eval_blocks.max())} but the "
-                               f"model's vocab_size is {cfg.vocab_size}")
-        train_ds.save_to_disk(str(work / "train"))  # calibration and distillation never see the held-out part
-        if scores_dir is None:
-            from .score import score
-            score(model_dir, work / "train", tmp / "scores", samples=score_samples, seq_len=seq_len, batch=batch,
-                  progress=progress)
-            used_scores, scores_note = tmp / "scores", str(out / "scores")
-        else:
-            used_scores, scores_note = Path(scores_dir), str(scores_dir)
-        d = plan(cfg, **budget, scores=used_scores, top=top, verbose=progress, **popts)
-        tensors, _ = load_scores(used_scores)
 
-        model = load_model(model_dir)
-        src = {"params": count_params(cfg)["total"], **evaluate(model, eval_blocks, batch=batch)}
-        rows = []
-        for c in tqdm(d["candidates"], desc="candidates", unit="cand", disable=not progress):
-            keep = plan_keep(cfg, tensors, c["prune_targets"], family)
-            if count_params(new_config(cfg, keep))["total"] != c["params"]:
-                raise AssertionError(f"pruned model of candidate {c['rank']} differs from the plan")
-            ev = evaluate(prune_model(model, keep), eval_blocks, batch=batch)
-            rows.append({"plan_rank": c["rank"], "shape": shape_str(c, cfg), **{k: c[k] for k in (
-                "params", "active_params", "memory_bytes", "widths", "changed", "layers_removed", "num_layers",
-                "pattern", "drop_layers", "prune_targets")}, "loss": ev["loss"], "ppl": ev["ppl"]})
-        by_loss = sorted(range(len(rows)), key=lambda i: (rows[i]["loss"], rows[i]["plan_rank"]))
-        for k, i in enumerate(by_loss):
-            rows[i]["loss_rank"] = k + 1
-        top_k = by_loss[:candidates]
+def _split_data(data, eval_data, tok, cfg, model_dir, work: Path, seq_len: int, eval_tokens: int):
+    """-> the held-out token blocks; the training part is saved to WORK/train (calibration and
+    distillation never see the held-out part)."""
+    if eval_data is not None:
+        train_ds, valid_ds = load_texts(data), load_texts(eval_data)
+    else:
+        train_ds, valid_ds = load_texts(data, split_valid=True)
+    eval_blocks = pack(valid_ds, tok, seq_len, max_tokens=eval_tokens)
+    if int(eval_blocks.max()) >= cfg.vocab_size:
+        raise RemodelError(f"the tokenizer in {model_dir} gives token id {int(eval_blocks.max())} but the "
+                           f"model's vocab_size is {cfg.vocab_size}")
+    train_ds.save_to_disk(str(work / "train"))
+    return eval_blocks
 
-        dtype = source_dtype(model_dir)
-        if distill_tokens:
-            for i in top_k:  # written first (fp32), so the source model is freed before the teacher loads
-                keep = plan_keep(cfg, tensors, rows[i]["prune_targets"], family)
-                save_model(prune_model(model, keep), work / f"cand{i}", family=family, aux_from=model_dir)
-            del model
-            for i in tqdm(top_k, desc="distill candidates", unit="cand", disable=not progress):
-                r = rows[i]
-                rep = train(work / f"cand{i}", work / f"cand{i}-distilled", work / "train", teacher_dir=model_dir,
-                            tokens=distill_tokens, seq_len=seq_len, batch=batch, lr=lr, seed=seed, log_every=0,
-                            checkpoint_every=10**9, keep_last=1)
-                ev = evaluate(work / f"cand{i}-distilled", eval_blocks, batch=batch)
-                r.update(distilled_loss=ev["loss"], distilled_ppl=ev["ppl"], distill_steps=rep["steps"],
-                         distill_tokens=rep["tokens"], distill_seconds=round(rep["time_s"], 2))
-            pick = min(top_k, key=lambda i: (rows[i]["distilled_loss"], rows[i]["loss_rank"]))
-            best = load_model(work / f"cand{pick}-distilled")
-        else:
-            pick = top_k[0]
-            best = prune_model(model, plan_keep(cfg, tensors, rows[pick]["prune_targets"], family))
-            del model
-        for i, r in enumerate(rows):
-            r["chosen"] = i == pick
-        save_model(best, work / "best", family=family, aux_from=model_dir, dtype=dtype)
-        for f in (work / "best").iterdir():
-            f.rename(tmp / f.name)
-        shutil.rmtree(work)
-        plot_search(tmp / "search.png", rows, src, pick)
-        chosen = rows[pick]
-        report = {
-            "command": "search", "model": str(model_dir), "data": str(data),
-            "eval_data": str(eval_data) if eval_data is not None else "every 20th document of data",
-            "output": str(out), "scores": scores_note, "family": family,
-            "budgets": d["budgets"], "plan": {k: d[k] for k in ("axes", "space", "depth", "grid", "window", "maximal",
-                                                                "reachable", "depth_metric", "tol", "note")},
-            "plan_options": popts, "seq_len": seq_len, "batch": batch, "eval_tokens": int(eval_blocks.numel()),
-            "distill_tokens": distill_tokens, "distilled": len(top_k) if distill_tokens else 0, "lr": lr,
-            "source": {"params": src["params"], "loss": src["loss"], "ppl": src["ppl"], "pattern": cfg.pattern},
-            "pick": {k: chosen.get(k) for k in ("plan_rank", "loss_rank", "shape", "params", "active_params",
-                                                 "pattern", "widths", "loss", "ppl", "distilled_loss", "distilled_ppl")},
-            "candidates": rows, "plot": "search.png", "seconds": round(time.time() - t0, 2),
-        }
-        write_report(tmp, report)
-    if progress:
-        after = f", {chosen['distilled_ppl']:.2f} after distillation" if distill_tokens else ""
-        print(f"search: picked {chosen['shape']} ({chosen['params']:,} params), held-out ppl "
-              f"{chosen['ppl']:.2f} pruned{after}; source {src['ppl']:.2f}")
-    return report
+
+def _scores(model_dir, scores_dir, work: Path, tmp: Path, out: Path, samples: int, settings: dict):
+    """-> (SCORES dir used, what the report names): the given one, or a scoring run on WORK/train kept
+    as OUT/scores."""
+    if scores_dir is not None:
+        return Path(scores_dir), str(scores_dir)
+    from .score import score
+    score(model_dir, work / "train", tmp / "scores", samples=samples, seq_len=settings["seq_len"],
+          batch=settings["batch"], progress=settings["progress"])
+    return tmp / "scores", str(out / "scores")
+
+
+def _rank_candidates(model, cfg, family, tensors, cands, eval_blocks, batch, progress):
+    """Prunes each plan candidate in memory and evaluates it: -> (the source's figures, candidate rows
+    with their loss_rank)."""
+    src = {"params": count_params(cfg)["total"], **evaluate(model, eval_blocks, batch=batch)}
+    rows = []
+    for c in tqdm(cands, desc="candidates", unit="cand", disable=not progress):
+        keep = plan_keep(cfg, tensors, c["prune_targets"], family)
+        if count_params(new_config(cfg, keep))["total"] != c["params"]:
+            raise AssertionError(f"pruned model of candidate {c['rank']} differs from the plan")
+        ev = evaluate(prune_model(model, keep), eval_blocks, batch=batch)
+        rows.append({"plan_rank": c["rank"], "shape": shape_str(c, cfg), **{k: c[k] for k in ROW_KEYS},
+                     "loss": ev["loss"], "ppl": ev["ppl"]})
+    by_loss = sorted(range(len(rows)), key=lambda i: (rows[i]["loss"], rows[i]["plan_rank"]))
+    for k, i in enumerate(by_loss):
+        rows[i]["loss_rank"] = k + 1
+    return src, rows
+
+
+def _distill_best(rows, top_k, model_dir, work: Path, eval_blocks, distill_tokens, settings: dict):
+    """Distils the `top_k` candidates (saved as WORK/cand<i>) from MODEL and re-ranks them by held-out
+    loss: -> (pick, its model)."""
+    s = settings
+    for i in tqdm(top_k, desc="distill candidates", unit="cand", disable=not s["progress"]):
+        rep = train(work / f"cand{i}", work / f"cand{i}-distilled", work / "train", teacher_dir=model_dir,
+                    tokens=distill_tokens, seq_len=s["seq_len"], batch=s["batch"], lr=s["lr"], seed=s["seed"],
+                    log_every=0, checkpoint_every=10**9, keep_last=1)
+        ev = evaluate(work / f"cand{i}-distilled", eval_blocks, batch=s["batch"])
+        rows[i].update(distilled_loss=ev["loss"], distilled_ppl=ev["ppl"], distill_steps=rep["steps"],
+                       distill_tokens=rep["tokens"], distill_seconds=round(rep["time_s"], 2))
+    pick = min(top_k, key=lambda i: (rows[i]["distilled_loss"], rows[i]["loss_rank"]))
+    return pick, load_model(work / f"cand{pick}-distilled")
+
+
+def _write_best(best, tmp: Path, work: Path, family: str, model_dir):
+    """The picked model into OUT (in the source dtype, with the tokenizer files); WORK removed."""
+    save_model(best, work / "best", family=family, aux_from=model_dir, dtype=source_dtype(model_dir))
+    for f in (work / "best").iterdir():
+        f.rename(tmp / f.name)
+    shutil.rmtree(work)
+
+
+def _print_pick(chosen: dict, src: dict, distill_tokens: int):
+    after = f", {chosen['distilled_ppl']:.2f} after distillation" if distill_tokens else ""
+    print(f"search: picked {chosen['shape']} ({chosen['params']:,} params), held-out ppl "
+          f"{chosen['ppl']:.2f} pruned{after}; source {src['ppl']:.2f}")

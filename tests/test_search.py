@@ -16,7 +16,7 @@ from models.params import count_params
 from pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from pipelines.inspection import fmt_count
 from pipelines.plan import plan
-from pipelines.search import search
+from pipelines.search import search_job
 from pipelines.evaluate import evaluate
 from pipelines.runtime import load_tokenizer
 
@@ -77,7 +77,7 @@ def test_search_end_to_end(tmp_path, data):
     P = count_params(TINY)["total"]
     budget = 0.8 * P
     out = tmp_path / "out"
-    rep = search(src, out, data, params=budget, candidates=2, distill_tokens=256, top=5, **KW)
+    rep = search_job(src, out, data, params=budget, candidates=2, distill_tokens=256, top=5, **KW)
     # the output: HF checkpoint + tokenizer + report + plot + reusable scores, nothing else left behind
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
                                                "tokenizer_config.json", "remodel_report.json", "search.png", "scores"}
@@ -115,7 +115,7 @@ def test_search_end_to_end(tmp_path, data):
 
     # again from the cached scores, no distillation: the pick is the lowest held-out loss, as written
     out2 = tmp_path / "out2"
-    rep2 = search(src, out2, data, params=budget, candidates=2, top=5, scores=out / "scores", **KW)
+    rep2 = search_job(src, out2, data, params=budget, candidates=2, top=5, scores=out / "scores", **KW)
     assert not (out2 / "scores").exists() and rep2["scores"] == str(out / "scores")
     assert [r["loss"] for r in rep2["candidates"]] == pytest.approx([r["loss"] for r in rows], abs=1e-6)
     best = min(rep2["candidates"], key=lambda r: r["loss"])
@@ -130,20 +130,20 @@ def test_infeasible_budgets_refused(tmp_path, data, capsys):
     for params, why in ((ex[0] - 1, "below every candidate"), (2 * ex[2], "nothing to prune")):
         out = tmp_path / "out"
         with pytest.raises(RemodelError) as e:
-            search(src, out, data, params=params, **KW)
+            search_job(src, out, data, params=params, **KW)
         msg = str(e.value)
         assert why in msg and "\n" not in msg and "smallest reachable" in msg
         assert fmt_count(ex[0]) in msg and fmt_count(ex[1]) in msg
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written
     for bad in (dict(candidates=0), dict(distill_tokens=-1), dict(top=0)):
         with pytest.raises(RemodelError):
-            search(src, tmp_path / "out", data, params=0.8 * ex[2], **{**KW, **bad})
+            search_job(src, tmp_path / "out", data, params=0.8 * ex[2], **{**KW, **bad})
     with pytest.raises(RemodelError, match="unknown plan options"):
-        search(src, tmp_path / "out", data, params=0.8 * ex[2], plan_options={"top": 3}, **KW)
+        search_job(src, tmp_path / "out", data, params=0.8 * ex[2], plan_options={"top": 3}, **KW)
     with pytest.raises(RemodelError, match="bad divisor"):
-        search(src, tmp_path / "out", data, params=0.8 * ex[2], plan_options={"divisors": {"mamba_heads": 2}}, **KW)
+        search_job(src, tmp_path / "out", data, params=0.8 * ex[2], plan_options={"divisors": {"mamba_heads": 2}}, **KW)
     with pytest.raises(RemodelError, match="data not found"):
-        search(src, tmp_path / "out", tmp_path / "nope.txt", params=0.8 * ex[2], **KW)
+        search_job(src, tmp_path / "out", tmp_path / "nope.txt", params=0.8 * ex[2], **KW)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     from cli import main  # the command line refuses the same way: exit 2, one line naming both sizes
     assert main(["search", str(src), str(tmp_path / "out"), "--data", str(data), "--params", "1k"]) == 2
@@ -187,7 +187,7 @@ def test_dry_run_smoke(tmp_path, data):
     b = dry.scaled_budget(cfg, 128)
     d = plan(cfg, params=b["params"], memory_gb=b["memory_gb"], top=2, verbose=False, **b["plan_options"])
     out = tmp_path / "out"
-    rep = search(src, out, data, params=b["params"], memory_gb=b["memory_gb"], plan_options=b["plan_options"], top=2,
+    rep = search_job(src, out, data, params=b["params"], memory_gb=b["memory_gb"], plan_options=b["plan_options"], top=2,
                  candidates=1, scores=random_scores(tmp_path / "scores", cfg), **{**KW, "eval_tokens": 128})
     rows = rep["candidates"]
     assert [r["params"] for r in rows] == [c["params"] for c in d["candidates"]]  # plan's shapes (depth aside)

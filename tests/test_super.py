@@ -16,7 +16,7 @@ from models.load import load_config, load_model
 from models.params import count_params
 from pipelines.inspection import inspect
 from pipelines.plan import plan
-from pipelines.search import search
+from pipelines.search import search_job
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "nemotron-3-super-120b-a12b"
@@ -126,7 +126,7 @@ def test_dry_run_smoke(tmp_path, data):
     b = dry.scaled_budget(cfg, 32)
     target = count_params(cfg.replace(moe_latent_size=24))["total"]
     opts = {**b["plan_options"], "axes": ("latent_size",)}
-    rep = search(tmp_path / "src", tmp_path / "out", data, params=target, plan_options=opts, top=1, candidates=1,
+    rep = search_job(tmp_path / "src", tmp_path / "out", data, params=target, plan_options=opts, top=1, candidates=1,
                  scores=random_scores(tmp_path / "scores", cfg), seq_len=32, batch=2, eval_tokens=128, progress=False)
     got = load_config(tmp_path / "out")
     assert got.moe_latent_size == 24 and got.pattern == cfg.pattern
