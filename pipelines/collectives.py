@@ -4,6 +4,8 @@ Each is the identity when the group is None or has one rank, so single-process c
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,97 +43,61 @@ def _all_gather_rows(x, group, T: int):
     return out[:T]
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+class _Adjoint(torch.autograd.Function):
+    """forward(x) = fwd(x), backward(g) = bwd(g): a collective paired with its adjoint."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return ctx.bwd(g), None, None
 
 
-class _AllReduceSum(_ReduceFromGroup):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+def _same(x):
+    return x.view_as(x)
 
 
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.T = group, x.shape[0]
-        _, a, b = chunk_bounds(x.shape[0], group_size(group), group_rank(group))
-        return x[a:b].clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_rows(g, ctx.group, ctx.T), None
+def _own_rows(x, group, T):
+    _, a, b = chunk_bounds(T, group_size(group), group_rank(group))
+    return x[a:b]
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, T):
-        ctx.group, ctx.T = group, T
-        return _all_gather_rows(x, group, T)
-
-    @staticmethod
-    def backward(ctx, g):
-        _, a, b = chunk_bounds(ctx.T, group_size(ctx.group), group_rank(ctx.group))
-        return g[a:b].contiguous(), None, None
-
-
-class ScaleGrad(torch.autograd.Function):
+def scale_grad(x, scale: float):
     """Identity forward; the gradient scaled by `scale` (EP experts under FSDP's mean)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
+    return _Adjoint.apply(x, _same, lambda g: g * scale)
 
 
 def copy_to_group(x, group):
     """Identity forward, all-reduce(sum) backward: a replicated tensor entering per-rank-partial work."""
-    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Adjoint.apply(x, _same, functools.partial(_all_reduce, group=group))
 
 
 def reduce_from_group(x, group):
     """All-reduce(sum) forward, identity backward: partial results becoming a replicated tensor."""
-    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group_size(group) == 1 else _Adjoint.apply(x, functools.partial(_all_reduce, group=group), _same)
 
 
 def all_reduce_sum(x, group):
     """All-reduce(sum) both ways: a replicated sum consumed by per-rank-partial work (the vocab LSE)."""
-    return x if group_size(group) == 1 else _AllReduceSum.apply(x, group)
+    reduce = functools.partial(_all_reduce, group=group)
+    return x if group_size(group) == 1 else _Adjoint.apply(x, reduce, reduce)
 
 
 def split_rows(x, group):
     """This rank's contiguous block of the rows of a replicated tensor; backward all-gathers."""
-    return x if group_size(group) == 1 else _SplitRows.apply(x, group)
+    if group_size(group) == 1:
+        return x
+    T = x.shape[0]
+    return _Adjoint.apply(x, lambda t: _own_rows(t, group, T).clone(), lambda g: _all_gather_rows(g, group, T))
 
 
 def gather_rows(x, group, T: int):
     """All ranks' row blocks (from `split_rows`) -> the replicated [T, ...]; backward keeps own block."""
-    return x if group_size(group) == 1 else _GatherRows.apply(x, group, T)
+    if group_size(group) == 1:
+        return x
+    return _Adjoint.apply(x, lambda t: _all_gather_rows(t, group, T), lambda g: _own_rows(g, group, T).contiguous())
 
 

@@ -46,8 +46,8 @@ from models.errors import RemodelError
 from models.layout import layer_params, tp_split
 from models.mlp import ffn
 
-from .collectives import (ScaleGrad, chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
-                          reduce_from_group, split_rows)
+from .collectives import (chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
+                          reduce_from_group, scale_grad, split_rows)
 
 
 # ---- sharding layouts ------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicat
     local_e = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(n), recv.reshape(-1))
     perm = local_e.argsort(stable=True)
     xe = xr[perm]
-    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: ScaleGrad.apply(p, grad_scale))
+    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: scale_grad(p, grad_scale))
     up, down = scale(self.up_proj), scale(self.down_proj)
     gate = None if self.gate_proj is None else scale(self.gate_proj)
     ys, start = [], 0
