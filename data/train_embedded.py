@@ -26,8 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# OpenMP threads that spin while waiting burn 4x the CPU per step on a shared, oversubscribed machine
-# (measured here: 7.3 vs 1.7 CPU-s per step); must be set before torch loads libgomp.
+# OpenMP threads that spin while waiting burn CPU on a shared, oversubscribed machine; must be set
+# before torch loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -80,7 +80,7 @@ def hf_forward(model):
     return lambda x: model(input_ids=x).logits
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "data" / "embedded"))
     ap.add_argument("--seed", type=int, default=0)
@@ -95,29 +95,16 @@ def main(argv=None):
     ap.add_argument("--max-minutes", type=float, default=20.0, help="wall-clock budget of the training loop")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf-check", action="store_true", help="skip the transformers cross-check")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    from transformers import AutoTokenizer
-    tok_dir = embedded_tokenizer_path()
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    train_path, valid_path = embedded_corpus()
-    train = pack(load_texts(train_path), tok, args.seq_len)
-    valid = pack(load_texts(valid_path), tok, args.seq_len)
-    budget = args.tokens or train.numel()
-    total_steps = math.ceil(budget / (args.batch * args.seq_len))
-    print(f"train {train.numel():,} tokens ({len(train)} blocks), valid {valid.numel():,} tokens; "
-          f"budget {budget:,} tokens = {total_steps} steps of {args.batch}x{args.seq_len}")
 
-    cfg = embedded_config()
-    model = init_weights(HybridLM(cfg), seed=args.seed).train()
-    n_params = sum(p.numel() for p in model.parameters())
+def train_model(model, train: torch.Tensor, args, total_steps: int) -> dict:
+    """The training loop: AdamW, linear warm-up + cosine over whichever of the token budget and the
+    wall-clock budget runs out first. -> the figures the log records."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "conv1d" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "conv1d" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
     data = batches(train, args.batch, shuffle_seed=args.seed, epochs=None, drop_last=True)
     t0, step, tokens, ema, curve = time.time(), 0, 0, None, []
     bar = tqdm(total=total_steps, desc="train")
@@ -135,7 +122,7 @@ def main(argv=None):
             g["lr"] = lr
         x = next(data)
         logits = model(x)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, model.cfg.vocab_size), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,14 +136,13 @@ def main(argv=None):
         if not math.isfinite(loss.item()):
             raise SystemExit(f"loss is {loss.item()} at step {step}")
     bar.close()
-    train_minutes = (time.time() - t0) / 60
-    final_train = sum(v for _, v in curve[-20:]) / len(curve[-20:])
-    print(f"trained {step} steps, {tokens:,} tokens in {train_minutes:.1f} min (stopped by {stopped_by}); "
-          f"train loss (last 20 steps) {final_train:.4f}")
+    return {"steps": step, "tokens": tokens, "stopped_by": stopped_by, "clock_steps": clock_steps,
+            "train_minutes": (time.time() - t0) / 60, "curve": curve}
 
-    # save in bf16, reload, and evaluate exactly what ships
-    out = Path(args.out)
-    save_model(model.eval(), out, family="nemotron_h", aux_from=tok_dir, dtype=torch.bfloat16, overwrite=True)
+
+def evaluate_shipped(model, out: Path, valid: torch.Tensor, args) -> dict:
+    """Held-out losses of the saved bf16 weights (ours, the whole split and the fixed slice), of the fp32
+    model before saving, and of transformers' load of OUT (must agree within 1e-3)."""
     shipped = load_model(out)  # fp32 copy of the bf16 weights
     n_slice = SLICE_TOKENS // args.seq_len
     losses = block_losses(shipped, valid, desc="valid (ours)")
@@ -164,7 +150,6 @@ def main(argv=None):
     fp32_loss = mean_loss(block_losses(model, valid, desc="valid (fp32 before save)"), args.seq_len)
     print(f"held-out loss {valid_loss:.4f} ppl {math.exp(valid_loss):.3f} (before bf16: {fp32_loss:.4f}); "
           f"slice of {n_slice * args.seq_len} tokens: ppl {math.exp(slice_loss):.3f}")
-
     hf_loss = None
     if not args.no_hf_check:
         from transformers import AutoModelForCausalLM
@@ -173,7 +158,36 @@ def main(argv=None):
         print(f"transformers held-out loss {hf_loss:.4f} (diff {abs(hf_loss - valid_loss):.2e})")
         if abs(hf_loss - valid_loss) > 1e-3:
             raise SystemExit(f"transformers disagrees: {hf_loss} vs {valid_loss}")
+    return {"valid": valid_loss, "slice": slice_loss, "fp32": fp32_loss, "hf": hf_loss, "n_slice": n_slice}
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from transformers import AutoTokenizer
+    tok_dir = embedded_tokenizer_path()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    train_path, valid_path = embedded_corpus()
+    train = pack(load_texts(train_path), tok, args.seq_len)
+    valid = pack(load_texts(valid_path), tok, args.seq_len)
+    budget = args.tokens or train.numel()
+    total_steps = math.ceil(budget / (args.batch * args.seq_len))
+    print(f"train {train.numel():,} tokens ({len(train)} blocks), valid {valid.numel():,} tokens; "
+          f"budget {budget:,} tokens = {total_steps} steps of {args.batch}x{args.seq_len}")
+    cfg = embedded_config()
+    model = init_weights(HybridLM(cfg), seed=args.seed).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    run = train_model(model, train, args, total_steps)
+    curve = run["curve"]
+    final_train = sum(v for _, v in curve[-20:]) / len(curve[-20:])
+    print(f"trained {run['steps']} steps, {run['tokens']:,} tokens in {run['train_minutes']:.1f} min (stopped by "
+          f"{run['stopped_by']}); train loss (last 20 steps) {final_train:.4f}")
+
+    # save in bf16, reload, and evaluate exactly what ships
+    out = Path(args.out)
+    save_model(model.eval(), out, family="nemotron_h", aux_from=tok_dir, dtype=torch.bfloat16, overwrite=True)
+    ev = evaluate_shipped(model, out, valid, args)
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     log = {
         "config": cfg.to_dict(),
@@ -184,21 +198,21 @@ def main(argv=None):
                             "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "grad_clip": 1.0,
                             "batch": args.batch, "seq_len": args.seq_len, "schedule": "linear warm-up + cosine",
                             "max_minutes": args.max_minutes, "threads": args.threads},
-        "steps": step,
-        "tokens_trained": tokens,
+        "steps": run["steps"],
+        "tokens_trained": run["tokens"],
         "token_budget": budget,
-        "stopped_by": stopped_by,
-        "clock_governed_steps": clock_steps,
-        "train_minutes": round(train_minutes, 2),
+        "stopped_by": run["stopped_by"],
+        "clock_governed_steps": run["clock_steps"],
+        "train_minutes": round(run["train_minutes"], 2),
         "final_train_loss": round(final_train, 4),
         "saved_dtype": "bfloat16",
         "valid_tokens": valid.numel(),
-        "valid_loss": round(valid_loss, 5),
-        "valid_ppl": round(math.exp(valid_loss), 4),
-        "valid_loss_fp32_before_save": round(fp32_loss, 5),
-        "valid_loss_transformers": None if hf_loss is None else round(hf_loss, 5),
-        "slice": {"tokens": n_slice * args.seq_len, "seq_len": args.seq_len, "blocks": n_slice,
-                  "loss": round(slice_loss, 5), "ppl": round(math.exp(slice_loss), 4)},
+        "valid_loss": round(ev["valid"], 5),
+        "valid_ppl": round(math.exp(ev["valid"]), 4),
+        "valid_loss_fp32_before_save": round(ev["fp32"], 5),
+        "valid_loss_transformers": None if ev["hf"] is None else round(ev["hf"], 5),
+        "slice": {"tokens": ev["n_slice"] * args.seq_len, "seq_len": args.seq_len, "blocks": ev["n_slice"],
+                  "loss": round(ev["slice"], 5), "ppl": round(math.exp(ev["slice"]), 4)},
         "files": files,
         "torch": torch.__version__,
         "machine": platform.machine(),

@@ -63,11 +63,10 @@ def return_freed_memory(sharded: bool):
     """Fix glibc's mmap threshold so that every larger block (FSDP's all-gathered layers, gradients,
     optimizer temporaries) is mapped on its own and given back to the OS when freed. By default glibc
     raises the threshold to the largest block it has freed (up to 32 MiB) and serves later blocks from
-    its heap, which keeps freed memory resident: a DP-4 rank measured 3.2 GB peak RSS for 2.1 GB of
-    live tensors. Sharded runs (memory per rank is their point) use 1 MiB: peak RSS equals live memory,
-    at up to 1.5x the step time of small CPU models; one process uses 16 MiB, which cost no measured
-    step time. REMODEL_MMAP_THRESHOLD (bytes; 0 leaves glibc alone) overrides both. No-op where
-    glibc's mallopt is missing (macOS, musl)."""
+    its heap, which keeps freed memory resident. Sharded runs (memory per rank is their point) use
+    1 MiB, so peak RSS follows live memory at some cost in step time; one process uses 16 MiB.
+    REMODEL_MMAP_THRESHOLD (bytes; 0 leaves glibc alone) overrides both. No-op where glibc's mallopt
+    is missing (macOS, musl). Measurements: bench/RESULTS.md."""
     default = 1 << 20 if sharded else 16 << 20
     threshold = int(os.environ.get("REMODEL_MMAP_THRESHOLD", default))
     if threshold <= 0:
