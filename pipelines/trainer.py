@@ -9,9 +9,7 @@ order is the single-process run's; the logged values are dp means and the clip i
 AdamW with linear warm-up and cosine decay to min_lr, grad clipping and accumulation, bf16 autocast on
 CUDA only. Resumable from `<out>.run/` (pipelines.train_state) at the exact data position. The end result
 is a HF checkpoint in OUT with remodel_report.json, metrics.csv and loss.png (written by rank 0).
-
-Loss = kl_weight * KL(teacher||student) + lm_loss_weight * CE + hidden_loss_weight * (1 - cos)
-       + lb_coeff * load balancing (student MoE layers) + z_coeff * router z-loss.
+The checks before any heavy work are in pipelines.train_setup, the loss in pipelines.objective.
 """
 from __future__ import annotations
 
@@ -33,13 +31,16 @@ from models.load import load_config, load_model, read_config_dict
 from . import metrics
 from . import train_state as state
 from .evaluate import evaluate
-from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
+from .objective import compute_losses
 from .parallel import check_layout, clip_grad_norm_, parallel_info
+from .runtime import (init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory, source_dtype, wait,
+                      wait_group, world_size)
 from .sharded import export_sharded, load_sharded
-from .runtime import (check_out, init_dist, init_mesh, layout, load_tokenizer, pick_device, rank,
-                      return_freed_memory, source_dtype, wait, wait_group, world_size)
 from .train_config import RESUME_KEYS, TrainConfig
+from .train_setup import Plan, prepare
 from .vocab_parallel import parallel_loss_fns
+
+__all__ = ["build_optimizer", "build_projections", "compute_losses", "lr_at", "prepare", "run"]
 
 
 def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int) -> float:
@@ -48,12 +49,6 @@ def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int) -> float
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def default_layer_map(n_student: int, n_teacher: int) -> list[tuple[int, int]]:
-    """Pairs (student state, teacher state) over the residual-stream states (0 = embeddings, i = after
-    layer i): every student layer i to teacher layer round(i * Lt / Ls), so the last maps to the last."""
-    return [(i, round(i * n_teacher / n_student)) for i in range(1, n_student + 1)]
 
 
 def build_projections(student, teacher, layer_map) -> nn.ModuleList | None:
@@ -70,95 +65,6 @@ def build_optimizer(params: dict[str, nn.Parameter], lr: float, weight_decay: fl
     other = [p for p in params.values() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
-
-
-# ---- the loss of one micro-batch --------------------------------------------------------------
-
-LOSS_FNS = {"kl_div": kl_div, "topk_kl": topk_kl, "lm_loss": lm_loss, "load_balancing_loss": load_balancing_loss}
-
-
-def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None, fns=None):
-    """-> (total loss tensor, {name: float}) for one batch of token ids [B, L].
-    w: weights {kl, lm, hidden, lb, z, temperature, topk}. The teacher runs under no_grad.
-    fns: replacements for the loss functions {kl_div, topk_kl, lm_loss, load_balancing_loss} (same
-    signatures; a parallelized run passes vocab_parallel.parallel_loss_fns)."""
-    fns = {**LOSS_FNS, **(fns or {})}
-    autocast = autocast or torch.autocast("cpu", enabled=False)
-    need_states = teacher is not None and w["hidden"] > 0
-    if w.get("fused"):
-        return _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states)
-    with autocast:
-        out = student(ids, output_hidden_states=need_states)
-        s_logits, s_states = out if need_states else (out, None)
-        if teacher is not None:
-            with torch.no_grad():
-                t_out = teacher(ids, output_hidden_states=need_states)
-            t_logits, t_states = t_out if need_states else (t_out, None)
-    total = s_logits.new_zeros((), dtype=torch.float32)
-    parts = {}
-    if teacher is not None:
-        kl = (fns["topk_kl"](s_logits, t_logits, w["topk"], w["temperature"]) if w["topk"]
-              else fns["kl_div"](s_logits, t_logits, w["temperature"]))
-        total = total + w["kl"] * kl
-        parts["kl"] = kl.item()
-    lm = fns["lm_loss"](s_logits[:, :-1] if w["lm"] > 0 else s_logits[:, :-1].detach(), ids[:, 1:])
-    if w["lm"] > 0:
-        total = total + w["lm"] * lm
-    parts["lm"] = lm.item()
-    states = (s_states, t_states, layer_map, projections) if need_states else None
-    return _other_losses(student, w, fns, total, parts, states, autocast)
-
-
-def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
-    """compute_losses with the vocabulary losses fused (pipelines.fused_loss): CE and KL from the final
-    hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
-    from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
-    g = w.get("vocab_group")
-    with autocast:
-        s_h, s_states = student.hidden(ids, output_hidden_states=need_states)
-        if teacher is not None:
-            with torch.no_grad():
-                t_h, t_states = teacher.hidden(ids, output_hidden_states=need_states)
-    flat = s_h.reshape(-1, s_h.shape[-1])
-    total, parts = s_h.new_zeros((), dtype=torch.float32), {}
-    if teacher is not None:
-        with autocast:  # the matmuls in the autocast dtype, as the logits path's F.linear
-            kl = fused_kl_div(flat, lm_head_weight(student), t_h.reshape(-1, t_h.shape[-1]), lm_head_weight(teacher),
-                              w["temperature"], group=g)
-        total = total + w["kl"] * kl
-        parts["kl"] = kl.item()
-    with torch.set_grad_enabled(torch.is_grad_enabled() and w["lm"] > 0), autocast:
-        lm = fused_lm_loss(s_h[:, :-1].reshape(-1, s_h.shape[-1]), lm_head_weight(student), ids[:, 1:].reshape(-1),
-                           group=g)
-    if w["lm"] > 0:
-        total = total + w["lm"] * lm
-    parts["lm"] = lm.item()
-    states = (s_states, t_states, layer_map, projections) if need_states else None
-    return _other_losses(student, w, fns, total, parts, states, autocast)
-
-
-def _other_losses(student, w, fns, total, parts, states, autocast):
-    """Adds the hidden-state cosine loss (states: (student's, teacher's, layer_map, projections) or None)
-    and the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
-    if states is not None:
-        with autocast:
-            hid = hidden_cosine_loss(*states)
-        total = total + w["hidden"] * hid
-        parts["hidden"] = hid.item()
-    moe = student.moe_layers()
-    if moe and (w["lb"] > 0 or w["z"] > 0):
-        cfg = student.cfg
-        logits = [m.router_logits for m in moe]
-        if w["lb"] > 0:
-            lb = fns["load_balancing_loss"](logits, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.router)
-            total = total + w["lb"] * lb
-            parts["lb"] = lb.item()
-        if w["z"] > 0:
-            z = z_loss(logits)
-            total = total + w["z"] * z
-            parts["z"] = z.item()
-    parts["loss"] = total.item()
-    return total, parts
 
 
 def _dp_mean(values: dict, info, dev) -> dict:
@@ -188,142 +94,6 @@ def _clip(student, projections, max_norm, info) -> torch.Tensor:
         for g in [p.grad for p in student.parameters() if p.grad is not None] + pgrads:
             g.mul_(coef)
     return total.float()
-
-
-# ---- checks and derived settings (before any heavy work, nothing written) ---------------------
-
-@dataclass
-class Plan:
-    """What `prepare` derives from a TrainConfig: resolved budget and defaults, paths, the record."""
-    cfg: TrainConfig
-    out: Path
-    student_dir: Path
-    teacher_dir: Path | None
-    steps: int
-    warmup: int
-    min_lr: float
-    lm_loss_weight: float
-    kl_weight: float
-    checkpoint_every: int
-    layer_map: list | None
-    tokens_per_step: int
-    family: str
-    vocab_size: int
-    run_dir: Path
-    dev: torch.device
-    use_bf16: bool
-    args: dict  # what checkpoints and the report record
-    t_start: float
-
-    @property
-    def distill(self) -> bool:
-        return self.teacher_dir is not None
-
-    @property
-    def inputs(self) -> list[Path]:
-        return [self.student_dir] + ([self.teacher_dir] if self.distill else [])
-
-
-def _positive(**kw):
-    for k, v in kw.items():
-        if v is not None and not v > 0:
-            raise RemodelError(f"--{k.replace('_', '-')} must be > 0, got {v}")
-
-
-def _budget(steps, tokens, tokens_per_step: int) -> int:
-    if (steps is None) == (tokens is None):
-        raise RemodelError("give exactly one of --steps or --tokens as the training budget")
-    if steps is not None:
-        if steps < 1:
-            raise RemodelError(f"--steps must be >= 1, got {steps}")
-        return int(steps)
-    if tokens < 1:
-        raise RemodelError(f"--tokens must be >= 1, got {tokens}")
-    return max(1, math.ceil(tokens / tokens_per_step))
-
-
-def _layer_map(c: TrainConfig, s_cfg, t_cfg):
-    layer_map = [tuple(p) for p in (c.layer_map or default_layer_map(s_cfg.num_layers, t_cfg.num_layers))]
-    bad = [p for p in layer_map if not (0 <= p[0] <= s_cfg.num_layers and 0 <= p[1] <= t_cfg.num_layers)]
-    if bad:
-        raise RemodelError(f"layer_map pairs {bad} are outside the student ({s_cfg.num_layers}) or "
-                           f"teacher ({t_cfg.num_layers}) layers")
-    return layer_map
-
-
-def _check_teacher(student_dir: Path, teacher_dir: Path, s_cfg):
-    t_cfg = load_config(teacher_dir)
-    if t_cfg.vocab_size != s_cfg.vocab_size:
-        raise RemodelError(f"teacher vocab_size {t_cfg.vocab_size} != student vocab_size {s_cfg.vocab_size}: "
-                           "logit distillation needs the same tokenizer")
-    st, tt = student_dir / "tokenizer.json", teacher_dir / "tokenizer.json"
-    if st.is_file() and tt.is_file() and st.read_bytes() != tt.read_bytes():
-        raise RemodelError(f"{teacher_dir} and {student_dir} have different tokenizers")
-    return t_cfg
-
-
-def prepare(c: TrainConfig) -> Plan:
-    """Every argument check of a run, before any heavy work and with nothing written; derived settings."""
-    t_start = time.time()
-    out = Path(c.out).absolute()
-    student_dir = Path(c.student_dir).absolute()
-    teacher_dir = Path(c.teacher_dir).absolute() if c.distill else None
-    lm_w = (0.0 if c.distill else 1.0) if c.lm_loss_weight is None else float(c.lm_loss_weight)
-    kl_w = float(c.kl_weight) if c.distill else 0.0
-    _positive(seq_len=c.seq_len, batch=c.batch, grad_accum=c.grad_accum, lr=c.lr, temperature=c.temperature,
-              checkpoint_every=c.checkpoint_every, eval_tokens=c.eval_tokens)
-    if c.seq_len < 2:
-        raise RemodelError(f"--seq-len must be >= 2 for next-token training, got {c.seq_len}")
-    tokens_per_step = c.batch * c.grad_accum * c.seq_len
-    steps = _budget(c.steps, c.tokens, tokens_per_step)
-    min_lr = c.lr / 10 if c.min_lr is None else float(c.min_lr)
-    warmup = min(100, steps // 10) if c.warmup is None else min(int(c.warmup), steps)
-    checkpoint_every = c.checkpoint_every or max(1, steps // 10)
-    if min_lr < 0 or min_lr > c.lr or warmup < 0 or c.weight_decay < 0 or c.keep_last < 0:
-        raise RemodelError(f"need 0 <= --min-lr <= --lr, --warmup >= 0, --weight-decay >= 0, --keep-last >= 0 "
-                           f"(got min_lr={min_lr}, lr={c.lr}, warmup={warmup}, weight_decay={c.weight_decay}, "
-                           f"keep_last={c.keep_last})")
-    if c.topk is not None and c.topk < 1:
-        raise RemodelError(f"--topk must be >= 1, got {c.topk}")
-    if (c.fp8 or c.fp8_teacher) and (pick_device(c.device).type != "cuda" or c.tp > 1):
-        raise RemodelError("--fp8 / --fp8-teacher need a CUDA GPU with FP8 matmuls (H100-class) and --tp 1 "
-                           "(FSDP / one process) for now")
-    if c.fused_loss and c.topk:
-        raise RemodelError("--fused-loss computes the full-vocabulary KL; drop --topk or --fused-loss")
-    if not c.distill and (c.hidden_loss_weight or c.topk):
-        raise RemodelError("--hidden-loss-weight and --topk need a teacher (distill)")
-    if kl_w == 0 and lm_w == 0 and not c.hidden_loss_weight:
-        raise RemodelError("every loss weight is zero: nothing to train")
-    from models.recompute import RECOMPUTE_MODES
-    if c.recompute not in RECOMPUTE_MODES:
-        raise RemodelError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {c.recompute!r}")
-    s_cfg = load_config(student_dir)
-    family = read_config_dict(student_dir)["model_type"]
-    layer_map = None
-    if c.distill:
-        t_cfg = _check_teacher(student_dir, teacher_dir, s_cfg)
-        if c.hidden_loss_weight:
-            layer_map = _layer_map(c, s_cfg, t_cfg)
-    plan_inputs = [student_dir] + ([teacher_dir] if c.distill else [])
-    check_out(out, c.overwrite, plan_inputs)
-    run_dir = state.run_dir_for(out)
-    if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
-        raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
-                           "or --overwrite to start over")
-    dev = pick_device(c.device)
-    use_bf16 = dev.type == "cuda" and (c.bf16 is True or (c.bf16 == "auto" and torch.cuda.is_bf16_supported()))
-    args = {"student_dir": str(student_dir), "teacher_dir": str(teacher_dir) if c.distill else None,
-            "data": str(Path(c.data).absolute()) if isinstance(c.data, (str, Path)) else repr(c.data),
-            "out": str(out), "steps": steps, "seq_len": c.seq_len, "batch": c.batch, "grad_accum": c.grad_accum,
-            "lr": c.lr, "min_lr": min_lr, "warmup": warmup, "weight_decay": c.weight_decay,
-            "grad_clip": c.grad_clip, "temperature": c.temperature, "kl_weight": kl_w, "lm_loss_weight": lm_w,
-            "hidden_loss_weight": c.hidden_loss_weight, "layer_map": [list(p) for p in layer_map or []] or None,
-            "topk": c.topk, "lb_coeff": c.lb_coeff if "E" in s_cfg.pattern else 0.0, "z_coeff": c.z_coeff,
-            "checkpoint_every": checkpoint_every, "keep_last": c.keep_last, "seed": c.seed,
-            "eval_data": str(c.eval_data) if c.eval_data is not None else None, "eval_tokens": c.eval_tokens,
-            "recompute": c.recompute, "device": str(dev), "bf16": use_bf16}
-    return Plan(c, out, student_dir, teacher_dir, steps, warmup, min_lr, lm_w, kl_w, checkpoint_every, layer_map,
-                tokens_per_step, family, s_cfg.vocab_size, run_dir, dev, use_bf16, args, t_start)
 
 
 def _resume_state(p: Plan):
@@ -404,10 +174,22 @@ def _load_models(p: Plan, mesh, ep_dim):
     return student, teacher, projections, layout_t
 
 
-def run(c: TrainConfig) -> dict | None:
-    """Train (or distil) per `c` on this process's share; returns the report on rank 0, None elsewhere."""
-    p = prepare(c)
-    tokenizer = load_tokenizer(p.student_dir)
+@dataclass
+class _Procs:
+    """This process's place in the run: device, mesh and layout, whether it leads (rank 0), its wait group."""
+    world: int
+    dev: torch.device
+    dp: int
+    ep_dim: str | None
+    mesh: object
+    lead: bool
+    group: object
+
+
+def _init_processes(p: Plan) -> _Procs:
+    """Joins the process group and builds the mesh (several processes, or --tp/--ep); checks the layout
+    against the student's widths before any heavy work."""
+    c = p.cfg
     world = world_size()
     return_freed_memory(sharded=world > 1 or c.tp * c.ep > 1)
     dev = init_dist(p.dev) if world > 1 or c.tp * c.ep > 1 else p.dev
@@ -418,77 +200,120 @@ def run(c: TrainConfig) -> dict | None:
                            "number of processes) for now: FSDP over data-parallel ranks is not wired to it yet")
     mesh = init_mesh(dev.type, dp, c.tp)
     if mesh is not None:
-        check_layout(load_config(p.student_dir), c.tp, c.ep, ep_dim, "tp", "dp", mesh)  # before any heavy work
+        check_layout(load_config(p.student_dir), c.tp, c.ep, ep_dim, "tp", "dp", mesh)
     p.args["device"] = str(dev)
-    lead = rank() == 0
-    group = wait_group()
-    from models.recompute import set_recompute
+    return _Procs(world, dev, dp, ep_dim, mesh, rank() == 0, wait_group())
 
-    # -- resume state, data, models -------------------------------------------------------------
+
+def run(c: TrainConfig) -> dict | None:
+    """Train (or distil) per `c` on this process's share; returns the report on rank 0, None elsewhere."""
+    p = prepare(c)
+    tokenizer = load_tokenizer(p.student_dir)
+    procs = _init_processes(p)
     ckpt, ck_meta = _resume_state(p)
-    data = _token_data(p, tokenizer, lead, group)
+    data = _token_data(p, tokenizer, procs.lead, procs.group)
     p.args["data_fingerprint"] = _fingerprint(data)
     if ck_meta is not None and ck_meta["args"].get("data_fingerprint") != p.args["data_fingerprint"]:
         raise RemodelError(f"cannot resume from {ckpt}: the training data changed since that run (its tokens' "
                            "fingerprint differs); pass the same --data, or --overwrite to start over")
-    eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (lead or mesh is not None) else None
-    student, teacher, projections, teacher_layout = _load_models(p, mesh, ep_dim)
-    rss = metrics.PeakRSS()
-    rss.mark("load")
-    info = parallel_info(student)
-    fns = parallel_loss_fns(info)
-    start, history, resumed_from, evals = 0, [], None, {}
-    if ck_meta is not None:
-        start, history, evals = ck_meta["step"], ck_meta["history"], ck_meta.get("eval", {})
-        resumed_from = str(ckpt)
-        if lead:
-            tqdm.write(f"resuming from {ckpt} (step {start} of {p.steps})")
-    n_params = {"student": metrics.param_count(student),
-                "teacher": metrics.param_count(teacher) if p.distill else None,
-                "trainable_extra": sum(q.numel() for q in projections.parameters()) if projections else 0}
-    flops_tok = 3 * metrics.forward_flops_per_token(student, c.seq_len)
-    if p.distill:
-        flops_tok += metrics.forward_flops_per_token(teacher, c.seq_len)
-    peak = metrics.measure_matmul_flops(dev, torch.bfloat16 if p.use_bf16 else torch.float32) * world
-    if eval_blocks is not None and "before" not in evals:
-        evals["before"] = evaluate(student, eval_blocks, batch=c.batch, bf16=p.use_bf16, loss_fn=fns.get("lm_loss"))
-        student.train()
-    wait(group)
+    eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (procs.lead or procs.mesh is not None) else None
+    training = _Training(p, procs, data, eval_blocks, ckpt, ck_meta)
+    training.loop()
+    return training.finish()
 
-    # -- recompute, optimizer ---------------------------------------------------------------------
-    set_recompute(student, c.recompute)
-    params = dict(student.named_parameters())
-    if projections is not None:
-        params.update({f"proj.{k}": q for k, q in projections.named_parameters()})
-    opt = build_optimizer(params, c.lr, c.weight_decay)
-    if ckpt is not None:  # every rank reads only the chunks it holds, whatever layout wrote them
-        state.load(ckpt, student, projections, opt)
-    saver = state.Saver(p.run_dir, c.keep_last, background=c.async_checkpoint, group=group)
 
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
-    w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight, "lb": p.args["lb_coeff"],
-         "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk, "fused": c.fused_loss,
-         "vocab_group": info.vocab_group}
+class _Training:
+    """One run's models, optimizer and history, from loading (or resuming) to the written OUT."""
 
-    def checkpoint(step):
-        meta = {"step": step, "consumed_batches": step * c.grad_accum, "args": p.args, "history": history,
-                "eval": evals, "hf_config": hf_config}  # hf_config: `remodel convert` exports a checkpoint alone
-        saver.save(step, student, projections, opt, meta)
-        rss.mark("checkpoint", first=True)
+    def __init__(self, p: Plan, procs: _Procs, data, eval_blocks, ckpt, ck_meta):
+        from models.recompute import set_recompute
+        c = self.c = p.cfg
+        self.p, self.procs, self.data, self.eval_blocks = p, procs, data, eval_blocks
+        self.student, self.teacher, self.projections, self.teacher_layout = _load_models(p, procs.mesh, procs.ep_dim)
+        self.rss = metrics.PeakRSS()
+        self.rss.mark("load")
+        self.info = parallel_info(self.student)
+        self.fns = parallel_loss_fns(self.info)
+        self._resume_history(ckpt, ck_meta)
+        self._measure()
+        if eval_blocks is not None and "before" not in self.evals:
+            self.evals["before"] = self._evaluate()
+            self.student.train()
+        wait(procs.group)
+        set_recompute(self.student, c.recompute)
+        params = dict(self.student.named_parameters())
+        if self.projections is not None:
+            params.update({f"proj.{k}": q for k, q in self.projections.named_parameters()})
+        self.opt = build_optimizer(params, c.lr, c.weight_decay)
+        if ckpt is not None:  # every rank reads only the chunks it holds, whatever layout wrote them
+            state.load(ckpt, self.student, self.projections, self.opt)
+        self.saver = state.Saver(p.run_dir, c.keep_last, background=c.async_checkpoint, group=procs.group)
+        self.autocast = torch.autocast(procs.dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
+        self.w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight,
+                  "lb": p.args["lb_coeff"], "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk,
+                  "fused": c.fused_loss, "vocab_group": self.info.vocab_group}
+        self.hf_config = read_config_dict(p.student_dir)  # `remodel convert` exports a checkpoint alone
+        self.step_time, self.step_tokens = 0.0, 0
 
-    hf_config = read_config_dict(p.student_dir)
+    def _resume_history(self, ckpt, ck_meta):
+        self.start, self.history, self.resumed_from, self.evals = 0, [], None, {}
+        if ck_meta is not None:
+            self.start, self.history, self.evals = ck_meta["step"], ck_meta["history"], ck_meta.get("eval", {})
+            self.resumed_from = str(ckpt)
+            if self.procs.lead:
+                tqdm.write(f"resuming from {ckpt} (step {self.start} of {self.p.steps})")
 
-    # -- loop -------------------------------------------------------------------------------------
-    if lead and not c.resume and p.run_dir.exists():
-        shutil.rmtree(p.run_dir)  # overwrite: start over (only now that every input has loaded)
-    from .tokens import sequences
-    it = sequences(data, c.seq_len, c.batch, seed=c.seed, start=start * c.grad_accum, dp_rank=info.dp_rank,
-                   dp_size=dp)  # this rank's rows of each global batch, read from disk by a prefetch thread
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    step_time, step_tokens = 0.0, 0
-    bar = tqdm(total=p.steps, initial=start, desc="distill" if p.distill else "train", unit="step",
-               dynamic_ncols=True, disable=not lead)
-    for step in range(start, p.steps):
+    def _measure(self):
+        """Parameter counts, FLOPs per token and the peak matmul rate (for the MFU in the report)."""
+        p, c, student, teacher = self.p, self.c, self.student, self.teacher
+        self.n_params = {"student": metrics.param_count(student),
+                         "teacher": metrics.param_count(teacher) if p.distill else None,
+                         "trainable_extra": sum(q.numel() for q in self.projections.parameters())
+                         if self.projections else 0}
+        self.flops_tok = 3 * metrics.forward_flops_per_token(student, c.seq_len)
+        if p.distill:
+            self.flops_tok += metrics.forward_flops_per_token(teacher, c.seq_len)
+        dtype = torch.bfloat16 if p.use_bf16 else torch.float32
+        self.peak = metrics.measure_matmul_flops(self.procs.dev, dtype) * self.procs.world
+
+    def _evaluate(self) -> dict:
+        return evaluate(self.student, self.eval_blocks, batch=self.c.batch, bf16=self.p.use_bf16,
+                        loss_fn=self.fns.get("lm_loss"))
+
+    def checkpoint(self, step: int):
+        meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
+                "history": self.history, "eval": self.evals, "hf_config": self.hf_config}
+        self.saver.save(step, self.student, self.projections, self.opt, meta)
+        self.rss.mark("checkpoint", first=True)
+
+    def loop(self):
+        """The optimizer steps from `start` to the end, with checkpoints every checkpoint_every steps."""
+        p, c, procs = self.p, self.c, self.procs
+        if procs.lead and not c.resume and p.run_dir.exists():
+            shutil.rmtree(p.run_dir)  # overwrite: start over (only now that every input has loaded)
+        from .tokens import sequences
+        # this rank's rows of each global batch, read from disk by a prefetch thread
+        it = sequences(self.data, c.seq_len, c.batch, seed=c.seed, start=self.start * c.grad_accum,
+                       dp_rank=self.info.dp_rank, dp_size=procs.dp)
+        bar = tqdm(total=p.steps, initial=self.start, desc="distill" if p.distill else "train", unit="step",
+                   dynamic_ncols=True, disable=not procs.lead)
+        for step in range(self.start, p.steps):
+            row = self.step(step, it, bar)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            if procs.lead and c.log_every and (step + 1) % c.log_every == 0:
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            self.rss.mark("first step", first=True)
+            if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
+                self.checkpoint(step + 1)
+        bar.close()
+        it.close()
+        self.saver.wait()
+        self.rss.mark("train")
+
+    def step(self, step: int, it, bar) -> dict:
+        """One optimizer step over grad_accum micro-batches; -> its history row."""
+        p, c, dev, opt = self.p, self.c, self.procs.dev, self.opt
         t0 = time.perf_counter()
         cur_lr = lr_at(step, p.steps, c.lr, p.min_lr, p.warmup)
         for g in opt.param_groups:
@@ -496,18 +321,20 @@ def run(c: TrainConfig) -> dict | None:
         sums: dict[str, float] = {}
         for _ in range(c.grad_accum):
             ids = next(it).to(dev, non_blocking=True)
-            loss, parts = compute_losses(student, teacher, ids, w, p.layer_map, projections, autocast, fns)
+            loss, parts = compute_losses(self.student, self.teacher, ids, self.w, p.layer_map, self.projections,
+                                         self.autocast, self.fns)
             (loss / c.grad_accum).backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / c.grad_accum
-        sums = _dp_mean(sums, info, dev)
-        gnorm = _clip(student, projections, c.grad_clip, info)
+        sums = _dp_mean(sums, self.info, dev)
+        gnorm = _clip(self.student, self.projections, c.grad_clip, self.info)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        step_time += dt
-        step_tokens += p.tokens_per_step
+        self.step_time += dt
+        self.step_tokens += p.tokens_per_step
         if not math.isfinite(sums["loss"]):
             bar.close()
             last = state.list_checkpoints(p.run_dir)
@@ -515,38 +342,36 @@ def run(c: TrainConfig) -> dict | None:
                                + (f"; last checkpoint {last[-1]}" if last else ""))
         row = {"step": step + 1, **{k: sums[k] for k in parts}, "lr": cur_lr, "grad_norm": float(gnorm),
                "tokens_per_s": p.tokens_per_step / dt}
-        history.append(row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{sums['loss']:.4f}", lr=f"{cur_lr:.2e}")
-        if lead and c.log_every and (step + 1) % c.log_every == 0:
-            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-        rss.mark("first step", first=True)
-        if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
-            checkpoint(step + 1)
-    bar.close()
-    it.close()
-    saver.wait()
-    rss.mark("train")
+        self.history.append(row)
+        return row
 
-    # -- final evaluation, report, export (rank 0 writes; every rank takes part) ----------------------
-    set_recompute(student, "none")
-    if eval_blocks is not None:
-        evals["after"] = evaluate(student, eval_blocks, batch=c.batch, bf16=p.use_bf16, loss_fn=fns.get("lm_loss"))
-    report = None
-    if lead:
-        tok_s = step_tokens / step_time if step_time else None
-        data_tokens = sum(s.n_tokens for s in getattr(data, "sets", [data]))
-        report = metrics.report(p.args, p.family, n_params, p.steps, p.tokens_per_step, data_tokens, resumed_from, p.run_dir, history, evals, tok_s, flops_tok, peak, p.t_start)
-        report["parallel"] = {"world": world, "tp": c.tp, "ep": info.ep, "dp": dp, "ep_over": info.ep_over,
-                              "teacher": teacher_layout, "teacher_fsdp": bool(p.distill and dp > 1),
-                              "backend": dist.get_backend() if mesh is not None else None}
-        if world > 1:
-            report["mfu_note"] += f", times {world} processes"
-    _write_outputs(p, student, report)
-    rss.mark("export")
-    rss.write(p.run_dir / f"peak-rss-rank{rank()}.json")
-    wait(group)
-    return report
+    def finish(self) -> dict | None:
+        """Final evaluation, report, export (rank 0 writes; every rank takes part); -> the report on rank 0."""
+        from models.recompute import set_recompute
+        set_recompute(self.student, "none")
+        if self.eval_blocks is not None:
+            self.evals["after"] = self._evaluate()
+        report = self.report() if self.procs.lead else None
+        _write_outputs(self.p, self.student, report)
+        self.rss.mark("export")
+        self.rss.write(self.p.run_dir / f"peak-rss-rank{rank()}.json")
+        wait(self.procs.group)
+        return report
+
+    def report(self) -> dict:
+        p, c, procs = self.p, self.c, self.procs
+        tok_s = self.step_tokens / self.step_time if self.step_time else None
+        data_tokens = sum(s.n_tokens for s in getattr(self.data, "sets", [self.data]))
+        report = metrics.report(p.args, p.family, self.n_params, p.steps, p.tokens_per_step, data_tokens,
+                                self.resumed_from, p.run_dir, self.history, self.evals, tok_s, self.flops_tok,
+                                self.peak, p.t_start)
+        report["parallel"] = {"world": procs.world, "tp": c.tp, "ep": self.info.ep, "dp": procs.dp,
+                              "ep_over": self.info.ep_over, "teacher": self.teacher_layout,
+                              "teacher_fsdp": bool(p.distill and procs.dp > 1),
+                              "backend": dist.get_backend() if procs.mesh is not None else None}
+        if procs.world > 1:
+            report["mfu_note"] += f", times {procs.world} processes"
+        return report
 
 
 def _write_outputs(p: Plan, student, report):

@@ -1,0 +1,98 @@
+"""The training objective of one micro-batch, shared by `remodel train` and `remodel distill`.
+
+Loss = kl_weight * KL(teacher||student) + lm_loss_weight * CE + hidden_loss_weight * (1 - cos)
+       + lb_coeff * load balancing (student MoE layers) + z_coeff * router z-loss.
+The vocabulary losses come from the logits, or fused from the final hidden states in token chunks
+(pipelines.fused_loss) so that no [tokens, vocab] logits exist.
+"""
+from __future__ import annotations
+
+import torch
+
+from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
+
+LOSS_FNS = {"kl_div": kl_div, "topk_kl": topk_kl, "lm_loss": lm_loss, "load_balancing_loss": load_balancing_loss}
+
+
+def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None, fns=None):
+    """-> (total loss tensor, {name: float}) for one batch of token ids [B, L].
+    w: weights {kl, lm, hidden, lb, z, temperature, topk}. The teacher runs under no_grad.
+    fns: replacements for the loss functions {kl_div, topk_kl, lm_loss, load_balancing_loss} (same
+    signatures; a parallelized run passes vocab_parallel.parallel_loss_fns)."""
+    fns = {**LOSS_FNS, **(fns or {})}
+    autocast = autocast or torch.autocast("cpu", enabled=False)
+    need_states = teacher is not None and w["hidden"] > 0
+    if w.get("fused"):
+        return _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states)
+    with autocast:
+        out = student(ids, output_hidden_states=need_states)
+        s_logits, s_states = out if need_states else (out, None)
+        if teacher is not None:
+            with torch.no_grad():
+                t_out = teacher(ids, output_hidden_states=need_states)
+            t_logits, t_states = t_out if need_states else (t_out, None)
+    total = s_logits.new_zeros((), dtype=torch.float32)
+    parts = {}
+    if teacher is not None:
+        kl = (fns["topk_kl"](s_logits, t_logits, w["topk"], w["temperature"]) if w["topk"]
+              else fns["kl_div"](s_logits, t_logits, w["temperature"]))
+        total = total + w["kl"] * kl
+        parts["kl"] = kl.item()
+    lm = fns["lm_loss"](s_logits[:, :-1] if w["lm"] > 0 else s_logits[:, :-1].detach(), ids[:, 1:])
+    if w["lm"] > 0:
+        total = total + w["lm"] * lm
+    parts["lm"] = lm.item()
+    states = (s_states, t_states, layer_map, projections) if need_states else None
+    return _other_losses(student, w, fns, total, parts, states, autocast)
+
+
+def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
+    """compute_losses with the vocabulary losses fused (pipelines.fused_loss): CE and KL from the final
+    hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
+    from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
+    g = w.get("vocab_group")
+    with autocast:
+        s_h, s_states = student.hidden(ids, output_hidden_states=need_states)
+        if teacher is not None:
+            with torch.no_grad():
+                t_h, t_states = teacher.hidden(ids, output_hidden_states=need_states)
+    flat = s_h.reshape(-1, s_h.shape[-1])
+    total, parts = s_h.new_zeros((), dtype=torch.float32), {}
+    if teacher is not None:
+        with autocast:  # the matmuls in the autocast dtype, as the logits path's F.linear
+            kl = fused_kl_div(flat, lm_head_weight(student), t_h.reshape(-1, t_h.shape[-1]), lm_head_weight(teacher),
+                              w["temperature"], group=g)
+        total = total + w["kl"] * kl
+        parts["kl"] = kl.item()
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w["lm"] > 0), autocast:
+        lm = fused_lm_loss(s_h[:, :-1].reshape(-1, s_h.shape[-1]), lm_head_weight(student), ids[:, 1:].reshape(-1),
+                           group=g)
+    if w["lm"] > 0:
+        total = total + w["lm"] * lm
+    parts["lm"] = lm.item()
+    states = (s_states, t_states, layer_map, projections) if need_states else None
+    return _other_losses(student, w, fns, total, parts, states, autocast)
+
+
+def _other_losses(student, w, fns, total, parts, states, autocast):
+    """Adds the hidden-state cosine loss (states: (student's, teacher's, layer_map, projections) or None)
+    and the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
+    if states is not None:
+        with autocast:
+            hid = hidden_cosine_loss(*states)
+        total = total + w["hidden"] * hid
+        parts["hidden"] = hid.item()
+    moe = student.moe_layers()
+    if moe and (w["lb"] > 0 or w["z"] > 0):
+        cfg = student.cfg
+        logits = [m.router_logits for m in moe]
+        if w["lb"] > 0:
+            lb = fns["load_balancing_loss"](logits, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.router)
+            total = total + w["lb"] * lb
+            parts["lb"] = lb.item()
+        if w["z"] > 0:
+            z = z_loss(logits)
+            total = total + w["z"] * z
+            parts["z"] = z.item()
+    parts["loss"] = total.item()
+    return total, parts

@@ -1,0 +1,174 @@
+"""The checks and derived settings of a training run, before any heavy work and with nothing written.
+
+`prepare` turns a TrainConfig into a `Plan`: the resolved budget (steps), schedule and loss-weight
+defaults, absolute paths, the device and the argument record that checkpoints and the report keep.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.errors import RemodelError
+from models.load import load_config, read_config_dict
+
+from . import train_state as state
+from .runtime import check_out, pick_device
+from .train_config import TrainConfig
+
+
+def default_layer_map(n_student: int, n_teacher: int) -> list[tuple[int, int]]:
+    """Pairs (student state, teacher state) over the residual-stream states (0 = embeddings, i = after
+    layer i): every student layer i to teacher layer round(i * Lt / Ls), so the last maps to the last."""
+    return [(i, round(i * n_teacher / n_student)) for i in range(1, n_student + 1)]
+
+
+
+@dataclass
+class Plan:
+    """What `prepare` derives from a TrainConfig: resolved budget and defaults, paths, the record."""
+    cfg: TrainConfig
+    out: Path
+    student_dir: Path
+    teacher_dir: Path | None
+    steps: int
+    warmup: int
+    min_lr: float
+    lm_loss_weight: float
+    kl_weight: float
+    checkpoint_every: int
+    layer_map: list | None
+    tokens_per_step: int
+    family: str
+    vocab_size: int
+    run_dir: Path
+    dev: torch.device
+    use_bf16: bool
+    args: dict  # what checkpoints and the report record
+    t_start: float
+
+    @property
+    def distill(self) -> bool:
+        return self.teacher_dir is not None
+
+    @property
+    def inputs(self) -> list[Path]:
+        return [self.student_dir] + ([self.teacher_dir] if self.distill else [])
+
+
+def _positive(**kw):
+    for k, v in kw.items():
+        if v is not None and not v > 0:
+            raise RemodelError(f"--{k.replace('_', '-')} must be > 0, got {v}")
+
+
+def _budget(steps, tokens, tokens_per_step: int) -> int:
+    if (steps is None) == (tokens is None):
+        raise RemodelError("give exactly one of --steps or --tokens as the training budget")
+    if steps is not None:
+        if steps < 1:
+            raise RemodelError(f"--steps must be >= 1, got {steps}")
+        return int(steps)
+    if tokens < 1:
+        raise RemodelError(f"--tokens must be >= 1, got {tokens}")
+    return max(1, math.ceil(tokens / tokens_per_step))
+
+
+def _layer_map(c: TrainConfig, s_cfg, t_cfg):
+    layer_map = [tuple(p) for p in (c.layer_map or default_layer_map(s_cfg.num_layers, t_cfg.num_layers))]
+    bad = [p for p in layer_map if not (0 <= p[0] <= s_cfg.num_layers and 0 <= p[1] <= t_cfg.num_layers)]
+    if bad:
+        raise RemodelError(f"layer_map pairs {bad} are outside the student ({s_cfg.num_layers}) or "
+                           f"teacher ({t_cfg.num_layers}) layers")
+    return layer_map
+
+
+def _check_teacher(student_dir: Path, teacher_dir: Path, s_cfg):
+    t_cfg = load_config(teacher_dir)
+    if t_cfg.vocab_size != s_cfg.vocab_size:
+        raise RemodelError(f"teacher vocab_size {t_cfg.vocab_size} != student vocab_size {s_cfg.vocab_size}: "
+                           "logit distillation needs the same tokenizer")
+    st, tt = student_dir / "tokenizer.json", teacher_dir / "tokenizer.json"
+    if st.is_file() and tt.is_file() and st.read_bytes() != tt.read_bytes():
+        raise RemodelError(f"{teacher_dir} and {student_dir} have different tokenizers")
+    return t_cfg
+
+
+def prepare(c: TrainConfig) -> Plan:
+    """Every argument check of a run, before any heavy work and with nothing written; derived settings."""
+    t_start = time.time()
+    out = Path(c.out).absolute()
+    student_dir = Path(c.student_dir).absolute()
+    teacher_dir = Path(c.teacher_dir).absolute() if c.distill else None
+    lm_w = (0.0 if c.distill else 1.0) if c.lm_loss_weight is None else float(c.lm_loss_weight)
+    kl_w = float(c.kl_weight) if c.distill else 0.0
+    _positive(seq_len=c.seq_len, batch=c.batch, grad_accum=c.grad_accum, lr=c.lr, temperature=c.temperature,
+              checkpoint_every=c.checkpoint_every, eval_tokens=c.eval_tokens)
+    if c.seq_len < 2:
+        raise RemodelError(f"--seq-len must be >= 2 for next-token training, got {c.seq_len}")
+    tokens_per_step = c.batch * c.grad_accum * c.seq_len
+    steps = _budget(c.steps, c.tokens, tokens_per_step)
+    min_lr = c.lr / 10 if c.min_lr is None else float(c.min_lr)
+    warmup = min(100, steps // 10) if c.warmup is None else min(int(c.warmup), steps)
+    checkpoint_every = c.checkpoint_every or max(1, steps // 10)
+    _check_options(c, min_lr, warmup, kl_w, lm_w)
+    s_cfg = load_config(student_dir)
+    family = read_config_dict(student_dir)["model_type"]
+    layer_map = None
+    if c.distill:
+        t_cfg = _check_teacher(student_dir, teacher_dir, s_cfg)
+        if c.hidden_loss_weight:
+            layer_map = _layer_map(c, s_cfg, t_cfg)
+    plan_inputs = [student_dir] + ([teacher_dir] if c.distill else [])
+    check_out(out, c.overwrite, plan_inputs)
+    run_dir = state.run_dir_for(out)
+    if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
+        raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
+                           "or --overwrite to start over")
+    dev = pick_device(c.device)
+    use_bf16 = dev.type == "cuda" and (c.bf16 is True or (c.bf16 == "auto" and torch.cuda.is_bf16_supported()))
+    p = Plan(c, out, student_dir, teacher_dir, steps, warmup, min_lr, lm_w, kl_w, checkpoint_every, layer_map,
+             tokens_per_step, family, s_cfg.vocab_size, run_dir, dev, use_bf16, {}, t_start)
+    p.args = _record(p, moe="E" in s_cfg.pattern)
+    return p
+
+
+def _check_options(c: TrainConfig, min_lr: float, warmup: int, kl_w: float, lm_w: float):
+    """The checks of options that need no file: one-line RemodelErrors."""
+    if min_lr < 0 or min_lr > c.lr or warmup < 0 or c.weight_decay < 0 or c.keep_last < 0:
+        raise RemodelError(f"need 0 <= --min-lr <= --lr, --warmup >= 0, --weight-decay >= 0, --keep-last >= 0 "
+                           f"(got min_lr={min_lr}, lr={c.lr}, warmup={warmup}, weight_decay={c.weight_decay}, "
+                           f"keep_last={c.keep_last})")
+    if c.topk is not None and c.topk < 1:
+        raise RemodelError(f"--topk must be >= 1, got {c.topk}")
+    if (c.fp8 or c.fp8_teacher) and (pick_device(c.device).type != "cuda" or c.tp > 1):
+        raise RemodelError("--fp8 / --fp8-teacher need a CUDA GPU with FP8 matmuls (H100-class) and --tp 1 "
+                           "(FSDP / one process) for now")
+    if c.fused_loss and c.topk:
+        raise RemodelError("--fused-loss computes the full-vocabulary KL; drop --topk or --fused-loss")
+    if not c.distill and (c.hidden_loss_weight or c.topk):
+        raise RemodelError("--hidden-loss-weight and --topk need a teacher (distill)")
+    if kl_w == 0 and lm_w == 0 and not c.hidden_loss_weight:
+        raise RemodelError("every loss weight is zero: nothing to train")
+    from models.recompute import RECOMPUTE_MODES
+    if c.recompute not in RECOMPUTE_MODES:
+        raise RemodelError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {c.recompute!r}")
+
+
+def _record(p: Plan, moe: bool) -> dict:
+    """The run's arguments as checkpoints and the report record them (resolved defaults included)."""
+    c = p.cfg
+    return {"student_dir": str(p.student_dir), "teacher_dir": str(p.teacher_dir) if c.distill else None,
+            "data": str(Path(c.data).absolute()) if isinstance(c.data, (str, Path)) else repr(c.data),
+            "out": str(p.out), "steps": p.steps, "seq_len": c.seq_len, "batch": c.batch, "grad_accum": c.grad_accum,
+            "lr": c.lr, "min_lr": p.min_lr, "warmup": p.warmup, "weight_decay": c.weight_decay,
+            "grad_clip": c.grad_clip, "temperature": c.temperature, "kl_weight": p.kl_weight,
+            "lm_loss_weight": p.lm_loss_weight, "hidden_loss_weight": c.hidden_loss_weight,
+            "layer_map": [list(x) for x in p.layer_map or []] or None,
+            "topk": c.topk, "lb_coeff": c.lb_coeff if moe else 0.0, "z_coeff": c.z_coeff,
+            "checkpoint_every": p.checkpoint_every, "keep_last": c.keep_last, "seed": c.seed,
+            "eval_data": str(c.eval_data) if c.eval_data is not None else None, "eval_tokens": c.eval_tokens,
+            "recompute": c.recompute, "device": str(p.dev), "bf16": p.use_bf16}
