@@ -7,30 +7,61 @@ slice here comes from there, under the mixer's current cfg (tensor parallelism g
 heads and groups).
 
 This file is the readable form; models.mamba_kernels computes it fast. On CPU the mixer runs the
-fused cache-blocked kernel; on CUDA the same steps as whole-tensor ops, with mamba-ssm's fused scan
-when installed. `ssd_reference` is the recurrence itself, which the tests hold the scans to.
+fused cache-blocked kernel; on CUDA the same steps as whole-tensor ops, each through the optional GPU
+kernel that does it without fp32 round trips when installed (`gpu_kernels`: causal-conv1d's conv + silu,
+mamba-ssm's scan with dt + dt_bias, softplus and the clamp folded in, its Triton gated RMSNorm).
+`ssd_reference` is the recurrence itself, which the tests hold the scans to; tests/test_gpu_paths.py
+holds the GPU kernels' calls to the CPU path through stand-ins with their signatures.
 """
 from __future__ import annotations
+
+import functools
+import importlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layout import axis_size
-from .mamba_kernels import compute_dtype, gated_rms_norm, layout_spans, mamba_core, mamba_ssm_scan, ssd_scan
+from .mamba_kernels import compute_dtype, gated_rms_norm, layout_spans, mamba_core, ssd_scan
 from .recompute import maybe_checkpoint
 
-USE_KERNEL = True  # False: the pure-PyTorch scan on CUDA even with mamba-ssm installed (benchmarks, parity)
+USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
+
+
+class GpuKernels(NamedTuple):
+    """The optional GPU extras' kernels, each None where it does not import: mamba-ssm's fused SSD scan
+    `mamba_chunk_scan_combined` and Triton gated RMSNorm `rmsnorm_fn`, causal-conv1d's `causal_conv1d_fn`."""
+    scan: object = None
+    norm: object = None
+    conv: object = None
+
+
+GPU_KERNELS = (("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+               ("mamba_ssm.ops.triton.layernorm_gated", "rmsnorm_fn"), ("causal_conv1d", "causal_conv1d_fn"))
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_kernels() -> GpuKernels:
+    """The `GpuKernels` installed here, imported on first use (only the CUDA path asks)."""
+    found = []
+    for module, name in GPU_KERNELS:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except Exception:  # an optional GPU extra: missing, or built for another torch / CUDA
+            found.append(None)
+    return GpuKernels(*found)
 
 
 def _on_gpu(t) -> bool:
-    """Which path runs: whole-tensor ops (+ mamba-ssm's scan) on CUDA, the fused blocked kernel elsewhere."""
+    """Which path runs: whole-tensor ops (+ the GPU extras' kernels) on CUDA, the fused blocked kernel elsewhere."""
     return t.is_cuda
 
 
-def _mamba_kernel():
-    """mamba-ssm's fused SSD scan when USE_KERNEL is set and the extra is installed, else None."""
-    return mamba_ssm_scan() if USE_KERNEL else None
+def _kernels() -> GpuKernels:
+    """The GPU kernels the CUDA path uses: `gpu_kernels()`, or none when USE_KERNEL is off."""
+    return gpu_kernels() if USE_KERNEL else GpuKernels()
 
 
 def ssd_reference(x, dt, A, B, C, D=None):
@@ -53,11 +84,20 @@ def ssd_reference(x, dt, A, B, C, D=None):
     return torch.stack(ys, dim=1)
 
 
-def causal_conv_silu(x, conv: nn.Conv1d):
-    """silu(causal depthwise conv(x)) on x [b, l, C], as one F.conv1d call (cuDNN on a GPU)."""
-    w = conv.weight
-    y = F.conv1d(x.transpose(1, 2), w, conv.bias, padding=w.shape[-1] - 1, groups=w.shape[0])
+def causal_conv_silu(x, conv: nn.Conv1d, kernel=None):
+    """silu(causal depthwise conv(x)) on x [b, l, C]: causal-conv1d's `causal_conv1d_fn` when given and x's
+    channel-last layout suits it (transformers' call), else one F.conv1d call (cuDNN on a GPU)."""
+    w, xt = conv.weight, x.transpose(1, 2)
+    if kernel is not None and _channel_last_ok(xt):
+        return kernel(xt, w.squeeze(1), conv.bias, activation="silu").transpose(1, 2)
+    y = F.conv1d(xt, w, conv.bias, padding=w.shape[-1] - 1, groups=w.shape[0])
     return F.silu(y[..., :x.shape[1]].transpose(1, 2))
+
+
+def _channel_last_ok(xt) -> bool:
+    """causal-conv1d's conditions on a channel-last input [b, C, l] (stride 1 over C): C and the batch and
+    time strides multiples of 8."""
+    return xt.stride(1) == 1 and xt.shape[1] % 8 == 0 and xt.stride(0) % 8 == 0 and xt.stride(2) % 8 == 0
 
 
 def init_a_log(p: torch.Tensor) -> torch.Tensor:
@@ -124,19 +164,24 @@ class Mamba2Mixer(nn.Module):
         return self.norm(y, z)
 
     def _core(self, proj, A, attention_mask):
-        """CUDA: conv, dt, scan and gated norm as whole-tensor ops (in_proj output -> out_proj input)."""
-        cfg, sp = self.cfg, self._spans()
-        conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d)
+        """CUDA: conv, dt, scan and gated norm as whole-tensor ops, each through its GPU kernel when one is
+        installed (in_proj output -> out_proj input)."""
+        cfg, sp, k = self.cfg, self._spans(), _kernels()
+        conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d, k.conv)
         if attention_mask is not None:
             conv_out = conv_out * attention_mask[:, :, None].to(conv_out.dtype)
         x = conv_out[..., sp.x].unflatten(-1, (cfg.mamba_num_heads, cfg.mamba_head_dim))
         B, C = (conv_out[..., s].unflatten(-1, (cfg.n_groups, cfg.ssm_state_size)) for s in (sp.B, sp.C))
-        dt, kernel = proj[..., sp.dt], _mamba_kernel()
-        if kernel is not None:
-            y = kernel(x, dt, A, B, C, cfg.chunk_size, D=self.D.float(), dt_bias=self.dt_bias.float(),
-                       dt_softplus=True, dt_limit=(cfg.time_step_min, cfg.time_step_max))
+        dt, z = proj[..., sp.dt], proj[..., sp.z]
+        if k.scan is not None:  # dt + dt_bias, softplus and the clamp inside the kernel, as transformers calls it
+            y = k.scan(x, dt, A, B, C, cfg.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                       dt_limit=(cfg.time_step_min, cfg.time_step_max))
         else:
             cd = compute_dtype(dt)
             dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
             y = ssd_scan(x, dt, A, B, C, cfg.chunk_size, D=self.D)
-        return self.norm(y.flatten(2), proj[..., sp.z])
+        y = y.flatten(2)
+        if k.norm is None:
+            return self.norm(y, z)
+        n = self.norm  # gate before the norm (norm_before_gate=False), one norm per group of channels
+        return k.norm(y, n.weight, None, z=z, eps=n.eps, group_size=y.shape[-1] // n.groups, norm_before_gate=False)

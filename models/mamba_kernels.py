@@ -1,15 +1,13 @@
-"""The Mamba-2 mixer's CPU kernels, and the hookup of mamba-ssm's fused GPU scan.
+"""The Mamba-2 mixer's CPU kernels.
 
 models/mamba.py states the math; this module computes it fast on CPU. Everything runs over blocks
 of scan chunks small enough to stay in a core's cache (BLOCK_ELEMS), with hand-written backwards
 that keep only the state entering each chunk and the state->output term and recompute the rest
 block by block, so memory is linear in length and no full-length intermediate is materialised:
-
-- `mamba_core`: causal conv + silu, dt and the SSD scan as one autograd function; it reads the
-  in_proj output in place and writes its whole gradient into one tensor (no full-length splits);
-- `ssd_scan`: the chunked SSD scan alone (also the CUDA path's scan when mamba-ssm is missing);
-- `gated_rms_norm`: the gated group RMSNorm over cache-sized blocks of rows;
-- `mamba_ssm_scan`: mamba-ssm's fused Triton scan, when that optional extra is installed.
+`mamba_core` (causal conv + silu, dt and the SSD scan as one autograd function, reading the in_proj
+output in place and writing its whole gradient into one tensor), `ssd_scan` (the chunked scan alone;
+the CUDA path's scan when mamba-ssm is missing), `gated_rms_norm` (over cache-sized row blocks).
+models.mamba hooks up the optional GPU kernels (mamba-ssm, causal-conv1d) on CUDA.
 
 Column offsets of the in_proj output and the conv channels come from models.layout (`layout_spans`).
 """
@@ -47,15 +45,6 @@ def layout_spans(cfg) -> Spans:
     return Spans(z=segment_span(cfg, "mamba_in_proj", "z"), dt=segment_span(cfg, "mamba_in_proj", "dt"),
                  conv=segment_span(cfg, "mamba_in_proj", conv[0], conv[-1]),
                  **{name: segment_span(cfg, "mamba_conv", name) for name in conv})
-
-
-def mamba_ssm_scan():
-    """mamba-ssm's `mamba_chunk_scan_combined` when the optional GPU extra is importable, else None."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined
-    except Exception:  # optional GPU extra
-        return None
 
 
 def compute_dtype(t) -> torch.dtype:
