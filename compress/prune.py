@@ -105,24 +105,40 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
     if not t:
         raise RemodelError("nothing to prune: give at least one target (e.g. --hidden-size, --ffn-size, --num-layers)")
     for key, v in t.items():
-        if key == "drop_layers":
-            continue
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise RemodelError(f"{flag(key)} must be an integer, got {v!r}")
-        if v <= 0:
-            raise RemodelError(f"{flag(key)} must be positive, got {v}")
-        if key == "num_layers":
-            continue
-        kind, field = AXES[key]
-        if kind is not None and kind not in cfg.pattern:
-            raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
-        src = getattr(cfg, field)
-        if not src:
-            what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
-            raise RemodelError(f"{flag(key)}: the model has no {what}")
-        if v > src:
-            raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
-                               f"pruning only removes units (nearest valid: {src})")
+        if key != "drop_layers":
+            _check_value(cfg, key, v)
+    _check_groups(cfg, t)
+    _check_experts(cfg, t)
+    units = layer_units(cfg, family)
+    _check_depth(cfg, t, units)
+    if "drop_layers" in t:
+        t["drop_layers"] = sorted(parse_layers(t["drop_layers"]))
+    _check_exportable_target(cfg, t, units, family)
+    return t
+
+
+def _check_value(cfg: ModelConfig, key: str, v) -> None:
+    """One width target: a positive integer no larger than the source, on an axis the model has."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RemodelError(f"{flag(key)} must be an integer, got {v!r}")
+    if v <= 0:
+        raise RemodelError(f"{flag(key)} must be positive, got {v}")
+    if key == "num_layers":
+        return
+    kind, field = AXES[key]
+    if kind is not None and kind not in cfg.pattern:
+        raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
+    src = getattr(cfg, field)
+    if not src:
+        what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
+        raise RemodelError(f"{flag(key)}: the model has no {what}")
+    if v > src:
+        raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
+                           f"pruning only removes units (nearest valid: {src})")
+
+
+def _check_groups(cfg: ModelConfig, t: dict) -> None:
+    """Mamba heads in whole groups, query heads in whole KV groups."""
     if "mamba_heads" in t and t["mamba_heads"] % cfg.n_groups:
         v, G = t["mamba_heads"], cfg.n_groups
         raise RemodelError(f"--mamba-heads {v} is not a multiple of n_groups={G}; "
@@ -132,6 +148,10 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
         raise RemodelError(f"--attn-heads {v} is not a multiple of num_key_value_heads={kv} (every KV group "
                            f"keeps the same number of query heads); nearest valid: "
                            f"{_nearest(v, kv, cfg.num_attention_heads)}")
+
+
+def _check_experts(cfg: ModelConfig, t: dict) -> None:
+    """Expert counts the router's top-k and groups can use; expert widths transformers can load."""
     if "experts" in t:
         v, k, G, tg = t["experts"], cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         ok = lambda x: x >= k and (G == 1 or (x % G == 0 and x // G >= 2 and tg * (x // G) >= k))  # noqa: E731
@@ -150,11 +170,10 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
                 raise RemodelError(f"{flag(key)} {v} is not a multiple of {MOE_ALIGN}, which transformers' grouped "
                                    f"expert matmul needs (16-byte rows in bf16); nearest valid: "
                                    f"{_nearest(v, MOE_ALIGN, src)}")
-    units = layer_units(cfg, family)
-    _check_depth(cfg, t, units)
-    if "drop_layers" in t:
-        t["drop_layers"] = sorted(parse_layers(t["drop_layers"]))
-    # the whole target must still be a valid, exportable model of the source family
+
+
+def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
+    """The whole target must still be a valid, exportable model of the source family."""
     sizes = {AXES[k][1]: v for k, v in t.items() if k in AXES}
     if "drop_layers" in t or "num_layers" in t:
         kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
@@ -164,7 +183,7 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
     try:
         check_exportable(cfg, family)
     except RemodelError:
-        return t  # an in-memory model no family can hold: nothing more to keep
+        return  # an in-memory model no family can hold: nothing more to keep
     check_exportable(target, family)
     if family == "llama" and target.hidden_size % target.num_attention_heads:
         H, nq = target.hidden_size, target.num_attention_heads
@@ -176,7 +195,6 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
         raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' LlamaConfig "
                            f"requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
     config_to_hf(target, family)  # transformers' own config checks, still before any work
-    return t
 
 
 # ---- ranking ----------------------------------------------------------------------------------
@@ -210,7 +228,7 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
     for i, c in enumerate(cfg.pattern):
         keep.update(_block_keep(cfg, scores, t, f"layers.{i}.", c))
     for j, c in enumerate(cfg.mtp_full_pattern):
-        keep.update(_block_keep(cfg, scores, t, f"mtp.layers.{j}.", c, _mtp_stand_in(cfg, scores, j)))
+        keep.update(_block_keep(cfg, _mtp_scores(cfg, scores, j), t, f"mtp.layers.{j}.", c))
     units = layer_units(cfg, family)
     drop = []
     if "drop_layers" in t:
@@ -227,9 +245,9 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
     return keep
 
 
-def _block_keep(cfg: ModelConfig, scores: dict, t: dict, p: str, c: str, src: str | None = None) -> dict:
-    """Keep entries of one block (prefix `p`, kind `c`) from the scores of block `src` (default `p`)."""
-    keep, scores = {}, _scores_at(scores, src or p, p)
+def _block_keep(cfg: ModelConfig, scores: dict, t: dict, p: str, c: str) -> dict:
+    """Keep entries of one block (prefix `p`, kind `c`) from its scores."""
+    keep = {}
     if c == "-" and "ffn_size" in t:
         keep[p + "ffn"] = _top(_score(scores, p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])
     elif c == "*" and "attn_heads" in t:
@@ -262,22 +280,15 @@ def _block_keep(cfg: ModelConfig, scores: dict, t: dict, p: str, c: str, src: st
     return keep
 
 
-def _scores_at(scores: dict, src: str, p: str) -> dict:
-    """`scores` where block `p`'s entries are those of block `src` (the same shapes)."""
-    if src == p:
+def _mtp_scores(cfg: ModelConfig, scores: dict, j: int) -> dict:
+    """`scores` for MTP block j: its own (`mtp.layers.j.*`, from an activation run, which runs the
+    head: compress/importance.py), and for any it lacks (data-free baselines, scores from before MTP
+    support) the last trunk layer of its kind's, as a stand-in that keeps its widths the trunk's."""
+    c, own = cfg.mtp_full_pattern[j], f"mtp.layers.{j}."
+    if c not in cfg.pattern:
         return scores
-    return {**scores, **{p + k[len(src):]: v for k, v in scores.items() if k.startswith(src)}}
-
-
-def _mtp_stand_in(cfg: ModelConfig, scores: dict, j: int) -> str:
-    """Whose scores rank MTP block j's units: its own (`mtp.layers.j.*`) when the scores have them, else
-    the last trunk layer of its kind. Calibration runs the trunk only, so no activation reaches the
-    MTP head; the stand-in keeps its widths consistent with the trunk's, not a measure of importance."""
-    own = f"mtp.layers.{j}."
-    if any(k.startswith(own) for k in scores):
-        return own
-    c = cfg.mtp_full_pattern[j]
-    return f"layers.{cfg.pattern.rindex(c)}."
+    src = f"layers.{cfg.pattern.rindex(c)}."
+    return {**{own + k[len(src):]: v for k, v in scores.items() if k.startswith(src)}, **scores}
 
 
 # ---- the pruned model ---------------------------------------------------------------------------

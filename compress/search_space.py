@@ -298,57 +298,71 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
     def fits(m):  # [n, 3] metrics -> meets every budget
         return np.all(~on | (m <= lim), axis=1)
 
-    found, n_window, n_maximal = [], 0, 0
+    found, stats = [], {"window": 0, "maximal": 0}
     for hi, H in enumerate(Hs):
-        lo = [o[0].min(axis=0) for o in opts[H]]
-        most = [o[0].max(axis=0) for o in opts[H]]
-        acc = base_metrics(sp, H)[None, :]
-        rem = np.zeros(1, dtype=np.int64)
-        idx = np.zeros(1, dtype=np.int64)  # mixed-radix index over the types' options
-        for k, (mets, r, _) in enumerate(opts[H]):
-            least, big = sum(lo[k + 1:], np.zeros(3, dtype=np.int64)), sum(most[k + 1:], np.zeros(3, dtype=np.int64))
-            acc = (acc[:, None, :] + mets[None, :, :]).reshape(-1, 3)
-            rem = (rem[:, None] + r[None, :]).reshape(-1)
-            idx = (idx[:, None] * len(mets) + np.arange(len(mets))[None, :]).reshape(-1)
-            ok = (rem <= sp.max_removed) & fits(acc + least)  # even the smallest completion breaks a budget
-            if window_only:  # some budget must stay reachable within tol
-                ok &= np.any(on & (acc + big >= (1 - tol) * lim), axis=1)
-            acc, rem, idx = acc[ok], rem[ok], idx[ok]
+        acc, rem, idx = _feasible(sp, opts[H], H, fits, on, lim, tol if window_only else None)
         slack = (lim[on] - acc[:, on]) / lim[on]
         dist, win = slack.mean(axis=1), slack.min(axis=1) <= tol
-        n_window += int(win.sum())
-        # maximal: no single knob can grow by one step within every budget
+        stats["window"] += int(win.sum())
         o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
             if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
-        grow = np.zeros(len(acc), dtype=bool)
-        for k, (mets, _, _) in enumerate(opts[H]):
-            for up in ups[k]:
-                u = up[o[:, k]]
-                grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
-        if hi:
-            Hup = Hs[hi - 1]
-            grown = base_metrics(sp, Hup)[None, :] + sum(opts[Hup][k][0][o[:, k]] for k in range(len(radix)))
-            grow |= fits(grown)
-        keep = ~grow
-        n_maximal += int((keep & win).sum())
+        keep = ~_can_grow(sp, opts, Hs, hi, acc, o, ups, fits)
+        stats["maximal"] += int((keep & win).sum())
         sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
         found.append((H, acc[sel], rem[sel], o[sel], dist[sel]))
-    stats = {"window": n_window, "maximal": n_maximal}
     if not any(len(f[1]) for f in found):
         return [], stats
-    A = np.concatenate([f[1] for f in found])
-    R = np.concatenate([f[2] for f in found])
-    O = np.concatenate([f[3] for f in found])
-    D = np.concatenate([f[4] for f in found])
+    return _ranked(sp, opts[Hs[0]], found, top, resolution), stats
+
+
+def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
+    """Every combination of the unit types' options at hidden H that can meet the budgets, built type by
+    type (pruning partial sums that cannot): -> (metrics [n, 3], units removed [n], mixed-radix index [n]).
+    tol: also drop partial sums from which no budget can come within tol (the window); None: keep them."""
+    lo = [o[0].min(axis=0) for o in opts]
+    most = [o[0].max(axis=0) for o in opts]
+    acc = base_metrics(sp, H)[None, :]
+    rem = np.zeros(1, dtype=np.int64)
+    idx = np.zeros(1, dtype=np.int64)
+    for k, (mets, r, _) in enumerate(opts):
+        least, big = sum(lo[k + 1:], np.zeros(3, dtype=np.int64)), sum(most[k + 1:], np.zeros(3, dtype=np.int64))
+        acc = (acc[:, None, :] + mets[None, :, :]).reshape(-1, 3)
+        rem = (rem[:, None] + r[None, :]).reshape(-1)
+        idx = (idx[:, None] * len(mets) + np.arange(len(mets))[None, :]).reshape(-1)
+        ok = (rem <= sp.max_removed) & fits(acc + least)  # even the smallest completion breaks a budget
+        if tol is not None:  # some budget must stay reachable within tol
+            ok &= np.any(on & (acc + big >= (1 - tol) * lim), axis=1)
+        acc, rem, idx = acc[ok], rem[ok], idx[ok]
+    return acc, rem, idx
+
+
+def _can_grow(sp: Space, opts: dict, Hs: list, hi: int, acc, o, ups, fits):
+    """Per candidate: can a single knob (one type's width or layer count, or the hidden size) grow by one
+    step within every budget? Those are not maximal."""
+    grow = np.zeros(len(acc), dtype=bool)
+    for k, (mets, _, _) in enumerate(opts[Hs[hi]]):
+        for up in ups[k]:
+            u = up[o[:, k]]
+            grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
+    if hi:
+        Hup = Hs[hi - 1]
+        grown = base_metrics(sp, Hup)[None, :] + sum(opts[Hup][k][0][o[:, k]] for k in range(o.shape[1]))
+        grow |= fits(grown)
+    return grow
+
+
+def _ranked(sp: Space, opts: list, found: list, top: int, resolution: float) -> list:
+    """The best `top` rows over every hidden size, in the order the search docstring gives."""
+    A, R, O, D = (np.concatenate([f[j] for f in found]) for j in (1, 2, 3, 4))
     Hj = np.concatenate([np.full(len(f[1]), f[0]) for f in found])
     order = np.lexsort((R, D, -A[:, 0], np.floor(D / resolution) if resolution > 0 else D))[:top]
     rows = []
     for j in order:
         widths, removed = {"hidden_size": int(Hj[j])}, {}
         for k, t in enumerate(sp.types):
-            w, r = opts[Hs[0]][k][2][O[j, k]]
+            w, r = opts[k][2][O[j, k]]
             widths.update(w)
             removed[t] = r
         rows.append({"widths": {a: widths.get(a, v[0]) for a, v in sp.values.items()}, "removed": removed,
                      "metrics": [int(x) for x in A[j]], "distance": float(D[j])})
-    return rows, stats
+    return rows
