@@ -6,12 +6,11 @@ teacher to a MoE -> reload the results in transformers and compare logits -> a b
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import torch
-
-import json
 
 from models.checkpoint import CheckpointReader, atomic_output_dir
 from models.errors import RemodelError
@@ -74,11 +73,32 @@ def _hf_logit_diff(path, ids) -> float:
         hf_logging.set_verbosity(level)
 
 
+def _check_demo_out(out: Path, overwrite: bool):
+    """OUT is replaced only when it is empty, a previous demo's output, or --overwrite says so."""
+    if out.exists() and any(out.iterdir()) and not overwrite and not _previous_demo(out):
+        raise RemodelError(f"{out}: exists, is not empty and is not a previous demo output; "
+                           "pass --overwrite or choose another --out")
+
+
+def _check_in_transformers(work: Path, vocab_size: int) -> dict:
+    """The distilled and upcycled models loaded by transformers give our logits (max abs diff <= 1e-3)."""
+    ids = torch.randint(0, vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    hf_ok = {}
+    for name in ("distilled", "moe"):
+        d = _hf_logit_diff(work / name, ids)
+        hf_ok[name] = {"max_abs_logit_diff_vs_remodel": d}
+        print(f"      {name}: transformers logits - remodel logits, max abs {d:.1e}")
+        if not d <= 1e-3:
+            raise RemodelError(f"{name}: transformers and remodel logits differ by {d:.2e}")
+    return hf_ok
+
+
 def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> dict:
-    from pipelines.prune import prune
-    from pipelines.score import score
-    from pipelines.evaluate import evaluate
-    from pipelines.train import train
+    """Runs the steps of the module doc into OUT and prints the before/after table; -> the report."""
+    from .evaluate import evaluate
+    from .prune import prune
+    from .score import score
+    from .train import train
     from .upcycle import upcycle
 
     torch.manual_seed(0)
@@ -88,9 +108,7 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
     eval_tokens = 8192 if quick else 32768
     ev = lambda m: evaluate(m, valid_txt, seq_len=256, batch=8, max_tokens=eval_tokens)  # noqa: E731
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite and not _previous_demo(out):
-        raise RemodelError(f"{out}: exists, is not empty and is not a previous demo output; "
-                           "pass --overwrite or choose another --out")
+    _check_demo_out(out, overwrite)
     with atomic_output_dir(out, overwrite=True) as tmp:
         work = Path(tmp)
         print(f"[1/6] embedded model: {cfg.pattern}, hidden {cfg.hidden_size}, "
@@ -123,14 +141,7 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
                              "shipped data/embedded_moe: upcycled + trained"))
 
         print("[6/6] loading the results in transformers (no trust_remote_code), comparing logits")
-        ids = torch.randint(0, cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
-        hf_ok = {}
-        for name in ("distilled", "moe"):
-            d = _hf_logit_diff(work / name, ids)
-            hf_ok[name] = {"max_abs_logit_diff_vs_remodel": d}
-            print(f"      {name}: transformers logits - remodel logits, max abs {d:.1e}")
-            if not d <= 1e-3:
-                raise RemodelError(f"{name}: transformers and remodel logits differ by {d:.2e}")
+        hf_ok = _check_in_transformers(work, cfg.vocab_size)
         table = _table(rows)
         print("\n" + table)
         report = {"command": "demo", "rows": rows, "targets": targets, "loaded_in_transformers": hf_ok,
