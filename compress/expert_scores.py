@@ -12,6 +12,7 @@ plan_keep reads for --experts), chosen from what a calibration run recorded (com
 The router weight is the one the output is multiplied by (unbiased sigmoid / softmax score after
 normalisation and scaling): e_score_correction_bias only decides selection, so it shows in which
 tokens an expert sees (and in frequency), never in the weight. The shared expert is not a candidate.
+The MTP head's MoE blocks (`mtp.layers.j.experts`) are ranked the same way, from their own activations.
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ def rank_experts(scores: dict, cfg: ModelConfig, method: str = "contribution", s
     """A copy of `scores` whose `layers.i.experts` is the `method` score of every MoE layer."""
     check_expert_method(method)
     out, g = dict(scores), torch.Generator().manual_seed(seed)
-    for i, c in enumerate(cfg.pattern):
-        if c != "E":
-            continue
-        p = f"layers.{i}."
+    trunk = [f"layers.{i}." for i, c in enumerate(cfg.pattern) if c == "E"]
+    mtp = [f"mtp.layers.{j}." for j, c in enumerate(cfg.mtp_full_pattern) if c == "E"]
+    for p in trunk + mtp:  # trunk first: the random draws of the trunk's layers do not depend on the MTP
         if method == "random":
             out[p + "experts"] = torch.rand(cfg.n_routed_experts, generator=g)
             continue
         src = scores.get(p + SOURCE[method])
+        if src is None and p in mtp:  # scores without the MTP head's own: prune ranks it by a stand-in
+            continue
         if src is None:
             raise RemodelError(f"the scores have no {p + SOURCE[method]!r} (needed for --expert-method {method}); "
                                "re-run `remodel score` with activation importance")

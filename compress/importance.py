@@ -20,6 +20,9 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   layers.i.shared_ffn  input of shared_experts.down_proj                              [S]
   layers.i.latent  LatentMoE: the latent the experts read (fc1_latent_proj output) plus the
                    latent they write (fc2_latent_proj input), per-site scores summed like hidden  [Lt]
+  mtp.layers.j.<site>  MTP head block j (models/mtp.py), the sites of a trunk block of its kind, from
+                   the head run on the calibration data after the trunk (run_mtp, vLLM's formula; row t
+                   real when tokens t and t + 1 + step are); it adds no hidden or depth scores
   block_importance 1 - mean cos(x_in, x_out) over non-padded tokens                  [L]
   loss_increase    LM loss with layer i alone skipped minus the full model's         [L]
 
@@ -45,13 +48,8 @@ L+1 branches of hidden states for the k loss batches in the StateStore (spilled 
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load, save_file
 from torch import nn
 from tqdm import tqdm
 
@@ -63,7 +61,10 @@ from models.layout import segment_span
 from models.load import iter_our_tensors
 from models.mlp import ffn
 from models.model import Block
+from models.mtp import MTPBlock, mtp_block_roles
 from models.norm import RMSNorm
+
+from .state_store import StateStore
 
 LOGITS_BYTES = 256 * 1024**2  # fp32 logits materialised at once by lm_loss_sums
 
@@ -97,13 +98,25 @@ class Scorer:
         for i, block in enumerate(self.model.layers):
             self.attach_layer(i, block)
         self.attach_final(self.model.norm_f)
+        for j, block in enumerate(self.model.mtp.layers if self.cfg.mtp_layers else []):
+            self.attach_mtp(j, block)
         return self
 
     def attach_layer(self, i: int, block: Block):
-        p, m, hook = f"layers.{i}.", block.mixer, self._handles.append
-        hook(block.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
+        hook = self._handles.append
+        hook(block.register_forward_pre_hook(self._capture_mask(1), with_kwargs=True))
         hook(block.norm.register_forward_hook(self._output(f"hidden.{i}")))
         hook(block.register_forward_hook(self._block_hook(i)))
+        self._attach_mixer(f"layers.{i}.", block)
+
+    def attach_mtp(self, j: int, block: MTPBlock):
+        """MTP block j: its own units as `mtp.layers.{j}.*`. hidden and the depth scores stay the
+        trunk's (the head shares the trunk's hidden channels and is never dropped)."""
+        self._handles.append(block.register_forward_pre_hook(self._capture_mask(2), with_kwargs=True))
+        self._attach_mixer(f"mtp.layers.{j}.", block)
+
+    def _attach_mixer(self, p: str, block: Block):
+        m, hook = block.mixer, self._handles.append
         if block.kind == "-":
             self.wnorm[p + "ffn"] = col_norms(m.down_proj.weight)
             hook(m.down_proj.register_forward_pre_hook(self._input(p + "ffn")))
@@ -141,8 +154,8 @@ class Scorer:
     def _acc(self, name, x):
         self._add(name, seq_mean_abs(x, self.mask).square().sum(0))
 
-    def _capture_mask(self, module, args, kwargs):
-        self.update(args[1] if len(args) > 1 else kwargs.get("attention_mask"))
+    def _capture_mask(self, pos):  # attention_mask is argument `pos` of Block (1) / MTPBlock (2)
+        return lambda module, args, kwargs: self.update(args[pos] if len(args) > pos else kwargs.get("attention_mask"))
 
     def _input(self, name):
         return lambda module, args: self._acc(name, args[0])
@@ -223,30 +236,37 @@ class Scorer:
         self.acc[p + "experts"][1, e] += len(tok)
 
     # ---- result -------------------------------------------------------------------------
+    def _block_result(self, p: str) -> dict[str, torch.Tensor]:
+        """The unit scores of one block (prefix p: 'layers.3.' or 'mtp.layers.1.')."""
+        cfg, acc, out = self.cfg, self.acc, {}
+        if p + "ffn" in acc:
+            out[p + "ffn"] = acc[p + "ffn"].sqrt() * self.wnorm[p + "ffn"].to(acc[p + "ffn"].device)
+        if p + "attn" in acc:
+            out[p + "attn"] = acc[p + "attn"].sqrt().view(cfg.num_attention_heads, cfg.head_dim)
+        if p + "mamba_x" in acc:
+            a = acc[p + "mamba_x"].sqrt() * self.wnorm[p + "mamba_x"].to(acc[p + "mamba_x"].device)
+            out[p + "mamba_x"] = a.view(cfg.mamba_num_heads, cfg.mamba_head_dim)
+        if p + "experts" in acc:
+            s, n = acc[p + "experts"]
+            out[p + "experts"] = s / n.clamp(min=1)
+            out[p + "expert_contribution"], out[p + "expert_frequency"] = s, n
+            out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
+        if p + "shared_ffn" in acc:
+            out[p + "shared_ffn"] = acc[p + "shared_ffn"].sqrt()
+        if p + "latent_in" in acc:
+            out[p + "latent"] = acc[p + "latent_in"].sqrt() + acc[p + "latent_out"].sqrt()
+        return out
+
     def result(self) -> dict[str, torch.Tensor]:
         """The contract's tensors (fp32, CPU) for every site seen so far."""
         cfg, acc, out = self.cfg, self.acc, {}
         sites = [acc[f"hidden.{i}"] for i in range(cfg.num_layers + 1) if f"hidden.{i}" in acc]
         if sites:
             out["hidden"] = torch.stack(sites).sqrt().sum(0)
-        for i, c in enumerate(cfg.pattern):
-            p = f"layers.{i}."
-            if p + "ffn" in acc:
-                out[p + "ffn"] = acc[p + "ffn"].sqrt() * self.wnorm[p + "ffn"].to(acc[p + "ffn"].device)
-            if p + "attn" in acc:
-                out[p + "attn"] = acc[p + "attn"].sqrt().view(cfg.num_attention_heads, cfg.head_dim)
-            if p + "mamba_x" in acc:
-                a = acc[p + "mamba_x"].sqrt() * self.wnorm[p + "mamba_x"].to(acc[p + "mamba_x"].device)
-                out[p + "mamba_x"] = a.view(cfg.mamba_num_heads, cfg.mamba_head_dim)
-            if p + "experts" in acc:
-                s, n = acc[p + "experts"]
-                out[p + "experts"] = s / n.clamp(min=1)
-                out[p + "expert_contribution"], out[p + "expert_frequency"] = s, n
-                out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
-            if p + "shared_ffn" in acc:
-                out[p + "shared_ffn"] = acc[p + "shared_ffn"].sqrt()
-            if p + "latent_in" in acc:
-                out[p + "latent"] = acc[p + "latent_in"].sqrt() + acc[p + "latent_out"].sqrt()
+        blocks = [f"layers.{i}." for i in range(cfg.num_layers)] + [f"mtp.layers.{j}." for j in
+                                                                      range(len(cfg.mtp_full_pattern))]
+        for p in blocks:
+            out.update(self._block_result(p))
         if any(f"layers.{i}.cos" in acc for i in range(cfg.num_layers)):
             unseen = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
             c = torch.stack([acc.get(f"layers.{i}.cos", unseen).cpu() for i in range(cfg.num_layers)])
@@ -304,6 +324,24 @@ def model_loss(model, batches, masks=None) -> float:
     return _mean(sums)
 
 
+def mtp_mask(mask, k: int):
+    """Padding mask of MTP step k's rows [b, l - 1 - k]: row t pairs position t with token t + 1 + k,
+    real only when both are."""
+    if mask is None:
+        return None
+    n = mask.shape[1] - 1 - k
+    return mask[:, :n].bool() & mask[:, k + 1:].bool()
+
+
+@torch.no_grad()
+def run_mtp(model, h, ids, mask=None):
+    """Every MTP step on the trunk's output h [b, l, H] (after norm_f), as HybridLM.forward_mtp (vLLM's
+    formula), so an attached Scorer sees the head's own activations; nothing without an MTP head."""
+    x = h
+    for k in range(model.cfg.mtp_layers):
+        x = model.mtp.step(k, x[:, :-1], model.embeddings(ids[:, k + 1:]), mtp_mask(mask, k))
+
+
 @torch.no_grad()
 def layer_loss_increase(model, batches, masks=None, base: float | None = None, progress=False) -> torch.Tensor:
     """[L]: LM loss on `batches` with layer i replaced by the identity, minus the full model's."""
@@ -331,6 +369,7 @@ def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, 
             mask = None if mask is None else mask.to(dev)
             h, _ = model.hidden(ids.to(dev), mask)
             sums.append(lm_loss_sums(h, W, ids, mask))
+            run_mtp(model, h, ids.to(dev), mask)
     finally:
         scorer.detach()
     scores = scorer.result()
@@ -343,65 +382,67 @@ def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, 
 
 # ---- layer streaming ----------------------------------------------------------------------
 
-class StateStore:
-    """Tensors by key: in memory while their total stays within max_bytes, beyond that each one is a
-    safetensors file in a private temporary directory (removed by close())."""
-
-    def __init__(self, max_bytes: int | None = None, dir=None):
-        self.max_bytes = float("inf") if max_bytes is None else max_bytes
-        self.mem, self.disk, self.used, self.spilled = {}, set(), 0, 0
-        self._parent, self._dir = dir, None
-
-    def _path(self, key) -> Path:
-        if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="remodel-spill-", dir=self._parent))
-        return self._dir / ("_".join(map(str, key if isinstance(key, tuple) else (key,))) + ".safetensors")
-
-    def __setitem__(self, key, t):
-        self.pop(key)
-        t = t.detach().cpu().contiguous()
-        if self.used + t.nbytes <= self.max_bytes:
-            self.mem[key] = t
-            self.used += t.nbytes
-        else:
-            save_file({"t": t}, self._path(key))
-            self.disk.add(key)
-            self.spilled += t.nbytes
-
-    def __getitem__(self, key) -> torch.Tensor:
-        if key in self.mem:
-            return self.mem[key]
-        return load(self._path(key).read_bytes())["t"]  # a plain read into fresh memory, no mmap
-
-    def pop(self, key):
-        if key in self.mem:
-            self.used -= self.mem.pop(key).nbytes
-        elif key in self.disk:
-            self.disk.discard(key)
-            self._path(key).unlink()
-
-    def close(self):
-        self.mem.clear()
-        self.disk.clear()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
 def _load(reader, cfg, names, device, dtype) -> dict[str, torch.Tensor]:
     return {n: t.to(device=device, dtype=dtype if t.is_floating_point() and not n.endswith("correction_bias")
                     else t.dtype) for n, t in iter_our_tensors(reader, cfg, names=set(names))}
 
 
-def load_block(reader: CheckpointReader, cfg: ModelConfig, i: int, device="cpu", dtype=torch.float32) -> Block:
-    """Layer i alone: built on the meta device, then given exactly its own tensors from the checkpoint."""
-    prefix = f"layers.{i}."
+def load_block(reader: CheckpointReader, cfg: ModelConfig, i: int, device="cpu", dtype=torch.float32,
+               mtp: bool = False) -> Block:
+    """Layer i alone (MTP block i when mtp): built on the meta device, then given exactly its own
+    tensors from the checkpoint."""
+    prefix = f"mtp.layers.{i}." if mtp else f"layers.{i}."
     state = _load(reader, cfg, [n for n in our_shapes(cfg) if n.startswith(prefix)], device, dtype)
     with torch.device("meta"):
-        block = Block(cfg, cfg.pattern[i])
+        block = (MTPBlock(cfg, cfg.mtp_full_pattern[i], *mtp_block_roles(cfg, i)) if mtp
+                 else Block(cfg, cfg.pattern[i]))
     block.load_state_dict({n[len(prefix):]: t for n, t in state.items()}, assign=True)
     if block.kind == "*" and cfg.rope_theta is not None:
         block.mixer.inv_freq = rope_inv_freq(cfg).to(device)
     return block.eval()
+
+
+def _trunk_streaming(reader, cfg, scorer, store, n, mask_of, k, device, dtype, progress):
+    """The trunk's layers, one at a time, over store['main', b] (b < n), scored; the k loss batches'
+    skipped-layer branches (store[i, b]: without layer i) go through every later layer too."""
+    for i in tqdm(range(cfg.num_layers), desc="layers", disable=not progress):
+        block = load_block(reader, cfg, i, device, dtype)
+        scorer.attach_layer(i, block)
+        try:
+            for b in range(n):
+                x = store["main", b].to(device)
+                if b < k:
+                    store[i, b] = x  # the branch without layer i starts from layer i's input
+                store["main", b] = block(x, mask_of[b])
+        finally:
+            scorer.detach()
+        for j in range(i):  # branches that skipped an earlier layer go through this one
+            for b in range(k):
+                store[j, b] = block(store[j, b].to(device), mask_of[b])
+        del block
+
+
+def _mtp_streaming(reader, cfg, scorer, store, batches, mask_of, device, dtype):
+    """The MTP head on the trunk's outputs (store['mtp', b], after norm_f), one block at a time,
+    as run_mtp does it whole: each block's units are scored from its own activations."""
+    emb = _load(reader, cfg, ["embeddings.weight"], device, dtype)["embeddings.weight"]
+    P = len(cfg.mtp_pattern)
+    for j in range(len(cfg.mtp_full_pattern)):
+        k, block = j // P, load_block(reader, cfg, j, device, dtype, mtp=True)
+        scorer.attach_mtp(j, block)
+        try:
+            for b, ids in enumerate(batches):
+                x = store["mtp", b].to(device)
+                if j % P == 0:  # a step starts: drop the last row, fuse the tokens k + 1 further on
+                    x = block(x[:, :-1], F.embedding(ids[:, k + 1:].to(device), emb), mtp_mask(mask_of[b], k))
+                else:
+                    x = block(x, None, mtp_mask(mask_of[b], k))
+                store["mtp", b] = x
+        finally:
+            scorer.detach()
+        del block
+    for b in range(len(batches)):
+        store.pop(("mtp", b))
 
 
 @torch.no_grad()
@@ -421,21 +462,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         for b, ids in enumerate(batches):
             store["main", b] = F.embedding(ids.to(dev), emb)
         del emb
-        for i in tqdm(range(L), desc="layers", disable=not progress):
-            block = load_block(reader, cfg, i, dev, dtype)
-            scorer.attach_layer(i, block)
-            try:
-                for b in range(len(batches)):
-                    x = store["main", b].to(dev)
-                    if b < k:
-                        store[i, b] = x  # the branch without layer i starts from layer i's input
-                    store["main", b] = block(x, mask_of[b])
-            finally:
-                scorer.detach()
-            for j in range(i):  # branches that skipped an earlier layer go through this one
-                for b in range(k):
-                    store[j, b] = block(store[j, b].to(dev), mask_of[b])
-            del block
+        _trunk_streaming(reader, cfg, scorer, store, len(batches), mask_of, k, dev, dtype, progress)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         w = _load(reader, cfg, final, dev, dtype)
         norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps).to(dev)
@@ -446,10 +473,15 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         try:
             for b, ids in enumerate(batches):
                 scorer.update(mask_of[b])
-                sums.append(lm_loss_sums(norm_f(store["main", b].to(dev)), W, ids, mask_of[b]))
+                h = norm_f(store["main", b].to(dev))
                 store.pop(("main", b))
+                sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
+                if cfg.mtp_layers:
+                    store["mtp", b] = h
         finally:
             scorer.detach()
+        if cfg.mtp_layers:
+            _mtp_streaming(reader, cfg, scorer, store, batches, mask_of, dev, dtype)
         scores = scorer.result()
         if k:
             base = _mean(sums[:k])

@@ -1,6 +1,7 @@
 """MTP (multi-token prediction) layers, issue 20 item 1: the layout vLLM's nemotron_h_mtp.py reads, kept
-byte-identical by `convert`, counted apart by `inspect`, pruned with the trunk (pruned == masked, fp32,
-<= 1e-5, for the trunk's and the MTP head's logits), and invisible to transformers (trunk parity 1e-4)."""
+byte-identical by `convert`, counted apart by `inspect`, scored from its own activations (the head runs
+on the calibration data), pruned with the trunk (pruned == masked, fp32, <= 1e-5, for the trunk's and
+the MTP head's logits), and invisible to transformers (trunk parity 1e-4)."""
 import copy
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from compress.baselines import random_scores
+from compress.expert_scores import rank_experts
+from compress.importance import score_model, score_streaming
 from compress.prune import plan_keep, prune_model
 from compress.scores import save_scores
 from models.config import ModelConfig
@@ -236,6 +239,64 @@ def test_pruned_equals_masked_trunk_and_mtp(targets):
     assert s["mtp.layers.1.mixer.experts.down_proj"].shape == (c.n_routed_experts, c.moe_input_size,
                                                                c.moe_intermediate_size)
     assert s["mtp.layers.0.mixer.q_proj.weight"].shape == (c.num_attention_heads * c.head_dim, c.hidden_size)
+
+
+# ---- scoring: the MTP head is run on the calibration data and scores its own units ----------------
+
+MASK = torch.ones(2, 13, dtype=torch.long)
+MASK[1, 10:] = 0  # right padding on the second row
+
+
+def _mtp_keys(scores):
+    return {k: v for k, v in scores.items() if k.startswith("mtp.")}
+
+
+def test_activation_scores_come_from_the_mtp_heads_own_activations():
+    model, seen = make_model(), {}
+    scores, _ = score_model(model, [IDS], loss_increase=False)
+    shapes = {k: tuple(v.shape) for k, v in _mtp_keys(scores).items()}
+    assert shapes == {"mtp.layers.0.attn": (4, 8), "mtp.layers.1.experts": (8,), "mtp.layers.1.expert_ffn": (8, 16),
+                      "mtp.layers.1.expert_contribution": (8,), "mtp.layers.1.expert_frequency": (8,),
+                      "mtp.layers.1.shared_ffn": (24,), "mtp.layers.1.latent": (24,)}
+    b0, b1 = model.mtp.layers
+    h0 = b0.mixer.o_proj.register_forward_pre_hook(lambda m, a: seen.update(o=a[0]))
+    h1 = b1.mixer.experts.register_forward_pre_hook(lambda m, a: seen.update(idx=a[2]))
+    with torch.no_grad():
+        model.forward_mtp(IDS)
+    h0.remove(), h1.remove()
+    want = seen["o"].abs().mean(1).square().sum(0).sqrt().view(4, 8)  # the head's own o_proj input, [b, l-1]
+    assert torch.allclose(scores["mtp.layers.0.attn"], want, rtol=1e-5)
+    freq = torch.bincount(seen["idx"].reshape(-1), minlength=8).float()
+    assert torch.equal(scores["mtp.layers.1.expert_frequency"], freq) and freq.sum() == 2 * 12 * 2
+    with torch.no_grad():  # other MTP weights: its scores move, the trunk's do not
+        b1.mixer.experts.up_proj.mul_(1.5)
+    again, _ = score_model(model, [IDS], loss_increase=False)
+    assert all(torch.equal(v, again[k]) for k, v in scores.items() if not k.startswith("mtp."))
+    assert not torch.allclose(again["mtp.layers.1.expert_contribution"], scores["mtp.layers.1.expert_contribution"])
+
+
+def test_mtp_scores_whole_equal_streaming_with_padding(ckpt):
+    whole, _ = score_model(load_model(ckpt), [IDS], [MASK], loss_increase=False)
+    stream, _ = score_streaming(ckpt, [IDS], [MASK], loss_increase=False)
+    assert _mtp_keys(whole) and sorted(_mtp_keys(whole)) == sorted(_mtp_keys(stream))
+    for k, v in whole.items():
+        assert torch.allclose(v, stream[k], rtol=1e-4, atol=1e-6), k
+    assert whole["mtp.layers.1.expert_frequency"].sum() == (12 + 9) * 2  # rows whose two tokens are real
+
+
+def test_prune_uses_the_mtp_heads_own_activation_scores():
+    model = make_model()
+    scores = rank_experts(score_model(model, [IDS], loss_increase=False)[0], CFG, "contribution")
+    targets = dict(hidden_size=16, attn_heads=2, experts=4, expert_ffn_size=8, latent_size=16, shared_expert_size=16)
+    keep = plan_keep(CFG, scores, targets)
+    own = scores["mtp.layers.1.expert_contribution"]
+    assert keep["mtp.layers.1.experts"].tolist() == sorted(own.argsort(descending=True)[:4].tolist())
+    for axis, key in (("latent", "latent"), ("shared_ffn", "shared_ffn")):
+        assert keep[f"mtp.layers.1.{axis}"].tolist() == sorted(scores[f"mtp.layers.1.{key}"].argsort(
+            descending=True)[:16].tolist())
+    pruned = prune_model(model, keep)
+    (t, m), (tr, mr) = both_logits(pruned), both_logits(masked(model, keep))
+    assert (t - tr).abs().max().item() <= 1e-5 and (m - mr).abs().max().item() <= 1e-5
 
 
 def test_mtp_scores_rank_its_own_units_else_the_last_trunk_layer():
