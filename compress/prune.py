@@ -105,24 +105,40 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
     if not t:
         raise RemodelError("nothing to prune: give at least one target (e.g. --hidden-size, --ffn-size, --num-layers)")
     for key, v in t.items():
-        if key == "drop_layers":
-            continue
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise RemodelError(f"{flag(key)} must be an integer, got {v!r}")
-        if v <= 0:
-            raise RemodelError(f"{flag(key)} must be positive, got {v}")
-        if key == "num_layers":
-            continue
-        kind, field = AXES[key]
-        if kind is not None and kind not in cfg.pattern:
-            raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
-        src = getattr(cfg, field)
-        if not src:
-            what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
-            raise RemodelError(f"{flag(key)}: the model has no {what}")
-        if v > src:
-            raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
-                               f"pruning only removes units (nearest valid: {src})")
+        if key != "drop_layers":
+            _check_value(cfg, key, v)
+    _check_groups(cfg, t)
+    _check_experts(cfg, t)
+    units = layer_units(cfg, family)
+    _check_depth(cfg, t, units)
+    if "drop_layers" in t:
+        t["drop_layers"] = sorted(parse_layers(t["drop_layers"]))
+    _check_exportable_target(cfg, t, units, family)
+    return t
+
+
+def _check_value(cfg: ModelConfig, key: str, v) -> None:
+    """One width target: a positive integer no larger than the source, on an axis the model has."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RemodelError(f"{flag(key)} must be an integer, got {v!r}")
+    if v <= 0:
+        raise RemodelError(f"{flag(key)} must be positive, got {v}")
+    if key == "num_layers":
+        return
+    kind, field = AXES[key]
+    if kind is not None and kind not in cfg.pattern:
+        raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
+    src = getattr(cfg, field)
+    if not src:
+        what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
+        raise RemodelError(f"{flag(key)}: the model has no {what}")
+    if v > src:
+        raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
+                           f"pruning only removes units (nearest valid: {src})")
+
+
+def _check_groups(cfg: ModelConfig, t: dict) -> None:
+    """Mamba heads in whole groups, query heads in whole KV groups."""
     if "mamba_heads" in t and t["mamba_heads"] % cfg.n_groups:
         v, G = t["mamba_heads"], cfg.n_groups
         raise RemodelError(f"--mamba-heads {v} is not a multiple of n_groups={G}; "
@@ -132,6 +148,10 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
         raise RemodelError(f"--attn-heads {v} is not a multiple of num_key_value_heads={kv} (every KV group "
                            f"keeps the same number of query heads); nearest valid: "
                            f"{_nearest(v, kv, cfg.num_attention_heads)}")
+
+
+def _check_experts(cfg: ModelConfig, t: dict) -> None:
+    """Expert counts the router's top-k and groups can use; expert widths transformers can load."""
     if "experts" in t:
         v, k, G, tg = t["experts"], cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         ok = lambda x: x >= k and (G == 1 or (x % G == 0 and x // G >= 2 and tg * (x // G) >= k))  # noqa: E731
@@ -150,11 +170,10 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
                 raise RemodelError(f"{flag(key)} {v} is not a multiple of {MOE_ALIGN}, which transformers' grouped "
                                    f"expert matmul needs (16-byte rows in bf16); nearest valid: "
                                    f"{_nearest(v, MOE_ALIGN, src)}")
-    units = layer_units(cfg, family)
-    _check_depth(cfg, t, units)
-    if "drop_layers" in t:
-        t["drop_layers"] = sorted(parse_layers(t["drop_layers"]))
-    # the whole target must still be a valid, exportable model of the source family
+
+
+def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
+    """The whole target must still be a valid, exportable model of the source family."""
     sizes = {AXES[k][1]: v for k, v in t.items() if k in AXES}
     if "drop_layers" in t or "num_layers" in t:
         kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
@@ -164,7 +183,7 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
     try:
         check_exportable(cfg, family)
     except RemodelError:
-        return t  # an in-memory model no family can hold: nothing more to keep
+        return  # an in-memory model no family can hold: nothing more to keep
     check_exportable(target, family)
     if family == "llama" and target.hidden_size % target.num_attention_heads:
         H, nq = target.hidden_size, target.num_attention_heads
@@ -176,7 +195,6 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
         raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' LlamaConfig "
                            f"requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
     config_to_hf(target, family)  # transformers' own config checks, still before any work
-    return t
 
 
 # ---- ranking ----------------------------------------------------------------------------------
