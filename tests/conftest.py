@@ -26,6 +26,88 @@ if "REMODEL_CACHE" not in os.environ:
 # -> markers. A test marked in its own file with multiprocess / timing / quality is made slow too.
 # An entry that matches no collected test fails a run that collects the whole tests/ folder.
 MARKS = {
+    "test_bad_input.py": {
+        "test_kill9_distill_then_rerun_leaves_out_and_run": "slow",
+        "test_kill9_then_rerun_leaves_only_out": "slow",
+    },
+    "test_checkpoint.py": {
+        "test_copy_memory_is_bounded": "slow",
+    },
+    "test_convert_cli.py": {
+        "test_roundtrip_identical_and_loads_in_transformers": "slow",
+        "test_llama_family_roundtrip": "slow",
+        "test_llama_to_mixtral_family_refused_and_qwen_export": "slow",
+        "test_malformed_inputs_one_line_error_nothing_written": "slow",
+        "test_refuses_non_empty_out_and_writing_into_model": "slow",
+        "test_conversion_memory_bounded": "slow",
+    },
+    "test_demo.py": {
+        "test_demo_quick": "slow",
+    },
+    "test_embedded.py": {
+        "test_held_out_perplexity_matches_record": "quality",
+        "test_moe_held_out_loss": "quality",
+        "test_load_does_not_import_dynamo": "slow",
+    },
+    "test_expert_prune_quality.py": {
+        "test_contribution_beats_random_and_is_not_worse_than_frequency_on_the_trained_moe": "quality",
+    },
+    "test_fused_loss.py": {
+        "test_peak_memory_far_below_logits": "slow",
+        "test_vocab_parallel_group_matches_single_process": "multiprocess",
+    },
+    "test_mtp.py": {
+        "test_convert_is_byte_identical_with_mtp": "slow",
+        "test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers": "slow",
+    },
+    "test_parallel.py": {
+        "test_training_matches_single_process": "multiprocess",
+        "test_vocab_parallel_losses": "multiprocess",
+        "test_dead_or_stalled_rank_does_not_hang": "multiprocess",
+    },
+    "test_plan.py": {
+        "test_search_matches_brute_force": "slow",
+        "test_extremes_are_the_grid_extremes": "slow",
+        "test_fast_on_56b": "timing",
+    },
+    "test_prune.py": {
+        "test_pruning_memory_is_bounded": "slow",
+    },
+    "test_prune_quality.py": {
+        "test_activation_beats_random_on_the_embedded_model": "quality",
+    },
+    "test_recompute.py": {
+        "test_composes_with_fsdp2": "slow",
+    },
+    "test_score.py": {
+        "test_streaming_memory_stays_under_cap": "slow",
+    },
+    "test_search.py": {
+        "test_search_end_to_end": "slow",
+        "test_dry_run_smoke": "slow",
+    },
+    "test_super.py": {
+        "test_dry_run_smoke": "slow",
+    },
+    "test_tokens.py": {
+        "test_shipped_corpus_equals_pack": "slow",
+        "test_sampler_matches_todays_batches": "slow",
+        "test_rss_flat_with_10x_corpus": "slow",
+    },
+    "test_train.py": {
+        "test_resume_after_sigkill_is_exact": "multiprocess",
+        "test_kill_while_writing_a_checkpoint_keeps_the_previous": "multiprocess",
+        "test_teacher_frozen_and_outputs": "slow",
+        "test_distillation_beats_lm_only_at_equal_tokens": "quality",
+        "test_resume_refuses_changed_data_and_trains_on_a_blend": "slow",
+    },
+    "test_train_parallel.py": {
+        "test_launches_succeed": "multiprocess",
+        "test_matches_one_process": "multiprocess",
+        "test_resume_is_exact_and_layout_free": "multiprocess",
+        "test_dead_or_stalled_rank_ends_the_job": "multiprocess",
+        "test_dcp_checkpoint_resumes_under_other_layouts": "multiprocess",
+    },
 }
 
 KINDS = ("multiprocess", "timing", "quality")  # each of these implies slow
