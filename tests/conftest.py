@@ -56,6 +56,9 @@ MARKS = {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",
     },
+    "test_moe_prune.py": {
+        "test_cli_scores_experts_and_prunes_latent": "slow",
+    },
     "test_mtp.py": {
         "test_convert_is_byte_identical_with_mtp": "slow",
         "test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers": "slow",
@@ -69,24 +72,36 @@ MARKS = {
         "test_search_matches_brute_force": "slow",
         "test_extremes_are_the_grid_extremes": "slow",
         "test_fast_on_56b": "timing",
+        "test_56b_to_47b_minipuzzle_shape": "slow",
+        "test_8b_to_4b_minitron_ssm_shape": "slow",
+        "test_active_params_budget_moe": "slow",
+        "test_memory_budget_filters": "slow",
+        "test_every_candidate_is_a_valid_prune_target": "slow",
     },
     "test_prune.py": {
         "test_pruning_memory_is_bounded": "slow",
+        "test_prune_from_data_scores_then_reuses_them": "slow",
     },
     "test_prune_quality.py": {
         "test_activation_beats_random_on_the_embedded_model": "quality",
+        "test_baseline_scores_through_score_and_prune": "slow",
     },
     "test_recompute.py": {
         "test_composes_with_fsdp2": "slow",
+    },
+    "test_scan.py": {
+        "test_blocked_scan_equals_recurrence": "slow",
     },
     "test_score.py": {
         "test_streaming_memory_stays_under_cap": "slow",
     },
     "test_search.py": {
         "test_search_end_to_end": "slow",
+        "test_scaled_56b_plan_picks_the_47b_class": "slow",
         "test_dry_run_smoke": "slow",
     },
     "test_super.py": {
+        "test_super_75b_plan_prunes_every_axis": "slow",
         "test_dry_run_smoke": "slow",
     },
     "test_tokens.py": {
@@ -100,6 +115,7 @@ MARKS = {
         "test_teacher_frozen_and_outputs": "slow",
         "test_distillation_beats_lm_only_at_equal_tokens": "quality",
         "test_resume_refuses_changed_data_and_trains_on_a_blend": "slow",
+        "test_fused_loss_trains_like_the_unfused": "slow",
     },
     "test_train_parallel.py": {
         "test_launches_succeed": "multiprocess",
