@@ -9,11 +9,14 @@ kernel, which shares no code with the stand-ins) within 1e-5: in float64 (the sc
 the gated norms in float32 as always) output and every gradient, in float32 output and input gradient
 (the fp32 parameter gradients carry the CPU path's own rounding: A_log's is ~2e-5 off float64). Mutated
 stand-ins (a dispatch that forgot dt_bias, the clamp, the gate order, ...) must break that equality, so
-the comparison can fail.
+the comparison can fail. The benchmark's `--smoke` mode runs bench/bench_gpu.py end to end on CPU.
 """
 import functools
+import importlib.util
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ import models.mamba as mamba
 from models.config import ModelConfig
 from models.mamba import Mamba2Mixer, ssd_reference
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
@@ -227,3 +231,27 @@ def test_kernels_off_without_use_kernel(install, monkeypatch):
     mixer, u = mixer_and_input()
     run(mixer, u, True, monkeypatch)
     assert not calls and mamba.gpu_kernels().scan is not None
+
+
+def test_bench_gpu_smoke(tmp_path, monkeypatch):
+    """bench/bench_gpu.py --smoke runs every part end to end on CPU at tiny shapes (its main, in process)
+    and writes its report's keys: parity, the earlier 1.3B measurements, the three windows in bf16 and FP8
+    (plain, distill, transformers) and the FP8 loss gap."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DEV", torch.device("cpu"))
+    out = tmp_path / "smoke.json"
+    bench.main(["--smoke", "--json", str(out)])
+    assert mamba.USE_KERNEL
+    rep = json.loads(out.read_text())
+    assert {"device", "parity_fp32", "train_step_bf16", "fwd_bwd_vs_transformers_bf16", "windows",
+            "fp8_loss_gap"} <= set(rep)
+    assert set(rep["windows"]) == {"hybrid_1.3b", "nemotron_h_8b_window", "nano_moe_window"}
+    for w in rep["windows"].values():
+        assert {"params", "bf16", "fp8"} <= set(w)
+        for prec in ("bf16", "fp8"):
+            assert {"plain", "distill", "transformers"} <= set(w[prec]), prec
+        assert {"tok_s", "mfu_spec", "step_s"} <= set(w["bf16"]["plain"])
+        assert {"tok_s", "mfu_spec", "step_s", "over_plain"} <= set(w["bf16"]["distill"])
+    assert {"steps", "loss_bf16", "loss_fp8", "rel_gap"} <= set(rep["fp8_loss_gap"])
