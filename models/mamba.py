@@ -85,19 +85,20 @@ def ssd_reference(x, dt, A, B, C, D=None):
 
 
 def causal_conv_silu(x, conv: nn.Conv1d, kernel=None):
-    """silu(causal depthwise conv(x)) on x [b, l, C]: causal-conv1d's `causal_conv1d_fn` when given and x's
-    channel-last layout suits it (transformers' call), else one F.conv1d call (cuDNN on a GPU)."""
+    """silu(causal depthwise conv(x)) on x [b, l, C]: causal-conv1d's `causal_conv1d_fn` when given and it
+    takes x's channel-last layout and the width (transformers' call), else one F.conv1d call (cuDNN on a GPU)."""
     w, xt = conv.weight, x.transpose(1, 2)
-    if kernel is not None and _channel_last_ok(xt):
+    if kernel is not None and _conv_kernel_fits(xt, w.shape[-1]):
         return kernel(xt, w.squeeze(1), conv.bias, activation="silu").transpose(1, 2)
     y = F.conv1d(xt, w, conv.bias, padding=w.shape[-1] - 1, groups=w.shape[0])
     return F.silu(y[..., :x.shape[1]].transpose(1, 2))
 
 
-def _channel_last_ok(xt) -> bool:
-    """causal-conv1d's conditions on a channel-last input [b, C, l] (stride 1 over C): C and the batch and
-    time strides multiples of 8."""
-    return xt.stride(1) == 1 and xt.shape[1] % 8 == 0 and xt.stride(0) % 8 == 0 and xt.stride(2) % 8 == 0
+def _conv_kernel_fits(xt, width: int) -> bool:
+    """causal-conv1d's conditions: width 2..4 and, on a channel-last input [b, C, l] (stride 1 over C), C
+    and the batch and time strides multiples of 8."""
+    return (2 <= width <= 4 and xt.stride(1) == 1 and xt.shape[1] % 8 == 0 and xt.stride(0) % 8 == 0
+            and xt.stride(2) % 8 == 0)
 
 
 def init_a_log(p: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,12 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
                      final_states_out=None, activation=None):
     """causal_conv1d.causal_conv1d_fn in torch (its causal_conv1d_ref): x [b, dim, l], weight [dim, width];
     causal depthwise conv, optional silu; output in x's dtype."""
-    assert activation in (None, "silu", "swish")
+    assert activation in (None, "silu", "swish") and 2 <= weight.shape[-1] <= 4
     assert weight.dim() == 2 and x.shape[1] == weight.shape[0] and (bias is None or bias.shape == (x.shape[1],))
     assert x.stride(1) == 1 or x.stride(2) == 1
+    if x.stride(1) == 1 and x.stride(2) > 1:  # channel-last
+        assert x.shape[1] % 8 == 0 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
+    assert bias is None or bias.dtype == weight.dtype
     assert seq_idx is None and initial_states is None and not return_final_states and final_states_out is None
     out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=weight.shape[1] - 1, groups=x.shape[1])
     out = out[..., :x.shape[-1]]
@@ -169,11 +172,13 @@ def test_gpu_kernels_equal_cpu_path(kernels, dtype, install, monkeypatch):
     assert rel_err(ref if dtype == torch.float64 else ref[:2], got) < TOL
 
 
-def test_conv_kernel_skipped_where_layout_unfit(install, monkeypatch):
-    """An in_proj width causal-conv1d cannot take channel-last (100, not a multiple of 8) falls back to
-    F.conv1d; the scan and norm kernels still run and the result still equals the CPU path."""
+@pytest.mark.parametrize("heads,width", [(4, 4), (8, 1), (8, 5)])
+def test_conv_kernel_skipped_where_unfit(heads, width, install, monkeypatch):
+    """Where causal-conv1d refuses (an in_proj width of 100, not a multiple of 8, for its channel-last
+    strides; a conv width outside 2..4) the conv falls back to F.conv1d; the scan and norm kernels still
+    run and the result still equals the CPU path."""
     calls = install(scan=True, norm=True, conv=True)
-    mixer, u = mixer_and_input(heads=4, dtype=torch.float64)
+    mixer, u = mixer_and_input(heads=heads, dtype=torch.float64, conv_kernel=width)
     ref = run(mixer, u, False, monkeypatch)
     got = run(mixer, u, True, monkeypatch)
     assert sorted(k for k, _ in calls) == ["norm", "scan"]
