@@ -74,15 +74,25 @@ def _add_inspect(sub):
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
 
 
+def _job(sub, name, help, model_help, out_help="new output directory", **kw):
+    """A subcommand that reads MODEL and writes a new OUT."""
+    p = sub.add_parser(name, help=help, **kw)
+    p.add_argument("model", help=model_help)
+    p.add_argument("out", help=out_help)
+    return p
+
+
+def _overwrite(p):
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+
+
 def _add_convert(sub):
-    p = sub.add_parser("convert", help="import/export through the shared model definition")
-    p.add_argument("model", help="checkpoint directory to read")
-    p.add_argument("out", help="new output directory")
+    p = _job(sub, "convert", "import/export through the shared model definition", "checkpoint directory to read")
     p.add_argument("--to", choices=["nemotron_h", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"],
                    help="output family (default None: the input's own family)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (default None: as read)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_score(sub):
@@ -103,14 +113,12 @@ def _add_score(sub):
                    help="whole model in memory, or layer by layer (streaming); auto picks by free memory")
     p.add_argument("--no-loss-increase", action="store_true",
                    help="skip the per-layer loss increase score (it costs one extra forward per layer)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_prune(sub):
     from models.layout import PRUNABLE, WIDTHS
-    p = sub.add_parser("prune", help="structured pruning to a target shape")
-    p.add_argument("model", help="checkpoint directory to prune")
-    p.add_argument("out", help="new output directory")
+    p = _job(sub, "prune", "structured pruning to a target shape", "checkpoint directory to prune")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
     g.add_argument("--data", help="calibration text: score first, then prune")
@@ -119,17 +127,19 @@ def _add_prune(sub):
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_plan(sub):
+    from models.layout import PRUNABLE
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
     p.add_argument("--active-params", type=_count, help="budget of parameters active per token (MoE)")
     p.add_argument("--memory-gb", type=float, help="budget of bf16 weights + cache memory at --batch/--seq-len")
     p.add_argument("--scores", help="SCORES dir from `remodel score`: depth choices follow layer importance")
-    p.add_argument("--axes", help="what to search: width, depth, all, or a comma list of axes")
+    p.add_argument("--axes", help="what to search: width, depth, all, or a comma list of axes from "
+                                  f"{', '.join(PRUNABLE + ('depth',))}")
     p.add_argument("--tol", type=float, default=0.02, help="accepted relative shortfall below the budget")
     p.add_argument("--top", type=int, default=20, help="candidates to list")
     p.add_argument("--batch", type=int, default=1, help="batch for the memory estimate")
@@ -138,9 +148,8 @@ def _add_plan(sub):
 
 
 def _add_search(sub):
-    p = sub.add_parser("search", help="budgeted architecture search (Minitron / MiniPuzzle)")
-    p.add_argument("model", help="checkpoint directory to search from")
-    p.add_argument("out", help="new output directory (the best candidate and the report)")
+    p = _job(sub, "search", "budgeted architecture search (Minitron / MiniPuzzle)", "checkpoint directory to search from",
+             "new output directory (the best candidate and the report)")
     p.add_argument("--data", required=True, help="calibration and training text")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
     p.add_argument("--candidates", type=int, default=3, help="best candidates re-ranked after distillation")
@@ -152,7 +161,7 @@ def _add_search(sub):
     p.add_argument("--eval-data", help="held-out text (None: every 20th document of DATA)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (scoring, ranking, distillation)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_distill(sub):
@@ -173,9 +182,8 @@ def _add_train(sub):
 
 
 def _add_upcycle(sub):
-    p = sub.add_parser("upcycle", help="dense -> MoE upcycling (virtual groups, weight scaling)")
-    p.add_argument("model", help="dense checkpoint directory (its MLP layers become MoE layers)")
-    p.add_argument("out", help="new output directory")
+    p = _job(sub, "upcycle", "dense -> MoE upcycling (virtual groups, weight scaling)",
+             "dense checkpoint directory (its MLP layers become MoE layers)")
     p.add_argument("--experts", type=int, required=True,
                    help="N, routed experts per layer: N = E x G (E copies of the MLP, each cut into G shards)")
     p.add_argument("--granularity", type=int, default=1,
@@ -194,7 +202,7 @@ def _add_upcycle(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (None: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_tokenize(sub):
@@ -208,7 +216,7 @@ def _add_tokenize(sub):
                    help="what a document of a .txt file is: each non-empty line (newlines dropped), each "
                         "blank-line separated paragraph, or the whole file (both keep newlines)")
     p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
+    _overwrite(p)
 
 
 def _add_eval(sub):

@@ -8,6 +8,7 @@ Shapes, parameter counts, pruning indices, the TP plan and the HF tensor lists a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -119,9 +120,24 @@ def _holds(cfg: ModelConfig, flag: str) -> bool:
     return _CONDITIONS[flag](cfg) if flag in _CONDITIONS else bool(getattr(cfg, flag))
 
 
-def layer_params(cfg: ModelConfig, kind: str) -> list[Param]:
+def layer_params(cfg: ModelConfig, kind: str) -> tuple[Param, ...]:
     """The mixer parameters of one layer of `kind` ('M', '*', '-', 'E') that exist under `cfg`."""
-    return [p for p in PARAMS[kind] if all(_holds(cfg, f) for f in p.when)]
+    return _layer_params(kind, tuple(_holds(cfg, f) for f in _FLAGS))
+
+
+def layer_table(cfg: ModelConfig) -> dict[str, tuple[Param, ...]]:
+    """{kind: layer_params(cfg, kind)} for every layer kind (the flags read once)."""
+    holds = tuple(_holds(cfg, f) for f in _FLAGS)
+    return {c: _layer_params(c, holds) for c in PARAMS}
+
+
+_FLAGS = tuple(sorted({f for ps in PARAMS.values() for p in ps for f in p.when}))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_params(kind: str, holds: tuple) -> tuple[Param, ...]:
+    on = {f for f, h in zip(_FLAGS, holds) if h}
+    return tuple(p for p in PARAMS[kind] if all(f in on for f in p.when))
 
 
 def widths(cfg: ModelConfig, **changes) -> dict:
@@ -129,22 +145,27 @@ def widths(cfg: ModelConfig, **changes) -> dict:
     return {**{n: getattr(cfg, w.field) or 0 for n, w in WIDTHS.items()}, **changes}
 
 
+_SIZE = {  # axis -> size under the widths w (and the fixed structure of cfg)
+    "hidden": lambda cfg, w: w["hidden_size"], "vocab": lambda cfg, w: w["vocab_size"],
+    "one": lambda cfg, w: 1, "conv_kernel": lambda cfg, w: cfg.conv_kernel, "ffn": lambda cfg, w: w["ffn_size"],
+    "attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
+    "head_dim": lambda cfg, w: w["head_dim"], "attn_heads": lambda cfg, w: w["attn_heads"],
+    "mamba_heads": lambda cfg, w: w["mamba_heads"], "mamba_head_dim": lambda cfg, w: w["mamba_head_dim"],
+    "mamba_inner": lambda cfg, w: w["mamba_heads"] * w["mamba_head_dim"],
+    "mamba_bc": lambda cfg, w: cfg.n_groups * w["ssm_state_size"],
+    "experts": lambda cfg, w: w["experts"], "expert_ffn": lambda cfg, w: w["expert_ffn_size"],
+    "shared_ffn": lambda cfg, w: w["shared_expert_size"], "latent": lambda cfg, w: w["latent_size"],
+    "mtp_eh_in": lambda cfg, w: 2 * w["hidden_size"],
+    "moe_io": lambda cfg, w: w["latent_size"] if cfg.moe_latent_size else w["hidden_size"],  # what experts read
+}
+
+
 def axis_size(cfg: ModelConfig, axis: str, w: dict | None = None) -> int:
     """Size of one named axis under the widths `w` (default: cfg's own)."""
     w = w or widths(cfg)
     if axis in SEGMENTS:
-        return sum(axis_size(cfg, a, w) for _, a in SEGMENTS[axis])
-    if axis == "moe_io":  # what the routed experts read and write
-        return w["latent_size"] if cfg.moe_latent_size else w["hidden_size"]
-    sizes = {
-        "hidden": w["hidden_size"], "vocab": w["vocab_size"], "one": 1, "conv_kernel": cfg.conv_kernel,
-        "ffn": w["ffn_size"], "attn_q": w["attn_heads"] * w["head_dim"], "attn_kv": w["kv_heads"] * w["head_dim"],
-        "head_dim": w["head_dim"], "attn_heads": w["attn_heads"], "mamba_heads": w["mamba_heads"], "mamba_head_dim": w["mamba_head_dim"],
-        "mamba_inner": w["mamba_heads"] * w["mamba_head_dim"], "mamba_bc": cfg.n_groups * w["ssm_state_size"],
-        "experts": w["experts"], "expert_ffn": w["expert_ffn_size"], "shared_ffn": w["shared_expert_size"],
-        "latent": w["latent_size"], "mtp_eh_in": 2 * w["hidden_size"],
-    }
-    return sizes[axis]
+        return sum(_SIZE[a](cfg, w) for _, a in SEGMENTS[axis])
+    return _SIZE[axis](cfg, w)
 
 
 def resolve(cfg: ModelConfig, axes: tuple) -> tuple:
@@ -168,39 +189,39 @@ def segment_span(cfg: ModelConfig, axis: str, first: str, last: str | None = Non
 
 
 def blocks(cfg: ModelConfig) -> list[tuple[str, str, list[Param]]]:
-    """(block prefix, layer kind, its parameters incl. norms) for the trunk, then the MTP blocks."""
-    out = [(f"layers.{i}.", c, [BLOCK_NORM] + _mixer(cfg, c)) for i, c in enumerate(cfg.pattern)]
+    """(block prefix, layer kind, its parameters incl. norms, axes resolved) for the trunk, then the MTP blocks."""
+    mixers = {c: [Param("mixer." + p.leaf, resolve(cfg, p.axes), p.when) for p in layer_params(cfg, c)]
+              for c in set(cfg.pattern + cfg.mtp_pattern)}
+    out = [(f"layers.{i}.", c, [BLOCK_NORM] + mixers[c]) for i, c in enumerate(cfg.pattern)]
     P = len(cfg.mtp_pattern)
     for j, c in enumerate(cfg.mtp_full_pattern):
         ps = list(MTP_FIRST) if j % P == 0 else []
-        ps += [BLOCK_NORM] + _mixer(cfg, c) + (list(MTP_LAST) if j % P == P - 1 else [])
+        ps += [BLOCK_NORM] + mixers[c] + (list(MTP_LAST) if j % P == P - 1 else [])
         out.append((f"mtp.layers.{j}.", c, ps))
     return out
-
-
-def _mixer(cfg: ModelConfig, kind: str) -> list[Param]:
-    return [Param("mixer." + p.leaf, p.axes, p.when) for p in layer_params(cfg, kind)]
 
 
 def param_axes(cfg: ModelConfig) -> dict[str, tuple]:
     """{our parameter name: axis per dimension} of every parameter of the model, in storage order:
     embeddings, the trunk's blocks, norm_f, lm_head (untied), then the MTP blocks."""
     t = {"embeddings.weight": ("vocab", "hidden")}
-    trunk = [b for b in blocks(cfg) if b[0].startswith("layers.")]
-    for prefix, _, ps in trunk:
-        t.update({prefix + p.leaf: resolve(cfg, p.axes) for p in ps})
+    every = blocks(cfg)
+    for prefix, _, ps in every[:cfg.num_layers]:
+        t.update({prefix + p.leaf: p.axes for p in ps})
     t["norm_f.weight"] = ("hidden",)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = ("vocab", "hidden")
-    for prefix, _, ps in blocks(cfg)[len(trunk):]:
-        t.update({prefix + p.leaf: resolve(cfg, p.axes) for p in ps})
+    for prefix, _, ps in every[cfg.num_layers:]:
+        t.update({prefix + p.leaf: p.axes for p in ps})
     return t
 
 
 def shapes(cfg: ModelConfig, w: dict | None = None) -> dict[str, tuple]:
     """{our parameter name: shape} (no allocation), under the widths `w` (default: cfg's own)."""
     w = w or widths(cfg)
-    return {n: tuple(axis_size(cfg, a, w) for a in axes) for n, axes in param_axes(cfg).items()}
+    table = param_axes(cfg)
+    size = {a: axis_size(cfg, a, w) for a in set().union(*table.values())}
+    return {n: tuple(map(size.__getitem__, axes)) for n, axes in table.items()}
 
 
 def numel(shape) -> int:

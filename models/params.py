@@ -9,12 +9,12 @@ from per-layer formulas, which also give the pruner its per-axis view (`by_axis`
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from .config import LAYER_TYPES, ModelConfig
 from .hf import default_family, our_shapes
-from .layout import BUFFERS, WIDTHS, axis_size, widths
-from .layout import layer_params as layout_params
+from .layout import BUFFERS, WIDTHS, axis_size, layer_table, widths
 
 TYPES = ("embeddings", "mamba", "attention", "mlp", "moe", "norms", "lm_head")
 KIND = {**{c: c for c in LAYER_TYPES}, **{v: k for k, v in LAYER_TYPES.items()}}  # 'mamba' -> 'M'
@@ -47,13 +47,20 @@ def per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
     any width may be changed, even to values a ModelConfig would reject, e.g. 0)."""
     d = d or widths(cfg)
     out = {"routed": 0}
+    size, table = {}, layer_table(cfg)
     for c, t in LAYER_TYPES.items():
-        ps = [p for p in layout_params(cfg, c) if not p.leaf.endswith(BUFFERS)]
-        out[t] = sum(math.prod(axis_size(cfg, a, d) for a in p.axes) for p in ps)
+        n = [(math.prod(size[a] if a in size else size.setdefault(a, axis_size(cfg, a, d)) for a in axes), routed)
+             for axes, routed in _counted(table[c])]
+        out[t] = sum(v for v, _ in n)
         if c == "E":
-            out["routed"] = sum(math.prod(axis_size(cfg, a, d) for a in p.axes) for p in ps
-                                if p.leaf.startswith("experts."))
+            out["routed"] = sum(v for v, routed in n if routed)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _counted(params: tuple) -> tuple:
+    """(axes, is a routed expert) of the parameters among `params` (buffers are not parameters)."""
+    return tuple((p.axes, p.leaf.startswith("experts.")) for p in params if not p.leaf.endswith(BUFFERS))
 
 
 def closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
