@@ -120,10 +120,7 @@ def test_non_utf8_data_is_one_line_error(work, capsys):
 def test_non_utf8_load_texts(tmp_path, name):
     """What train/distill --eval-data and every DATA path go through."""
     from pipelines.data import load_texts
-    try:
-        from pipelines.evaluate import evaluate
-    except ImportError:  # before the trainer's split
-        from pipelines.train import evaluate
+    from pipelines.evaluate import evaluate
     p = tmp_path / name
     if name == "folder":
         p.mkdir()
