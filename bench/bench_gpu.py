@@ -264,8 +264,11 @@ def vs_transformers(big, seq_len, batch, reps):
             continue
         reset_peak()
         try:
+            mode = train_mode_or_eval(hf, lambda: one(fn, hf)) if model is hf else None
             s = timed(lambda: one(fn, model), reps)
             res[name] = dict(step_s=s, tok_s=batch * seq_len / s, peak_mem_gb=peak_gb())
+            if mode:
+                res[name]["mode"] = mode
         except torch.OutOfMemoryError:
             res[name] = "out of memory"
         free()
@@ -359,6 +362,21 @@ def ours_rows(kw, ids, reps, fp8):
     return rows
 
 
+def train_mode_or_eval(hf, step) -> str:
+    """Runs step() once in training mode (transformers' fused mamba_split_conv1d_scan_combined where
+    mamba-ssm imports); if that fails (mamba-ssm without its compiled causal-conv1d), puts the model in eval
+    mode, the same math through its unfused path. -> the mode used."""
+    try:
+        step()
+        return "train"
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        hf.zero_grad(set_to_none=True)
+        hf.eval()
+        return f"eval (train-mode fused path failed: {type(e).__name__}: {str(e)[:120]})"
+
+
 def transformers_row(kw, ids, reps, fp8, f_tok):
     """transformers' own train step (its loss, backward, clip, AdamW; bf16 autocast), same shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -381,9 +399,10 @@ def transformers_row(kw, ids, reps, fp8, f_tok):
 
     reset_peak()
     try:
+        mode = train_mode_or_eval(hf, step)
         s = timed(step, reps)
         row = dict(step_s=s, tok_s=ids.numel() / s, mfu_spec=3 * f_tok * ids.numel() / s / H100_BF16_DENSE,
-                   peak_mem_gb=peak_gb())
+                   peak_mem_gb=peak_gb(), mode=mode)
     except torch.OutOfMemoryError:
         row = "out of memory"
     del hf, opt
