@@ -20,8 +20,8 @@
    mamba-ssm / causal-conv1d kernels import; FP8: the same torchao swap of its Linear layers but lm_head).
    MFU over the bf16 spec (989 TFLOP/s) also for FP8; distill FLOPs = 3 x student + 1 x teacher forward.
 4. FP8 loss gap (`--parts gap`): --gap-steps (200) train steps of one window from the same init on the
-   same learnable synthetic batches (repeated random motifs), bf16 and FP8; relative gap of the final
-   loss (mean of the last 10 steps).
+   same learnable synthetic batches (a fixed random successor table, 10% random jumps), bf16 and FP8;
+   relative gap of the final loss (mean of the last 10 steps).
 
     python bench/bench_gpu.py [--parts parity legacy windows gap] [--seq-len 4096] [--batch 2] [--reps 5]
                               [--json OUT.json]   (default on a GPU: bench/gpu_<device>_<parts>.json)
@@ -437,17 +437,25 @@ def window(name, seq_len, batch, reps, layers_8b, layers_nano):
 
 # ---- FP8 loss gap --------------------------------------------------------------------------------------
 
-def motif_batch(step, vocab, batch, seq_len, motif=32):
-    """Learnable synthetic tokens: per sequence a random motif of `motif` tokens repeated (seeded by step)."""
+def markov_batch(step, vocab, batch, seq_len, jump=0.1):
+    """Learnable synthetic tokens: a fixed random successor of each of the first min(vocab, 4096) ids,
+    followed with probability 1 - jump, else a uniformly random id (entropy floor ~0.33 + 0.1 ln V nats);
+    the successor table is fixed, each step's batch seeded by the step."""
+    V = min(vocab, 4096)
+    succ = torch.randperm(V, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1000 + step)
-    m = torch.randint(0, min(vocab, 4096), (batch, motif), generator=g)
-    return m.repeat(1, -(-seq_len // motif))[:, :seq_len].to(DEV)
+    rnd = torch.randint(0, V, (batch, seq_len), generator=g)
+    jumps = torch.rand(batch, seq_len, generator=g) < jump
+    ids = rnd.clone()
+    for t in range(1, seq_len):
+        ids[:, t] = torch.where(jumps[:, t], rnd[:, t], succ[ids[:, t - 1]])
+    return ids.to(DEV)
 
 
 def loss_curve(kw, fp8, steps, seq_len, batch, lr):
     model = ours_model(kw, 0, fp8)
     opt = build_optimizer(dict(model.named_parameters()), lr, 0.1)
-    losses = [train_step(model, None, motif_batch(i, kw["vocab_size"], batch, seq_len), opt, fused=True)
+    losses = [train_step(model, None, markov_batch(i, kw["vocab_size"], batch, seq_len), opt, fused=True)
               for i in range(steps)]
     del model, opt
     free()
@@ -486,6 +494,7 @@ def parse_args(argv=None):
     ap.add_argument("--gap-steps", type=int, default=200)
     ap.add_argument("--gap-seq-len", type=int, default=1024)
     ap.add_argument("--gap-batch", type=int, default=4)
+    ap.add_argument("--gap-lr", type=float, default=3e-4)
     ap.add_argument("--smoke", action="store_true", help="CPU or GPU, tiny shapes: checks that every part runs")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -508,7 +517,7 @@ def run_parts(a, report):
         report["windows"] = {w: window(w, a.seq_len, a.batch, a.reps, a.layers_8b, a.layers_nano) for w in a.windows}
     if "gap" in a.parts:
         report["fp8_loss_gap"] = fp8_loss_gap(a.gap_window, a.gap_steps, a.gap_seq_len, a.gap_batch, a.layers_8b,
-                                              a.layers_nano)
+                                              a.layers_nano, a.gap_lr)
 
 
 def main(argv=None):
