@@ -92,6 +92,13 @@ def peak_gb():
     return torch.cuda.max_memory_allocated() / 2**30 if DEV.type == "cuda" else None
 
 
+def failed(e) -> str:
+    """A variant's exception as a report entry (its traceback printed)."""
+    import traceback
+    traceback.print_exc()
+    return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
 def free():
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
@@ -356,6 +363,8 @@ def ours_rows(kw, ids, reps, fp8):
             rows[name] = dict(step_s=s, tok_s=tok / s, mfu_spec=flops / s / H100_BF16_DENSE, peak_mem_gb=peak_gb())
         except torch.OutOfMemoryError:
             rows[name] = "out of memory"
+        except Exception as e:  # recorded, so that one failing variant does not cost the device call
+            rows[name] = failed(e)
         del teacher
         free()
     if isinstance(rows["plain"], dict) and isinstance(rows["distill"], dict):
@@ -409,6 +418,8 @@ def transformers_row(kw, ids, reps, fp8, f_tok):
                    peak_mem_gb=peak_gb(), mode=mode)
     except torch.OutOfMemoryError:
         row = "out of memory"
+    except Exception as e:
+        row = failed(e)
     del hf, opt
     free()
     return row
