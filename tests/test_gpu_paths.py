@@ -257,6 +257,7 @@ def test_bench_gpu_smoke(tmp_path, monkeypatch):
         assert {"params", "bf16", "fp8"} <= set(w)
         for prec in ("bf16", "fp8"):
             assert {"plain", "distill", "transformers"} <= set(w[prec]), prec
+            assert all(isinstance(w[prec][k], dict) for k in ("plain", "distill", "transformers")), w[prec]
         assert {"tok_s", "mfu_spec", "step_s"} <= set(w["bf16"]["plain"])
         assert {"tok_s", "mfu_spec", "step_s", "over_plain"} <= set(w["bf16"]["distill"])
     assert {"steps", "loss_bf16", "loss_fp8", "rel_gap"} <= set(rep["fp8_loss_gap"])
