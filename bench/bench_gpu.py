@@ -160,6 +160,7 @@ def kernels_present():
 
 
 def parity():
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # restored at the end
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     hf, ours = hf_and_ours(TINY_HF)
@@ -189,7 +190,7 @@ def parity():
         out["logits_max_abs_ours_kernel_vs_torch"] = (l_k - l_ours).abs().max().item()
         out["grad_max_rel_ours_kernel_vs_torch"] = max(
             ((g_k[k] - v).abs().max() / v.abs().max().clamp(min=1e-30)).item() for k, v in g_ours.items())
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return out
 
 
