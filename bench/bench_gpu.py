@@ -517,6 +517,8 @@ def parse_args(argv=None):
 
 def run_parts(a, report):
     big = {**BIG, **SMOKE_WIDTHS} if SMOKE else BIG
+    if DEV.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the timings' setting (as in the earlier runs)
     if "legacy" in a.parts:
         if a.profile and DEV.type == "cuda":
             report["profile_2048"] = profile(big, 2048)
