@@ -56,6 +56,9 @@ MARKS = {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",
     },
+    "test_gpu_paths.py": {
+        "test_bench_gpu_smoke": "slow",
+    },
     "test_moe_prune.py": {
         "test_cli_scores_experts_and_prunes_latent": "slow",
     },
