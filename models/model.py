@@ -10,36 +10,14 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention
+from .block import Block
 from .config import ModelConfig
-from .mamba import Mamba2Mixer, init_a_log
-from .mlp import MLP, MoE
+from .mamba import init_a_log
+from .mlp import MoE
+from .mtp import MTP
 from .norm import RMSNorm
 
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        if kind == "M":
-            self.mixer = Mamba2Mixer(cfg)
-        elif kind == "*":
-            self.mixer = Attention(cfg)
-        elif kind == "-":
-            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias)
-        else:
-            self.mixer = MoE(cfg)
-
-    def forward(self, x, attention_mask=None, position_ids=None):
-        h = self.norm(x)
-        if self.kind == "M":
-            h = self.mixer(h, attention_mask)
-        elif self.kind == "*":
-            h = self.mixer(h, attention_mask, position_ids)
-        else:
-            h = self.mixer(h)
-        return x + h
+__all__ = ["Block", "HybridLM"]
 
 
 class HybridLM(nn.Module):
@@ -56,7 +34,6 @@ class HybridLM(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.mtp_layers:  # only when the checkpoint has an MTP head; the trunk never reads it
-            from .mtp import MTP
             self.mtp = MTP(cfg)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Block  # model.py imports this module lazily (no cycle)
+from .block import Block
 from .norm import RMSNorm
 
 

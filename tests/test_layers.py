@@ -29,3 +29,23 @@ def test_no_package_imports_cli():
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
                               for n in names if n == "cli" or (n or "").startswith("cli.")]
     assert not offenders, offenders
+
+
+def test_no_import_cycle():
+    """No module imports, directly or through others, a module that imports it (lazy imports count)."""
+    import grimp  # import-linter's own import graph
+    sys.path.insert(0, str(ROOT))
+    graph = grimp.build_graph(*PACKAGES)
+    cycles = sorted({tuple(sorted((m, n))) for m in graph.modules for n in graph.find_modules_directly_imported_by(m)
+                     if graph.find_shortest_chain(importer=n, imported=m)})
+    assert not cycles, cycles
+
+
+def test_no_private_name_imported_across_modules():
+    offenders = []
+    for path in [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))] + [ROOT / "cli.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
+                              if a.name.startswith("_")]
+    assert not offenders, offenders
