@@ -49,3 +49,17 @@ def test_no_private_name_imported_across_modules():
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
                               if a.name.startswith("_")]
     assert not offenders, offenders
+
+
+def test_product_functions_and_files_are_short():
+    """Issue 18's size rule for the product code: no function over 60 lines, no file over 500."""
+    long = []
+    for path in [p for pkg in ("models", "compress", "upcycle", "pipelines") for p in sorted((ROOT / pkg).rglob("*.py"))] \
+            + [ROOT / "cli.py"]:
+        src = path.read_text()
+        if len(src.splitlines()) > 500:
+            long.append(f"{path.relative_to(ROOT)}: {len(src.splitlines())} lines")
+        long += [f"{path.relative_to(ROOT)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+                 for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
