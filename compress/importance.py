@@ -6,7 +6,7 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   hidden           output of every layers[i].norm and of norm_f (gamma applied); per-site scores summed
   layers.i.ffn     input of mixer.down_proj, times ||down_proj[:, j]||        '-'   [F]
   layers.i.attn    input of mixer.o_proj, per head                              '*'   [nq, head_dim]
-  layers.i.mamba_x x segment [Im:2Im] of mixer.in_proj's output (before conv),
+  layers.i.mamba_x the x segment of mixer.in_proj's output (models.layout; before conv),
                    times ||out_proj[:, c]|| of the same inner channel c        'M'   [nh, hd]
   layers.i.experts mean over routed tokens of ||w * expert(x)||                'E'   [E]
                    (w: the router weight the token's output is multiplied by, from the unbiased
@@ -28,12 +28,9 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
 
 Deviation from the reference (pruning.md): ffn and mamba_x are "Wanda"-style, the activation score
 of each unit times the L2 norm of the weight column it feeds (down_proj / out_proj), a constant per unit
-so the aggregation and the head / head_dim rankings (plan_keep) are unchanged. Chosen on the embedded
-model by LM loss on train-split text held out from calibration (bench/bench_prune_quality.py protocol,
-128 x 256 calibration tokens): Mamba heads -25% / -50% 4.057 / 4.425 vs 4.063 / 4.493 for the plain
-activation, FFN -25% / -50% 3.900 / 3.969 vs 3.902 / 3.982. Scoring Mamba heads on the out_proj input
-(post gated norm) instead won at -50% (4.414) but lost at -25% (4.172); out_proj input x weight
-4.052 / 4.443. Valid-split numbers: bench/RESULTS.md. Other sites are plain activations.
+so the aggregation and the head / head_dim rankings (plan_keep) are unchanged. Chosen by held-out LM
+loss after pruning against the plain activation and the out_proj-input site (bench/bench_prune_quality.py;
+figures in bench/RESULTS.md). Other sites are plain activations.
 
 Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance
 by a copy that also records (removed by detach()). The padding mask is taken from each Block's
