@@ -9,7 +9,6 @@ Shapes, parameter counts, pruning indices, the TP plan and the HF tensor lists a
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from .config import ModelConfig
@@ -181,8 +180,8 @@ def segment_sizes(cfg: ModelConfig, axis: str) -> dict[str, int]:
 
 def segment_span(cfg: ModelConfig, axis: str, first: str, last: str | None = None) -> slice:
     """The slice of `axis` holding the segments first..last (inclusive), e.g. in_proj's x..C."""
-    names, sizes = list(SEGMENTS[axis]), segment_sizes(cfg, axis)
-    names = [n for n, _ in names]
+    sizes = segment_sizes(cfg, axis)
+    names = list(sizes)
     start = sum(sizes[n] for n in names[:names.index(first)])
     end = sum(sizes[n] for n in names[:names.index(last or first) + 1])
     return slice(start, end)
@@ -222,10 +221,6 @@ def shapes(cfg: ModelConfig, w: dict | None = None) -> dict[str, tuple]:
     table = param_axes(cfg)
     size = {a: axis_size(cfg, a, w) for a in set().union(*table.values())}
     return {n: tuple(map(size.__getitem__, axes)) for n, axes in table.items()}
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
 
 
 # ---- tensor parallelism: which dimension of a parameter is split, and in which pieces ----------------

@@ -1,6 +1,7 @@
 """The layout registry (models/layout.py) is the one table: shapes equal the built model's, and the
 parameter counts, the pruning indices and the TP plan all change when the table changes."""
 import json
+import math
 import pathlib
 import re
 
@@ -30,7 +31,7 @@ def all_configs():
 @pytest.mark.parametrize("name", sorted(all_configs()))
 def test_shapes_equal_the_built_model(name):
     cfg = all_configs()[name]
-    if sum(layout.numel(s) for s in layout.shapes(cfg).values()) > 3e9:
+    if sum(math.prod(s) for s in layout.shapes(cfg).values()) > 3e9:
         cfg = cfg.replace(hidden_size=64)  # the real configs: same structure, small enough for meta
     with torch.device("meta"):
         model = HybridLM(cfg)
