@@ -49,11 +49,15 @@ class HybridLM(nn.Module):
         w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(h, w)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
-        """-> logits [b, l, V] (and the residual stream after every layer, embeddings first)."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False,
+                return_hidden=False):
+        """-> logits [b, l, V] (and the residual stream after every layer, embeddings first).
+        return_hidden: the final hidden states [b, l, H] (after norm_f) instead of the logits, for a loss
+        that applies the lm_head itself (pipelines.fused_loss); through forward, not `hidden`, so that
+        FSDP's root hooks gather (and keep until the backward) the embeddings, norm_f and lm_head."""
         h, states = self.hidden(input_ids, attention_mask, position_ids, output_hidden_states)
-        logits = self.logits(h)
-        return (logits, states) if output_hidden_states else logits
+        out = h if return_hidden else self.logits(h)
+        return (out, states) if output_hidden_states else out
 
     def mtp_logits(self, h, next_ids, step: int = 0, attention_mask=None):
         """MTP step `step` -> logits [b, l, V]: h [b, l, H] is the trunk's output after norm_f (or

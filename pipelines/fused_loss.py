@@ -10,9 +10,13 @@ Same definitions as pipelines.losses.lm_loss / kl_div on `h @ W.T` (CE mean over
 KL(teacher || student) of softmax(z / T) summed over the vocabulary, mean over tokens, no T^2).
 
 Caller (next-token CE; KL at every position, as compute_losses does):
-    h, _ = model.hidden(ids); w = lm_head_weight(model)
+    h = model(ids, return_hidden=True); w = lm_head_weight(model)
     ce = fused_lm_loss(h[:, :-1].reshape(-1, H), w, ids[:, 1:].reshape(-1), group=vocab_group)
     kl = fused_kl_div(h.reshape(-1, H), w, h_t.reshape(-1, H_t), lm_head_weight(teacher), T, group=vocab_group)
+
+Call the model (its forward, not `hidden`) before reading lm_head_weight: under FSDP2 the root's hooks
+then hold the full embeddings / lm_head until the backward, whose final callback reduce-scatters the
+gradient given here.
 
 Tensor parallelism (`group` = parallel_info(model).vocab_group): h is replicated, W is this rank's
 vocabulary shard (rows [r*Vl, (r+1)*Vl)); the logsumexp, the picked target logit and the per-token KL

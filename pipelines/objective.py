@@ -51,11 +51,11 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
     from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
     g = w.get("vocab_group")
-    with autocast:
-        s_h, s_states = student.hidden(ids, output_hidden_states=need_states)
+    with autocast:  # through forward: FSDP's root hooks gather the lm_head read below (and reduce its grad)
+        s_h, s_states = _hidden(student, ids, need_states)
         if teacher is not None:
             with torch.no_grad():
-                t_h, t_states = teacher.hidden(ids, output_hidden_states=need_states)
+                t_h, t_states = _hidden(teacher, ids, need_states)
     flat = s_h.reshape(-1, s_h.shape[-1])
     total, parts = s_h.new_zeros((), dtype=torch.float32), {}
     if teacher is not None:
@@ -72,6 +72,15 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     parts["lm"] = lm.item()
     states = (s_states, t_states, layer_map, projections) if need_states else None
     return _other_losses(student, w, fns, total, parts, states, autocast)
+
+
+def _hidden(model, ids, need_states):
+    """-> (final hidden states, residual stream or None) through model.__call__, not model.hidden: under
+    FSDP2 only the root's forward hooks unshard the embeddings, norm_f and lm_head (the root keeps them
+    unsharded after the forward, so lm_head_weight(model) is then the full weight, and the backward's
+    final callback reduce-scatters the gradient the fused loss gives it)."""
+    out = model(ids, output_hidden_states=need_states, return_hidden=True)
+    return out if need_states else (out, None)
 
 
 def _other_losses(student, w, fns, total, parts, states, autocast):

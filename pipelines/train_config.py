@@ -71,7 +71,7 @@ class TrainConfig:
                    "last blocks, routers and lm_head stay bf16)")
     fp8_teacher: bool = _f(False, "run the teacher's forward with the same FP8 Linear layers")
     fused_loss: bool = _f(False, "CE and KL from the final hidden states in vocabulary chunks (no [tokens, vocab] "
-                          "logits for student or teacher; one process or --tp alone)")
+                          "logits for student or teacher)")
     recompute: str = _f("none", "activation recomputation: none, selective (cheap memory-heavy internals) or full "
                         "(every layer from its input)", choices=RECOMPUTE_CHOICES)
     tp: int = _f(1, "tensor-parallel size (run under torchrun; data parallel = processes / tp)")

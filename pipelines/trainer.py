@@ -195,9 +195,6 @@ def _init_processes(p: Plan) -> _Procs:
     dev = init_dist(p.dev) if world > 1 or c.tp * c.ep > 1 else p.dev
     world = world_size()
     dp, ep_dim = layout(world, c.tp, c.ep, c.batch)
-    if c.fused_loss and dp > 1:
-        raise RemodelError("--fused-loss runs in one process or under tensor parallelism alone (--tp equal to the "
-                           "number of processes) for now: FSDP over data-parallel ranks is not wired to it yet")
     mesh = init_mesh(dev.type, dp, c.tp)
     if mesh is not None:
         check_layout(load_config(p.student_dir), c.tp, c.ep, ep_dim, "tp", "dp", mesh)

@@ -2,8 +2,10 @@
 train() on a tiny Nemotron-H with M, *, -, E layers (MoE with a shared expert): 3 AdamW steps under torchrun
 with EP 2 (folded over dp), TP 2 x EP 2 (folded over tp), DP 2 x TP 2 and DP 2 x TP 2 x EP 2; distillation
 (KL + CE + hidden-state cosine through projections + MoE load balancing, grad_accum 2) with TP 2 through
-cli.main, top-k distillation with TP 2; exact resume of a TP 2 checkpoint, the same checkpoint continued
-by one process; a SIGKILLed or SIGSTOPped rank of `torchrun cli.py distill` ends the job within 60 s.
+cli.main, top-k distillation with TP 2; --fused-loss distillation under TP 2, DP 2 (FSDP) and DP 2 x TP 2,
+each equal to one process with --fused-loss and to the logits path; exact resume of a TP 2 checkpoint, the
+same checkpoint continued by one process; a SIGKILLed or SIGSTOPped rank of `torchrun cli.py distill` ends
+the job within 60 s.
 
 This file is also the torchrun worker: `torchrun --nproc-per-node N tests/test_train_parallel.py DIR CASE...`
 calls pipelines.train.train(..., tp=, ep=) once per case (the process group outlives the calls).
@@ -34,17 +36,19 @@ if str(REPO) not in sys.path:
 
 COMMON = dict(steps=3, seq_len=32, batch=4, lr=1e-4, warmup=1, checkpoint_every=2, keep_last=2, log_every=0)
 KD = dict(hidden_loss_weight=0.5, lm_loss_weight=0.1, grad_accum=2)
-REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0)}
+REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0), "kd_fused": dict(KD, fused_loss=True)}
 CASES = {  # name: (processes, tp, ep, reference)
     "lm_ep2": (2, 1, 2, "lm"), "lm_tp2_ep2": (2, 2, 2, "lm"), "kd_tp2": (2, 2, 1, "kd"),
     "kd_topk_tp2": (2, 2, 1, "kd_topk"), "lm_dp2_tp2": (4, 2, 1, "lm"), "kd_dp2_tp2_ep2": (4, 2, 2, "kd"),
-    "kd_tp2_fused": (2, 2, 1, "kd"),
+    "kd_tp2_fused": (2, 2, 1, "kd_fused"), "kd_dp2_fused": (2, 1, 1, "kd_fused"),
+    "kd_dp2_tp2_fused": (4, 2, 1, "kd_fused"),
 }
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
 LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "lm_ep2": (1, 2, 2, "dp"), "lm_tp2_ep2": (2, 2, 1, "tp"), "kd_tp2": (2, 1, 1, None),
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
-    "kd_tp2_fused": (2, 1, 1, None),
+    "kd_tp2_fused": (2, 1, 1, None), "kd_dp2_fused": (1, 1, 2, None),
+    "kd_dp2_tp2_fused": (2, 1, 2, None),
 }
 CLI_FLAGS = ["--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4", "--warmup", "1", "--checkpoint-every",
              "2", "--grad-accum", "2", "--hidden-loss-weight", "0.5", "--lm-loss-weight", "0.1"]
@@ -203,8 +207,9 @@ def runs(tmp_path_factory):
     res = {}
     with ThreadPoolExecutor(4) as ex:  # everything at once: the launches spend much of their time waiting
         jobs = {how: ex.submit(failing_run, d, how) for how in ("die", "stall")}
-        jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2", "kd_tp2_fused"])
-        jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2"])
+        jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2",
+                                          "kd_tp2_fused", "kd_dp2_fused"])
+        jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2", "kd_dp2_tp2_fused"])
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:  # the one-process references, meanwhile
@@ -269,7 +274,12 @@ def test_matches_one_process(runs, name):
     assert rep["tokens"] == want["tokens"] == 3 * 4 * 32 * (2 if ref != "lm" else 1)
     if ref != "lm":  # the teacher really taught: a large KL that the student reduced
         assert min(r["kl"] for r in rep["history"]) > 0.5  # a confident teacher: KL far from 0
-        assert p["teacher"] == {"tp": 2, "ep": ep}  # the teacher is TP (and EP) sharded too
+        assert p["teacher"] == {"tp": tp, "ep": ep}  # the teacher is TP (and EP) sharded too
+        assert p["teacher_fsdp"] == (n // tp > 1)
+    if name.endswith("fused"):  # the fused loss equals the logits path too, whatever the layout
+        loss_rel, (w_rel, worst) = compare(runs["dir"], name, "kd")[2:4]
+        print(f"{name} vs the unfused one process: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e}")
+        assert loss_rel <= 1e-5 and w_rel <= 1e-5, worst
     assert rep["history"][0]["lb"] > 0.5  # the MoE load-balancing term ran (expert load over all dp ranks)
     d = runs["dir"] / name
     assert {"config.json", "model.safetensors", "tokenizer.json", "remodel_report.json", "metrics.csv",
