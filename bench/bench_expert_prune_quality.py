@@ -35,7 +35,7 @@ from pipelines.data import batches, embedded_corpus, embedded_moe_path, load_tex
 from pipelines.evaluate import evaluate  # noqa: E402
 
 SECTION = "## Expert pruning quality (no retraining)"
-METHODS = ("contribution", "frequency")
+METHODS = ("reconstruction", "contribution", "frequency")
 
 
 def cases(cfg):
@@ -78,10 +78,10 @@ def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, bat
             rnd.append(ppl(sc, t))
         r["random"] = rnd
         r["random_mean"] = sum(rnd) / len(rnd)
-        r["contribution_best"] = r["contribution"] < r["frequency"] and r["contribution"] < r["random_mean"]
+        r["routed_best"] = r["reconstruction"] < r["frequency"] and r["reconstruction"] < r["random_mean"]
         rows.append(r)
-        print(f"{name:36s} contribution {r['contribution']:8.2f}  frequency {r['frequency']:8.2f}  "
-              f"random mean {r['random_mean']:8.2f} {['%.2f' % x for x in rnd]}", flush=True)
+        print(f"{name:36s} " + "  ".join(f"{m} {r[m]:8.2f}" for m in METHODS)
+              + f"  random mean {r['random_mean']:8.2f} {['%.2f' % x for x in rnd]}", flush=True)
     base = evaluate(model, held_out, seq_len=seq_len, batch=batch)["ppl"]
     return {"unpruned_ppl": base, "calib_tokens": int(calib.numel()), "eval_tokens": int(held_out.numel()),
             "seeds": seeds, "rows": rows}
@@ -100,15 +100,15 @@ def write_section(text: str, path=ROOT / "bench" / "RESULTS.md"):
 
 
 def table(res) -> str:
-    lines = ["| case | target | contribution | frequency | random mean (%d seeds: values) | contribution lowest? |"
-             % res["seeds"], "|---|---|---|---|---|---|"]
+    lines = ["| case | target | reconstruction | contribution (sum) | frequency | random mean (%d seeds: values) | "
+             "reconstruction lowest? |" % res["seeds"], "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         tgt = ", ".join(f"`{k}={v}`" for k, v in r["targets"].items())
-        lost = [x for x, worse in (("frequency", r["frequency"] <= r["contribution"]),
-                                   ("random mean", r["random_mean"] <= r["contribution"])) if worse]
-        best = "yes" if r["contribution_best"] else "no: " + ", ".join(lost) + " not higher"
-        lines.append(f"| {r['case']} | {tgt} | {r['contribution']:.2f} | {r['frequency']:.2f} | {r['random_mean']:.2f} "
-                     f"({', '.join('%.2f' % x for x in r['random'])}) | {best} |")
+        lost = [x for x, worse in (("frequency", r["frequency"] <= r["reconstruction"]),
+                                   ("random mean", r["random_mean"] <= r["reconstruction"])) if worse]
+        best = "yes" if r["routed_best"] else "no: " + ", ".join(lost) + " not higher"
+        lines.append(f"| {r['case']} | {tgt} | {r['reconstruction']:.2f} | {r['contribution']:.2f} | {r['frequency']:.2f} "
+                     f"| {r['random_mean']:.2f} ({', '.join('%.2f' % x for x in r['random'])}) | {best} |")
     return "\n".join(lines)
 
 
@@ -142,8 +142,8 @@ def main():
                 f"{res['eval_tokens']:,} valid-split tokens (seq {a.seq_len}), no retraining; unpruned "
                 f"**{res['unpruned_ppl']:.2f}**. Total run {res['seconds']:.0f} s. Checked by "
                 f"tests/test_expert_prune_quality.py.\n\n")
-        worse = [r["case"] for r in res["rows"] if not r["contribution_best"]]
-        verdict = (f"\nRouted contribution gives a lower perplexity than frequency and than the random mean in "
+        worse = [r["case"] for r in res["rows"] if not r["routed_best"]]
+        verdict = (f"\nRouted-output reconstruction gives a lower perplexity than frequency and than the random mean in "
                    f"{len(res['rows']) - len(worse)} of {len(res['rows'])} cases"
                    + (f"; **not** in: {', '.join(worse)}.\n" if worse else ".\n"))
         write_section(head + tab + "\n" + verdict)

@@ -1,6 +1,10 @@
 """Which per-expert score ranks the routed experts of every MoE layer (`layers.i.experts`, what
 plan_keep reads for --experts), chosen from what a calibration run recorded (compress/importance.py):
 
+  reconstruction  greedy elimination by routed-output reconstruction (compress/expert_select.py): the
+                experts removed are those whose going, with their tokens re-routed as the pruned router
+                does, moves the layer's routed output least; sees near-duplicate experts, which no
+                per-expert score does
   contribution  sum over calibration tokens of |router weight| * ||expert output||: an expert that is
                 routed often but writes almost nothing scores low, one routed rarely but decisively
                 scores by what it actually adds (the default of `remodel score`)
@@ -21,8 +25,10 @@ import torch
 from models.config import ModelConfig
 from models.errors import RemodelError
 
-EXPERT_METHODS = ("contribution", "frequency", "mean", "random")
-SOURCE = {"contribution": "expert_contribution", "frequency": "expert_frequency", "mean": "experts"}
+EXPERT_METHODS = ("reconstruction", "contribution", "frequency", "mean", "random")
+SOURCE = {"reconstruction": "expert_reconstruction", "contribution": "expert_contribution",
+          "frequency": "expert_frequency", "mean": "experts"}
+ROUTED = ("reconstruction", "contribution")  # expert FFN channels ranked by what they write via the router
 
 
 def check_expert_method(method: str) -> None:
@@ -47,4 +53,6 @@ def rank_experts(scores: dict, cfg: ModelConfig, method: str = "contribution", s
             raise RemodelError(f"the scores have no {p + SOURCE[method]!r} (needed for --expert-method {method}); "
                                "re-run `remodel score` with activation importance")
         out[p + "experts"] = src.float().clone()
+        if method in ROUTED and p + "expert_ffn_contribution" in scores:  # channels by what they write
+            out[p + "expert_ffn"] = scores[p + "expert_ffn_contribution"].float().clone()
     return out

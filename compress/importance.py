@@ -13,10 +13,13 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
                    score: e_score_correction_bias only chooses experts, so it never enters w)
   layers.i.expert_contribution  sum over routed tokens of |w| * ||expert(x)||        [E]
   layers.i.expert_frequency     number of (non-padded) tokens routed to each expert  [E]
+  layers.i.expert_reconstruction  elimination order by routed-output reconstruction (expert_select) [E]
                    (routed experts only: the shared expert sees every token and is never an
                    expert candidate; compress/expert_scores.py picks which one ranks experts)
   layers.i.expert_ffn  input of each expert's down projection; the seq mean runs over the tokens of
                    each sample routed to that expert (samples with none add 0)       [E, Fm]
+  layers.i.expert_ffn_contribution  the same of |w * h| times ||down_proj[e][:, j]||: what channel j
+                   writes through the router weight (the channels of the routed expert methods) [E, Fm]
   layers.i.shared_ffn  input of shared_experts.down_proj                              [S]
   layers.i.latent  LatentMoE: the latent the experts read (fc1_latent_proj output) plus the
                    latent they write (fc2_latent_proj input), per-site scores summed like hidden  [Lt]
@@ -26,11 +29,8 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   block_importance 1 - mean cos(x_in, x_out) over non-padded tokens                  [L]
   loss_increase    LM loss with layer i alone skipped minus the full model's         [L]
 
-Deviation from the reference (pruning.md): ffn and mamba_x are "Wanda"-style, the activation score
-of each unit times the L2 norm of the weight column it feeds (down_proj / out_proj), a constant per unit
-so the aggregation and the head / head_dim rankings (plan_keep) are unchanged. Chosen by held-out LM
-loss after pruning against the plain activation and the out_proj-input site (bench/bench_prune_quality.py;
-figures in bench/RESULTS.md). Other sites are plain activations.
+Deviation from the reference (pruning.md): ffn and mamba_x are "Wanda"-style, activation times the L2
+norm of the weight column the unit feeds (chosen by held-out loss, bench/bench_prune_quality.py).
 
 Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance
 by a copy that also records (removed by detach()). The padding mask is taken from each Block's
@@ -38,10 +38,8 @@ by a copy that also records (removed by detach()). The padding mask is taken fro
 
 Two runners give identical numbers: `score_model` (whole model in memory, batch by batch) and
 `score_streaming` (one layer's weights at a time; calibration hidden states kept in a StateStore that
-spills to safetensors files past a byte budget). Costs of loss_increase over the k loss batches:
-whole mode runs L full forwards (L^2 layer passes, constant memory); streaming runs every layer once
-more per skipped-layer branch still alive (L(L-1)/2 layer passes, each layer loaded once) and keeps
-L+1 branches of hidden states for the k loss batches in the StateStore (spilled like the rest).
+spills to safetensors files past a byte budget). loss_increase over k batches: whole mode runs L full
+forwards; streaming L(L-1)/2 layer passes (each layer loaded once), keeping L+1 branches of states.
 """
 from __future__ import annotations
 
@@ -61,6 +59,7 @@ from models.model import Block
 from models.mtp import MTPBlock, mtp_block_roles
 from models.norm import RMSNorm
 
+from .expert_select import RoutedSample
 from .state_store import StateStore
 
 LOGITS_BYTES = 256 * 1024**2  # fp32 logits materialised at once by lm_loss_sums
@@ -86,7 +85,7 @@ class Scorer:
         self.model, self.cfg = model, cfg or model.cfg
         self.acc: dict[str, torch.Tensor] = {}
         self.wnorm: dict[str, torch.Tensor] = {}  # per-unit norm of the weight column a site feeds
-        self.mask = None
+        self.mask, self._samples = None, {}
         self.tokens = 0
         self._handles, self._patched = [], []
 
@@ -135,6 +134,9 @@ class Scorer:
         for experts in self._patched:
             del experts.expert  # the class's own method is visible again
         self._handles, self._patched = [], []
+        for p, sample in self._samples.items():  # scored as each layer is done (streaming: one at a time)
+            self.acc[p + "expert_reconstruction"] = sample.scores()
+        self._samples = {}
 
     def update(self, attention_mask):
         """Set the padding mask [b, l] (1 = real token) for the next hooked calls; every Block call
@@ -176,7 +178,8 @@ class Scorer:
 
     def _attach_moe(self, p, moe):
         cfg, experts, ctx = self.cfg, moe.experts, {}
-        E = cfg.n_routed_experts
+        E, self._samples[p] = cfg.n_routed_experts, RoutedSample(moe)
+        self.wnorm[p + "expert_ffn"] = experts.down_proj.detach().float().norm(dim=1)  # [E, Fm]
 
         def pre_moe(module, args):
             ctx["bl"] = args[0].shape[:2]
@@ -188,6 +191,7 @@ class Scorer:
             counts = torch.bincount(flat, minlength=E).tolist()
             starts = [sum(counts[:e]) for e in range(E)]
             ctx.update(token=order // idx.shape[1], w=w.reshape(-1)[order].float(), counts=counts, starts=starts)
+            self._samples[p].add(args[0], self.mask)
 
         def expert(e, x):  # Experts.expert, recording its hidden and output
             gate = None if experts.gate_proj is None else experts.gate_proj[e]
@@ -223,12 +227,13 @@ class Scorer:
             tok, w, h, y = tok[keep], w[keep], h[keep], y[keep]
         E, dev = self.cfg.n_routed_experts, h.device
         if p + "expert_ffn" not in self.acc:
-            self.acc[p + "expert_ffn"] = torch.zeros(E, h.shape[1], device=dev)
+            for k in ("expert_ffn", "expert_ffn_routed"):
+                self.acc[p + k] = torch.zeros(E, h.shape[1], device=dev)
             self.acc[p + "experts"] = torch.zeros(2, E, dtype=torch.float64, device=dev)  # sum of norms, count
-        sample = tok // l
-        sums = torch.zeros(b, h.shape[1], device=dev).index_add_(0, sample, h.abs())
-        a = sums / torch.bincount(sample, minlength=b).clamp(min=1)[:, None]
-        self.acc[p + "expert_ffn"][e] += a.square().sum(0)
+        sample, per = tok // l, torch.zeros(b, h.shape[1], device=dev)
+        n_of = torch.bincount(sample, minlength=b).clamp(min=1)[:, None]
+        for k, x in (("expert_ffn", h.abs()), ("expert_ffn_routed", h.abs() * w.abs()[:, None])):
+            self.acc[p + k][e] += (per.zero_().index_add_(0, sample, x) / n_of).square().sum(0)
         self.acc[p + "experts"][0, e] += (y.norm(dim=-1) * w.abs()).sum(dtype=torch.float64)
         self.acc[p + "experts"][1, e] += len(tok)
 
@@ -247,7 +252,10 @@ class Scorer:
             s, n = acc[p + "experts"]
             out[p + "experts"] = s / n.clamp(min=1)
             out[p + "expert_contribution"], out[p + "expert_frequency"] = s, n
+            out[p + "expert_reconstruction"] = acc[p + "expert_reconstruction"]
             out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
+            wn = self.wnorm[p + "expert_ffn"].to(acc[p + "expert_ffn"].device)
+            out[p + "expert_ffn_contribution"] = acc[p + "expert_ffn_routed"].sqrt() * wn
         if p + "shared_ffn" in acc:
             out[p + "shared_ffn"] = acc[p + "shared_ffn"].sqrt()
         if p + "latent_in" in acc:

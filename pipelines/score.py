@@ -76,16 +76,15 @@ def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = 
 def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch: int = 4, mode: str = "auto",
           loss_increase: bool = True, max_memory_bytes: int | None = None, overwrite: bool = False,
           loss_batches: int = 4, device: str | None = None, progress: bool = True, method: str = "activation",
-          seed: int = 0, expert_method: str = "contribution") -> dict:
+          seed: int = 0, expert_method: str = "reconstruction") -> dict:
     """Score every prunable unit of MODEL on `samples` sequences of `seq_len` tokens from DATA and
     write SCORES to `out` (+ remodel_report.json, importance.png). max_memory_bytes bounds the
     calibration hidden states held in memory in streaming mode (default: a quarter of the available
     memory); loss_increase uses the first `loss_batches` batches. Returns the report.
     method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
     (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
-    expert_method: what ranks routed experts (`layers.i.experts`) in an activation run: 'contribution'
-    (router weight x output norm, summed over tokens), 'frequency', 'mean' or 'random' (seeded by `seed`);
-    see compress/expert_scores.py. The contribution and frequency tensors are written too."""
+    expert_method: what ranks routed experts (`layers.i.experts`): 'reconstruction', 'contribution',
+    'frequency', 'mean' or 'random' (by `seed`); compress/expert_scores.py. All their tensors are written."""
     t0 = time.time()
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")

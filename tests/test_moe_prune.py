@@ -246,14 +246,21 @@ def test_cli_scores_experts_and_prunes_latent(tmp_path, capsys):
     data = str(embedded_corpus()[1])
     base = ["score", str(src), "--data", data, "--samples", "4", "--seq-len", "32", "--no-loss-increase"]
     assert main(base + ["--out", str(tmp_path / "freq"), "--expert-method", "frequency"]) == 0
-    assert main(base + ["--out", str(tmp_path / "contrib")]) == 0
+    assert main(base + ["--out", str(tmp_path / "contrib"), "--expert-method", "contribution"]) == 0
+    assert main(base + ["--out", str(tmp_path / "recon")]) == 0  # the default
     f, meta = load_scores(tmp_path / "freq")
     c, meta_c = load_scores(tmp_path / "contrib")
+    r, meta_r = load_scores(tmp_path / "recon")
+    assert meta_r["expert_method"] == "reconstruction"
     assert meta["expert_method"] == "frequency" and meta_c["expert_method"] == "contribution"
     for i in (1, 3):
         p = f"layers.{i}."
         assert torch.equal(f[p + "experts"], f[p + "expert_frequency"])
         assert torch.equal(c[p + "experts"], c[p + "expert_contribution"])
+        assert torch.equal(r[p + "experts"], r[p + "expert_reconstruction"])
+        assert torch.equal(c[p + "expert_ffn"], c[p + "expert_ffn_contribution"])  # routed methods: channels too
+        assert torch.equal(r[p + "expert_ffn"], c[p + "expert_ffn"])
+        assert not torch.equal(f[p + "expert_ffn"], c[p + "expert_ffn"])
         assert c[p + "latent"].shape == (24,)
     out = tmp_path / "pruned"
     argv = ["prune", str(src), str(out), "--scores", str(tmp_path / "contrib"), "--latent-size", "16", "--experts", "6"]

@@ -257,6 +257,7 @@ def test_activation_scores_come_from_the_mtp_heads_own_activations():
     shapes = {k: tuple(v.shape) for k, v in _mtp_keys(scores).items()}
     assert shapes == {"mtp.layers.0.attn": (4, 8), "mtp.layers.1.experts": (8,), "mtp.layers.1.expert_ffn": (8, 16),
                       "mtp.layers.1.expert_contribution": (8,), "mtp.layers.1.expert_frequency": (8,),
+                      "mtp.layers.1.expert_reconstruction": (8,), "mtp.layers.1.expert_ffn_contribution": (8, 16),
                       "mtp.layers.1.shared_ffn": (24,), "mtp.layers.1.latent": (24,)}
     b0, b1 = model.mtp.layers
     h0 = b0.mixer.o_proj.register_forward_pre_hook(lambda m, a: seen.update(o=a[0]))

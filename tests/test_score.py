@@ -106,6 +106,32 @@ def route(moe, cfg, x):
     return w * cfg.routed_scaling_factor, idx
 
 
+def brute_elimination(moe, cfg, x, y):
+    """Greedy elimination recomputing every candidate's routed output from scratch (expert_select's
+    removal costs are incremental): x [T, H] router input, y [T, E, D] every expert's output."""
+    logits = (x @ moe.gate.weight.T).double()
+    sig = cfg.router == "sigmoid"
+    w = logits.sigmoid() if sig else logits.softmax(-1)
+    c = w + moe.gate.e_score_correction_bias.double() if sig else w
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+
+    def out(alive):
+        t = torch.arange(len(w))[:, None]
+        idx = c[:, alive].topk(min(k, len(alive)), -1)[1]
+        ids, wk = torch.tensor(alive)[idx], w[:, alive][t, idx]
+        wk = wk / wk.sum(-1, keepdim=True) if cfg.norm_topk_prob else wk
+        return (wk[..., None] * y.double()[t, ids]).sum(1)
+
+    alive, order, full = list(range(E)), torch.empty(E), out(list(range(E)))
+    for step in range(E - 1):
+        err = {e: (out([a for a in alive if a != e]) - full).square().sum().item() for e in alive}
+        gone = min(err, key=err.get)
+        alive.remove(gone)
+        order[gone] = step
+    order[alive] = E - 1
+    return order
+
+
 @torch.no_grad()
 def direct_scores(model, batches):
     cfg, acc = model.cfg, {}
@@ -136,7 +162,10 @@ def direct_scores(model, batches):
                 if cfg.moe_latent_size:  # experts read and write the latent space
                     x = F.linear(x, mix.fc1_latent_proj.weight)
                 ex, E = mix.experts, cfg.n_routed_experts
+                acc.setdefault(p + "recon_x", []).append(n.reshape(b * l, -1))
+                acc.setdefault(p + "recon_y", []).append(torch.stack([ex.expert(e, x) for e in range(E)], 1))
                 ffn = torch.zeros(E, cfg.moe_intermediate_size, dtype=torch.float64)
+                routed = torch.zeros(E, cfg.moe_intermediate_size, dtype=torch.float64)
                 norms = torch.zeros(2, E, dtype=torch.float64)
                 for e in range(E):
                     for s in range(b):
@@ -147,9 +176,11 @@ def direct_scores(model, batches):
                         y = F.linear(h, ex.down_proj[e])
                         we = torch.stack([w[t][idx[t] == e][0] for t in toks])
                         ffn[e] += h.double().abs().mean(0).square()
+                        routed[e] += (h.double().abs() * we.double().abs()[:, None]).mean(0).square()
                         norms[0, e] += (y.double().norm(dim=-1) * we.abs()).sum()
                         norms[1, e] += len(toks)
                 add(p + "expert_ffn", ffn)
+                add(p + "expert_ffn_contribution", routed)
                 add(p + "experts", norms)
                 if mix.shared_experts is not None:
                     add(p + "shared_ffn", agg(ffn_hidden(n, mix.shared_experts.up_proj.weight, None, act)))
@@ -157,6 +188,13 @@ def direct_scores(model, batches):
     out = {"hidden": sum(acc[f"site{i}"].sqrt() for i in range(cfg.num_layers + 1)),
            "block_importance": torch.stack([1 - acc[f"layers.{i}.cos"][0] / acc[f"layers.{i}.cos"][1]
                                             for i in range(cfg.num_layers)])}
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        if layer.kind == "E":
+            xs, ys = torch.cat(acc.pop(p + "recon_x")), torch.cat(acc.pop(p + "recon_y"))
+            out[p + "expert_reconstruction"] = brute_elimination(layer.mixer, cfg, xs, ys)
+            wn = layer.mixer.experts.down_proj.double().norm(dim=1)
+            out[p + "expert_ffn_contribution"] = acc.pop(p + "expert_ffn_contribution").sqrt() * wn
     for k, v in acc.items():
         if k.startswith("layers.") and not k.endswith("cos"):
             out[k] = v[0] / v[1].clamp(min=1) if k.endswith("experts") else v.sqrt()
@@ -193,7 +231,8 @@ def test_hooks_equal_direct_computation(name):
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
         moe = {p + "shared_ffn": (16,)} if cfg.moe_shared_expert_intermediate_size else {}
-        moe.update({p + "expert_contribution": (n_e,), p + "expert_frequency": (n_e,)})
+        moe.update({p + "expert_contribution": (n_e,), p + "expert_frequency": (n_e,),
+                    p + "expert_reconstruction": (n_e,), p + "expert_ffn_contribution": (n_e, F_e)})
         moe.update({p + "latent": (cfg.moe_latent_size,)} if cfg.moe_latent_size else {})
         expected_shapes.update({"-": {p + "ffn": (48,)}, "*": {p + "attn": (4, 8)}, "M": {p + "mamba_x": (8, 4)},
                                 "E": {p + "experts": (n_e,), p + "expert_ffn": (n_e, F_e), **moe}}[c])
@@ -319,7 +358,8 @@ def test_score_pipeline_writes_scores(hf_dir, tmp_path, monkeypatch):
     assert 0 < meta["baseline_loss"] < 20 and meta["source"] == str(hf_dir)
     assert set(tensors) == {"hidden", "layers.0.mamba_x", "layers.1.attn", "layers.2.ffn", "layers.3.experts",
                             "layers.3.expert_ffn", "layers.3.shared_ffn", "layers.3.expert_contribution",
-                            "layers.3.expert_frequency", "block_importance", "loss_increase"}
+                            "layers.3.expert_frequency", "layers.3.expert_reconstruction",
+                            "layers.3.expert_ffn_contribution", "block_importance", "loss_increase"}
     rep = json.loads((out / "remodel_report.json").read_text())
     assert rep["command"] == "score" and [r["type"] for r in rep["layers"]] == list("M*-E")
     assert rep["layers"][2]["block_importance"] == pytest.approx(float(tensors["block_importance"][2]))
