@@ -1,13 +1,14 @@
 """Expert pruning quality without retraining, on the shipped trained MoE (data/embedded_moe, 8 routed
-experts per MoE layer, top-4): held-out perplexity after pruning with routed-contribution expert
-importance vs frequency-only vs random (compress/expert_scores.py rank_experts).
+experts per MoE layer, top-4): held-out perplexity after pruning with the routed expert rankings
+(routed-output reconstruction, the default; the per-expert routed-contribution sum) vs frequency-only vs
+random (compress/expert_scores.py rank_experts).
 
 One activation calibration run (compress.importance.score_model) on the TRAIN split gives every score;
 each method only changes the expert ranking (`layers.i.experts`), so the cases differ in nothing else.
 Cases: experts 8 -> 6, 8 -> 4 (ranked by the method), and expert FFN -50% (moe_intermediate_size / 2:
-channels ranked by activation importance, where the expert ranking plays no part, so contribution ==
-frequency there; random = compress.baselines.random_scores channels), plus experts 8 -> 6 with expert
-FFN -50% together. Held-out: the VALID split, fixed token count (pipelines.evaluate.evaluate).
+channels by their router-weighted contribution for both routed methods, by plain activation over routed
+tokens for frequency, random = compress.baselines.random_scores channels), plus experts 8 -> 6 with
+expert FFN -50% together. Held-out: the VALID split, fixed token count (pipelines.evaluate.evaluate).
 
     python bench/bench_expert_prune_quality.py [--samples 256 --eval-tokens 32768 --threads 1] [--write]
 """
@@ -130,23 +131,32 @@ def main():
     print(f"\nunpruned held-out ppl {res['unpruned_ppl']:.2f}\n{tab}\n")
     print(json.dumps(res, indent=1))
     if a.write:
-        head = (f"{SECTION}\n\n`python bench/bench_expert_prune_quality.py --samples {a.samples} --eval-tokens "
-                f"{a.eval_tokens} --write`, {datetime.date.today()}, {platform.machine()} {a.threads} thread(s) on a "
-                f"2-core CPU shared with other jobs, torch {torch.__version__}, fp32. Model: {Path(a.model).resolve().relative_to(ROOT) if Path(a.model).resolve().is_relative_to(ROOT) else a.model} (the shipped "
-                f"trained MoE, 8 routed experts per MoE layer, top-4). One activation calibration run on "
-                f"{res['calib_tokens']:,} train-split tokens; the methods differ only in the expert ranking "
-                f"(compress/expert_scores.py rank_experts: routed contribution = sum of router weight x ||expert "
-                f"output||; frequency = routed-token count; random seeds 0..{a.seeds - 1}). Expert FFN channels "
-                f"are ranked by activation importance for contribution and frequency alike (so the two are equal "
-                f"in the FFN-only case) and at random for the random rows. Held-out perplexity on the first "
-                f"{res['eval_tokens']:,} valid-split tokens (seq {a.seq_len}), no retraining; unpruned "
-                f"**{res['unpruned_ppl']:.2f}**. Total run {res['seconds']:.0f} s. Checked by "
-                f"tests/test_expert_prune_quality.py.\n\n")
-        worse = [r["case"] for r in res["rows"] if not r["routed_best"]]
-        verdict = (f"\nRouted-output reconstruction gives a lower perplexity than frequency and than the random mean in "
-                   f"{len(res['rows']) - len(worse)} of {len(res['rows'])} cases"
-                   + (f"; **not** in: {', '.join(worse)}.\n" if worse else ".\n"))
-        write_section(head + tab + "\n" + verdict)
+        write_section(section(a, res, tab))
+
+
+def section(a, res, tab) -> str:
+    """This bench's RESULTS.md section from the arguments and the result of one run."""
+    model = Path(a.model).resolve()
+    model = model.relative_to(ROOT) if model.is_relative_to(ROOT) else a.model
+    head = (f"{SECTION}\n\n`python bench/bench_expert_prune_quality.py --samples {a.samples} --eval-tokens "
+            f"{a.eval_tokens} --write`, {datetime.date.today()}, {platform.machine()} {a.threads} thread(s) on a "
+            f"2-core CPU shared with other jobs, torch {torch.__version__}, fp32. Model: {model} (the shipped "
+            f"trained MoE, 8 routed experts per MoE layer, top-4, upcycled: experts come in near-duplicate "
+            f"pairs). One activation calibration run on {res['calib_tokens']:,} train-split tokens; the methods "
+            f"differ only in the ranking (compress/expert_scores.py rank_experts). *reconstruction* (the default): "
+            f"greedy elimination of the experts whose removal, their tokens re-routed as the pruned router does, "
+            f"moves the layer's routed output least (compress/expert_select.py); *contribution*: sum over tokens "
+            f"of router weight x ||expert output||, each expert alone; *frequency*: routed-token count; random "
+            f"seeds 0..{a.seeds - 1}. Expert FFN channels: router-weighted contribution (|w h| x ||down_proj "
+            f"column||) for the two routed methods, plain activation over routed tokens for frequency, random for "
+            f"the random rows. Held-out perplexity on the first {res['eval_tokens']:,} valid-split tokens (seq "
+            f"{a.seq_len}), no retraining; unpruned **{res['unpruned_ppl']:.2f}**. Total run {res['seconds']:.0f} s. "
+            f"Checked by tests/test_expert_prune_quality.py (64 x 256 calibration, 16,384 held-out tokens).\n\n")
+    worse = [r["case"] for r in res["rows"] if not r["routed_best"]]
+    verdict = (f"\nRouted-output reconstruction gives a lower perplexity than frequency and than the random mean "
+               f"in {len(res['rows']) - len(worse)} of {len(res['rows'])} cases"
+               + (f"; **not** in: {', '.join(worse)}.\n" if worse else ".\n"))
+    return head + tab + "\n" + verdict
 
 
 if __name__ == "__main__":
