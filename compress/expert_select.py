@@ -11,8 +11,12 @@ elimination order (eliminated first = 0, the last survivor E - 1), so keeping th
 last n survivors for every n.
 
 The error is measured where the experts write: the hidden space, or the latent of a LatentMoE
-(fc2_latent_proj, linear, follows). Selection uses the router's choice scores (e_score_correction_bias
-included), the weights its unbiased scores; grouped routing (n_group > 1) is scored as plain top-k.
+(fc2_latent_proj, linear, follows), through a fixed random projection to PROJECT_DIM dimensions when it
+is wider (Johnson-Lindenstrauss: squared distances kept in expectation), so that a real-size layer (512
+experts of latent 1024) keeps 1,024 sample tokens in SAMPLE_BYTES. The budget is per layer, the same in
+both scoring modes (identical numbers): streaming holds one layer's sample, whole-model scoring all.
+Selection uses the router's choice scores (e_score_correction_bias included), the weights its unbiased
+scores; grouped routing (n_group > 1) is scored as plain top-k.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ import torch
 
 from models.mlp import Experts
 
-SAMPLE_ELEMS = 1 << 25  # at most this many floats of expert outputs [tokens, E, D] per layer (128 MB)
+SAMPLE_BYTES = 1 << 29  # expert outputs [tokens, E, D] kept per MoE layer (fp32)
 SAMPLE_TOKENS = 4096
+PROJECT_DIM = 256
 STEP_DIV = 16  # each step removes max(1, survivors // STEP_DIV) experts: one at a time below 32 experts
 
 
@@ -32,8 +37,11 @@ class RoutedSample:
     def __init__(self, moe):
         cfg = moe.cfg
         self.moe, self.cfg = moe, cfg
-        width = cfg.n_routed_experts * (cfg.moe_latent_size or cfg.hidden_size)
-        self.cap = max(1, min(SAMPLE_TOKENS, SAMPLE_ELEMS // width))
+        D = cfg.moe_latent_size or cfg.hidden_size
+        self.dim = min(D, PROJECT_DIM)
+        g = torch.Generator().manual_seed(0)
+        self.proj = None if D <= PROJECT_DIM else torch.randn(D, self.dim, generator=g) / self.dim ** 0.5
+        self.cap = max(1, min(SAMPLE_TOKENS, SAMPLE_BYTES // (4 * cfg.n_routed_experts * self.dim)))
         self.logits, self.outputs, self.n = [], [], 0
 
     def add(self, x, mask=None):
@@ -45,8 +53,9 @@ class RoutedSample:
             keep = mask.reshape(-1)
             x, logits = x[keep], logits[keep]
         x, logits = x[:self.cap - self.n], logits[:self.cap - self.n]
-        ex = self.moe.experts
-        y = torch.stack([Experts.expert(ex, e, x).float() for e in range(self.cfg.n_routed_experts)], 1)
+        ex, proj = self.moe.experts, self.proj if self.proj is None else self.proj.to(x.device)
+        y = torch.stack([_project(Experts.expert(ex, e, x).float(), proj) for e in range(self.cfg.n_routed_experts)],
+                        1)
         self.logits.append(logits)
         self.outputs.append(y)
         self.n += len(x)
@@ -59,6 +68,10 @@ class RoutedSample:
         weight = logits.sigmoid() if sig else logits.softmax(-1)
         bias = self.moe.gate.e_score_correction_bias.float() if sig else 0.0
         return elimination_scores(weight, weight + bias, y, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
+def _project(y, proj):
+    return y if proj is None else y @ proj
 
 
 def _routed(w, c, y, alive, k: int, norm: bool):

@@ -29,12 +29,11 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   block_importance 1 - mean cos(x_in, x_out) over non-padded tokens                  [L]
   loss_increase    LM loss with layer i alone skipped minus the full model's         [L]
 
-Deviation from the reference (pruning.md): ffn and mamba_x are "Wanda"-style, activation times the L2
-norm of the weight column the unit feeds (chosen by held-out loss, bench/bench_prune_quality.py).
+Deviation from pruning.md: ffn and mamba_x are "Wanda"-style, activation times the L2 norm of the weight
+column the unit feeds (chosen by held-out loss, bench/bench_prune_quality.py).
 
-Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance
-by a copy that also records (removed by detach()). The padding mask is taken from each Block's
-`attention_mask` argument (or set with Scorer.update before calling a lone norm_f).
+Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance by
+a recording copy. The padding mask comes from each Block's `attention_mask` (or Scorer.update).
 
 Two runners give identical numbers: `score_model` (whole model in memory, batch by batch) and
 `score_streaming` (one layer's weights at a time; calibration hidden states kept in a StateStore that
