@@ -62,14 +62,18 @@ def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def random_scores(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Uniform [0, 1) scores in the shapes an activation run writes, its per-expert contribution and
-    frequency included (drawn last, so the other keys keep the draws they had before those existed)."""
+    """Uniform [0, 1) scores in the shapes an activation run writes, the per-expert contribution, frequency
+    and reconstruction and the routed channel scores included (drawn last, in the order those keys came,
+    so the other keys keep the draws they had before)."""
     g = torch.Generator().manual_seed(seed)
     out = {k: torch.rand(shape, generator=g) for k, shape in score_shapes(cfg).items()}
-    for i, c in enumerate(cfg.pattern):
-        if c == "E":
-            for k in ("expert_contribution", "expert_frequency"):
-                out[f"layers.{i}.{k}"] = torch.rand(cfg.n_routed_experts, generator=g)
+    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    extra = (("expert_contribution", (E,)), ("expert_frequency", (E,)))
+    for keys in (extra, (("expert_reconstruction", (E,)), ("expert_ffn_contribution", (E, F)))):
+        for i, c in enumerate(cfg.pattern):
+            if c == "E":
+                for k, shape in keys:
+                    out[f"layers.{i}.{k}"] = torch.rand(shape, generator=g)
     return out
 
 
