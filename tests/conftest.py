@@ -22,7 +22,7 @@ if "REMODEL_CACHE" not in os.environ:
 #   quality       trains or evaluates for a quality figure
 #   slow          left out of the edit-test loop: every test of the three kinds above, plus the longest
 #                 of the rest (durations measured with `--durations=0` on the shared 2-core machine:
-#                 the whole suite 14m33s idle, the not-slow rest 1m33s at load 5, 2026-11-24)
+#                 the whole suite 13m17s idle (504 tests), the not-slow rest 1m30s, 2026-11-24)
 # MARKS: test file -> test function (the name without its [parameters]; "*" = every test of the file)
 # -> markers. A test marked in its own file with multiprocess / timing / quality is made slow too.
 # An entry that matches no collected test fails a run that collects the whole tests/ folder.
