@@ -4,10 +4,10 @@ plan_keep reads for --experts), chosen from what a calibration run recorded (com
   reconstruction  greedy elimination by routed-output reconstruction (compress/expert_select.py): the
                 experts removed are those whose going, with their tokens re-routed as the pruned router
                 does, moves the layer's routed output least; sees near-duplicate experts, which no
-                per-expert score does
+                per-expert score does (the default of `remodel score`)
   contribution  sum over calibration tokens of |router weight| * ||expert output||: an expert that is
                 routed often but writes almost nothing scores low, one routed rarely but decisively
-                scores by what it actually adds (the default of `remodel score`)
+                scores by what it actually adds
   frequency     how many calibration tokens were routed to it (a baseline)
   mean          the mean of |w| * ||output|| over its routed tokens (the reference's definition,
                 pruning.md; what Scorer.result() itself writes as `experts`)
@@ -36,7 +36,7 @@ def check_expert_method(method: str) -> None:
         raise RemodelError(f"unknown expert scoring method {method!r} (allowed: {', '.join(EXPERT_METHODS)})")
 
 
-def rank_experts(scores: dict, cfg: ModelConfig, method: str = "contribution", seed: int = 0) -> dict:
+def rank_experts(scores: dict, cfg: ModelConfig, method: str = "reconstruction", seed: int = 0) -> dict:
     """A copy of `scores` whose `layers.i.experts` is the `method` score of every MoE layer."""
     check_expert_method(method)
     out, g = dict(scores), torch.Generator().manual_seed(seed)

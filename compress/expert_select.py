@@ -60,8 +60,11 @@ class RoutedSample:
         self.outputs.append(y)
         self.n += len(x)
 
-    def scores(self) -> torch.Tensor:
-        """-> [E] elimination order of the sample (see the module docstring); frees the sample."""
+    def scores(self) -> torch.Tensor | None:
+        """-> [E] elimination order of the sample (see the module docstring), None if the layer saw no
+        token (an MTP head left unrun); frees the sample."""
+        if not self.n:
+            return None
         cfg, logits, y = self.cfg, torch.cat(self.logits), torch.cat(self.outputs)
         self.logits, self.outputs = [], []
         sig = cfg.router == "sigmoid"

@@ -84,8 +84,7 @@ class Scorer:
         self.model, self.cfg = model, cfg or model.cfg
         self.acc: dict[str, torch.Tensor] = {}
         self.wnorm: dict[str, torch.Tensor] = {}  # per-unit norm of the weight column a site feeds
-        self.mask, self._samples = None, {}
-        self.tokens = 0
+        self.mask, self._samples, self.tokens = None, {}, 0
         self._handles, self._patched = [], []
 
     # ---- attaching ------------------------------------------------------------------
@@ -134,7 +133,8 @@ class Scorer:
             del experts.expert  # the class's own method is visible again
         self._handles, self._patched = [], []
         for p, sample in self._samples.items():  # scored as each layer is done (streaming: one at a time)
-            self.acc[p + "expert_reconstruction"] = sample.scores()
+            if (order := sample.scores()) is not None:
+                self.acc[p + "expert_reconstruction"] = order
         self._samples = {}
 
     def update(self, attention_mask):
@@ -251,7 +251,8 @@ class Scorer:
             s, n = acc[p + "experts"]
             out[p + "experts"] = s / n.clamp(min=1)
             out[p + "expert_contribution"], out[p + "expert_frequency"] = s, n
-            out[p + "expert_reconstruction"] = acc[p + "expert_reconstruction"]
+            if p + "expert_reconstruction" in acc:  # absent when every token was padding
+                out[p + "expert_reconstruction"] = acc[p + "expert_reconstruction"]
             out[p + "expert_ffn"] = acc[p + "expert_ffn"].sqrt()
             wn = self.wnorm[p + "expert_ffn"].to(acc[p + "expert_ffn"].device)
             out[p + "expert_ffn_contribution"] = acc[p + "expert_ffn_routed"].sqrt() * wn

@@ -251,6 +251,22 @@ def _mtp_keys(scores):
     return {k: v for k, v in scores.items() if k.startswith("mtp.")}
 
 
+def test_a_scorer_on_the_trunk_alone_leaves_the_unrun_heads_unscored():
+    """Attached to a model with an MTP head that the forward never runs: detach and result work, the trunk's
+    MoE gets its reconstruction order, the head gets no scores."""
+    from compress.importance import Scorer
+
+    model = make_model()
+    scorer = Scorer(model).attach()
+    with torch.no_grad():
+        model(IDS)
+    scorer.detach()
+    got = scorer.result()
+    trunk = [k for k in got if k.endswith("expert_reconstruction")]
+    assert trunk and all(k.startswith("layers.") for k in trunk) and not _mtp_keys(got)
+    assert sorted(got[trunk[0]].tolist()) == list(range(CFG.n_routed_experts))
+
+
 def test_activation_scores_come_from_the_mtp_heads_own_activations():
     model, seen = make_model(), {}
     scores, _ = score_model(model, [IDS], loss_increase=False)
