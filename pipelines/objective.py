@@ -25,12 +25,10 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     if w.get("fused"):
         return _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states)
     with autocast:
-        out = student(ids, output_hidden_states=need_states)
-        s_logits, s_states = out if need_states else (out, None)
+        s_logits, s_states = _forward(student, ids, need_states)
         if teacher is not None:
             with torch.no_grad():
-                t_out = teacher(ids, output_hidden_states=need_states)
-            t_logits, t_states = t_out if need_states else (t_out, None)
+                t_logits, t_states = _forward(teacher, ids, need_states)
     total = s_logits.new_zeros((), dtype=torch.float32)
     parts = {}
     if teacher is not None:
@@ -52,10 +50,10 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
     g = w.get("vocab_group")
     with autocast:  # through forward: FSDP's root hooks gather the lm_head read below (and reduce its grad)
-        s_h, s_states = _hidden(student, ids, need_states)
+        s_h, s_states = _forward(student, ids, need_states, return_hidden=True)
         if teacher is not None:
             with torch.no_grad():
-                t_h, t_states = _hidden(teacher, ids, need_states)
+                t_h, t_states = _forward(teacher, ids, need_states, return_hidden=True)
     flat = s_h.reshape(-1, s_h.shape[-1])
     total, parts = s_h.new_zeros((), dtype=torch.float32), {}
     if teacher is not None:
@@ -74,12 +72,13 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     return _other_losses(student, w, fns, total, parts, states, autocast)
 
 
-def _hidden(model, ids, need_states):
-    """-> (final hidden states, residual stream or None) through model.__call__, not model.hidden: under
-    FSDP2 only the root's forward hooks unshard the embeddings, norm_f and lm_head (the root keeps them
-    unsharded after the forward, so lm_head_weight(model) is then the full weight, and the backward's
-    final callback reduce-scatters the gradient the fused loss gives it)."""
-    out = model(ids, output_hidden_states=need_states, return_hidden=True)
+def _forward(model, ids, need_states, return_hidden=False):
+    """-> (logits, or the final hidden states with return_hidden; the residual stream or None), always
+    through model.__call__, never model.hidden: under FSDP2 only the root's forward hooks unshard the
+    embeddings, norm_f and lm_head (the root keeps them unsharded after the forward, so the fused loss's
+    lm_head_weight(model) is then the full weight, and the backward's final callback reduce-scatters
+    the gradient it gives it)."""
+    out = model(ids, output_hidden_states=need_states, return_hidden=return_hidden)
     return out if need_states else (out, None)
 
 
