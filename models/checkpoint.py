@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -38,22 +40,78 @@ DTYPES = {k: getattr(torch, v) for k, v in _DTYPES.items() if hasattr(torch, v)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`, or RemodelError naming the file."""
+MAX_JSON = 64 * 1024 * 1024  # config, index and meta files (a 1T-parameter index is ~10 MB)
+
+
+def _unique(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(raw: bytes, where) -> object:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN / Infinity, nesting within Python's recursion limit."""
     try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant)
+    except RecursionError:
+        raise RemodelError(f"{where}: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise RemodelError(f"{where}: invalid JSON ({str(e).splitlines()[0][:200]})") from None
+
+
+def regular_file(path, max_bytes: int) -> int:
+    """The size of `path`, which must be a regular file of at most max_bytes (a FIFO or a device is
+    refused before it is opened, so reading never blocks on one)."""
+    try:
+        st = os.stat(path)
     except FileNotFoundError:
         raise RemodelError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RemodelError(f"{path}: invalid JSON ({str(e).splitlines()[0]})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RemodelError(f"{path}: not a regular file")
+    if st.st_size > max_bytes:
+        raise RemodelError(f"{path}: {st.st_size} bytes, more than the {max_bytes} this file may have")
+    return st.st_size
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON) -> dict:
+    """A JSON object from `path` (a regular file of bounded size, strict JSON), or RemodelError naming it."""
+    regular_file(path, max_bytes)
+    with open(path, "rb") as f:
+        obj = parse_json(f.read(max_bytes + 1), path)
     if not isinstance(obj, dict):
         raise RemodelError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
 
 
+def _entry(path, name, e) -> tuple:
+    """(dtype, shape, start, end) of one header entry, checked as the safetensors library does."""
+    try:
+        dtype, shape, offsets = DTYPES[e["dtype"]], e["shape"], e["data_offsets"]
+        assert isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+        assert all(type(d) is int and 0 <= d < 2**63 for d in [*shape, *offsets])
+    except (KeyError, TypeError, AssertionError):
+        raise RemodelError(f"{path}: corrupt or unsupported safetensors header entry {name!r} "
+                           f"(dtype {e.get('dtype') if isinstance(e, dict) else e!r})") from None
+    start, end = offsets
+    if end - start != math.prod(shape) * dtype.itemsize:
+        raise RemodelError(f"{path}: corrupt safetensors header: {name!r} has {end - start} bytes "
+                           f"for shape {shape} {e['dtype']}")
+    return dtype, shape, start, end
+
+
 def read_header(path: Path) -> tuple[int, dict]:
-    """Parse and check a safetensors header: (offset of the data section, {name: entry})."""
-    size = path.stat().st_size
+    """Parse and check a safetensors header: (offset of the data section, {name: entry}). As strict as
+    the safetensors library: a JSON object without duplicate names, string metadata, known dtypes,
+    span = shape x dtype size, and the tensors' byte ranges contiguous from 0 to the end of the file
+    (no gap, no overlap, nothing shifted or left over)."""
+    size = regular_file(path, 1 << 62)
     if size < 8:
         raise RemodelError(f"{path}: file of {size} bytes is too short for a safetensors header")
     with open(path, "rb") as f:
@@ -62,30 +120,38 @@ def read_header(path: Path) -> tuple[int, dict]:
             raise RemodelError(f"{path}: corrupt or truncated safetensors header "
                                f"(declares {n} header bytes, file has {size})")
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        assert isinstance(header, dict)
-    except (UnicodeDecodeError, json.JSONDecodeError, AssertionError):
-        raise RemodelError(f"{path}: corrupt safetensors header (not a JSON object)") from None
-    header.pop("__metadata__", None)
-    data_size = size - 8 - n
-    for name, e in header.items():
-        try:
-            dtype, shape, (start, end) = DTYPES[e["dtype"]], e["shape"], e["data_offsets"]
-            assert all(isinstance(d, int) and d >= 0 for d in [*shape, start, end]) and start <= end
-        except (KeyError, TypeError, ValueError, AssertionError):
-            raise RemodelError(f"{path}: corrupt or unsupported safetensors header entry {name!r} "
-                               f"(dtype {e.get('dtype') if isinstance(e, dict) else e!r})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - start != numel * dtype.itemsize:
-            raise RemodelError(f"{path}: corrupt safetensors header: {name!r} has {end - start} bytes "
-                               f"for shape {shape} {e['dtype']}")
-        if end > data_size:
-            raise RemodelError(f"{path}: truncated file: {name!r} ends at byte {end} of the data "
-                               f"section but only {data_size} bytes are present")
+    header = parse_json(raw, f"{path} (safetensors header)")
+    if not isinstance(header, dict):
+        raise RemodelError(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise RemodelError(f"{path}: corrupt safetensors header (__metadata__ is not a string map)")
+    spans = sorted((_entry(path, k, e)[2:] + (k,) for k, e in header.items()))
+    pos = 0
+    for start, end, name in spans:
+        if start != pos:
+            raise RemodelError(f"{path}: corrupt safetensors header: {name!r} starts at byte {start}, expected "
+                               f"{pos} (tensors must be contiguous and must not overlap)")
+        pos = end
+    if pos != size - 8 - n:
+        raise RemodelError(f"{path}: truncated or padded file: the tensors end at byte {pos} of the data "
+                           f"section, which has {size - 8 - n} bytes")
     return 8 + n, header
+
+
+_SHARD = re.compile(r"[^/\\]+\.safetensors")
+
+
+def read_index(path: Path) -> dict:
+    """{tensor name: shard file name} of a model.safetensors.index.json, checked: a weight_map of strings
+    naming plain *.safetensors files in the same directory."""
+    wmap = read_json(path).get("weight_map")
+    if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        raise RemodelError(f"{path}: missing or malformed 'weight_map'")
+    for shard in set(wmap.values()):
+        if not _SHARD.fullmatch(shard) or shard.startswith("."):
+            raise RemodelError(f"{path}: shard {shard!r} is not a .safetensors file name in this directory")
+    return wmap
 
 
 def aux_files(path) -> list[Path]:
@@ -106,9 +172,7 @@ class CheckpointReader:
         if (self.path / SINGLE).is_file():
             shards = {SINGLE: None}
         elif (self.path / INDEX).is_file():
-            wmap = read_json(self.path / INDEX).get("weight_map")
-            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-                raise RemodelError(f"{self.path / INDEX}: missing or malformed 'weight_map'")
+            wmap = read_index(self.path / INDEX)
             shards = {}
             for name, shard in wmap.items():
                 shards.setdefault(shard, []).append(name)

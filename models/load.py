@@ -6,13 +6,12 @@ checked against the config before it is used, so a mismatched checkpoint fails w
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, read_json
 from .config import ModelConfig
 from .errors import RemodelError
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
@@ -25,10 +24,7 @@ def read_config_dict(path) -> dict:
     f = p / "config.json" if p.is_dir() else p
     if not f.exists():
         raise RemodelError(f"no config.json at {path}")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise RemodelError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return read_json(f)
 
 
 def load_config(path) -> ModelConfig:
@@ -55,14 +51,20 @@ class _Source:
             return "model." + name[9:]
         return None
 
+    def _float(self, k: str):
+        if not self.r.dtype(k).is_floating_point:
+            raise RemodelError(f"{self.r.path}: tensor {k!r} is {self.r.dtype(k)}; weights must be floating point")
+
     def shape_and_get(self, hf: str, expert: int | None):
         k = self._alias(hf)
         if k is not None:
+            self._float(k)
             return tuple(self.r.shape(k)), (lambda: self.r.get(k))
         if expert is not None:  # fused 3-D expert tensor, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
             fused = self._alias(base + "." + leaf.rsplit(".weight", 1)[0])
             if fused is not None:
+                self._float(fused)
                 shape = tuple(self.r.shape(fused))
                 return shape[1:], (lambda: self.r.get(fused)[expert])
         raise RemodelError(f"checkpoint {self.r.path} has no tensor {hf!r}")

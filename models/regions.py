@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_json
+from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index, read_json
 from .errors import RemodelError
 from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
 
@@ -47,11 +47,13 @@ class RegionReader:
         if (self.path / SINGLE).is_file():
             shards = [SINGLE]
         elif (self.path / INDEX).is_file():
-            shards = sorted(set(read_json(self.path / INDEX)["weight_map"].values()))
+            shards = sorted(set(read_index(self.path / INDEX).values()))
         else:
             raise RemodelError(f"{self.path}: no {SINGLE} or {INDEX}")
         self.where = {}  # HF name -> (file, absolute data offset, dtype, shape)
         for shard in shards:
+            if not (self.path / shard).is_file():
+                raise RemodelError(f"{self.path / INDEX}: shard {shard!r} does not exist in {self.path}")
             start, header = read_header(self.path / shard)
             for k, e in header.items():
                 self.where[k] = (self.path / shard, start + e["data_offsets"][0], DTYPES[e["dtype"]], e["shape"])
@@ -65,13 +67,18 @@ class RegionReader:
         """(file, data offset, dtype, shape, leading index) of one HF tensor, whatever its on-disk variant."""
         for k in (hf, "model." + hf[9:] if hf.startswith("backbone.") else None):
             if k is not None and k in self.where:
-                return (*self.where[k], ())
+                return self._float(k, ())
         if expert is not None:  # fused 3-D experts, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
             k = base + "." + leaf.rsplit(".weight", 1)[0]
             if k in self.where:
-                return (*self.where[k], (expert,))
+                return self._float(k, (expert,))
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
+
+    def _float(self, k: str, lead: tuple):
+        if not self.where[k][2].is_floating_point:
+            raise RemodelError(f"{self.path}: tensor {k!r} is {self.where[k][2]}; weights must be floating point")
+        return (*self.where[k], lead)
 
     def read(self, name: str, index: list, dtype=torch.float32) -> torch.Tensor:
         """The region `index` (see the module doc) of our tensor `name`, as `dtype` (floats only)."""

@@ -25,10 +25,10 @@ def source_shard_bytes(model_dir) -> int:
 
 def _dcp_checkpoint(path: Path) -> Path | None:
     """The DCP training checkpoint at `path`: a step-N directory, or the newest one in an OUT.run/."""
-    from .train_state import latest_checkpoint
-    if (path / ".metadata").is_file() and (path / "meta.json").is_file():
+    from .train_state import META, STEP_DIR, latest_checkpoint
+    if STEP_DIR.match(path.name) and (path / META).is_file():
         return path
-    return latest_checkpoint(path) if path.is_dir() and any(path.glob("step-*/.metadata")) else None
+    return latest_checkpoint(path) if path.is_dir() and any(path.glob(f"step-*/{META}")) else None
 
 
 def _open_source(model_dir: Path):
@@ -46,19 +46,31 @@ def _open_source(model_dir: Path):
         raise RemodelError(f"{ckpt}: training checkpoint without its model config (written by an older remodel)")
     cfg = config_from_hf(hf)
     rows = [(ours, e, r) for ours, e, r in _dcp_plan_rows(ckpt, cfg, hf["model_type"])]
-    aux = Path(meta["args"]["student_dir"])
-    return hf, rows, aux if aux.is_dir() else None, cfg
+    aux = meta["args"].get("student_dir")
+    aux = Path(aux) if isinstance(aux, str) else None
+    return hf, rows, aux if aux is not None and aux.is_dir() else None, cfg
 
 
 def _dcp_plan_rows(ckpt: Path, cfg, family: str):
+    """Plan rows reading a DCP checkpoint; every tensor's stored shape is checked against the config
+    (and its dtype for a float) before anything is read."""
+    from models.hf import our_shapes
+
+    from .dcp_storage import RawReader
     from .train_state import read_tensor
-    cache = {}
+    src, cache = RawReader(ckpt), {}
+    stored = src.read_metadata().state_dict_metadata
+    for ours, shape in our_shapes(cfg).items():
+        md = stored.get("model." + ours)
+        if md is None or tuple(md.size) != tuple(shape) or not md.properties.dtype.is_floating_point:
+            got = "missing" if md is None else f"{tuple(md.size)} {md.properties.dtype}"
+            raise RemodelError(f"{ckpt}: tensor {ours!r} is {got}, its config wants a float of {tuple(shape)}")
 
     def reader(ours, e):
         def read():
             if ours not in cache:
                 cache.clear()
-                cache[ours] = read_tensor(ckpt, "model." + ours)
+                cache[ours] = read_tensor(ckpt, "model." + ours, src)
             return cache[ours] if e is None else cache[ours][e]
         return read
     return [(ours, e, reader(ours, e)) for ours, _, e in weight_table(cfg, family)]

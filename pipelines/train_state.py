@@ -28,8 +28,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from tqdm.auto import tqdm
 
+from models.errors import RemodelError
 from models.regions import runs
 
+from .dcp_storage import METADATA, RawReader, RawWriter, plain_errors
 from .parallel import parallel_info
 from .sharded import local_index
 
@@ -235,10 +237,16 @@ def _write(run_dir: Path, step: int, sd: dict, meta: dict, keep_last: int, group
         shutil.rmtree(tmp)
     _barrier(group)
     tmp.mkdir(parents=True, exist_ok=True)
-    dcp.save(sd, checkpoint_id=str(tmp), planner=_SavePlanner(), process_group=group,
-             no_dist=not dist.is_initialized())
+    try:
+        with plain_errors():
+            dcp.save(sd, storage_writer=RawWriter(tmp), planner=_SavePlanner(), process_group=group,
+                     no_dist=not dist.is_initialized())
+        if lead:
+            _write_meta(tmp, meta)
+    except BaseException:  # a full disk, a failed rank: the partial checkpoint goes, the previous stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if lead:
-        _write_meta(tmp, meta)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -281,23 +289,45 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def read_meta(ckpt: Path) -> dict:
-    return json.loads((ckpt / META).read_text())
-
-
-def _readable(ckpt: Path) -> bool:
-    try:
-        read_meta(ckpt)
-        return (ckpt / ".metadata").is_file()
-    except (OSError, ValueError):
-        return False
+    """meta.json of a checkpoint, checked against its directory: a JSON object (bounded, a regular file)
+    whose step is the directory's, counts non-negative integers, AdamW step counts finite in [0, step]."""
+    from models.checkpoint import read_json
+    path = Path(ckpt) / META
+    meta = read_json(path)
+    m = STEP_DIR.match(Path(ckpt).name)
+    step = meta.get("step")
+    if type(step) is not int or (m is not None and int(m.group(1)) != step) or step < 0:
+        raise RemodelError(f"{path}: 'step' {step!r} does not match its directory {Path(ckpt).name}")
+    kinds = {"consumed_batches": int, "args": dict, "history": list, "eval": dict, "adam_steps": dict}
+    for k, t in kinds.items():
+        if type(meta.get(k)) is not t or (t is int and meta[k] < 0):
+            raise RemodelError(f"{path}: {k!r} is missing or not a {'non-negative ' if t is int else ''}{t.__name__}")
+    if len(meta["history"]) > step or not all(isinstance(r, dict) for r in meta["history"]):
+        raise RemodelError(f"{path}: 'history' has {len(meta['history'])} rows for step {step}")
+    for name, v in meta["adam_steps"].items():
+        if type(v) not in (int, float) or not 0 <= v <= step:
+            raise RemodelError(f"{path}: AdamW step count of {name!r} is {v!r}, outside [0, {step}]")
+    if not isinstance(meta.get("hf_config", {}), dict):
+        raise RemodelError(f"{path}: 'hf_config' is not an object")
+    return meta
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        if _readable(ckpt):
-            return ckpt
-        tqdm.write(f"skipping unreadable checkpoint {ckpt}")
-    return None
+    """The newest step-N directory, checked (meta.json against its directory, the DCP index present).
+    Step directories appear by rename, so one that fails the check was tampered with or damaged: that is
+    an error naming it, never a silent resume from an older step."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    ckpt = found[-1]
+    try:
+        read_meta(ckpt)
+    except RemodelError as e:
+        raise RemodelError(f"{e} (delete {ckpt.name} to resume from the checkpoint before it)") from None
+    if not (ckpt / METADATA).is_file():
+        raise RemodelError(f"{ckpt}: no {METADATA} (an older remodel's pickled DCP metadata is not read; "
+                           f"delete {ckpt.name} to resume from the checkpoint before it)")
+    return ckpt
 
 
 def clean_stale(run_dir: Path):
@@ -319,26 +349,31 @@ def load(ckpt: Path, student, projections, opt) -> dict:
                             "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     sd = state_dict(student, projections, opt, saving=False)
     sd["rng.torch"] = torch.empty_like(torch.get_rng_state())
-    dcp.load(sd, checkpoint_id=str(ckpt), planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+    with plain_errors():
+        dcp.load(sd, storage_reader=RawReader(ckpt), planner=_LoadPlanner(), no_dist=not dist.is_initialized())
     torch.set_rng_state(sd["rng.torch"])
     return meta
 
 
 def read_full(ckpt: Path, prefix: str = "model.") -> dict:
     """Whole tensors of a checkpoint (small models and tests; `remodel convert` streams instead)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    md = FileSystemReader(str(ckpt)).read_metadata()
+    reader = RawReader(ckpt)
+    md = reader.read_metadata()
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-          if k.startswith(prefix) and hasattr(v, "size")}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+          if k.startswith(prefix)}
+    with plain_errors():
+        dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
     return sd
 
 
-def read_tensor(ckpt: Path, key: str) -> torch.Tensor:
-    """One whole tensor of a DCP checkpoint (peak memory: that tensor), e.g. for a streaming export."""
-    from torch.distributed.checkpoint import FileSystemReader
-    reader = FileSystemReader(str(ckpt))
-    md = reader.read_metadata().state_dict_metadata[key]
+def read_tensor(ckpt: Path, key: str, reader: RawReader | None = None) -> torch.Tensor:
+    """One whole tensor of a DCP checkpoint (peak memory: that tensor), e.g. for a streaming export;
+    pass the same `reader` for several tensors so the metadata is parsed and validated once."""
+    reader = reader or RawReader(ckpt)
+    md = reader.read_metadata().state_dict_metadata.get(key)
+    if md is None:
+        raise RemodelError(f"{ckpt}: checkpoint has no tensor {key!r}")
     sd = {key: torch.empty(md.size, dtype=md.properties.dtype)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    with plain_errors():
+        dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
     return sd[key]

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemReader
 
 from models.config import ModelConfig
 from models.errors import RemodelError
@@ -27,6 +26,7 @@ from pipelines import train as T
 from pipelines import train_state as S
 from pipelines import trainer as TR
 from pipelines.data import embedded_corpus, embedded_tokenizer_path
+from pipelines.dcp_storage import read_metadata as read_dcp_metadata
 from pipelines.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous(work, crashed, refer
     names = sorted(x.name for x in run.iterdir())
     assert "step-000002" in names and "step-000004" not in names
     torn = [x for x in run.iterdir() if x.name.startswith(".step-000004")]
-    assert len(torn) == 1 and (torn[0] / ".metadata").exists() and not (torn[0] / S.META).exists()
+    assert len(torn) == 1 and (torn[0] / "dcp_metadata.json").exists() and not (torn[0] / S.META).exists()
     assert S.latest_checkpoint(run).name == "step-000002"
 
     rep = T.train(**kwargs(work, out, resume=True))
@@ -323,7 +323,7 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert _sha(work / "teacher" / "model.safetensors") == before
 
     ckpt = S.latest_checkpoint(S.run_dir_for(out))
-    keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)  # the DCP checkpoint's tensors
+    keys = set(read_dcp_metadata(ckpt).state_dict_metadata)  # the DCP checkpoint's tensors
     assert {k[6:] for k in keys if k.startswith("model.")} == set(student.state_dict())
     n_proj = len(student.layers) if rep["params"]["trainable_extra"] else 0  # one projection per mapped layer
     assert n_proj == 4

@@ -333,5 +333,5 @@ def test_dcp_checkpoint_resumes_under_other_layouts(runs):
     # the DP 2 x TP 2 x EP 2 run saved in the background: both checkpoints complete
     from pipelines.train_state import list_checkpoints, read_meta
     cks = list_checkpoints(d / "kd_dp2_tp2_ep2.run")
-    assert [read_meta(c)["step"] for c in cks] == [2, 3] and all((c / ".metadata").is_file() for c in cks)
+    assert [read_meta(c)["step"] for c in cks] == [2, 3] and all((c / "dcp_metadata.json").is_file() for c in cks)
 
