@@ -43,10 +43,24 @@ def plain_errors():
     try:
         yield
     except CheckpointException as e:
-        for exc, _ in e.failures.values():
+        excs = [exc for exc, _ in e.failures.values()]
+        for exc in excs:
             if isinstance(exc, (RemodelError, OSError)):
                 raise exc from None
-        raise
+        first = str(excs[0]).strip().splitlines() if excs else []
+        raise RemodelError(f"checkpoint read/write failed: {type(excs[0]).__name__ if excs else 'error'}: "
+                           f"{first[0][:300] if first else ''}") from None
+
+
+def check_against(md: Metadata, sd: dict, where):
+    """Every entry of the state dict `sd` ({key: tensor or Chunks}) is in the checkpoint with the same full
+    size and dtype (a checkpoint of another shape must not load silently into a part of the model)."""
+    for k, v in sd.items():
+        m = md.state_dict_metadata.get(k)
+        dtype = v.pieces[0][1].dtype if hasattr(v, "pieces") and v.pieces else getattr(v, "dtype", None)
+        if m is None or tuple(m.size) != tuple(v.size()) or (dtype is not None and m.properties.dtype != dtype):
+            got = "missing" if m is None else f"{tuple(m.size)} {m.properties.dtype}"
+            raise RemodelError(f"{where}: {k!r} is {got}, this run holds {tuple(v.size())} {dtype}")
 
 
 def _done(value) -> torch.futures.Future:

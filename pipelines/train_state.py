@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from models.errors import RemodelError
 from models.regions import runs
 
-from .dcp_storage import METADATA, RawReader, RawWriter, plain_errors
+from .dcp_storage import METADATA, RawReader, RawWriter, check_against, plain_errors
 from .parallel import parallel_info
 from .sharded import local_index
 
@@ -349,8 +349,10 @@ def load(ckpt: Path, student, projections, opt) -> dict:
                             "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     sd = state_dict(student, projections, opt, saving=False)
     sd["rng.torch"] = torch.empty_like(torch.get_rng_state())
+    reader = RawReader(ckpt)
+    check_against(reader.read_metadata(), sd, ckpt)
     with plain_errors():
-        dcp.load(sd, storage_reader=RawReader(ckpt), planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+        dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
     torch.set_rng_state(sd["rng.torch"])
     return meta
 

@@ -57,6 +57,9 @@ MARKS = {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",
     },
+    "test_fuzz.py": {
+        "*": "slow",
+    },
     "test_gpu_paths.py": {
         "test_bench_gpu_smoke": "slow",
     },

@@ -173,6 +173,21 @@ def test_tampered_meta_refused_on_resume_and_convert(run, tmp_path, capsys, case
     assert listing(tmp_path) == before
 
 
+def _relabel_int(d):
+    for v in d["tensors"].values():
+        v["dtype"] = {"F32": "I32", "BF16": "I16", "F16": "I16"}.get(v["dtype"], v["dtype"])
+
+
+def test_dcp_integer_relabel_refused_on_resume_and_convert(run, tmp_path, capsys):
+    rd = _copy_run(run, tmp_path)
+    shutil.rmtree(rd / "step-000002")
+    _edit_json(rd / "step-000001" / "dcp_metadata.json", _relabel_int)
+    fails(capsys, "convert", rd, tmp_path / "hf", match="wants a float")
+    fails(capsys, "train", EMBEDDED, tmp_path / "out", "--data", CORPUS, "--steps", "2", "--seq-len", "32",
+          "--batch", "2", "--resume", match="this run holds")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "out").exists()
+
+
 def test_dcp_shape_checked_against_config_on_export(run, tmp_path, capsys):
     rd = _copy_run(run, tmp_path)
     for step in rd.glob("step-*"):
