@@ -23,6 +23,20 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line too (`remodel CMD: error: ... (see --help)`), from rank 0
+    only under torchrun, exit 2; the subcommand parsers inherit it."""
+
+    def error(self, message):
+        if _lead():
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _lead() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
+
+
 def _ints(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -30,14 +44,20 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-def _count(s: str) -> int:
-    """1000, 4.5e9, 47B, 500M, 2k"""
-    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+MAX_COUNT = 10**18  # pipelines.train_config.MAX_COUNT: token and parameter counts
+
+
+def _count(s: str) -> int | float:
+    """1000, 4.5e9, 47B, 500M, 2k -> an int; a value no count can be (inf, nan, 1e400, 1e30B) comes back as
+    a float for the OPTIONS check to refuse by name (int(float) would raise OverflowError)."""
+    mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
     t = s.strip().lower()
+    num, scale = (t[:-1], mult[t[-1]]) if t and t[-1] in mult else (t, 1)
     try:
-        return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(float(t))
+        v = float(num) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number like 4.5e9 or 47B, got {s!r}") from None
+    return int(v) if math.isfinite(v) and abs(v) <= MAX_COUNT else v
 
 
 def _train_flags(p, distill: bool):
@@ -50,7 +70,7 @@ def _train_flags(p, distill: bool):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="remodel", description="Shrink (prune + distill) and grow (MoE upcycling) "
+    ap = _Parser(prog="remodel", description="Shrink (prune + distill) and grow (MoE upcycling) "
                                  "hybrid Mamba-Transformer and Llama-family models; Hugging Face in and out.")
     sub = ap.add_subparsers(dest="command", required=True)
     # every command's --help shows each option's default (a parser may still pass its own formatter)
@@ -359,17 +379,71 @@ def _json(obj, command: str) -> str:
     return text
 
 
+def _options():
+    """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
+    parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
+    (pipelines.train_config: the same rules make_config applies to the Python API)."""
+    from models.layout import PRUNABLE
+    from pipelines.train_config import CHECKS, Check, count, ints, positive
+    common = {
+        **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
+        "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(1, 2**24), "batch": ints(1, 2**20),
+        "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
+        "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
+        "candidates": ints(1, 1000), "num_proc": ints(1, 1024),
+        "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
+        "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
+        "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16),
+    }
+    return common, {**common, **CHECKS}
+
+
+def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
+    from models.errors import RemodelError
+    common, train = _options()
+    rules = train if a.command in ("train", "distill") else common
+    sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices[a.command]
+    for act in sub._actions:
+        chk, v = rules.get(act.dest), getattr(a, act.dest, None)
+        if chk is None or v is None or isinstance(v, bool):
+            continue
+        flag = act.option_strings[-1] if act.option_strings else act.dest
+        for x in v if isinstance(v, list) else [v]:
+            if not chk.ok(x):
+                raise RemodelError(chk.message(act.dest, x, flag))
+    if a.command == "upcycle" and a.top_k > a.experts:
+        raise RemodelError(f"top_k must be at most --experts={a.experts} (--top-k), got {a.top_k}")
+
+
+def _fail(command: str, msg: str) -> int:
+    """The one error line (exit 2). Under torchrun (WORLD_SIZE > 1) only rank 0 prints it: every rank
+    meets the same bad input, and N copies of one line bury it. The other ranks exit 2 silently.
+    torchrun itself still reports the failure after that line, and exits 1 rather than 2: a "failed
+    (exitcode: 2) local_rank: 0" log line, SIGTERM to the ranks still running, then its own Python
+    traceback ending in a ChildFailedError summary (each failed rank, exit code, the root cause)."""
+    try:  # a progress bar left open by the failed step: end its line first, so the error has its own
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except Exception:  # noqa: BLE001 - the error line matters more than the bar
+        pass
+    if _lead():
+        print(f"remodel {command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
     from models.errors import RemodelError
     try:
+        check_options(ap, a)
         r = run(a)
     except RemodelError as e:
-        print(f"remodel {a.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(a.command, str(e))
     except OSError as e:  # a disk that fills up, a file that vanishes: still one line, no traceback
-        print(f"remodel {a.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
+        return _fail(a.command, f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
     except KeyboardInterrupt:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130

@@ -51,6 +51,10 @@ DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn
 PRESETS = {"default": DEFAULT_AXES, "width": DEFAULT_AXES[:-1], "depth": ("depth",), "all": ALL_AXES}
 METRICS = ("params", "active_params", "memory_bytes")
 MOE_ALIGN = 8  # compress.prune.MOE_ALIGN
+MAX_AXIS_VALUES = 32  # widths per axis: more multiples of the step and the step grows (a huge config)
+MAX_REMOVABLE = 64  # units of one type a candidate may remove (the largest shipped model: 27)
+MAX_TYPE_OPTIONS = 2 * 10**6  # (widths x units removed) options of one unit type at one hidden size
+MAX_FIRST_PAIR = 10**8  # options of the first two unit types crossed (the largest table _feasible builds)
 INVALID = 2**58  # metrics of a width combination that breaks a constraint between axes: fits no budget
 
 
@@ -108,7 +112,9 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
         if axis == "experts" and cfg.n_group > 1:
             step = math.lcm(step, cfg.n_group)
     lo = max(math.ceil((1 - max_cut) * size - 1e-9), 1)
-    return [size] + [v for v in range(size - 1, lo - 1, -1) if v % step == 0 and _valid(cfg, axis, v, family)]
+    step *= max(1, math.ceil(((size - 1) // step - (lo - 1) // step) / MAX_AXIS_VALUES))  # <= MAX_AXIS_VALUES
+    top = (size - 1) // step * step  # multiples of the step only: never a loop over every width
+    return [size] + [v for v in range(top, lo - 1, -step) if v > 0 and _valid(cfg, axis, v, family)]
 
 
 def depth_units(cfg: ModelConfig, family: str | None = None) -> list[list[int]]:
@@ -166,10 +172,26 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     for j, u in enumerate(depth_units(cfg, family)):
         by_type.setdefault("".join(cfg.pattern[i] for i in u), []).append(j)
     deep = "depth" in axes
-    removable = {t: min(int(max_type_cut * len(js) + 1e-9), len(js) - 1) if deep else 0 for t, js in by_type.items()}
+    removable = {t: min(int(max_type_cut * len(js) + 1e-9), len(js) - 1, MAX_REMOVABLE) if deep else 0
+                 for t, js in by_type.items()}
     n_units = sum(len(js) for js in by_type.values())
-    return Space(cfg, family, axes, values, list(by_type), by_type, removable,
-                 int(max_depth_cut * n_units + 1e-9) if deep else 0, batch, seq_len, dtype_bytes)
+    sp = Space(cfg, family, axes, values, list(by_type), by_type, removable,
+               int(max_depth_cut * n_units + 1e-9) if deep else 0, batch, seq_len, dtype_bytes)
+    _check_size(sp)
+    return sp
+
+
+def _check_size(sp: Space) -> None:
+    """Refuse (one line) a grid whose per-type option tables would not fit in memory or time (a config of
+    extreme widths and depth); every shipped model is far below the bounds."""
+    n = [math.prod(len(sp.values[a]) for a in sp.type_axes(t)) * (sp.removable[t] + 1) for t in sp.types]
+    for t, k in zip(sp.types, n):
+        if k > MAX_TYPE_OPTIONS:
+            raise RemodelError(f"search space too large: {k:,} options for layer type {t!r} (at most "
+                               f"{MAX_TYPE_OPTIONS:,}); search fewer axes (--axes) or a smaller width cut")
+    if len(n) > 1 and n[0] * n[1] > MAX_FIRST_PAIR:
+        raise RemodelError(f"search space too large: {n[0]:,} x {n[1]:,} options for layer types {sp.types[0]!r} "
+                           f"and {sp.types[1]!r} (at most {MAX_FIRST_PAIR:,}); search fewer axes (--axes)")
 
 
 # ---- exact metrics by parts ----------------------------------------------------------------------

@@ -11,11 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .errors import RemodelError
 
 LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# Bounds of a config's sizes: far above any real model, low enough that nothing allocates or loops
+# without bound on a hostile config.json (models.hf checks the raw JSON against them too).
+MAX_VOCAB = 2**24
+MAX_WIDTH = 2**20  # hidden, FFN, expert FFN, shared expert, latent
+MAX_SMALL = 2**16  # heads, head dims, groups, SSM state, experts, top-k
+MAX_LAYERS = 8192  # pattern characters (a Llama decoder layer is two)
+MAX_MTP = 64
+# int field -> (lo, hi); 0 allowed where the field is unused by the pattern (validate checks use)
+INT_BOUNDS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "intermediate_size": (0, MAX_WIDTH),
+              "moe_intermediate_size": (0, MAX_WIDTH), "moe_shared_expert_intermediate_size": (0, MAX_WIDTH),
+              "moe_latent_size": (1, MAX_WIDTH), "num_attention_heads": (0, MAX_SMALL),
+              "num_key_value_heads": (0, MAX_SMALL), "head_dim": (0, MAX_SMALL), "mamba_num_heads": (0, MAX_SMALL),
+              "mamba_head_dim": (0, MAX_SMALL), "n_groups": (1, MAX_SMALL), "ssm_state_size": (0, MAX_SMALL),
+              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "n_routed_experts": (0, MAX_SMALL),
+              "num_experts_per_tok": (0, MAX_SMALL), "n_group": (1, MAX_SMALL), "topk_group": (1, MAX_SMALL),
+              "mtp_layers": (0, MAX_MTP), "sliding_window": (1, 2**40)}
 ACTIVATIONS = ("relu2", "silu", "gelu", "gelu_tanh", "relu")
 ROUTERS = ("sigmoid", "softmax")
 
@@ -130,7 +147,7 @@ class ModelConfig:
             if not ok:
                 raise RemodelError(f"invalid config: {msg}")
 
-        need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be > 0")
+        self._check_numbers(need)
         need(len(self.pattern) > 0, "the layer pattern is empty")
         bad = sorted(set(self.pattern + self.mtp_pattern) - set(LAYER_TYPES))
         need(not bad, f"unknown layer characters {bad} in pattern (allowed: M * - E)")
@@ -172,3 +189,29 @@ class ModelConfig:
                 need(self.n_routed_experts // self.n_group >= 2,
                      "grouped routing needs at least 2 experts per group")
             need(self.mlp_act in ACTIVATIONS, f"unknown activation {self.mlp_act!r}")
+
+    def _check_numbers(self, need) -> None:
+        """Every size an int (not bool) within INT_BOUNDS, every float finite and in range, the pattern
+        bounded: before anything is allocated from them."""
+        for name, (lo, hi) in INT_BOUNDS.items():
+            v = getattr(self, name)
+            if v is None and name in ("moe_latent_size", "sliding_window"):
+                continue
+            need(not isinstance(v, bool) and isinstance(v, numbers.Integral),
+                 f"{name} expected int, got {type(v).__name__} {v!r}")
+            need(lo <= v <= hi, f"{name} must be in {lo}..{hi:,}, got {v}")
+        for name in ("pattern", "mtp_pattern"):
+            need(isinstance(getattr(self, name), str), f"{name} must be a string")
+        need(len(self.pattern) <= MAX_LAYERS and len(self.mtp_pattern) <= MAX_LAYERS,
+             f"{len(self.pattern)} layers (pattern length), at most {MAX_LAYERS}")
+        floats = {"norm_eps": (0, 1), "rope_theta": (0, None), "routed_scaling_factor": (0, None),
+                  "time_step_min": (None, None), "time_step_max": (0, "inf")}
+        for name, (lo, hi) in floats.items():
+            v = getattr(self, name)
+            if v is None and name == "rope_theta":
+                continue
+            ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and not math.isnan(v)
+            ok = ok and (math.isfinite(v) or hi == "inf") and (lo is None or v > lo)
+            ok = ok and (hi in (None, "inf") or v < hi) and (name != "time_step_min" or v >= 0)
+            need(ok, f"{name} must be a finite number{f' > {lo}' if lo is not None else ' >= 0'}"
+                     f"{f' and < {hi}' if hi not in (None, 'inf') else ''}, got {v!r}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
-from .config import ModelConfig
+import math
+
+from .config import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from .errors import RemodelError
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
@@ -28,7 +30,63 @@ _CHAR = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 _TYPE = {v: k for k, v in _CHAR.items()}
 
 
-def _hf_config(d: dict):
+# config.json keys -> (lo, hi), checked on the raw JSON before transformers sees it (a string, list, bool
+# or an unbounded value there would otherwise reach list allocations such as ["full_attention"] * layers)
+_RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "intermediate_size": (1, MAX_WIDTH),
+             "moe_intermediate_size": (1, MAX_WIDTH), "moe_shared_expert_intermediate_size": (0, MAX_WIDTH),
+             "shared_expert_intermediate_size": (0, MAX_WIDTH), "moe_latent_size": (1, MAX_WIDTH),
+             **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "head_dim", "mamba_num_heads",
+                              "mamba_head_dim", "n_groups", "ssm_state_size", "n_routed_experts", "num_local_experts",
+                              "num_experts", "num_experts_per_tok", "n_group", "topk_group"), (1, MAX_SMALL)),
+             "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
+             "decoder_sparse_step": (1, MAX_LAYERS), "num_nextn_predict_layers": (0, MAX_MTP),
+             "max_position_embeddings": (1, 2**40), "sliding_window": (1, 2**40)}
+# key -> smallest value (excluded); every one finite (time_step_max may be inf)
+_RAW_FLOATS = {"rms_norm_eps": 0, "layer_norm_epsilon": 0, "rope_theta": 0, "routed_scaling_factor": 0,
+               "time_step_min": -1e-300, "time_step_max": 0}
+_RAW_LISTS = {"layers_block_type": MAX_LAYERS, "hybrid_override_pattern": MAX_LAYERS,
+              "mtp_layers_block_type": MAX_LAYERS}
+
+
+def check_raw_config(d: dict, where: str = "config.json") -> None:
+    """One-line RemodelError naming the key and `where` for a config.json value of the wrong JSON type
+    (a string, list or bool where a number belongs) or out of bounds (models.config's MAX_*)."""
+    def bad(key, why):
+        raise RemodelError(f"{where}: {key!r} {why}")
+
+    for key, (lo, hi) in _RAW_INTS.items():
+        v = d.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            bad(key, f"expected int, got {type(v).__name__} {v!r}")
+        if not lo <= v <= hi:
+            bad(key, f"must be in {lo}..{hi:,}, got {v}")
+    rope = d.get("rope_parameters")
+    floats = {**d, "rope_theta": rope.get("rope_theta") if isinstance(rope, dict) else d.get("rope_theta")}
+    for key, lo in _RAW_FLOATS.items():
+        v = floats.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            bad(key, f"expected a number, got {type(v).__name__} {v!r}")
+        if math.isnan(v) or v <= lo or (math.isinf(v) and key != "time_step_max"):
+            bad(key, f"must be finite and {'>= 0' if lo < 0 else '> 0'}, got {v!r}")
+    for key, most in _RAW_LISTS.items():
+        v = d.get(key)
+        if v is None:
+            continue
+        want = str if key == "hybrid_override_pattern" else list
+        if not isinstance(v, want) or (want is list and not all(isinstance(x, str) for x in v)):
+            bad(key, f"expected {'a string' if want is str else 'a list of layer-type strings'}, got "
+                     f"{type(v).__name__}")
+        if len(v) > most:
+            bad(key, f"has {len(v):,} layers, at most {most:,}")
+        if isinstance(v, list) and set(v) - set(_CHAR):
+            bad(key, f"has unknown layer types {sorted(set(v) - set(_CHAR))} (known: {', '.join(_CHAR)})")
+
+
+def _hf_config(d: dict, where: str = "config.json"):
     from transformers import AutoConfig, PretrainedConfig
 
     d = PretrainedConfig._decode_special_floats(d)  # {"__float__": "Infinity"} as transformers writes it
@@ -36,6 +94,7 @@ def _hf_config(d: dict):
     if mt not in FAMILIES:
         raise RemodelError(f"unsupported model_type {mt!r} (supported: {', '.join(FAMILIES)})")
     d = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version")}
+    check_raw_config(d, where)
     try:
         h = AutoConfig.for_model(mt, **d)
     except Exception as e:  # transformers' own validation ("Validation error for field 'x':\n  TypeError: ...")
@@ -83,11 +142,17 @@ def _rope(h) -> tuple[float, dict | None]:
     return float(theta), rp  # validated by ModelConfig (only llama3 is supported)
 
 
-def config_from_hf(d: dict) -> ModelConfig:
-    """HF config.json dict -> ModelConfig (one-line RemodelError when unsupported)."""
-    h = _hf_config(d)
+def config_from_hf(d: dict, source=None) -> ModelConfig:
+    """HF config.json dict -> ModelConfig (one-line RemodelError when unsupported or out of bounds, naming
+    the key and `source`, the file it came from: "config.json" when not given). Checked on the raw JSON
+    (check_raw_config), by transformers' config class, then by ModelConfig.validate: before any weight."""
+    where = str(source) if source is not None else "config.json"
+    h = _hf_config(d, where)
     extra = {k: getattr(h, k) for k in PASSTHROUGH if getattr(h, k, None) is not None}
-    return _nemotron_h_config(h, extra) if h.model_type == "nemotron_h" else _llama_config(h, extra)
+    try:
+        return _nemotron_h_config(h, extra) if h.model_type == "nemotron_h" else _llama_config(h, extra)
+    except RemodelError as e:
+        raise RemodelError(f"{where}: {e}") from None
 
 
 def _nemotron_h_config(h, extra: dict) -> ModelConfig:

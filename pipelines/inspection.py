@@ -94,7 +94,7 @@ def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
     out = {
         "source": where,
         "family": family,
-        "architecture": ((d or {}).get("architectures") or [None])[0],
+        "architecture": _architecture(d),
         "pattern": cfg.pattern,
         "layers": {t: cfg.count(c) for c, t in LAYER_TYPES.items() if c in cfg.pattern},
         "widths": _widths(cfg),
@@ -181,3 +181,9 @@ def format_inspect(d: dict) -> str:
         for m in c.get("config_mismatches", [])[:20]:
             row("DISAGREES WITH CONFIG", m)
     return "\n".join(lines)
+
+
+def _architecture(d) -> str | None:
+    """config.json's first architecture name, when it holds a list of names (anything else: None)."""
+    a = (d or {}).get("architectures")
+    return a[0] if isinstance(a, list) and a and isinstance(a[0], str) else None

@@ -169,7 +169,7 @@ def _check_inputs(model_dir: Path, out: Path, data, eval_data, scores_dir, overw
         raise RemodelError(f"model not found: {model_dir}")
     with CheckpointReader(model_dir) as reader:  # config and safetensors headers checked here
         hf = reader.config
-    cfg, family = config_from_hf(hf), hf.get("model_type")
+    cfg, family = config_from_hf(hf, source=model_dir / "config.json"), hf.get("model_type")
     for d in (data,) + ((eval_data,) if eval_data is not None else ()):
         if not Path(d).expanduser().exists():
             raise RemodelError(f"data not found: {d}")

@@ -5,16 +5,69 @@ report all read this dataclass, so a default lives here and nowhere else. Field 
   cli      "common" (train and distill), "distill" (distill only) or absent (API only)
   resume   True: a resumed run must have the same value (it changes the trajectory)
   help     the --help line
+  check    the Check a given value must pass (numeric options; make_config and the CLI's table apply it)
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 DOC_SPLITS = ("line", "paragraph", "file")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+MAX_COUNT = 10**18  # token / parameter counts (2**63 ~ 9.2e18 is int64's limit)
+MAX_STEPS = 10**12
+
+
+@dataclass(frozen=True)
+class Check:
+    """The rule of one numeric option: an int or a finite float in [lo, hi] (lo excluded when open)."""
+    kind: type  # int or float
+    lo: float | None = None
+    hi: float | None = None
+    open: bool = False  # lo itself refused (> lo rather than >= lo)
+    open_hi: bool = False  # hi itself refused (< hi)
+
+    def describe(self) -> str:
+        lo = f"{'>' if self.open else '>='} {self.lo:g}" if self.lo is not None else None
+        if self.kind is int:
+            return f"an integer in {self.lo}..{self.hi:,}" if lo and self.hi is not None else f"an integer {lo}"
+        hi = f"{'<' if self.open_hi else '<='} {self.hi:g}" if self.hi is not None else None
+        return " and ".join([x for x in (lo, hi) if x] + ["finite"])
+
+    def ok(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            return False
+        if self.kind is int and not isinstance(v, numbers.Integral):
+            return False
+        if not math.isfinite(v) or (self.hi is not None and (v >= self.hi if self.open_hi else v > self.hi)):
+            return False
+        return self.lo is None or (v > self.lo if self.open else v >= self.lo)
+
+    def message(self, name: str, v, flag: str | None = None) -> str:
+        """'grad_clip must be >= 0 and finite (--grad-clip), got -1.0'"""
+        return f"{name} must be {self.describe()}{f' ({flag})' if flag else ''}, got {v!r}"
+
+
+def count(lo: int = 1) -> Check:
+    return Check(int, lo, MAX_COUNT)
+
+
+def ints(lo: int = 1, hi: int = 2**24) -> Check:
+    return Check(int, lo, hi)
+
+
+def positive(hi: float | None = None) -> Check:
+    return Check(float, 0, hi, open=True)
+
+
+def nonneg(hi: float | None = None) -> Check:
+    return Check(float, 0, hi)
 
 
 def _f(default, help: str, cli: str | None = "common", resume: bool = False, **extra):
@@ -28,45 +81,52 @@ class TrainConfig:
     data: str = _f(None, "training data: text file/folder, .jsonl/.json, .parquet, save_to_disk folder", cli=None,
                    resume=True)
     teacher_dir: str | None = _f(None, "teacher checkpoint directory (distillation)", cli=None, resume=True)
-    steps: int | None = _f(None, "optimizer steps (give --steps or --tokens: one of them is required)", resume=True)
+    steps: int | None = _f(None, "optimizer steps (give --steps or --tokens: one of them is required)", resume=True,
+                            check=ints(1, MAX_STEPS))
     tokens: int | None = _f(None, "token budget, e.g. 2M or 1e9: steps = ceil(tokens / (batch * grad_accum * "
-                            "seq_len)) (give --steps or --tokens: one of them is required)", count=True)
-    seq_len: int = _f(256, "tokens per training sequence", resume=True)
-    batch: int = _f(8, "sequences per micro-batch, over all data-parallel ranks together", resume=True)
-    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step", resume=True)
-    lr: float = _f(1e-4, "peak learning rate (AdamW)", resume=True)
-    min_lr: float | None = _f(None, "final learning rate of the cosine decay (when not given: lr / 10)", resume=True)
+                            "seq_len)) (give --steps or --tokens: one of them is required)", count=True, check=count())
+    seq_len: int = _f(256, "tokens per training sequence", resume=True, check=ints(2))
+    batch: int = _f(8, "sequences per micro-batch, over all data-parallel ranks together", resume=True,
+                     check=ints(1, 2**20))
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step", resume=True, check=ints(1, 2**20))
+    lr: float = _f(1e-4, "peak learning rate (AdamW)", resume=True, check=positive(10))
+    min_lr: float | None = _f(None, "final learning rate of the cosine decay (when not given: lr / 10)", resume=True,
+                               check=nonneg(10))
     warmup: int | None = _f(None, "linear warm-up steps (when not given: min(100, steps // 10); capped at steps)",
-                            resume=True)
+                            resume=True, check=ints(0, MAX_STEPS))
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, A_log, D, dt_bias)",
-                             resume=True)
-    grad_clip: float = _f(1.0, "global gradient-norm clip (0: no clipping)", resume=True)
-    temperature: float = _f(1.0, "softmax temperature of the distillation KL", cli="distill", resume=True)
-    kl_weight: float = _f(1.0, "weight of KL(teacher || student)", cli="distill", resume=True)
+                             resume=True, check=nonneg(10))
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0: no clipping)", resume=True, check=nonneg())
+    temperature: float = _f(1.0, "softmax temperature of the distillation KL", cli="distill", resume=True,
+                              check=positive(100))
+    kl_weight: float = _f(1.0, "weight of KL(teacher || student)", cli="distill", resume=True, check=nonneg(1e6))
     lm_loss_weight: float | None = _f(None, "weight of the next-token CE on the data (when not given: 0 with a "
-                                      "teacher, 1 without)", cli="distill", resume=True)
+                                      "teacher, 1 without)", cli="distill", resume=True, check=nonneg(1e6))
     hidden_loss_weight: float = _f(0.0, "weight of 1 - cos between mapped residual states of student and teacher",
-                                   cli="distill", resume=True)
+                                   cli="distill", resume=True, check=nonneg(1e6))
     layer_map: list | None = _f(None, "(student state, teacher state) pairs of the hidden loss", cli=None,
                                 resume=True)
     topk: int | None = _f(None, "KL over the teacher's top-k tokens only (when not given: the whole vocabulary)",
-                          cli="distill", resume=True)
-    lb_coeff: float = _f(1e-2, "MoE load-balancing loss coefficient (student MoE layers only)", resume=True)
-    z_coeff: float = _f(0.0, "MoE router z-loss coefficient", resume=True)
+                          cli="distill", resume=True, check=ints(1))
+    lb_coeff: float = _f(1e-2, "MoE load-balancing loss coefficient (student MoE layers only)", resume=True,
+                         check=nonneg(1e6))
+    z_coeff: float = _f(0.0, "MoE router z-loss coefficient", resume=True, check=nonneg(1e6))
     checkpoint_every: int | None = _f(None, "steps between resumable checkpoints in OUT.run/ (when not given: "
-                                      "max(1, steps // 10); one is always written after the last step)")
+                                      "max(1, steps // 10); one is always written after the last step)",
+                                      check=ints(1, MAX_STEPS))
     async_checkpoint: bool = _f(False, "write checkpoints from a CPU copy on a background thread while training "
                                 "continues")
-    keep_last: int = _f(2, "checkpoints kept in OUT.run/ (0 keeps every one)")
+    keep_last: int = _f(2, "checkpoints kept in OUT.run/ (0 keeps every one)", check=ints(0, 10**6))
     resume: bool = _f(False, "continue from the newest complete checkpoint in OUT.run/ (starts fresh when "
                       "there is none)")
-    seed: int = _f(0, "seed of the data order and of any random initialisation", resume=True)
+    seed: int = _f(0, "seed of the data order and of any random initialisation", resume=True,
+                   check=ints(0, 2**32 - 1))
     num_proc: int = _f(1, "processes tokenizing a text DATA into its cached token set ($REMODEL_CACHE or "
-                       "~/.cache/remodel/tokens)")
+                       "~/.cache/remodel/tokens)", check=ints(1, 1024))
     doc_split: str = _f("line", "what a document is in .txt data: line (newlines dropped), paragraph (blank-line "
                         "separated, newlines kept) or file", choices=DOC_SPLITS)
     eval_data: str | None = _f(None, "held-out data for perplexity before and after training")
-    eval_tokens: int = _f(65536, "held-out tokens evaluated", count=True)
+    eval_tokens: int = _f(65536, "held-out tokens evaluated", count=True, check=count())
     fp8: bool = _f(False, "FP8 Linear layers of the student via torchao.float8 (CUDA, H100-class; the first and "
                    "last blocks, routers and lm_head stay bf16)")
     fp8_teacher: bool = _f(False, "run the teacher's forward with the same FP8 Linear layers")
@@ -74,10 +134,12 @@ class TrainConfig:
                           "logits for student or teacher)")
     recompute: str = _f("none", "activation recomputation: none, selective (cheap memory-heavy internals) or full "
                         "(every layer from its input)", choices=RECOMPUTE_CHOICES)
-    tp: int = _f(1, "tensor-parallel size (run under torchrun; data parallel = processes / tp)")
-    ep: int = _f(1, "expert-parallel size, equal to tp or to processes / tp (run under torchrun)")
+    tp: int = _f(1, "tensor-parallel size (run under torchrun; data parallel = processes / tp)",
+                 check=ints(1, 1024))
+    ep: int = _f(1, "expert-parallel size, equal to tp or to processes / tp (run under torchrun)",
+                 check=ints(1, 1024))
     overwrite: bool = _f(False, "replace an existing OUT and discard the checkpoints in OUT.run/")
-    log_every: int = _f(50, "print a metrics line every N steps (0: never)")
+    log_every: int = _f(50, "print a metrics line every N steps (0: never)", check=ints(0, MAX_STEPS))
     save_dtype: str | None = _f(None, "dtype of the written checkpoint (when not given: the student's)", choices=DTYPES,
                                 flag="dtype")
     device: str = _f("auto", "torch device (auto: cuda when available, else cpu)", cli=None)
@@ -90,6 +152,7 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_KEYS = tuple(n for n, f in FIELDS.items() if f.metadata["resume"])
+CHECKS = {n: f.metadata["check"] for n, f in FIELDS.items() if "check" in f.metadata}  # name -> Check
 
 
 def make_config(**kw) -> TrainConfig:
@@ -98,10 +161,14 @@ def make_config(**kw) -> TrainConfig:
     bad = sorted(set(kw) - set(FIELDS))
     if bad:
         raise RemodelError(f"unknown training setting(s): {', '.join(bad)}")
+    for name, v in kw.items():
+        chk = FIELDS[name].metadata.get("check")
+        if chk is not None and v is not None and not chk.ok(v):
+            raise RemodelError(chk.message(name, v, flag(name) if FIELDS[name].metadata["cli"] else None))
     return TrainConfig(**kw)
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
     return "--" + FIELDS[name].metadata.get("flag", name).replace("_", "-")
 
 
@@ -121,7 +188,7 @@ def add_train_flags(p: argparse.ArgumentParser, distill: bool, count=int):
             if "choices" in md:
                 kw["choices"] = md["choices"]
             kw["metavar"] = name.upper() if "choices" not in md else None
-        p.add_argument(_flag(name), **{k: v for k, v in kw.items() if v is not None or k == "default"})
+        p.add_argument(flag(name), **{k: v for k, v in kw.items() if v is not None or k == "default"})
 
 
 def _type(f):
