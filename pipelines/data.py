@@ -128,6 +128,8 @@ def _load(path: Path, split_valid: bool, doc_split: str = "line"):
     """Returns a Dataset, or a (train, valid) pair when a saved DatasetDict has a validation split."""
     if not path.exists():
         raise RemodelError(f"data not found: {path}")
+    if not path.is_dir() and not path.is_file():  # a FIFO or device: reading it could block forever
+        raise RemodelError(f"{path}: not a regular file or folder")
     name = path.name.lower()
     if path.is_dir():
         if any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):

@@ -32,10 +32,92 @@ def load_tokenizer(model_dir):
     d = Path(model_dir).expanduser()
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory")
+    for f in TOKENIZER_FILES:  # a FIFO or device there would block the load forever
+        if (d / f).exists() and not (d / f).is_file():
+            raise RemodelError(f"{d / f}: not a regular file")
     try:
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is a bad input
         raise RemodelError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+LOCK_NAME = ".lock"  # the lock file of a run directory (RunLock)
+
+
+class RunLock:
+    """An exclusive, non-blocking flock on RUN_DIR/.lock: a second run writing the same OUT refuses in
+    one line instead of interleaving checkpoints. The kernel drops the lock when the holder dies, so a
+    killed run never leaves a stale one. The lock file records the holder's pid; release() removes it,
+    and the directories acquire() created while they hold nothing else. A refused acquire creates nothing."""
+
+    def __init__(self, run_dir: Path, out: Path):
+        self.run_dir, self.out, self.path = Path(run_dir), Path(out), Path(run_dir) / LOCK_NAME
+        self.fd, self.made = None, []
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+        self._mkdirs()
+        try:
+            while self.fd is None:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise RemodelError(f"{self.out} is in use by another run (pid {holder}); wait for it to end "
+                                       f"or write elsewhere") from None
+                if _same_file(fd, self.path):
+                    self.fd = fd
+                else:  # released and removed by its holder between our open and flock: retry
+                    os.close(fd)
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _mkdirs(self):
+        missing = []
+        d = self.run_dir
+        while not d.exists() and d != d.parent:
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # made by a concurrent run: not ours to remove
+            self.made.append(d)
+        if not self.run_dir.is_dir():
+            raise RemodelError(f"{self.run_dir}: exists and is not a directory (the run directory of {self.out})")
+
+    def release(self):
+        """Drop the lock (idempotent); remove the lock file and the now-empty directories acquire made."""
+        if self.fd is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            os.close(self.fd)  # unlinked first: a waiter that opened the old file sees it is gone and retries
+            self.fd = None
+        for d in reversed(self.made):
+            try:
+                d.rmdir()  # only while empty: a run that wrote checkpoints keeps its run directory
+            except OSError:
+                break
+        self.made = []
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def check_out(out: Path, overwrite: bool, inputs):

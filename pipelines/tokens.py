@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import queue
+import stat
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,11 @@ from .runtime import load_tokenizer
 FORMAT, VERSION = "remodel-tokens", 1
 SHARD_DOCS = 1 << 16  # documents tokenized per datasets.map call: bounds the memory of the map's output
 BLEND_PERIOD = 1 << 16  # blend weights are quantized to 1/65536; the dataset pattern repeats with this period
+MAX_BLEND = 128  # token sets in one blend (each costs a BLEND_PERIOD-long int64 prefix row, 512 KiB)
+META_MAX_BYTES = 1 << 20  # a meta.json larger than this is refused unread
+DTYPES = ("uint16", "uint32")
+SCAN_TOKENS = 1 << 26  # sets up to this many tokens have their largest id checked by a scan at open
+CHUNK = 1 << 20  # tokens / offsets read per step of a scan
 
 
 # -- tokenizing ------------------------------------------------------------------------------------
@@ -93,9 +99,12 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
     texts = load_texts(data, doc_split=doc_split)
     inputs = [data] + ([Path(tokenizer)] if isinstance(tokenizer, (str, Path)) else [])
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
-        n_tokens, fingerprint = _write_tokens(texts, tok, tmp, dtype, num_proc, eos)
+        n_tokens, fingerprint, max_id = _write_tokens(texts, tok, tmp, dtype, num_proc, eos)
+        if max_id >= vocab:
+            raise RemodelError(f"the tokenizer gave token id {max_id}, outside its own vocabulary ({vocab})")
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
-                "n_docs": len(texts), "vocab_size": vocab, "eos": eos, "eos_id": tok.eos_token_id if eos else None,
+                "n_docs": len(texts), "vocab_size": vocab, "max_id": max_id, "eos": eos,
+                "eos_id": tok.eos_token_id if eos else None,
                 "doc_split": doc_split, "tokenizer": {"name": str(getattr(tok, "name_or_path", "")),
                                                       "hash": tokenizer_hash(tok)},
                 "source": _source_stat(data), "fingerprint": fingerprint}
@@ -105,15 +114,62 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
     return report
 
 
+_WORKER_PID = None  # the process _die_with_parent last armed (a forked worker has another pid)
+
+
+def _die_with_parent(owner: int):
+    """In a process other than `owner` (the one that called tokenize), once per process: have the kernel
+    SIGKILL it when its parent dies (Linux prctl PR_SET_PDEATHSIG), so a killed `remodel tokenize` leaves
+    no orphaned map workers or Manager; elsewhere a thread that ends the process once the parent is gone."""
+    global _WORKER_PID
+    pid = os.getpid()
+    if pid == owner or _WORKER_PID == pid:
+        return
+    _WORKER_PID = pid
+    parent = os.getppid()
+    try:
+        import ctypes
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0) == 0  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        armed = False
+    if parent == 1 or os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True, name="remodel-parent-watch").start()
+
+
+class _ChildrenDieWithUs:
+    """While this object lives, every process the `multiprocess` package starts from this one (datasets.map's
+    pool workers and the Manager that feeds its progress queue) calls _die_with_parent first thing."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        try:
+            import multiprocess.util
+            multiprocess.util.register_after_fork(self, _ChildrenDieWithUs._arm)  # a weak reference to self
+        except ImportError:
+            pass
+
+    @staticmethod
+    def _arm(self):
+        _die_with_parent(self.owner)
+
+
 def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: int, eos: bool):
-    """Stream the documents' tokens to tokens.bin and their offsets to docs.idx; (n_tokens, hash)."""
+    """Stream the documents' tokens to tokens.bin and their offsets to docs.idx; (n_tokens, hash, max id)."""
     tail = [tok.eos_token_id] if eos else []
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype.name))})
+    owner, guard = os.getpid(), _ChildrenDieWithUs()
 
     def encode(batch):
+        _die_with_parent(owner)  # (a worker the after-fork hook missed, e.g. another start method)
         return {"ids": [x + tail for x in tok(batch["text"], add_special_tokens=False)["input_ids"]]}
 
-    h, n_tokens = hashlib.blake2b(digest_size=16), 0
+    h, n_tokens, max_id = hashlib.blake2b(digest_size=16), 0, -1
     was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -128,6 +184,7 @@ def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: i
                 for chunk in ids.chunks:
                     flat = pc.list_flatten(chunk).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
                     lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+                    max_id = max(max_id, int(flat.max())) if len(flat) else max_id
                     raw = memoryview(np.ascontiguousarray(flat)).cast("B")
                     fb.write(raw)
                     h.update(raw)
@@ -135,11 +192,12 @@ def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: i
                     n_tokens += int(lengths.sum())
                 bar.update(len(part))
     finally:
+        del guard
         if was_on:
             datasets.enable_progress_bars()
     if n_tokens == 0:
         raise RemodelError("the data gives no tokens")
-    return n_tokens, h.hexdigest()
+    return n_tokens, h.hexdigest(), max_id
 
 
 def cache_root() -> Path:
@@ -149,12 +207,106 @@ def cache_root() -> Path:
 
 
 def is_token_set(path) -> bool:
-    """True for a folder holding a meta.json written by `tokenize`."""
-    meta = Path(path).expanduser() / "meta.json"
+    """True for a folder holding a meta.json written by `tokenize`, or one that looks like a token set
+    (meta.json and tokens.bin, of any kind), so that TokenSet names what is wrong with it. Never opens
+    anything but a small regular file (a FIFO would block)."""
+    folder = Path(path).expanduser()
     try:
-        return meta.is_file() and json.loads(meta.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+        return read_meta(folder).get("format") == FORMAT
+    except (RemodelError, OSError):
+        return folder.is_dir() and os.path.lexists(folder / "meta.json") and os.path.lexists(folder / "tokens.bin")
+
+
+def _regular(path: Path, what: str, limit: int | None = None) -> os.stat_result:
+    """stat of `path`, a regular file (no FIFO or device, which an open could block on) of at most
+    `limit` bytes; a one-line RemodelError otherwise."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise RemodelError(f"{path}: missing ({what}; deleted?)") from None
+    except OSError as e:
+        raise RemodelError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RemodelError(f"{path}: {what} is not a regular file")
+    if limit is not None and st.st_size > limit:
+        raise RemodelError(f"{path}: {what} holds {st.st_size} bytes, more than the {limit} allowed")
+    return st
+
+
+def _open_regular(path: Path, what: str) -> int:
+    """A read-only fd of the regular file `path` (checked before and after the open, which cannot block)."""
+    _regular(path, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise RemodelError(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else since the stat
+        os.close(fd)
+        raise RemodelError(f"{path}: {what} is not a regular file")
+    return fd
+
+
+def read_meta(folder) -> dict:
+    """The JSON object in FOLDER/meta.json (a regular file of at most META_MAX_BYTES), unvalidated."""
+    path = Path(folder).expanduser() / "meta.json"
+    _regular(path, "meta.json", META_MAX_BYTES)
+    fd = _open_regular(path, "meta.json")
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(META_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > META_MAX_BYTES:
+        raise RemodelError(f"{path}: meta.json is larger than {META_MAX_BYTES} bytes")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise RemodelError(f"{path}: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(meta, dict):
+        raise RemodelError(f"{path}: meta.json must hold a JSON object, not {type(meta).__name__}")
+    return meta
+
+
+_INT, _NONE = (int,), (type(None),)
+META_KEYS = {"format": (str,), "version": _INT, "dtype": (str,), "n_tokens": _INT, "n_docs": _INT,
+             "vocab_size": _INT, "eos": (bool,), "eos_id": _INT + _NONE, "doc_split": (str,),
+             "tokenizer": (dict,), "source": (dict,), "fingerprint": (str,)}
+OPTIONAL_KEYS = {"max_id": _INT + _NONE}
+
+
+def check_meta(meta: dict, where) -> dict:
+    """`meta` when it is a valid meta.json of this version: every known key with its type, a known
+    dtype, counts >= 0, ids inside the vocabulary; a one-line RemodelError naming the first problem."""
+    if meta.get("format") != FORMAT:
+        raise RemodelError(f"{where}: not a token set (meta.json format is {meta.get('format')!r}, not {FORMAT!r})")
+    for key, types in {**META_KEYS, **OPTIONAL_KEYS}.items():
+        if key not in meta:
+            if key in META_KEYS:
+                raise RemodelError(f"{where}: meta.json lacks {key!r}")
+            continue
+        v = meta[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise RemodelError(f"{where}: meta.json {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                               f"got {v!r}"[:300])
+    if meta["version"] != VERSION:
+        raise RemodelError(f"{where}: token set version {meta['version']}, this remodel reads {VERSION}; "
+                           "tokenize it again")
+    if meta["dtype"] not in DTYPES:
+        raise RemodelError(f"{where}: meta.json dtype must be one of {', '.join(DTYPES)}, got {meta['dtype']!r}")
+    bounds = {"n_tokens": (0, 1 << 62), "n_docs": (0, 1 << 62), "vocab_size": (1, np.iinfo(meta["dtype"]).max + 1),
+              "eos_id": (0, 1 << 62), "max_id": (0, 1 << 62)}
+    for key, (lo, hi) in bounds.items():
+        if meta.get(key) is not None and not lo <= meta[key] <= hi:
+            raise RemodelError(f"{where}: meta.json {key} is {meta[key]}, outside {lo}..{hi}"
+                               + (f" for dtype {meta['dtype']}" if key == "vocab_size" else ""))
+    for key in ("eos_id", "max_id"):
+        if meta.get(key) is not None and meta[key] >= meta["vocab_size"]:
+            raise RemodelError(f"{where}: meta.json {key} {meta[key]} is outside the vocabulary ({meta['vocab_size']})")
+    if meta["doc_split"] not in DOC_SPLITS:
+        raise RemodelError(f"{where}: meta.json doc_split must be one of {', '.join(DOC_SPLITS)}")
+    if not isinstance(meta["tokenizer"].get("hash"), str) or not isinstance(meta["tokenizer"].get("name", ""), str):
+        raise RemodelError(f"{where}: meta.json tokenizer must hold a 'hash' string")
+    return meta
 
 
 def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split: str = "line",
@@ -169,7 +321,7 @@ def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split:
     data = Path(data).expanduser()
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if is_token_set(data):
-        meta = json.loads((data / "meta.json").read_text())
+        meta = check_meta(read_meta(data), data)
         if meta["tokenizer"]["hash"] != tokenizer_hash(tok):
             raise RemodelError(f"{data}: token set was made with another tokenizer ({meta['tokenizer']['name']})")
         return data
@@ -194,21 +346,64 @@ class TokenSet:
 
     def __init__(self, path):
         self.path = Path(path).expanduser()
+        self._fd = None
         if not is_token_set(self.path):
             raise RemodelError(f"{self.path}: not a token set (no meta.json written by `remodel tokenize`)")
-        self.meta = json.loads((self.path / "meta.json").read_text())
+        self.meta = check_meta(read_meta(self.path), self.path)
         self.dtype = np.dtype(self.meta["dtype"])
-        self.n_tokens, self.n_docs = int(self.meta["n_tokens"]), int(self.meta["n_docs"])
-        self.vocab_size, self.fingerprint = int(self.meta["vocab_size"]), self.meta["fingerprint"]
-        size = self.n_tokens * self.dtype.itemsize
-        try:
-            actual = (self.path / "tokens.bin").stat().st_size
-        except OSError:
-            actual = -1
+        self.n_tokens, self.n_docs = self.meta["n_tokens"], self.meta["n_docs"]
+        self.vocab_size, self.fingerprint = self.meta["vocab_size"], self.meta["fingerprint"]
+        self._fd = _open_regular(self.path / "tokens.bin", "tokens.bin")
+        size, actual = self.n_tokens * self.dtype.itemsize, os.fstat(self._fd).st_size
         if actual != size:
-            raise RemodelError(f"{self.path}: tokens.bin holds {actual} bytes, meta.json says {size} (truncated?)")
-        self._fd = os.open(self.path / "tokens.bin", os.O_RDONLY)
+            raise RemodelError(f"{self.path}: tokens.bin holds {actual} bytes, meta.json says {size} "
+                               f"({'truncated?' if actual < size else 'not the file meta.json describes'})")
+        self._check_docs()
         self._tokens = None
+
+    def _check_docs(self):
+        """docs.idx: n_docs + 1 int64 offsets from 0 to n_tokens, never decreasing (read in chunks)."""
+        path = self.path / "docs.idx"
+        fd = _open_regular(path, "docs.idx")
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size != (self.n_docs + 1) * 8:
+                raise RemodelError(f"{path}: docs.idx holds {size} bytes, meta.json's {self.n_docs} documents "
+                                   f"need {(self.n_docs + 1) * 8} (truncated?)")
+            prev, first = 0, True
+            for _ in range(0, self.n_docs + 1, CHUNK):
+                idx = np.fromfile(f, np.int64, CHUNK)
+                if (first and idx[0] != 0) or idx[0] < prev or (idx[1:] < idx[:-1]).any():
+                    raise RemodelError(f"{path}: document offsets do not start at 0 and never decrease (corrupt)")
+                prev, first = int(idx[-1]), False
+            if prev != self.n_tokens:
+                raise RemodelError(f"{path}: the last document ends at token {prev}, meta.json says "
+                                   f"{self.n_tokens} tokens (corrupt)")
+
+    def max_id(self) -> int:
+        """The largest token id in tokens.bin, by a scan in CHUNK-token positioned reads (-1 when empty)."""
+        top, buf = -1, np.empty(min(CHUNK, max(1, self.n_tokens)), self.dtype)
+        for start in range(0, self.n_tokens, CHUNK):
+            n = min(CHUNK, self.n_tokens - start)
+            top = max(top, int(self.read(start, n, buf[:n]).max()))
+        return top
+
+    def check_vocab(self, vocab_size: int, scan_limit: int = SCAN_TOKENS):
+        """Refuse (one line) a set whose ids may reach past a model's `vocab_size`: its meta vocab_size,
+        its recorded max_id, and, for sets of at most `scan_limit` tokens, its actual largest id (which
+        must also agree with a recorded max_id). Larger sets rely on the sampler's per-row check."""
+        if self.vocab_size > vocab_size:
+            raise RemodelError(f"{self.path}: token ids go up to {self.vocab_size - 1}, beyond the model's "
+                               f"vocabulary ({vocab_size})")
+        recorded = self.meta.get("max_id")
+        actual = self.max_id() if self.n_tokens <= scan_limit else None
+        if actual is not None and recorded is not None and actual > recorded:
+            raise RemodelError(f"{self.path}: tokens.bin holds id {actual}, above meta.json's max_id {recorded} "
+                               "(corrupt)")
+        top = actual if actual is not None else recorded
+        if top is not None and top >= min(vocab_size, self.vocab_size):
+            raise RemodelError(f"{self.path}: tokens.bin holds token id {top}, outside the vocabulary "
+                               f"({min(vocab_size, self.vocab_size)}) (corrupt token set?)")
 
     @property
     def tokens(self) -> np.ndarray:
@@ -238,30 +433,41 @@ class TokenSet:
 
     def document(self, i: int) -> np.ndarray:
         """Tokens of document i (eos included when the set was made with eos)."""
-        idx = np.memmap(self.path / "docs.idx", dtype=np.int64, mode="r")
-        return self.read(int(idx[i]), int(idx[i + 1] - idx[i]))
+        if not 0 <= i < self.n_docs:
+            raise IndexError(f"document {i} outside 0..{self.n_docs - 1}")
+        idx = np.fromfile(self.path / "docs.idx", np.int64, 2, offset=8 * i)
+        return self.read(int(idx[0]), int(idx[1] - idx[0]))
 
     def __repr__(self):
         return f"TokenSet({str(self.path)!r}, n_tokens={self.n_tokens}, dtype={self.dtype.name})"
 
 
-def parse_blend(spec) -> list[tuple[float, str]]:
-    """'0.7 A 0.3 B' (or its split list) -> [(0.7, 'A'), (0.3, 'B')]; a lone 'A' -> [(1.0, 'A')]."""
+def parse_blend(spec, check_paths: bool = True) -> list[tuple[float, str]]:
+    """'0.7 A 0.3 B' (or its split list) -> [(0.7, 'A'), (0.3, 'B')]; a lone 'A' -> [(1.0, 'A')]. Weights
+    must be finite and positive, at most MAX_BLEND parts, and (check_paths) every path must exist."""
     parts = spec.split() if isinstance(spec, str) else [str(s) for s in spec]
     if len(parts) == 1:
-        return [(1.0, parts[0])]
-    if not parts or len(parts) % 2:
-        raise RemodelError(f"blend spec must be 'WEIGHT PATH [WEIGHT PATH ...]', got {' '.join(parts)!r}")
-    out = []
-    for w, p in zip(parts[::2], parts[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise RemodelError(f"blend spec: {w!r} is not a weight (expected 'WEIGHT PATH ...')") from None
-        if not weight > 0 or weight == float("inf"):
-            raise RemodelError(f"blend spec: weight of {p} must be positive and finite, got {w}")
-        out.append((weight, p))
+        out = [(1.0, parts[0])]
+    elif not parts or len(parts) % 2:
+        raise RemodelError(f"blend spec must be 'WEIGHT PATH [WEIGHT PATH ...]', got {' '.join(parts)[:200]!r}")
+    elif len(parts) // 2 > MAX_BLEND:
+        raise RemodelError(f"blend spec has {len(parts) // 2} parts, more than the {MAX_BLEND} allowed")
+    else:
+        out = [(_weight(w, p), p) for w, p in zip(parts[::2], parts[1::2])]
+    for _, p in out if check_paths else []:
+        if not os.path.exists(Path(p).expanduser()):
+            raise RemodelError(f"blend spec: data not found: {p}" if len(out) > 1 else f"data not found: {p}")
     return out
+
+
+def _weight(w: str, path: str) -> float:
+    try:
+        weight = float(w)
+    except ValueError:
+        raise RemodelError(f"blend spec: {w[:50]!r} is not a weight (expected 'WEIGHT PATH ...')") from None
+    if not 0 < weight < float("inf"):
+        raise RemodelError(f"blend spec: weight of {path} must be positive and finite, got {w[:50]}")
+    return weight
 
 
 class Blend:
@@ -272,13 +478,15 @@ class Blend:
 
     def __init__(self, parts):
         parts = [(float(w), s if isinstance(s, TokenSet) else TokenSet(s)) for w, s in parts]
-        if not parts or any(not w > 0 for w, _ in parts):
-            raise RemodelError("a blend needs at least one token set, each with a positive weight")
+        if not parts or len(parts) > MAX_BLEND or any(not 0 < w < float("inf") for w, _ in parts):
+            raise RemodelError(f"a blend needs 1 to {MAX_BLEND} token sets, each with a positive finite weight")
         hashes = {s.meta["tokenizer"]["hash"] for _, s in parts}
         if len(hashes) > 1:
             raise RemodelError("blended token sets were made with different tokenizers")
         self.sets = [s for _, s in parts]
-        w = np.array([w for w, _ in parts]) / sum(w for w, _ in parts)
+        w = np.array([w for w, _ in parts])
+        w = w / w.max()  # first, so that a sum of huge weights cannot overflow
+        w = w / w.sum()
         self.weights = w
         q = np.maximum(np.floor(w * BLEND_PERIOD).astype(np.int64), 1)
         q[np.argmax(q)] += BLEND_PERIOD - q.sum()  # quantized weights sum to the period exactly
@@ -310,7 +518,7 @@ class SequenceSampler:
     """
 
     def __init__(self, data, seq_len: int, batch_size: int, *, seed: int | None = 0, dp_rank: int = 0,
-                 dp_size: int = 1):
+                 dp_size: int = 1, vocab_size: int | None = None):
         for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("dp_size", dp_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RemodelError(f"{name} must be a positive integer, got {v!r}")
@@ -326,6 +534,8 @@ class SequenceSampler:
                 raise RemodelError(f"{s.path}: {s.n_tokens} tokens make {n} sequences of {seq_len}, "
                                    f"fewer than one batch of {batch_size}")
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        # every row read is checked against this bound: ids past it would index outside the embedding
+        self.limits = [s.vocab_size if vocab_size is None else min(vocab_size, s.vocab_size) for s in self.sets]
         per = batch_size // dp_size
         self.rows = slice(dp_rank * per, (dp_rank + 1) * per)
         self._perms: dict = {}
@@ -366,7 +576,12 @@ class SequenceSampler:
         out = np.empty((len(rows), L), np.int64)
         buf = {s.dtype: np.empty(L, s.dtype) for s in self.sets}
         for r, (k, s) in enumerate(rows):
-            out[r] = self.sets[k].read(s * L, L, buf[self.sets[k].dtype])
+            row = self.sets[k].read(s * L, L, buf[self.sets[k].dtype])
+            if int(row.max()) >= self.limits[k]:
+                at = s * L + int(row.argmax())
+                raise RemodelError(f"{self.sets[k].path}: token id {int(row.max())} at token {at} is outside the "
+                                   f"vocabulary ({self.limits[k]}) (corrupt token set?)")
+            out[r] = row
         return torch.from_numpy(out)
 
     def __call__(self, start: int = 0, stop: int | None = None):
@@ -440,11 +655,14 @@ def open_tokens(spec):
 
 
 def sequences(data, seq_len: int, batch_size: int, *, seed: int | None = 0, start: int = 0,
-              stop: int | None = None, dp_rank: int = 0, dp_size: int = 1, prefetch: int = 2):
+              stop: int | None = None, dp_rank: int = 0, dp_size: int = 1, prefetch: int = 2,
+              vocab_size: int | None = None):
     """This rank's [batch_size / dp_size, seq_len] int64 batches from global batch `start` on (forever
     when stop is None). `data`: a TokenSet, a Blend, a token set path or a blend spec. prefetch > 0
-    returns a Prefetch (close it when done), 0 a plain generator."""
+    returns a Prefetch (close it when done), 0 a plain generator. An id >= vocab_size (the model's; the
+    set's own vocab_size in any case) raises a RemodelError when its batch is read."""
     if isinstance(data, (str, Path, list, tuple)):
         data = open_tokens(data)
-    sampler = SequenceSampler(data, seq_len, batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    sampler = SequenceSampler(data, seq_len, batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size,
+                              vocab_size=vocab_size)
     return Prefetch(sampler, start, stop, prefetch) if prefetch > 0 else sampler(start, stop)

@@ -1,4 +1,5 @@
-"""The checks and derived settings of a training run, before any heavy work and with nothing written.
+"""The checks and derived settings of a training run, before any heavy work and with nothing written but
+the lock on OUT.run (rank 0 takes it: a second run writing the same OUT refuses; Plan.release drops it).
 
 `prepare` turns a TrainConfig into a `Plan`: the resolved budget (steps), schedule and loss-weight
 defaults, absolute paths, the device and the argument record that checkpoints and the report keep.
@@ -6,6 +7,7 @@ defaults, absolute paths, the device and the argument record that checkpoints an
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from models.errors import RemodelError
 from models.load import load_config, read_config_dict
 
 from . import train_state as state
-from .runtime import check_out, pick_device
+from .runtime import RunLock, check_out, pick_device
 from .train_config import TrainConfig
 
 
@@ -49,6 +51,12 @@ class Plan:
     use_bf16: bool
     args: dict  # what checkpoints and the report record
     t_start: float
+    lock: RunLock | None = None  # rank 0's lock on run_dir, held until release()
+
+    def release(self):
+        """Drop the lock on run_dir (rank 0; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def distill(self) -> bool:
@@ -125,15 +133,28 @@ def prepare(c: TrainConfig) -> Plan:
     plan_inputs = [student_dir] + ([teacher_dir] if c.distill else [])
     check_out(out, c.overwrite, plan_inputs)
     run_dir = state.run_dir_for(out)
-    if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
-        raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
-                           "or --overwrite to start over")
     dev = pick_device(c.device)
     use_bf16 = dev.type == "cuda" and (c.bf16 is True or (c.bf16 == "auto" and torch.cuda.is_bf16_supported()))
     p = Plan(c, out, student_dir, teacher_dir, steps, warmup, min_lr, lm_w, kl_w, checkpoint_every, layer_map,
              tokens_per_step, family, s_cfg.vocab_size, run_dir, dev, use_bf16, {}, t_start)
-    p.args = _record(p, moe="E" in s_cfg.pattern)
+    p.lock = _lock(run_dir, out)
+    try:
+        if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
+            raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
+                               "or --overwrite to start over")
+        p.args = _record(p, moe="E" in s_cfg.pattern)
+    except BaseException:
+        p.release()
+        raise
     return p
+
+
+def _lock(run_dir: Path, out: Path) -> RunLock | None:
+    """The lock on run_dir, taken by the single process or rank 0 of torchrun (RANK: the process group
+    does not exist yet) after every check that needs no lock, before any heavy work."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    return RunLock(run_dir, out).acquire()
 
 
 def _check_options(c: TrainConfig, min_lr: float, warmup: int, kl_w: float, lm_w: float):

@@ -33,8 +33,8 @@ from . import train_state as state
 from .evaluate import evaluate
 from .objective import compute_losses
 from .parallel import check_layout, clip_grad_norm_, parallel_info
-from .runtime import (init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory, source_dtype, wait,
-                      wait_group, world_size)
+from .runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
+                      source_dtype, wait, wait_group, world_size)
 from .sharded import export_sharded, load_sharded
 from .train_config import RESUME_KEYS, TrainConfig
 from .train_setup import Plan, prepare
@@ -128,9 +128,7 @@ def _token_data(p: Plan, tokenizer, lead: bool, group):
         wait(group)
     sets = [(w, TokenSet(x)) for w, x in paths]
     for _, s in sets:
-        if s.vocab_size > p.vocab_size:
-            raise RemodelError(f"{s.path}: token ids go up to {s.vocab_size - 1}, beyond the model's vocabulary "
-                               f"({p.vocab_size})")
+        s.check_vocab(p.vocab_size)  # ids past the model's vocabulary: one line now, not an index error later
     return sets[0][1] if len(sets) == 1 else Blend(sets)
 
 
@@ -203,8 +201,17 @@ def _init_processes(p: Plan) -> _Procs:
 
 
 def run(c: TrainConfig) -> dict | None:
-    """Train (or distil) per `c` on this process's share; returns the report on rank 0, None elsewhere."""
+    """Train (or distil) per `c` on this process's share; returns the report on rank 0, None elsewhere.
+    Rank 0 holds the lock on OUT.run (taken by `prepare`) until the run ends, however it ends."""
     p = prepare(c)
+    try:
+        return _run(p)
+    finally:
+        p.release()
+
+
+def _run(p: Plan) -> dict | None:
+    c = p.cfg
     tokenizer = load_tokenizer(p.student_dir)
     procs = _init_processes(p)
     ckpt, ck_meta = _resume_state(p)
@@ -287,11 +294,11 @@ class _Training:
         """The optimizer steps from `start` to the end, with checkpoints every checkpoint_every steps."""
         p, c, procs = self.p, self.c, self.procs
         if procs.lead and not c.resume and p.run_dir.exists():
-            shutil.rmtree(p.run_dir)  # overwrite: start over (only now that every input has loaded)
+            _clear(p.run_dir)  # overwrite: start over (only now that every input has loaded)
         from .tokens import sequences
         # this rank's rows of each global batch, read from disk by a prefetch thread
         it = sequences(self.data, c.seq_len, c.batch, seed=c.seed, start=self.start * c.grad_accum,
-                       dp_rank=self.info.dp_rank, dp_size=procs.dp)
+                       dp_rank=self.info.dp_rank, dp_size=procs.dp, vocab_size=p.vocab_size)
         bar = tqdm(total=p.steps, initial=self.start, desc="distill" if p.distill else "train", unit="step",
                    dynamic_ncols=True, disable=not procs.lead)
         for step in range(self.start, p.steps):
@@ -369,6 +376,17 @@ class _Training:
         if procs.world > 1:
             report["mfu_note"] += f", times {procs.world} processes"
         return report
+
+
+def _clear(run_dir: Path):
+    """Empty run_dir of an earlier run's files, all but the lock this run holds on it."""
+    for q in run_dir.iterdir():
+        if q.name == LOCK_NAME:
+            continue
+        if q.is_dir() and not q.is_symlink():
+            shutil.rmtree(q)
+        else:
+            q.unlink()
 
 
 def _write_outputs(p: Plan, student, report):

@@ -116,6 +116,9 @@ MARKS = {
         "test_sampler_matches_todays_batches": "slow",
         "test_rss_flat_with_10x_corpus": "slow",
     },
+    "test_token_validation.py": {
+        "test_tokenize_workers_die_with_a_killed_parent": "multiprocess",
+    },
     "test_train.py": {
         "test_resume_after_sigkill_is_exact": "multiprocess",
         "test_kill_while_writing_a_checkpoint_keeps_the_previous": "multiprocess",
