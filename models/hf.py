@@ -40,7 +40,7 @@ _RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inter
                               "num_experts", "num_experts_per_tok", "n_group", "topk_group"), (1, MAX_SMALL)),
              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
              "decoder_sparse_step": (1, MAX_LAYERS), "num_nextn_predict_layers": (0, MAX_MTP),
-             "max_position_embeddings": (1, 2**40), "sliding_window": (1, 2**40)}
+             "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40)}
 # key -> smallest value (excluded); every one finite (time_step_max may be inf)
 _RAW_FLOATS = {"rms_norm_eps": 0, "layer_norm_epsilon": 0, "rope_theta": 0, "routed_scaling_factor": 0,
                "time_step_min": -1e-300, "time_step_max": 0}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -249,3 +251,50 @@ def wait(group):
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---- worker processes that die with their parent (tokenize) ----------------------------------
+
+_WORKER_PID = None  # the process die_with_parent last armed (a forked worker has another pid)
+
+
+def die_with_parent(owner: int):
+    """In a process other than `owner` (the one that called tokenize), once per process: have the kernel
+    SIGKILL it when its parent dies (Linux prctl PR_SET_PDEATHSIG), so a killed `remodel tokenize` leaves
+    no orphaned map workers or Manager; elsewhere a thread that ends the process once the parent is gone."""
+    global _WORKER_PID
+    pid = os.getpid()
+    if pid == owner or _WORKER_PID == pid:
+        return
+    _WORKER_PID = pid
+    parent = os.getppid()
+    try:
+        import ctypes
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0) == 0  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        armed = False
+    if parent == 1 or os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True, name="remodel-parent-watch").start()
+
+
+class ChildrenDieWithUs:
+    """While this object lives, every process the `multiprocess` package starts from this one (datasets.map's
+    pool workers and the Manager that feeds its progress queue) calls die_with_parent first thing."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        try:
+            import multiprocess.util
+            multiprocess.util.register_after_fork(self, ChildrenDieWithUs._arm)  # a weak reference to self
+        except ImportError:
+            pass
+
+    @staticmethod
+    def _arm(self):
+        die_with_parent(self.owner)

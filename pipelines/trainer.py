@@ -295,7 +295,7 @@ class _Training:
         p, c, procs = self.p, self.c, self.procs
         if procs.lead and not c.resume and p.run_dir.exists():
             _clear(p.run_dir)  # overwrite: start over (only now that every input has loaded)
-        from .tokens import sequences
+        from .sampler import sequences
         # this rank's rows of each global batch, read from disk by a prefetch thread
         it = sequences(self.data, c.seq_len, c.batch, seed=c.seed, start=self.start * c.grad_accum,
                        dp_rank=self.info.dp_rank, dp_size=procs.dp, vocab_size=p.vocab_size)

@@ -159,7 +159,8 @@ def token_set(tmp_path_factory):
 
 
 def _read_batches(path, vocab: int):
-    from pipelines.tokens import open_tokens, sequences
+    from pipelines.sampler import sequences
+    from pipelines.tokens import open_tokens
     data = open_tokens(str(path))
     if data.vocab_size > vocab:
         raise RemodelError("vocab")

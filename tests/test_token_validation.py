@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 import cli
 from models.errors import RemodelError
+from pipelines import sampler as S
 from pipelines import tokens as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,12 +171,12 @@ def test_sampler_refuses_ids_outside_the_vocabulary(tmp_path):
     ids[64 * 5 + 7] = 2047  # sequence 5 of 64 tokens
     ts = T.TokenSet(make_set(tmp_path / "s", ids))
     ts.check_vocab(2048)
-    assert len(list(T.sequences(ts, 64, 4, seed=None, stop=4, prefetch=0, vocab_size=2048))) == 4
+    assert len(list(S.sequences(ts, 64, 4, seed=None, stop=4, prefetch=0, vocab_size=2048))) == 4
     with pytest.raises(RemodelError, match="token id 2047 at token 327 is outside the vocabulary \\(1024\\)"):
-        list(T.sequences(ts, 64, 4, seed=None, stop=4, prefetch=0, vocab_size=1024))
+        list(S.sequences(ts, 64, 4, seed=None, stop=4, prefetch=0, vocab_size=1024))
     ids[3] = 3000  # past the set's own vocabulary: refused even without a model's
     ts = T.TokenSet(make_set(tmp_path / "t", ids))
-    with T.sequences(ts, 64, 4, seed=None, stop=4, prefetch=2) as it, pytest.raises(RemodelError, match="3000"):
+    with S.sequences(ts, 64, 4, seed=None, stop=4, prefetch=2) as it, pytest.raises(RemodelError, match="3000"):
         next(it)
 
 

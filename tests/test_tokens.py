@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 import cli
 from models.errors import RemodelError
+from pipelines import sampler as S
 from pipelines import tokens as T
 from pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from tests.rss import PEAK_RSS
@@ -82,7 +83,7 @@ def test_sampler_matches_todays_batches(shipped, tok):
     blocks = pack(load_texts(TRAIN), tok, 512)
     ref = batches(blocks, 16, shuffle_seed=5, epochs=None, drop_last=True)
     per_epoch = len(blocks) // 16
-    got = T.SequenceSampler(ts, 512, 16, seed=5)
+    got = S.SequenceSampler(ts, 512, 16, seed=5)
     for b in range(per_epoch * 2 + 3):  # crosses two epoch boundaries
         assert torch.equal(got.batch(b), next(ref)), b
 
@@ -108,22 +109,22 @@ def _blend(two_sets, spec="0.7 {a} 0.3 {b}"):
 @pytest.mark.parametrize("kind", ["single", "blend"])
 def test_resume_and_dp_rows(two_sets, kind):
     data = T.TokenSet(two_sets[0]) if kind == "single" else _blend(two_sets)
-    full = list(T.sequences(data, 64, 8, seed=3, stop=150, prefetch=0))  # 40000 // 64 // 8 = 78 per epoch
-    with T.sequences(data, 64, 8, seed=3, start=97, stop=150, prefetch=3) as it:
+    full = list(S.sequences(data, 64, 8, seed=3, stop=150, prefetch=0))  # 40000 // 64 // 8 = 78 per epoch
+    with S.sequences(data, 64, 8, seed=3, start=97, stop=150, prefetch=3) as it:
         resumed = list(it)
     assert len(resumed) == 53 and all(torch.equal(a, b) for a, b in zip(resumed, full[97:]))
     for dp in (2, 4):
-        ranks = [list(T.sequences(data, 64, 8, seed=3, start=70, stop=90, dp_rank=r, dp_size=dp, prefetch=0))
+        ranks = [list(S.sequences(data, 64, 8, seed=3, start=70, stop=90, dp_rank=r, dp_size=dp, prefetch=0))
                  for r in range(dp)]
         for b in range(20):
             assert torch.equal(torch.cat([ranks[r][b] for r in range(dp)]), full[70 + b])
-    other = list(T.sequences(data, 64, 8, seed=4, stop=5, prefetch=0))
+    other = list(S.sequences(data, 64, 8, seed=4, stop=5, prefetch=0))
     assert not torch.equal(torch.stack(other), torch.stack(full[:5]))
 
 
 def test_blend_fractions(two_sets):
     B, steps = 32, 200
-    s = T.SequenceSampler(_blend(two_sets), 64, B, seed=0)
+    s = S.SequenceSampler(_blend(two_sets), 64, B, seed=0)
     from_a = []
     for b in range(steps):
         rows = s.indices(b)
@@ -135,9 +136,9 @@ def test_blend_fractions(two_sets):
     n_a = 40_000 // 64
     firsts = [i for b in range(steps) for k, i in s.indices(b) if k == 0][:n_a]
     assert sorted(firsts) == list(range(n_a))  # set a's own shuffled epoch: every sequence once
-    again = T.SequenceSampler(_blend(two_sets), 64, B, seed=0)
+    again = S.SequenceSampler(_blend(two_sets), 64, B, seed=0)
     assert all(torch.equal(again.batch(b), s.batch(b)) for b in (0, 17, 199))
-    quarter = T.SequenceSampler(_blend(two_sets, "1 {a} 3 {b}"), 64, B, seed=0)
+    quarter = S.SequenceSampler(_blend(two_sets, "1 {a} 3 {b}"), 64, B, seed=0)
     share = np.mean([k == 0 for b in range(50) for k, _ in quarter.indices(b)])
     assert abs(share - 0.25) < 1e-3
 
@@ -160,7 +161,8 @@ def test_doc_split_keeps_newlines(tmp_path, tok):
 
 RSS_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import sys, json
-    from pipelines.tokens import TokenSet, sequences
+    from pipelines.sampler import sequences
+    from pipelines.tokens import TokenSet
     with sequences(TokenSet(sys.argv[1]), 256, 16, seed=0, prefetch=2) as it:
         next(it)
         base = reset_peak()
@@ -211,24 +213,24 @@ def test_bad_input_writes_nothing(tmp_path, tok):
             T.parse_blend(spec)
     good = fake_set(tmp_path / "good", 10_000)
     with pytest.raises(RemodelError, match="divisible"):
-        T.SequenceSampler(T.TokenSet(good), 16, 6, dp_size=4)
+        S.SequenceSampler(T.TokenSet(good), 16, 6, dp_size=4)
     with pytest.raises(RemodelError, match="fewer than one batch"):
-        T.SequenceSampler(T.TokenSet(good), 5000, 4)
+        S.SequenceSampler(T.TokenSet(good), 5000, 4)
 
 
 def test_prefetch_stops_and_reports_errors(two_sets):
-    it = T.sequences(str(two_sets[0]), 64, 8, prefetch=2)
+    it = S.sequences(str(two_sets[0]), 64, 8, prefetch=2)
     next(it)
     it.close()
     assert not it._thread.is_alive()
 
-    class Broken(T.SequenceSampler):
+    class Broken(S.SequenceSampler):
         def batch(self, b):
             if b == 2:
                 raise RemodelError("disk gone")
             return super().batch(b)
 
-    with T.Prefetch(Broken(T.TokenSet(two_sets[0]), 64, 8), depth=2) as it:
+    with S.Prefetch(Broken(T.TokenSet(two_sets[0]), 64, 8), depth=2) as it:
         next(it), next(it)
         with pytest.raises(RemodelError, match="disk gone"):
             next(it)
