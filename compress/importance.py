@@ -47,14 +47,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from models.attention import rope_inv_freq
 from models.checkpoint import CheckpointReader
 from models.config import ModelConfig
 from models.hf import config_from_hf, our_shapes
 from models.layout import segment_span
 from models.load import iter_our_tensors
 from models.mlp import ffn
-from models.model import Block
+from models.model import Block, init_buffers
 from models.mtp import MTPBlock, mtp_block_roles
 from models.norm import RMSNorm
 
@@ -402,9 +401,7 @@ def load_block(reader: CheckpointReader, cfg: ModelConfig, i: int, device="cpu",
         block = (MTPBlock(cfg, cfg.mtp_full_pattern[i], *mtp_block_roles(cfg, i)) if mtp
                  else Block(cfg, cfg.pattern[i]))
     block.load_state_dict({n[len(prefix):]: t for n, t in state.items()}, assign=True)
-    if block.kind == "*" and cfg.rope_theta is not None:
-        block.mixer.inv_freq = rope_inv_freq(cfg).to(device)
-    return block.eval()
+    return init_buffers(block, device).eval()
 
 
 def _trunk_streaming(reader, cfg, scorer, store, n, mask_of, k, device, dtype, progress):

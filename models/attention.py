@@ -50,6 +50,11 @@ class Attention(nn.Module):
         if cfg.rope_theta is not None:
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+    def build_buffers(self, device):
+        """RoPE frequencies (non-persistent: never in a checkpoint, rebuilt after a meta-device build)."""
+        if self.cfg.rope_theta is not None:
+            self.inv_freq = rope_inv_freq(self.cfg).to(device)
+
     def forward(self, x, attention_mask=None, position_ids=None):
         cfg = self.cfg
         b, l, _ = x.shape

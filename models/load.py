@@ -146,10 +146,7 @@ def load_model(path, dtype=torch.float32, device="cpu") -> HybridLM:
 
 
 def _materialise_buffers(model: HybridLM, device):
-    from .attention import rope_inv_freq
-    for layer in _blocks(model):
-        if layer.kind == "*" and model.cfg.rope_theta is not None:
-            layer.mixer.inv_freq = rope_inv_freq(model.cfg).to(device)
+    model.init_buffers(device)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise RemodelError(f"checkpoint is missing tensors: {missing[:3]}")

@@ -36,6 +36,10 @@ class HybridLM(nn.Module):
         if cfg.mtp_layers:  # only when the checkpoint has an MTP head; the trunk never reads it
             self.mtp = MTP(cfg)
 
+    def init_buffers(self, device) -> HybridLM:
+        """The non-persistent buffers of every layer, trunk and MTP head, on `device` (see init_buffers)."""
+        return init_buffers(self, device)
+
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
         x = self.embeddings(input_ids)
         states = [x] if output_hidden_states else None
@@ -80,6 +84,15 @@ class HybridLM(nn.Module):
 
 
 @torch.no_grad()
+def init_buffers(module: nn.Module, device) -> nn.Module:
+    """Rebuild the non-persistent buffers (RoPE frequencies, ...) of `module` (a model, a block, any
+    part) on `device`: every submodule that has them says how in its build_buffers(device)."""
+    for m in module.modules():
+        if hasattr(type(m), "build_buffers"):
+            m.build_buffers(device)
+    return module
+
+
 def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) -> HybridLM:
     """Fresh initialisation in the style of transformers' nemotron_h/_init_weights."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None

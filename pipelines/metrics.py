@@ -18,19 +18,13 @@ def param_count(model) -> int:
 
 
 def matmul_params(model) -> int:
-    """Parameters used in matmuls per token: active experts only, the untied embedding table excluded
-    (full-model figures, also for a sharded model)."""
-    from models.hf import our_shapes
-    cfg, n, shapes = model.cfg, 0, our_shapes(model.cfg)
-    for name, p in model.named_parameters():
-        if name == "embeddings.weight" and not cfg.tie_word_embeddings:
-            continue
-        numel = math.prod(shapes[name]) if name in shapes else p.numel()
-        if ".experts." in name:
-            n += numel * cfg.num_experts_per_tok // cfg.n_routed_experts
-        else:
-            n += numel
-    return n
+    """Parameters used in matmuls per token: the active count (models.params.active_params, the MTP head
+    included when the model has one) less the untied embedding table, which is a lookup (full-model
+    figures, also for a sharded model)."""
+    from models.params import active_params
+    cfg = model.cfg
+    lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return active_params(cfg, with_mtp=hasattr(model, "mtp")) - lookup
 
 
 def forward_flops_per_token(model, seq_len: int) -> float:

@@ -335,9 +335,10 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
 
 # ---- training helpers ----------------------------------------------------------------------
 
-def _local(t):
+def local_tensor(t):
+    """This rank's part of a DTensor (FSDP2's dim-0 shard, a TP shard); a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
-    return (t.to_local(), True) if isinstance(t, DTensor) else (t, False)
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _mesh_sum(x, info):
@@ -360,7 +361,7 @@ def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        g, fsdp = _local(p.grad)
+        g, fsdp = local_tensor(p.grad), local_tensor(p.grad) is not p.grad
         shards = (info.dp if fsdp else 1) * {"tp": info.tp, "ep": info.ep}.get(info.specs.get(name, ("",))[0], 1)
         s = g.double().pow(2).sum() * (shards / world)  # each element is held by world/shards ranks
         total = s if total is None else total + s

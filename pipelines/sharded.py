@@ -21,7 +21,7 @@ from models.model import HybridLM
 from models.regions import RegionReader
 
 from .collectives import group_rank, group_size
-from .parallel import parallel_info, parallelize, shard_tensor, unshard_all
+from .parallel import local_tensor, parallel_info, parallelize, shard_tensor, unshard_all
 
 
 def _dtensor_chunk(t) -> tuple[int, int] | None:
@@ -59,18 +59,6 @@ def local_part(full: torch.Tensor, idx: list) -> torch.Tensor:
     return full
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _rope(model, device):
-    from models.attention import rope_inv_freq
-    for layer in model.layers:
-        if layer.kind == "*" and model.cfg.rope_theta is not None:
-            layer.mixer.inv_freq = rope_inv_freq(model.cfg).to(device)
-
-
 @torch.no_grad()
 def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None, prepare=None) -> tuple[HybridLM, dict]:
     """This rank's shards of the checkpoint at `path` as a parallelized HybridLM (fp32 weights).
@@ -98,7 +86,7 @@ def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None, prepa
         if name not in reader.shapes:
             continue  # non-persistent buffers (RoPE) are rebuilt below
         idx = local_index(model, name, t, reader.shapes[name])
-        local = _local(t)
+        local = local_tensor(t)
         part = reader.read(name, idx, dtype=local.dtype if local.is_floating_point() else torch.float32)
         if tuple(part.shape) != tuple(local.shape):
             raise AssertionError(f"{name}: region {tuple(part.shape)} != local shard {tuple(local.shape)}")
@@ -106,7 +94,7 @@ def load_sharded(path, mesh, tp_dim, ep_dim, dp_dim, device, layouts=None, prepa
     missing = [n for n in state if n not in reader.shapes and "inv_freq" not in n]
     if missing:
         raise RemodelError(f"{path}: checkpoint is missing tensors: {missing[:3]}")
-    _rope(model, device)
+    model.init_buffers(device)
     reader.close()
     info = parallel_info(model)
     return model, {"tp": info.tp, "ep": info.ep}

@@ -32,7 +32,7 @@ from models.errors import RemodelError
 from models.regions import runs
 
 from .dcp_storage import METADATA, RawReader, RawWriter, check_against, plain_errors
-from .parallel import parallel_info
+from .parallel import local_tensor, parallel_info
 from .sharded import local_index
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -136,11 +136,6 @@ def _owner(model, name: str, t) -> bool:
     return all(coords[d] == 0 for d in coords if d not in uses)
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def state_dict(student, projections, opt, saving: bool) -> dict:
     """{key: Chunks or tensor} of the trainable state on this rank (saving: replicas once, see _owner)."""
     sd, shapes = {}, _shapes(student)
@@ -150,11 +145,11 @@ def state_dict(student, projections, opt, saving: bool) -> dict:
             continue
         full = shapes[name]
         idx = local_index(student, name, t, full)
-        sd[f"model.{name}"] = chunks_of(_local(t), idx, full)
+        sd[f"model.{name}"] = chunks_of(local_tensor(t), idx, full)
         st = opt.state.get(t, {}) if name in params else {}
         for k in MOMENTS:
             if k in st:
-                sd[f"optim.{name}.{k}"] = chunks_of(_local(st[k]), idx, full)
+                sd[f"optim.{name}.{k}"] = chunks_of(local_tensor(st[k]), idx, full)
     for name, t in (projections.named_parameters() if projections is not None else []):
         sd[f"proj.{name}"] = t.data
         for k in MOMENTS:

@@ -81,18 +81,11 @@ def _check_finite(tensors: dict, model_dir):
                                    f"{t.numel()}; upcycling needs finite weights")
 
 
-def _params(cfg, top_k: int | None = None) -> tuple[int, int]:
-    """(total, active per token) parameter counts from the config."""
-    total = active = 0
-    for name, shape in our_shapes(cfg).items():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-        if ".experts." in name and top_k is not None:
-            n = n // shape[0] * top_k
-        active += n
-    return total, active
+def _params(cfg) -> tuple[int, int]:
+    """(total, active per token) parameter counts from the config (models.params, the MTP head included)."""
+    from models.params import active_params, count_params
+    c = count_params(cfg)
+    return c["total"] + c["mtp"]["total"], active_params(cfg, with_mtp=True)
 
 
 @contextlib.contextmanager
@@ -270,7 +263,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     new_cfg = moe_config(cfg, p, family)
     check_exportable(new_cfg, family)
     hf_cfg = _hf_config(reader, new_cfg, family, dtype)
-    moe_total, moe_active = _params(new_cfg, p.top_k)
+    moe_total, moe_active = _params(new_cfg)
     layers = _LayerStream(reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir)
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp, \

@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.attention import rope_inv_freq
 from models.mlp import ACT, ffn
-from models.model import Block
+from models.model import Block, init_buffers
 from models.norm import RMSNorm
 
 from .virtual_groups import LazyExperts
@@ -126,8 +125,7 @@ class StreamCheck:
             if kind == "E":
                 b.mixer.experts = ShardExperts(cfg.mlp_act)
             _materialise(b)
-            if kind == "*" and cfg.rope_theta is not None:
-                b.mixer.inv_freq = rope_inv_freq(cfg)
+            init_buffers(b, "cpu")
             self.blocks[kind] = b.eval()
         return self.blocks[kind]
 
