@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import atomic_output_dir, read_json
+from models.checkpoint import atomic_output_dir, read_header, read_json
 from models.errors import RemodelError
 
 FORMAT = "remodel-scores/1"
@@ -32,8 +32,12 @@ def load_scores(path) -> tuple[dict[str, torch.Tensor], dict]:
     meta = read_json(p / "scores.json")
     if meta.get("format") != FORMAT:
         raise RemodelError(f"{p / 'scores.json'}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    read_header(p / "scores.safetensors")  # as strict as the library, with a one-line reason
     try:
         tensors = load_file(p / "scores.safetensors")
     except Exception as e:  # corrupt file
         raise RemodelError(f"{p / 'scores.safetensors'}: cannot read ({type(e).__name__}: {e})".splitlines()[0]) from None
+    for k, t in tensors.items():
+        if not t.is_floating_point() or bool(torch.isinf(t).any()):  # NaN marks a layer scoring never saw
+            raise RemodelError(f"{p / 'scores.safetensors'}: scores {k!r} are not finite floating-point numbers")
     return tensors, meta

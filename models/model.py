@@ -83,7 +83,6 @@ class HybridLM(nn.Module):
         return [layer.mixer for layer in self.layers if layer.kind == "E"]
 
 
-@torch.no_grad()
 def init_buffers(module: nn.Module, device) -> nn.Module:
     """Rebuild the non-persistent buffers (RoPE frequencies, ...) of `module` (a model, a block, any
     part) on `device`: every submodule that has them says how in its build_buffers(device)."""
@@ -93,6 +92,7 @@ def init_buffers(module: nn.Module, device) -> nn.Module:
     return module
 
 
+@torch.no_grad()
 def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) -> HybridLM:
     """Fresh initialisation in the style of transformers' nemotron_h/_init_weights."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -85,16 +85,18 @@ def _read_json(path: Path) -> list[str]:
     if path.name.endswith((".json", ".json.gz")):
         try:
             rows = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass  # a .json file holding JSON lines
     if rows is None:
         try:
             rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
             raise RemodelError(f"{path}: invalid JSON ({e})") from None
+        except RecursionError:
+            raise RemodelError(f"{path}: JSON nested too deeply") from None
     rows = [rows] if isinstance(rows, dict) else rows
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "text" in r for r in rows):
-        raise RemodelError(f"{path}: every JSON record needs a 'text' field")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in rows):
+        raise RemodelError(f"{path}: every JSON record needs a 'text' field holding a string")
     return [r["text"] for r in rows if r["text"]]
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from models.errors import RemodelError
-from models.hf import check_exportable, config_from_hf, config_to_hf, our_shapes, weight_table
+from models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
 from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
 from upcycle.deviation import StreamCheck
 from upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp

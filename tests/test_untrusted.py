@@ -354,3 +354,32 @@ def test_full_disk_during_checkpoint_is_one_line_and_no_partial(tmp_path, capsys
     assert not (tmp_path / "out").exists()
     run_dir = tmp_path / "out.run"
     assert not run_dir.exists() or not [p for p in run_dir.iterdir() if p.name.startswith((".step", "step"))]
+
+
+# ---- scores directories and JSON data ----------------------------------------------------------------
+
+def test_scores_must_be_float_and_not_infinite(tmp_path):
+    from safetensors.torch import save_file
+
+    from compress.scores import FORMAT, load_scores
+    d = tmp_path / "scores"
+    d.mkdir()
+    (d / "scores.json").write_text(json.dumps({"format": FORMAT}))
+    save_file({"hidden": torch.tensor([1.0, float("inf")])}, d / "scores.safetensors")
+    with pytest.raises(RemodelError, match="not finite"):
+        load_scores(d)
+    save_file({"hidden": torch.tensor([1, 2], dtype=torch.int32)}, d / "scores.safetensors")
+    with pytest.raises(RemodelError, match="not finite"):
+        load_scores(d)
+    save_file({"hidden": torch.tensor([1.0, float("nan")])}, d / "scores.safetensors")  # NaN: a layer unseen
+    assert load_scores(d)[0]["hidden"].shape == (2,)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"text": ' + "[" * 100000 + "]" * 100000 + "}\n", "nested too deeply"),
+    ('{"text": 5}\n', "holding a string"),
+])
+def test_hostile_jsonl_data_is_one_line(tmp_path, capsys, text, match):
+    f = tmp_path / "data.jsonl"
+    f.write_text(text)
+    fails(capsys, "eval", EMBEDDED, "--data", f, match=match)
