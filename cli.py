@@ -8,8 +8,12 @@ import math
 import os
 import sys
 
-if __package__ in (None, "") and os.path.dirname(os.path.abspath(__file__)) not in sys.path:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `python cli.py` in a checkout
+if __package__ in (None, "") and "remodel" not in sys.modules:  # `python cli.py` (also under torchrun)
+    import importlib.util
+    if importlib.util.find_spec("remodel") is None:  # a checkout that was never installed: its folders
+        import types                                   # are the remodel package
+        sys.modules["remodel"] = types.ModuleType("remodel")
+        sys.modules["remodel"].__path__ = [os.path.dirname(os.path.abspath(__file__))]
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,7 +66,7 @@ def _count(s: str) -> int | float:
 
 def _train_flags(p, distill: bool):
     """The TrainConfig options (pipelines.train_config: one place for every default and help line)."""
-    from pipelines.train_config import add_train_flags
+    from remodel.pipelines.train_config import add_train_flags
     p.add_argument("--data", required=True, help="training data: text file/folder, .jsonl/.json, .parquet, "
                    "save_to_disk folder (tokenized once into a cached token set), a token set from `remodel "
                    "tokenize`, or a blend 'W1 A W2 B ...' of those")
@@ -140,7 +144,7 @@ def _add_score(sub):
 
 
 def _add_prune(sub):
-    from models.layout import PRUNABLE, WIDTHS
+    from remodel.models.layout import PRUNABLE, WIDTHS
     p = _job(sub, "prune", "structured pruning to a target shape", "checkpoint directory to prune")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
@@ -154,7 +158,7 @@ def _add_prune(sub):
 
 
 def _add_plan(sub):
-    from models.layout import PRUNABLE
+    from remodel.models.layout import PRUNABLE
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
@@ -257,19 +261,19 @@ def _dtype(name):
 
 
 def _targets(a) -> dict:
-    from models.layout import PRUNABLE
+    from remodel.models.layout import PRUNABLE
     keys = PRUNABLE + ("num_layers", "drop_layers")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 
 def _run_demo(a):
-    from pipelines.demo import demo
+    from remodel.pipelines.demo import demo
     return demo(a.out, quick=a.quick, overwrite=a.overwrite)
 
 
 def _run_inspect(a):
-    from models.errors import RemodelError
-    from pipelines.inspection import format_inspect, inspect
+    from remodel.models.errors import RemodelError
+    from remodel.pipelines.inspection import format_inspect, inspect
     d = inspect(a.model)
     print(_json(d, a.command) if a.json else format_inspect(d))
     bad = (d.get("checkpoint") or {}).get("config_mismatches")
@@ -278,13 +282,13 @@ def _run_inspect(a):
 
 
 def _run_convert(a):
-    from pipelines.convert import convert
+    from remodel.pipelines.convert import convert
     return convert(a.model, a.out, to=a.to, overwrite=a.overwrite, dtype=_dtype(a.dtype))
 
 
 def _run_score(a):
-    from models.errors import RemodelError
-    from pipelines.score import score
+    from remodel.models.errors import RemodelError
+    from remodel.pipelines.score import score
     if a.method == "activation" and not a.data:
         raise RemodelError("--data is required for --method activation")
     return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
@@ -293,12 +297,12 @@ def _run_score(a):
 
 
 def _run_prune(a):
-    from pipelines.prune import prune
+    from remodel.pipelines.prune import prune
     return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
 
 
 def _run_plan(a):
-    from pipelines.plan import plan
+    from remodel.pipelines.plan import plan
     axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
     r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
              axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
@@ -307,7 +311,7 @@ def _run_plan(a):
 
 
 def _run_search(a):
-    from pipelines.search import search_job
+    from remodel.pipelines.search import search_job
     return search_job(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
                       distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
                       active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
@@ -315,23 +319,23 @@ def _run_search(a):
 
 
 def _run_training(a):
-    from pipelines.train_config import config_from_args
-    from pipelines.trainer import run as run_training
+    from remodel.pipelines.train_config import config_from_args
+    from remodel.pipelines.trainer import run as run_training
     if a.command == "distill":
         return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
     return run_training(config_from_args(a, student_dir=a.model, out=a.out))
 
 
 def _run_upcycle(a):
-    from pipelines.upcycle import upcycle
+    from remodel.pipelines.upcycle import upcycle
     return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                    shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
                    seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
 
 
 def _run_eval(a):
-    from models.errors import RemodelError
-    from pipelines.evaluate import evaluate
+    from remodel.models.errors import RemodelError
+    from remodel.pipelines.evaluate import evaluate
     r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
     loss = r.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):
@@ -341,7 +345,7 @@ def _run_eval(a):
 
 
 def _run_tokenize(a):
-    from pipelines.tokens import tokenize
+    from remodel.pipelines.tokens import tokenize
     return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
                     overwrite=a.overwrite)
 
@@ -383,8 +387,8 @@ def _options():
     """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
     parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
     (pipelines.train_config: the same rules make_config applies to the Python API)."""
-    from models.layout import PRUNABLE
-    from pipelines.train_config import CHECKS, Check, count, ints, positive
+    from remodel.models.layout import PRUNABLE
+    from remodel.pipelines.train_config import CHECKS, Check, count, ints, positive
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
         "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(1, 2**24), "batch": ints(1, 2**20),
@@ -400,7 +404,7 @@ def _options():
 
 def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
-    from models.errors import RemodelError
+    from remodel.models.errors import RemodelError
     common, train = _options()
     rules = train if a.command in ("train", "distill") else common
     sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices[a.command]
@@ -436,7 +440,7 @@ def _fail(command: str, msg: str) -> int:
 def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
-    from models.errors import RemodelError
+    from remodel.models.errors import RemodelError
     try:
         check_options(ap, a)
         r = run(a)

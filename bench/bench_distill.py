@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import ModelConfig  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines.metrics import forward_flops_per_token, measure_matmul_flops  # noqa: E402
-from pipelines.trainer import build_optimizer, compute_losses  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.pipelines.metrics import forward_flops_per_token, measure_matmul_flops  # noqa: E402
+from remodel.pipelines.trainer import build_optimizer, compute_losses  # noqa: E402
 
 # the Nemotron-H-style ~7M-parameter hybrid of bench_model.py (Mamba-dominant)
 STUDENT = dict(vocab_size=2048, hidden_size=256, pattern="M-M-M*M-M-M-", num_attention_heads=4,

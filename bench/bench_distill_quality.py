@@ -30,13 +30,13 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.load import load_config  # noqa: E402
-from models.params import count_params  # noqa: E402
-from pipelines.data import DATA_DIR, embedded_corpus  # noqa: E402
-from pipelines.prune import prune  # noqa: E402
-from pipelines.score import score  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
-from pipelines.train import train  # noqa: E402
+from remodel.models.load import load_config  # noqa: E402
+from remodel.models.params import count_params  # noqa: E402
+from remodel.pipelines.data import DATA_DIR, embedded_corpus  # noqa: E402
+from remodel.pipelines.prune import prune  # noqa: E402
+from remodel.pipelines.score import score  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.train import train  # noqa: E402
 
 TEACHER = DATA_DIR / "embedded"
 SECTION = "## Distillation quality"

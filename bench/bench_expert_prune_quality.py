@@ -27,13 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.baselines import random_scores  # noqa: E402
-from compress.expert_scores import rank_experts  # noqa: E402
-from compress.importance import score_model  # noqa: E402
-from compress.prune import plan_keep, prune_model  # noqa: E402
-from models.load import load_model  # noqa: E402
-from pipelines.data import batches, embedded_corpus, embedded_moe_path, load_texts, pack  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
+from remodel.compress.baselines import random_scores  # noqa: E402
+from remodel.compress.expert_scores import rank_experts  # noqa: E402
+from remodel.compress.importance import score_model  # noqa: E402
+from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
+from remodel.models.load import load_model  # noqa: E402
+from remodel.pipelines.data import batches, embedded_corpus, embedded_moe_path, load_texts, pack  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
 
 SECTION = "## Expert pruning quality (no retraining)"
 METHODS = ("reconstruction", "contribution", "frequency")

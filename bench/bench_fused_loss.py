@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pipelines.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
-from pipelines.losses import kl_div, lm_loss  # noqa: E402
+from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
+from remodel.pipelines.losses import kl_div, lm_loss  # noqa: E402
 
 
 def _status(field: str) -> int:

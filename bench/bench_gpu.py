@@ -44,14 +44,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import models.mamba as mamba  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.hf import config_from_hf  # noqa: E402
-from models.load import load_model  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines.metrics import forward_flops_per_token  # noqa: E402
-from pipelines.objective import compute_losses  # noqa: E402
-from pipelines.trainer import build_optimizer  # noqa: E402
+import remodel.models.mamba as mamba  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.hf import config_from_hf  # noqa: E402
+from remodel.models.load import load_model  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.pipelines.metrics import forward_flops_per_token  # noqa: E402
+from remodel.pipelines.objective import compute_losses  # noqa: E402
+from remodel.pipelines.trainer import build_optimizer  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 H100_BF16_DENSE = 989e12
@@ -337,7 +337,7 @@ def fp8_filter_hf(module, fqn):
 def ours_model(kw, seed, fp8, dtype=torch.float32):
     """Our model of a window, built and initialised on DEV (the device's RNG, seeded: fast for billions of
     parameters, the same weights for the same seed), FP8-swapped when asked, in `dtype`."""
-    from pipelines.fp8 import convert
+    from remodel.pipelines.fp8 import convert
 
     torch.manual_seed(seed)
     with torch.device(DEV):

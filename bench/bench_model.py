@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.load import load_model  # noqa: E402
+from remodel.models.load import load_model  # noqa: E402
 
 HF_KW = dict(vocab_size=2048, hidden_size=256, hybrid_override_pattern="M-M-M*M-M-M-",
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=1024,

@@ -26,12 +26,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.prune import plan_keep, prune_model  # noqa: E402
-from compress.scores import load_scores  # noqa: E402
-from models.load import load_model  # noqa: E402
-from pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
-from pipelines.score import score  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
+from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
+from remodel.compress.scores import load_scores  # noqa: E402
+from remodel.models.load import load_model  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
+from remodel.pipelines.score import score  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
 SECTION = "## Pruning quality (no retraining)"

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.load import load_config  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from models.recompute import RECOMPUTE_MODES, set_recompute  # noqa: E402
+from remodel.models.load import load_config  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.models.recompute import RECOMPUTE_MODES, set_recompute  # noqa: E402
 
 
 def build(tokens: int):
@@ -63,7 +63,7 @@ def forward(model, batch, head: bool):
     ids, dh = batch
     model.zero_grad(set_to_none=False)
     if head == "fused":  # pipelines.fused_loss: CE in vocabulary chunks, no [tokens, V] logits
-        from pipelines.fused_loss import fused_lm_loss, lm_head_weight
+        from remodel.pipelines.fused_loss import fused_lm_loss, lm_head_weight
         return fused_lm_loss(model.hidden(ids)[0][0, :-1], lm_head_weight(model), ids[0, 1:]), None
     if head:
         return F.cross_entropy(model(ids)[0, :-1], ids[0, 1:]), None
@@ -114,7 +114,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(int(sys.argv[4]))
 from bench.bench_recompute import build, step
-from models.recompute import set_recompute
+from remodel.models.recompute import set_recompute
 def status(field):
     return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 model, batch = build(int(sys.argv[3]))

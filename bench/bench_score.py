@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress.expert_select import SAMPLE_TOKENS  # noqa: E402
-from compress.importance import Scorer, head_weight, lm_loss_sums  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
+from remodel.compress.expert_select import SAMPLE_TOKENS  # noqa: E402
+from remodel.compress.importance import Scorer, head_weight, lm_loss_sums  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
 
 BASE = dict(vocab_size=2048, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             intermediate_size=1024, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, ssm_state_size=64,

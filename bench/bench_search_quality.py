@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.load import load_config  # noqa: E402
-from models.params import count_params  # noqa: E402
-from pipelines.data import embedded_corpus, load_texts  # noqa: E402
-from pipelines.prune import prune  # noqa: E402
-from pipelines.search import search_job  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
-from pipelines.train import train  # noqa: E402
+from remodel.models.load import load_config  # noqa: E402
+from remodel.models.params import count_params  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, load_texts  # noqa: E402
+from remodel.pipelines.prune import prune  # noqa: E402
+from remodel.pipelines.search import search_job  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.train import train  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 

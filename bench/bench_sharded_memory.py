@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from models.config import ModelConfig  # noqa: E402
-from models.load import save_model  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from models.params import count_params  # noqa: E402
-from pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.load import save_model  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.models.params import count_params  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
 from rehearsal_56b import distill  # noqa: E402
 
 

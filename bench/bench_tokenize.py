@@ -22,8 +22,8 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
-from pipelines.tokens import load_tokenizer, tokenize  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.tokens import load_tokenizer, tokenize  # noqa: E402
 
 
 def main():

@@ -23,11 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.checkpoint import copy_checkpoint  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.load import save_model  # noqa: E402
-from models.model import HybridLM  # noqa: E402
-from pipelines.upcycle import upcycle  # noqa: E402
+from remodel.models.checkpoint import copy_checkpoint  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.load import save_model  # noqa: E402
+from remodel.models.model import HybridLM  # noqa: E402
+from remodel.pipelines.upcycle import upcycle  # noqa: E402
 
 SUBHEAD = "### Time against a plain copy (bench/bench_upcycle.py)"
 

@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench_upcycle import record  # noqa: E402
-from data.make_embedded_moe import RECIPE, record_of, ship, train_arm, upcycle_embedded  # noqa: E402
-from models.load import load_model  # noqa: E402
-from pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
-from pipelines.train_state import list_checkpoints, read_full, read_meta, run_dir_for  # noqa: E402
+from remodel.data.make_embedded_moe import RECIPE, record_of, ship, train_arm, upcycle_embedded  # noqa: E402
+from remodel.models.load import load_model  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.train_state import list_checkpoints, read_full, read_meta, run_dir_for  # noqa: E402
 
 SUBHEAD = "### Quality after further training (bench/bench_upcycle_quality.py)"
 OUT_JSON, OUT_PNG = ROOT / "bench" / "upcycle_quality.json", ROOT / "bench" / "upcycle_quality.png"

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dry_run_56b import (build_checkpoint, check_export, check_refusals, counts, cpu_seconds,  # noqa: E402
                          peak_rss_mb, reference, scale_widths)
-from models.params import count_params  # noqa: E402
-from pipelines.data import embedded_corpus  # noqa: E402
-from pipelines.plan import plan  # noqa: E402
+from remodel.models.params import count_params  # noqa: E402
+from remodel.pipelines.data import embedded_corpus  # noqa: E402
+from remodel.pipelines.plan import plan  # noqa: E402
 
 SUPER = "nemotron-3-super-120b-a12b"
 PARAMS_B, ACTIVE_B = 75e9, 10e9
@@ -67,9 +67,9 @@ def check_mtp(ckpt: Path, out: Path, scores: Path, pick: dict) -> dict:
     for the pick (its MTP blocks ranked by their own scores), MTP logits against that, counts."""
     from safetensors import safe_open
 
-    from compress.prune import plan_keep, prune_model
-    from compress.scores import load_scores
-    from models.load import load_model
+    from remodel.compress.prune import plan_keep, prune_model
+    from remodel.compress.scores import load_scores
+    from remodel.models.load import load_model
 
     tensors, _ = load_scores(scores)
     src = load_model(ckpt)
@@ -144,8 +144,8 @@ def _args():
 
 def main():
     a = _args()
-    from pipelines.score import score
-    from pipelines.search import search_job
+    from remodel.pipelines.score import score
+    from remodel.pipelines.search import search_job
 
     t0, phases = time.time(), {}
 

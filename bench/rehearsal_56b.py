@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from dry_run_56b import build_checkpoint, reference, scaled_config  # noqa: E402
-from models.hf import config_from_hf  # noqa: E402
-from models.load import load_model, read_config_dict  # noqa: E402
-from models.params import count_params  # noqa: E402
-from pipelines.data import embedded_corpus  # noqa: E402
+from remodel.models.hf import config_from_hf  # noqa: E402
+from remodel.models.load import load_model, read_config_dict  # noqa: E402
+from remodel.models.params import count_params  # noqa: E402
+from remodel.pipelines.data import embedded_corpus  # noqa: E402
 
 H100_GB, USABLE = 80, 0.9  # a GPU's memory and the share a job can plan on (allocator, NCCL, CUDA context)
 SEQ_REAL = 8192
@@ -45,8 +45,8 @@ SEQ_REAL = 8192
 
 def build(root: Path, scale: int):
     """Teacher checkpoint (56B pattern / scale) and its 47B-class pruned student."""
-    from pipelines.prune import prune
-    from pipelines.score import score_weights
+    from remodel.pipelines.prune import prune
+    from remodel.pipelines.score import score_weights
     cfg = scaled_config(scale).replace(num_key_value_heads=2)
     teacher, student = root / "teacher", root / "student"
     build_checkpoint(cfg, teacher)
@@ -108,7 +108,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 def activation_bytes_per_token(model_dir: Path, seq_len: int = 256) -> dict:
     """Bytes saved for backward per token (fp32, unique storages) of one training forward of the model,
     for each recompute mode (models.recompute)."""
-    from models.recompute import set_recompute
+    from remodel.models.recompute import set_recompute
     model = load_model(model_dir).train()
     ids = torch.randint(0, model.cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -155,7 +155,7 @@ def project(student_cfg, teacher_cfg, act_per_token: dict, width_ratio: float, g
 
 
 def _largest_layer(cfg) -> int:
-    from models.hf import our_shapes
+    from remodel.models.hf import our_shapes
     per = {}
     for name, shape in our_shapes(cfg).items():
         key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ModelConfig
-from models.layout import FIXED_AXES, SEGMENTS, UNITS, axis_size, param_axes
+from remodel.models.config import ModelConfig
+from remodel.models.layout import FIXED_AXES, SEGMENTS, UNITS, axis_size, param_axes
 
 PRIMARY, FIXED = UNITS, FIXED_AXES  # models.layout: the keep-dict units, the axes never pruned
 

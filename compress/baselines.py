@@ -34,8 +34,8 @@ from typing import Iterable
 
 import torch
 
-from models.config import ModelConfig
-from models.layout import axis_size, segment_sizes
+from remodel.models.config import ModelConfig
+from remodel.models.layout import axis_size, segment_sizes
 
 from .axes import layer_of, tensor_axes
 

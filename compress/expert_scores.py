@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ModelConfig
-from models.errors import RemodelError
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
 
 EXPERT_METHODS = ("reconstruction", "contribution", "frequency", "mean", "random")
 SOURCE = {"reconstruction": "expert_reconstruction", "contribution": "expert_contribution",

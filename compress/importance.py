@@ -47,15 +47,15 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from models.checkpoint import CheckpointReader
-from models.config import ModelConfig
-from models.hf import config_from_hf, our_shapes
-from models.layout import segment_span
-from models.load import iter_our_tensors
-from models.mlp import ffn
-from models.model import Block, init_buffers
-from models.mtp import MTPBlock, mtp_block_roles
-from models.norm import RMSNorm
+from remodel.models.checkpoint import CheckpointReader
+from remodel.models.config import ModelConfig
+from remodel.models.hf import config_from_hf, our_shapes
+from remodel.models.layout import segment_span
+from remodel.models.load import iter_our_tensors
+from remodel.models.mlp import ffn
+from remodel.models.model import Block, init_buffers
+from remodel.models.mtp import MTPBlock, mtp_block_roles
+from remodel.models.norm import RMSNorm
 
 from .expert_select import RoutedSample
 from .state_store import StateStore

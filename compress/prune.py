@@ -26,10 +26,10 @@ import copy
 
 import torch
 
-from models.config import LAYER_TYPES, ModelConfig
-from models.errors import RemodelError
-from models.hf import check_exportable, config_to_hf, default_family
-from models.layout import PRUNABLE, WIDTHS
+from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import check_exportable, config_to_hf, default_family
+from remodel.models.layout import PRUNABLE, WIDTHS
 
 from .axes import dim_indices, layer_of, select, tensor_axes
 
@@ -355,7 +355,7 @@ def prune_state(state: dict, cfg: ModelConfig, keep: dict) -> tuple[ModelConfig,
 @torch.no_grad()
 def prune_model(model, keep: dict):
     """In-memory: HybridLM -> pruned HybridLM (for search and tests; checkpoints go through pipelines.prune)."""
-    from models.model import HybridLM
+    from remodel.models.model import HybridLM
 
     cfg, state = prune_state(model.state_dict(), model.cfg, keep)
     new = HybridLM(cfg).to(next(model.parameters()).device)

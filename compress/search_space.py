@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.config import LAYER_TYPES, ModelConfig
-from models.errors import RemodelError
-from models.hf import default_family
-from models.layout import PRUNABLE
-from models.layout import WIDTHS as LAYOUT_WIDTHS
-from models.layout import widths as cfg_widths
-from models.params import per_layer
+from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import default_family
+from remodel.models.layout import PRUNABLE
+from remodel.models.layout import WIDTHS as LAYOUT_WIDTHS
+from remodel.models.layout import widths as cfg_widths
+from remodel.models.params import per_layer
 
 # search axis (models.layout.WIDTHS) -> (layer char using it, None: every layer; config field; divisor)
 WIDTHS = {n: (LAYOUT_WIDTHS[n].layer, LAYOUT_WIDTHS[n].field, LAYOUT_WIDTHS[n].divisor) for n in PRUNABLE}

@@ -28,11 +28,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see data/train_embedded.p
 
 import torch  # noqa: E402
 
-from models.load import load_config, load_model, save_model  # noqa: E402
-from pipelines.data import DATA_DIR, embedded_corpus, embedded_tokenizer_path  # noqa: E402
-from pipelines.evaluate import evaluate  # noqa: E402
-from pipelines.train import train  # noqa: E402
-from pipelines.upcycle import upcycle  # noqa: E402
+from remodel.models.load import load_config, load_model, save_model  # noqa: E402
+from remodel.pipelines.data import DATA_DIR, embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.train import train  # noqa: E402
+from remodel.pipelines.upcycle import upcycle  # noqa: E402
 
 EMBEDDED = DATA_DIR / "embedded"
 # the recipe (bench/bench_upcycle_quality.py uses the same defaults)

@@ -34,10 +34,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from models.config import ModelConfig  # noqa: E402
-from models.load import load_model, save_model  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.load import load_model, save_model  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
 
 SLICE_TOKENS = 8192  # the fixed held-out slice tests/test_embedded.py re-evaluates: first 32 valid blocks
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
-from models.errors import RemodelError
-from models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
-from models.load import extra_hf_tensors, source_plan
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
+from remodel.models.load import extra_hf_tensors, source_plan
 
 from .report import write_report
 
@@ -54,7 +54,7 @@ def _open_source(model_dir: Path):
 def _dcp_plan_rows(ckpt: Path, cfg, family: str):
     """Plan rows reading a DCP checkpoint; every tensor's stored shape is checked against the config
     (and its dtype for a float) before anything is read."""
-    from models.hf import our_shapes
+    from remodel.models.hf import our_shapes
 
     from .dcp_storage import RawReader
     from .train_state import read_tensor

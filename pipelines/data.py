@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from models.errors import RemodelError
+from remodel.models.errors import RemodelError
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 TEXT_SUFFIXES = (".txt", ".txt.gz")

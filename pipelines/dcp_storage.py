@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from models.checkpoint import DTYPE_NAMES, DTYPES, read_json
-from models.errors import RemodelError
+from remodel.models.checkpoint import DTYPE_NAMES, DTYPES, read_json
+from remodel.models.errors import RemodelError
 
 METADATA = "dcp_metadata.json"
 FORMAT = "remodel-dcp-raw"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import CheckpointReader, atomic_output_dir
-from models.errors import RemodelError
-from models.load import load_config
-from models.params import count_params
+from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config
+from remodel.models.params import count_params
 
 from .data import DATA_DIR, embedded_corpus, embedded_moe_path
 from .report import write_report
@@ -61,7 +61,7 @@ def _round_trip(src, work: Path) -> int:
 def _hf_logit_diff(path, ids) -> float:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-    from models.load import load_model
+    from remodel.models.load import load_model
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "install causal_conv1d / mamba_ssm" notice is about CUDA kernels
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from models.errors import RemodelError
-from models.load import load_config, load_model
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, load_model
 
 from .losses import lm_loss
 from .runtime import load_tokenizer, pick_device

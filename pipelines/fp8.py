@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.errors import RemodelError
+from remodel.models.errors import RemodelError
 
 
 def fp8_modules(model) -> list[str]:

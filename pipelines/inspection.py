@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from models.checkpoint import CheckpointReader, read_json
-from models.config import LAYER_TYPES, ModelConfig
-from models.errors import RemodelError
-from models.hf import config_from_hf, default_family
-from models.load import shape_mismatches
-from models.params import count_params, memory_bytes
+from remodel.models.checkpoint import CheckpointReader, read_json
+from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_from_hf, default_family
+from remodel.models.load import shape_mismatches
+from remodel.models.params import count_params, memory_bytes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")

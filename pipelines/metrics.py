@@ -12,7 +12,7 @@ import torch
 
 def param_count(model) -> int:
     """Parameters of the full model, also when `model` holds only this rank's shards."""
-    from models.hf import our_shapes
+    from remodel.models.hf import our_shapes
     shapes = our_shapes(model.cfg)
     return sum(math.prod(shapes[n]) if n in shapes else p.numel() for n, p in model.named_parameters())
 
@@ -21,7 +21,7 @@ def matmul_params(model) -> int:
     """Parameters used in matmuls per token: the active count (models.params.active_params, the MTP head
     included when the model has one) less the untied embedding table, which is a lookup (full-model
     figures, also for a sharded model)."""
-    from models.params import active_params
+    from remodel.models.params import active_params
     cfg = model.cfg
     lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     return active_params(cfg, with_mtp=hasattr(model, "mtp")) - lookup

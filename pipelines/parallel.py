@@ -42,9 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import RemodelError
-from models.layout import layer_params, tp_split
-from models.mlp import ffn
+from remodel.models.errors import RemodelError
+from remodel.models.layout import layer_params, tp_split
+from remodel.models.mlp import ffn
 
 from .collectives import (chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
                           reduce_from_group, scale_grad, split_rows)
@@ -421,7 +421,7 @@ def full_grads(model, rank0_only: bool = True) -> dict:
 def gather_model(model):
     """A plain single-process HybridLM holding the full weights on rank 0 (None elsewhere), ready for
     models.load.save_model. Collective."""
-    from models.model import HybridLM
+    from remodel.models.model import HybridLM
     sd = full_state_dict(model)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None

@@ -29,11 +29,11 @@ from __future__ import annotations
 import math
 import time
 
-from compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
-from models.config import LAYER_TYPES, ModelConfig
-from models.errors import RemodelError
-from models.layout import WIDTHS as LAYOUT_WIDTHS
-from models.params import count_params, memory_bytes
+from remodel.compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
+from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.layout import WIDTHS as LAYOUT_WIDTHS
+from remodel.models.params import count_params, memory_bytes
 
 from .inspection import fmt_count, resolve_source
 
@@ -70,8 +70,8 @@ def _ranges(ex: dict, budgets: dict) -> str:
 
 def _load_depth_scores(scores, cfg: ModelConfig, family: str):
     """-> (per-unit scores list, metric name) from a SCORES directory, checked against the model."""
-    from compress.prune import depth_metric
-    from compress.scores import load_scores
+    from remodel.compress.prune import depth_metric
+    from remodel.compress.scores import load_scores
 
     from .prune import check_scores_match
 

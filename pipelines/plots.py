@@ -4,7 +4,7 @@ One figure for both, so a layer type has the same colour in the scores and in th
 """
 from __future__ import annotations
 
-from models.config import LAYER_TYPES
+from remodel.models.config import LAYER_TYPES
 
 COLORS = {"M": "tab:blue", "*": "tab:orange", "-": "tab:green", "E": "tab:purple"}
 PANELS = {"block_importance": "block importance (1 - cos)", "loss_increase": "LM loss increase when removed"}

@@ -13,16 +13,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from compress.prune import (depth_metric, kept_layers, layer_units, new_config, plan_keep, prune_tensor, rename,
+from remodel.compress.prune import (depth_metric, kept_layers, layer_units, new_config, plan_keep, prune_tensor, rename,
                             validate_targets)
-from compress.axes import tensor_axes
-from compress.scores import load_scores
-from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
-from models.load import iter_hf_tensors, iter_our_tensors
-from models.params import count_params
+from remodel.compress.axes import tensor_axes
+from remodel.compress.scores import load_scores
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
+from remodel.models.load import iter_hf_tensors, iter_our_tensors
+from remodel.models.params import count_params
 
 from .plots import plot_importance
 from .report import write_report

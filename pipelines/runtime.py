@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.errors import RemodelError
-from models.load import read_config_dict
+from remodel.models.errors import RemodelError
+from remodel.models.load import read_config_dict
 
 
 def pick_device(device="auto") -> torch.device:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.errors import RemodelError
+from remodel.models.errors import RemodelError
 
 from .tokens import Blend, TokenSet, open_tokens
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from compress.baselines import METHODS, weight_scores
-from compress.expert_scores import check_expert_method, rank_experts
-from compress.importance import score_model, score_streaming
-from compress.scores import write_scores
-from models.checkpoint import CheckpointReader, atomic_output_dir
-from models.errors import RemodelError
-from models.hf import config_from_hf
-from models.load import iter_our_tensors, load_model
+from remodel.compress.baselines import METHODS, weight_scores
+from remodel.compress.expert_scores import check_expert_method, rank_experts
+from remodel.compress.importance import score_model, score_streaming
+from remodel.compress.scores import write_scores
+from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_from_hf
+from remodel.models.load import iter_our_tensors, load_model
 
 from .data import batches as make_batches, load_texts, pack
 from .plots import plot_importance

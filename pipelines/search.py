@@ -21,13 +21,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from compress.prune import new_config, plan_keep, prune_model
-from compress.scores import load_scores
-from models.checkpoint import CheckpointReader, atomic_output_dir
-from models.errors import RemodelError
-from models.hf import config_from_hf
-from models.load import load_model, save_model
-from models.params import count_params
+from remodel.compress.prune import new_config, plan_keep, prune_model
+from remodel.compress.scores import load_scores
+from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_from_hf
+from remodel.models.load import load_model, save_model
+from remodel.models.params import count_params
 
 from .data import load_texts, pack
 from .plan import SHORT, plan

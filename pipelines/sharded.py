@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import CheckpointWriter, atomic_output_dir
-from models.errors import RemodelError
-from models.hf import config_to_hf, default_family, weight_table
-from models.load import iter_hf_tensors
-from models.model import HybridLM
-from models.regions import RegionReader
+from remodel.models.checkpoint import CheckpointWriter, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_to_hf, default_family, weight_table
+from remodel.models.load import iter_hf_tensors
+from remodel.models.model import HybridLM
+from remodel.models.regions import RegionReader
 
 from .collectives import group_rank, group_size
 from .parallel import local_tensor, parallel_info, parallelize, shard_tensor, unshard_all

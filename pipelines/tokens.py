@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
-from models.checkpoint import atomic_output_dir
-from models.errors import RemodelError
+from remodel.models.checkpoint import atomic_output_dir
+from remodel.models.errors import RemodelError
 
 from .data import DOC_SPLITS, load_texts
 from .runtime import ChildrenDieWithUs, die_with_parent, load_tokenizer

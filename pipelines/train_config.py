@@ -157,7 +157,7 @@ CHECKS = {n: f.metadata["check"] for n, f in FIELDS.items() if "check" in f.meta
 
 def make_config(**kw) -> TrainConfig:
     """TrainConfig from keyword arguments; a one-line error for an unknown name."""
-    from models.errors import RemodelError
+    from remodel.models.errors import RemodelError
     bad = sorted(set(kw) - set(FIELDS))
     if bad:
         raise RemodelError(f"unknown training setting(s): {', '.join(bad)}")

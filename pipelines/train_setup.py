@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from models.errors import RemodelError
-from models.load import load_config, read_config_dict
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, read_config_dict
 
 from . import train_state as state
 from .runtime import RunLock, check_out, pick_device
@@ -174,7 +174,7 @@ def _check_options(c: TrainConfig, min_lr: float, warmup: int, kl_w: float, lm_w
         raise RemodelError("--hidden-loss-weight and --topk need a teacher (distill)")
     if kl_w == 0 and lm_w == 0 and not c.hidden_loss_weight:
         raise RemodelError("every loss weight is zero: nothing to train")
-    from models.recompute import RECOMPUTE_MODES
+    from remodel.models.recompute import RECOMPUTE_MODES
     if c.recompute not in RECOMPUTE_MODES:
         raise RemodelError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {c.recompute!r}")
 

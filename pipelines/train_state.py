@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from models.errors import RemodelError
-from models.regions import runs
+from remodel.models.errors import RemodelError
+from remodel.models.regions import runs
 
 from .dcp_storage import METADATA, RawReader, RawWriter, check_against, plain_errors
 from .parallel import local_tensor, parallel_info
@@ -158,7 +158,7 @@ def state_dict(student, projections, opt, saving: bool) -> dict:
 
 
 def _shapes(model):
-    from models.hf import our_shapes
+    from remodel.models.hf import our_shapes
     return our_shapes(model.cfg)
 
 
@@ -285,7 +285,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def read_meta(ckpt: Path) -> dict:
     """meta.json of a checkpoint, checked against its directory: a JSON object (bounded, a regular file)
     whose step is the directory's, counts non-negative integers, AdamW step counts finite in [0, step]."""
-    from models.checkpoint import read_json
+    from remodel.models.checkpoint import read_json
     path = Path(ckpt) / META
     meta = read_json(path)
     m = STEP_DIR.match(Path(ckpt).name)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from models.errors import RemodelError
-from models.load import load_config, load_model, read_config_dict
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, load_model, read_config_dict
 
 from . import metrics
 from . import train_state as state
@@ -230,7 +230,7 @@ class _Training:
     """One run's models, optimizer and history, from loading (or resuming) to the written OUT."""
 
     def __init__(self, p: Plan, procs: _Procs, data, eval_blocks, ckpt, ck_meta):
-        from models.recompute import set_recompute
+        from remodel.models.recompute import set_recompute
         c = self.c = p.cfg
         self.p, self.procs, self.data, self.eval_blocks = p, procs, data, eval_blocks
         self.student, self.teacher, self.projections, self.teacher_layout = _load_models(p, procs.mesh, procs.ep_dim)
@@ -351,7 +351,7 @@ class _Training:
 
     def finish(self) -> dict | None:
         """Final evaluation, report, export (rank 0 writes; every rank takes part); -> the report on rank 0."""
-        from models.recompute import set_recompute
+        from remodel.models.recompute import set_recompute
         set_recompute(self.student, "none")
         if self.eval_blocks is not None:
             self.evals["after"] = self._evaluate()

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
-from models.errors import RemodelError
-from models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
-from models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
-from upcycle.deviation import StreamCheck
-from upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.errors import RemodelError
+from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
+from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
+from remodel.upcycle.deviation import StreamCheck
+from remodel.upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
 
 from .report import write_report
 
@@ -83,7 +83,7 @@ def _check_finite(tensors: dict, model_dir):
 
 def _params(cfg) -> tuple[int, int]:
     """(total, active per token) parameter counts from the config (models.params, the MTP head included)."""
-    from models.params import active_params, count_params
+    from remodel.models.params import active_params, count_params
     c = count_params(cfg)
     return c["total"] + c["mtp"]["total"], active_params(cfg, with_mtp=True)
 

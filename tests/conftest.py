@@ -70,6 +70,9 @@ MARKS = {
         "test_convert_is_byte_identical_with_mtp": "slow",
         "test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers": "slow",
     },
+    "test_packaging.py": {
+        "test_install_target_has_one_namespace": "slow",
+    },
     "test_parallel.py": {
         "test_training_matches_single_process": "multiprocess",
         "test_vocab_parallel_losses": "multiprocess",

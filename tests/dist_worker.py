@@ -21,11 +21,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from models.config import ModelConfig  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines.parallel import (clip_grad_norm_, dp_mean, full_grads, full_state_dict, gather_model,  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.pipelines.parallel import (clip_grad_norm_, dp_mean, full_grads, full_state_dict, gather_model,  # noqa: E402
                                 parallel_info, parallelize)
-from pipelines.vocab_parallel import vocab_parallel_kl_div, vocab_parallel_lm_loss, vocab_shard  # noqa: E402
+from remodel.pipelines.vocab_parallel import vocab_parallel_kl_div, vocab_parallel_lm_loss, vocab_shard  # noqa: E402
 
 STEPS, B, L, LR = 3, 4, 16, 3e-3
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import cli
-from models.checkpoint import atomic_output_dir
-from models.errors import RemodelError
+from remodel import cli
+from remodel.models.checkpoint import atomic_output_dir
+from remodel.models.errors import RemodelError
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -119,8 +119,8 @@ def test_non_utf8_data_is_one_line_error(work, capsys):
 @pytest.mark.parametrize("name", ["binary.txt", "binary.jsonl", "folder"])
 def test_non_utf8_load_texts(tmp_path, name):
     """What train/distill --eval-data and every DATA path go through."""
-    from pipelines.data import load_texts
-    from pipelines.evaluate import evaluate
+    from remodel.pipelines.data import load_texts
+    from remodel.pipelines.evaluate import evaluate
     p = tmp_path / name
     if name == "folder":
         p.mkdir()
@@ -390,7 +390,7 @@ def test_oserror_anywhere_is_one_line(monkeypatch, capsys):
 def test_train_help_teaches():
     """distill/train: the budget rule, --keep-last 0, the warm-up cap, recompute modes, data forms; each
     default comes from TrainConfig (so the CLI and the API agree)."""
-    from pipelines.train_config import FIELDS
+    from remodel.pipelines.train_config import FIELDS
     for name in ("distill", "train"):
         p = _subparsers()[name]
         text = " ".join(p.format_help().split())

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, copy_checkpoint, read_header
-from models.errors import RemodelError
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, copy_checkpoint, read_header
+from remodel.models.errors import RemodelError
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_writer_rejects_duplicates_and_writes_values_at_add(tmp_path):
 def test_writer_large_shard_keeps_header_reservation_and_splits_on_header(tmp_path):
     """A shard not compacted keeps the header space reserved at its start (padded with spaces);
     a shard whose header would outgrow the reservation closes early. Both load in safetensors."""
-    import models.checkpoint as C
+    import remodel.models.checkpoint as C
     from safetensors.torch import load_file
 
     old = C.COMPACT_WASTE
@@ -162,7 +162,7 @@ def test_transformers_interop(tmp_path):
 
 MEMORY_SCRIPT = PEAK_RSS + """
 import re, sys, torch
-from models.checkpoint import copy_checkpoint
+from remodel.models.checkpoint import copy_checkpoint
 base = reset_peak()
 copy_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[3]))
 print(base, status("VmHWM"))

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.checkpoint import CheckpointWriter
-from models.config import ModelConfig
-from models.hf import config_to_hf
-from models.load import save_model
-from models.model import HybridLM, init_weights
+from remodel.models.checkpoint import CheckpointWriter
+from remodel.models.config import ModelConfig
+from remodel.models.hf import config_to_hf
+from remodel.models.load import save_model
+from remodel.models.model import HybridLM, init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,8 +166,8 @@ def test_conversion_memory_bounded(tmp_path):
                       mamba_head_dim=64, n_groups=2, ssm_state_size=64, n_routed_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=1024, moe_shared_expert_intermediate_size=1024)
     src = tmp_path / "big"
-    from models.load import iter_hf_tensors
-    from models.hf import our_shapes
+    from remodel.models.load import iter_hf_tensors
+    from remodel.models.hf import our_shapes
 
     shapes = our_shapes(cfg)
     g = torch.Generator().manual_seed(0)
@@ -180,9 +180,9 @@ def test_conversion_memory_bounded(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from pipelines.convert import convert
+        from remodel.pipelines.convert import convert
         import transformers  # imported before the baseline: its import cost is not the conversion's
-        from models.hf import config_from_hf
+        from remodel.models.hf import config_from_hf
         def rss(field):
             for line in open('/proc/self/status'):
                 if line.startswith(field):

@@ -5,7 +5,7 @@ import logging
 import pytest
 from transformers.utils import logging as hf_logging
 
-from cli import main
+from remodel.cli import main
 
 
 class _Records(logging.Handler):

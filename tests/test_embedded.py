@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.checkpoint import CheckpointReader
-from models.load import load_config, load_model
-from pipelines.data import embedded_corpus, load_texts, pack
+from remodel.models.checkpoint import CheckpointReader
+from remodel.models.load import load_config, load_model
+from remodel.pipelines.data import embedded_corpus, load_texts, pack
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 VOCAB = 2048
@@ -98,20 +98,20 @@ MOE_LOSS_MAX = 3.87  # measured 3.84458 (data/embedded_moe/train_log.json), 0.02
 
 @pytest.fixture(scope="module")
 def moe_log():
-    from pipelines.data import embedded_moe_path
+    from remodel.pipelines.data import embedded_moe_path
     return json.loads((embedded_moe_path() / "train_log.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def moe():
-    from pipelines.data import embedded_moe_path
+    from remodel.pipelines.data import embedded_moe_path
     torch.set_num_threads(2)
     return load_model(embedded_moe_path())
 
 
 def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
     """Same trunk as data/embedded with every MLP turned into an 8-expert top-4 MoE, bf16, a few MB."""
-    from pipelines.data import embedded_moe_path
+    from remodel.pipelines.data import embedded_moe_path
     path, dense = embedded_moe_path(), load_config(EMBEDDED)
     cfg = load_config(path)
     assert "E" in cfg.pattern and cfg.pattern == dense.pattern.replace("-", "E")
@@ -119,7 +119,7 @@ def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
     reader = CheckpointReader(path)
     fp32 = {k for k in reader.keys() if reader.dtype(k) != torch.bfloat16}  # the routers' bias stays fp32
     assert {k.rsplit(".", 1)[-1] for k in fp32} == {"e_score_correction_bias"} and len(fp32) == 3
-    from models.params import count_params
+    from remodel.models.params import count_params
     n = sum(math.prod(reader.shape(k)) for k in reader.keys())
     assert abs(count_params(cfg)["total"] - moe_log["params_total"]) < 2e3 and 4e6 < n < 6e6  # upcycle counts ~1.5k fewer
     assert count_params(cfg)["active"] < 0.75 * count_params(cfg)["total"]
@@ -129,7 +129,7 @@ def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
 
 def test_moe_held_out_loss(moe, moe_log):
     """The whole valid split (55,040 tokens): the recorded loss, below the threshold and the dense start."""
-    from pipelines.evaluate import evaluate
+    from remodel.pipelines.evaluate import evaluate
     blocks = pack(load_texts(embedded_corpus()[1]), AutoTokenizer.from_pretrained(EMBEDDED), 256)
     loss = evaluate(moe, blocks, batch=16)["loss"]
     assert abs(loss - moe_log["valid_loss"]) < 2e-3  # the log describes these weights
@@ -138,7 +138,7 @@ def test_moe_held_out_loss(moe, moe_log):
 
 
 def test_moe_ours_and_transformers_agree(moe, slice_blocks):
-    from pipelines.data import embedded_moe_path
+    from remodel.pipelines.data import embedded_moe_path
     hf = AutoModelForCausalLM.from_pretrained(embedded_moe_path(), dtype=torch.float32).eval()
     x = slice_blocks[-2:, :128]
     with torch.no_grad():

@@ -3,7 +3,7 @@ from-scratch recomputation, and the greedy elimination keeps one of two duplicat
 per-expert scores keep both (the case upcycled experts are in)."""
 import torch
 
-from compress.expert_select import _routed, elimination_scores, removal_costs
+from remodel.compress.expert_select import _routed, elimination_scores, removal_costs
 
 
 def _err(w, c, y, keep, k, norm):
@@ -57,8 +57,8 @@ def test_sample_cap_and_projection_keep_the_ranking_close(monkeypatch):
     20 tokens: each layer's sample holds 20 tokens of [E, 12]; the elimination order is a permutation, and
     the experts it keeps at 8 -> 4 reproduce the unprojected routed output within 1.5x of the unprojected
     choice's error, and within half the error of the 4 the unprojected order ranks last."""
-    from compress import expert_select
-    from compress.importance import Scorer
+    from remodel.compress import expert_select
+    from remodel.compress.importance import Scorer
     from tests.test_moe_prune import IDS, LATENT, make_model
 
     model = make_model(LATENT, seed=2)

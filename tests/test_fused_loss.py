@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.fused_loss import fused_kl_div, fused_lm_loss
-from pipelines.losses import kl_div, lm_loss
+from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss
+from remodel.pipelines.losses import kl_div, lm_loss
 from tests.rss import PEAK_RSS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,8 +132,8 @@ def test_nothing_n_by_v_saved_for_backward():
 
 MEMORY_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import json, sys, torch
-    from pipelines.fused_loss import fused_kl_div, fused_lm_loss
-    from pipelines.losses import lm_loss
+    from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss
+    from remodel.pipelines.losses import lm_loss
     torch.manual_seed(0)
     N, H, V = 4096, 32, 32768
     h = torch.randn(N, H, requires_grad=True)
@@ -211,8 +211,8 @@ def test_vocab_parallel_group_matches_single_process(tmp_path):
 
 
 def _tiny_lm(H: int, tied: bool, seed: int):
-    from models.config import ModelConfig
-    from models.model import HybridLM, init_weights
+    from remodel.models.config import ModelConfig
+    from remodel.models.model import HybridLM, init_weights
     cfg = ModelConfig(vocab_size=256, hidden_size=H, pattern="M*-", tie_word_embeddings=tied, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=2 * H, mamba_num_heads=4, mamba_head_dim=8,
                       n_groups=2, ssm_state_size=8, chunk_size=16)
@@ -238,8 +238,8 @@ def _fsdp_worker(rank, world, init_file, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from pipelines.objective import compute_losses
-    from pipelines.parallel import full_grads, parallelize
+    from remodel.pipelines.objective import compute_losses
+    from remodel.pipelines.parallel import full_grads, parallelize
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -269,7 +269,7 @@ def test_fsdp_data_parallel_grads_match_single_process(tmp_path):
     gradients equal one process on the whole batch, untied and tied (lm_head = embeddings) student."""
     import torch.multiprocessing as mp
 
-    from pipelines.objective import compute_losses
+    from remodel.pipelines.objective import compute_losses
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "fsdp.pt")
     teacher = _tiny_teacher()

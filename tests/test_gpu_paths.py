@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.mamba as mamba
-from models.config import ModelConfig
-from models.mamba import Mamba2Mixer, ssd_reference
+import remodel.models.mamba as mamba
+from remodel.models.config import ModelConfig
+from remodel.models.mamba import Mamba2Mixer, ssd_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5

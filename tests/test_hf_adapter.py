@@ -6,12 +6,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf, default_family, from_hf_name, to_hf_name, \
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf, default_family, from_hf_name, to_hf_name, \
     weight_table
-from models.layout import shapes
-from models.load import extra_hf_tensors
+from remodel.models.layout import shapes
+from remodel.models.load import extra_hf_tensors
 
 BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, head_dim=6)
 MAMBA = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)

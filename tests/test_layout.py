@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from compress.axes import axis_index, dim_indices
-from models import layout
-from models.config import ModelConfig
-from models.hf import config_from_hf
-from models.model import HybridLM
-from models.params import count_params, per_layer
-from pipelines.parallel import tp_shard_layer
+from remodel.compress.axes import axis_index, dim_indices
+from remodel.models import layout
+from remodel.models.config import ModelConfig
+from remodel.models.hf import config_from_hf
+from remodel.models.model import HybridLM
+from remodel.models.params import count_params, per_layer
+from remodel.pipelines.parallel import tp_shard_layer
 from tests.test_params import tiny_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,9 +82,9 @@ def test_the_in_proj_layout_is_written_once():
 
 def test_one_width_vocabulary():
     """The pruner's targets, the search axes and the parameter-count axes are the registry's names."""
-    from compress.prune import AXES as PRUNE_AXES
-    from compress.search_space import WIDTHS as SEARCH
-    from models.params import AXES as COUNT_AXES
+    from remodel.compress.prune import AXES as PRUNE_AXES
+    from remodel.compress.search_space import WIDTHS as SEARCH
+    from remodel.models.params import AXES as COUNT_AXES
     assert set(PRUNE_AXES) == set(layout.PRUNABLE)
     assert set(SEARCH) <= set(layout.WIDTHS) and set(COUNT_AXES) == set(layout.WIDTHS)
     for name, (layer, field, *_) in {**PRUNE_AXES, **SEARCH}.items():

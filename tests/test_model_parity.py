@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.config import ModelConfig
-from models.hf import weight_table
-from models.load import load_model, save_model
-from models.model import HybridLM, init_weights
+from remodel.models.config import ModelConfig
+from remodel.models.hf import weight_table
+from remodel.models.load import load_model, save_model
+from remodel.models.model import HybridLM, init_weights
 
 V, B, L = 96, 2, 37
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)

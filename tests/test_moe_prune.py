@@ -10,18 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cli import main
-from compress.baselines import magnitude_scores, random_scores
-from compress.expert_scores import rank_experts
-from compress.importance import score_model, seq_mean_abs
-from compress.prune import plan_keep, prune_model, validate_targets
-from compress.scores import load_scores
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.load import load_model, save_model
-from models.model import HybridLM, init_weights
-from models.params import count_params
-from pipelines.data import embedded_corpus, embedded_tokenizer_path
+from remodel.cli import main
+from remodel.compress.baselines import magnitude_scores, random_scores
+from remodel.compress.expert_scores import rank_experts
+from remodel.compress.importance import score_model, seq_mean_abs
+from remodel.compress.prune import plan_keep, prune_model, validate_targets
+from remodel.compress.scores import load_scores
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_model, save_model
+from remodel.models.model import HybridLM, init_weights
+from remodel.models.params import count_params
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
 
 LATENT = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
                      head_dim=8, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=8,

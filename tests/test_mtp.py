@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from compress.baselines import random_scores
-from compress.expert_scores import rank_experts
-from compress.importance import score_model, score_streaming
-from compress.prune import plan_keep, prune_model
-from compress.scores import save_scores
-from models.config import ModelConfig
-from models.hf import config_from_hf, config_to_hf, our_shapes
-from models.load import load_model, read_config_dict, save_model
-from models.model import HybridLM, init_weights
-from models.params import count_params
-from pipelines.inspection import format_inspect, inspect
+from remodel.compress.baselines import random_scores
+from remodel.compress.expert_scores import rank_experts
+from remodel.compress.importance import score_model, score_streaming
+from remodel.compress.prune import plan_keep, prune_model
+from remodel.compress.scores import save_scores
+from remodel.models.config import ModelConfig
+from remodel.models.hf import config_from_hf, config_to_hf, our_shapes
+from remodel.models.load import load_model, read_config_dict, save_model
+from remodel.models.model import HybridLM, init_weights
+from remodel.models.params import count_params
+from remodel.pipelines.inspection import format_inspect, inspect
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
@@ -254,7 +254,7 @@ def _mtp_keys(scores):
 def test_a_scorer_on_the_trunk_alone_leaves_the_unrun_heads_unscored():
     """Attached to a model with an MTP head that the forward never runs: detach and result work, the trunk's
     MoE gets its reconstruction order, the head gets no scores."""
-    from compress.importance import Scorer
+    from remodel.compress.importance import Scorer
 
     model = make_model()
     scorer = Scorer(model).attach()
@@ -349,9 +349,9 @@ def test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers(ckpt, tmp_path):
 
 def test_declared_but_absent_mtp_is_off(tmp_path):
     """A config declaring MTP over weights without mtp.* (a trunk-only export) loads as the trunk alone."""
-    from models.checkpoint import CheckpointReader
-    from models.load import load_config
-    from models.hf import weight_table
+    from remodel.models.checkpoint import CheckpointReader
+    from remodel.models.load import load_config
+    from remodel.models.hf import weight_table
     plain = CFG.replace(mtp_layers=0, mtp_pattern="")
     model = make_model(plain)
     save_model(model, tmp_path / "src")

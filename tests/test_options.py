@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import cli
-from models.errors import RemodelError
+from remodel import cli
+from remodel.models.errors import RemodelError
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -134,7 +134,7 @@ def test_every_numeric_option_has_a_rule():
                                       ({"steps": 0}, "steps"), ({"batch": True}, "batch"),
                                       ({"seq_len": "256"}, "seq_len"), ({"temperature": 0.0}, "temperature")])
 def test_make_config_validates(kw, match):
-    from pipelines.train_config import make_config
+    from remodel.pipelines.train_config import make_config
     with pytest.raises(RemodelError, match=match):
         make_config(student_dir="s", out="o", data="d", **kw)
     make_config(student_dir="s", out="o", data="d", lr=3e-4, grad_clip=0.0, tokens=2_000_000)
@@ -174,7 +174,7 @@ def test_config_value_refused(work, capsys, edit, match):
 
 @pytest.mark.parametrize("model", ["llama", "qwen2_moe"])
 def test_llama_config_values_refused(tmp_path, model):
-    from models.hf import config_from_hf
+    from remodel.models.hf import config_from_hf
     d = {"model_type": model, "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     config_from_hf(d)
@@ -188,7 +188,7 @@ def test_llama_config_values_refused(tmp_path, model):
 
 
 def test_model_config_bounds():
-    from models.config import ModelConfig
+    from remodel.models.config import ModelConfig
     ok = dict(vocab_size=64, hidden_size=32, pattern="-", intermediate_size=64)
     ModelConfig(**ok)
     for bad in ({"pattern": "-" * 10**5}, {"vocab_size": 10**12}, {"hidden_size": 32.0}, {"norm_eps": float("nan")},
@@ -218,8 +218,8 @@ def test_plan_huge_widths_is_fast_or_refused(work, capsys):
 
 
 def test_search_space_size_refused():
-    from compress.search_space import build_space
-    from models.config import ModelConfig
+    from remodel.compress.search_space import build_space
+    from remodel.models.config import ModelConfig
     w = 2**20
     cfg = ModelConfig(vocab_size=64, hidden_size=w, pattern="E" * 200, n_routed_experts=2**12, num_experts_per_tok=2,
                       moe_intermediate_size=w, moe_shared_expert_intermediate_size=w, mlp_act="relu2")

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.model import HybridLM, init_weights
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.model import HybridLM, init_weights
 
-from pipelines.parallel import parallel_info, parallelize, shard_tensor, unshard_tensor
+from remodel.pipelines.parallel import parallel_info, parallelize, shard_tensor, unshard_tensor
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 TRAIN_CASES = {2: ["tp", "tp_llama", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}

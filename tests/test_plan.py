@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.prune import layer_units, new_config, plan_keep, validate_targets
-from compress.scores import save_scores
-from compress.search_space import WIDTHS, axis_values, build_space, depth_units, extremes, search
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.hf import config_from_hf
-from models.params import count_params, memory_bytes
-from pipelines.inspection import fmt_count
-from pipelines.plan import FIELDS, candidate_config, plan
+from remodel.compress.prune import layer_units, new_config, plan_keep, validate_targets
+from remodel.compress.scores import save_scores
+from remodel.compress.search_space import WIDTHS, axis_values, build_space, depth_units, extremes, search
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_from_hf
+from remodel.models.params import count_params, memory_bytes
+from remodel.pipelines.inspection import fmt_count
+from remodel.pipelines.plan import FIELDS, candidate_config, plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 TINY = ModelConfig(vocab_size=96, hidden_size=64, pattern="M-M*-ME-M-", num_attention_heads=4, num_key_value_heads=2,
@@ -345,7 +345,7 @@ def test_every_candidate_is_a_valid_prune_target():
 
 
 def test_cli_plan(capsys):
-    from cli import main
+    from remodel.cli import main
     assert main(["plan", "nemotron-h-8b", "--params", "4.5B"]) == 0
     out = capsys.readouterr().out
     assert "params <= 4.500B" in out and "#1 pattern" in out

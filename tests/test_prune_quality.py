@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.baselines import magnitude_scores, random_scores, score_shapes
-from compress.importance import score_model
-from compress.prune import plan_keep, prune_model
-from compress.scores import load_scores
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.load import load_config, load_model, save_model
-from models.model import HybridLM, init_weights
-from pipelines.prune import prune
-from pipelines.score import score
+from remodel.compress.baselines import magnitude_scores, random_scores, score_shapes
+from remodel.compress.importance import score_model
+from remodel.compress.prune import plan_keep, prune_model
+from remodel.compress.scores import load_scores
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, load_model, save_model
+from remodel.models.model import HybridLM, init_weights
+from remodel.pipelines.prune import prune
+from remodel.pipelines.score import score
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "data" / "embedded"
@@ -151,8 +151,8 @@ def test_baseline_scores_through_score_and_prune(tmp_path):
 def test_activation_beats_random_on_the_embedded_model():
     from transformers import AutoTokenizer
 
-    from pipelines.data import batches, embedded_corpus, load_texts, pack
-    from pipelines.evaluate import evaluate
+    from remodel.pipelines.data import batches, embedded_corpus, load_texts, pack
+    from remodel.pipelines.evaluate import evaluate
 
     train, valid = embedded_corpus()
     tok = AutoTokenizer.from_pretrained(str(EMBEDDED))

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.model import HybridLM, init_weights
-from models.recompute import RECOMPUTE_MODES, set_recompute
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.model import HybridLM, init_weights
+from remodel.models.recompute import RECOMPUTE_MODES, set_recompute
 
 V, B, L = 128, 2, 96
 BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -75,7 +75,7 @@ def test_losses_and_gradients_match(name, mask):
 
 def test_whole_tensor_mamba_path(monkeypatch):
     """The mixer's CUDA path (separate conv, scan and norm; `_on_gpu` forced on CPU) recomputes exactly too."""
-    from models import mamba
+    from remodel.models import mamba
     monkeypatch.setattr(mamba, "_on_gpu", lambda t: True)
     model = build("nemotron")
     ids, am = batch(mask=True)
@@ -133,7 +133,7 @@ import json, sys, tempfile
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from models.recompute import set_recompute
+from remodel.models.recompute import set_recompute
 from tests.test_recompute import batch, build, step
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 ids, am = batch(mask=True)

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import models.mamba as mamba
-import models.mamba_kernels as kernels
-from models.config import ModelConfig
-from models.mamba import Mamba2Mixer, ssd_reference
-from models.mamba_kernels import ssd_scan
+import remodel.models.mamba as mamba
+import remodel.models.mamba_kernels as kernels
+from remodel.models.config import ModelConfig
+from remodel.models.mamba import Mamba2Mixer, ssd_reference
+from remodel.models.mamba_kernels import ssd_scan
 
 
 def make(b=2, l=37, h=4, p=3, g=2, n=5, seed=0, dtype=torch.float64):

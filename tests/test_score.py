@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compress.importance import Scorer, score_model, score_streaming
-from compress.scores import load_scores
-from models.attention import rope_inv_freq, rotate_half
-from models.checkpoint import CheckpointReader, CheckpointWriter
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.hf import config_to_hf, our_shapes, weight_table
-from models.load import load_model, save_model
-from models.mlp import ACT
-from models.model import HybridLM, init_weights
-from pipelines.data import embedded_corpus, embedded_tokenizer_path
-from pipelines.score import choose_mode, score
+from remodel.compress.importance import Scorer, score_model, score_streaming
+from remodel.compress.scores import load_scores
+from remodel.models.attention import rope_inv_freq, rotate_half
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.hf import config_to_hf, our_shapes, weight_table
+from remodel.models.load import load_model, save_model
+from remodel.models.mlp import ACT
+from remodel.models.model import HybridLM, init_weights
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.score import choose_mode, score
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -411,7 +411,7 @@ import re, sys
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 import transformers, datasets, psutil, torch
 from transformers import AutoTokenizer
-from pipelines.score import score
+from remodel.pipelines.score import score
 torch.set_num_threads(1)
 # warm-up on a tiny checkpoint of the same layer kinds: code pages of the kernels, allocator pools
 score(sys.argv[4], sys.argv[2], sys.argv[5], samples=4, seq_len=32, batch=2, mode="streaming",

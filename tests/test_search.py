@@ -6,19 +6,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.scores import load_scores, save_scores
-from compress.search_space import build_space, extremes
-from models.errors import RemodelError
-from models.load import load_config, load_model, save_model
-from models.config import ModelConfig
-from models.model import HybridLM, init_weights
-from models.params import count_params
-from pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
-from pipelines.inspection import fmt_count
-from pipelines.plan import plan
-from pipelines.search import search_job
-from pipelines.evaluate import evaluate
-from pipelines.runtime import load_tokenizer
+from remodel.compress.scores import load_scores, save_scores
+from remodel.compress.search_space import build_space, extremes
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, load_model, save_model
+from remodel.models.config import ModelConfig
+from remodel.models.model import HybridLM, init_weights
+from remodel.models.params import count_params
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
+from remodel.pipelines.inspection import fmt_count
+from remodel.pipelines.plan import plan
+from remodel.pipelines.search import search_job
+from remodel.pipelines.evaluate import evaluate
+from remodel.pipelines.runtime import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=2048, hidden_size=64, pattern="M-M*M-M-M-", num_attention_heads=4,
@@ -145,7 +145,7 @@ def test_infeasible_budgets_refused(tmp_path, data, capsys):
     with pytest.raises(RemodelError, match="data not found"):
         search_job(src, tmp_path / "out", tmp_path / "nope.txt", params=0.8 * ex[2], **KW)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    from cli import main  # the command line refuses the same way: exit 2, one line naming both sizes
+    from remodel.cli import main  # the command line refuses the same way: exit 2, one line naming both sizes
     assert main(["search", str(src), str(tmp_path / "out"), "--data", str(data), "--params", "1k"]) == 2
     err = capsys.readouterr().err
     assert "below every candidate" in err and fmt_count(ex[0]) in err and fmt_count(ex[1]) in err

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-import cli
-from models.errors import RemodelError
-from pipelines import sampler as S
-from pipelines import tokens as T
+from remodel import cli
+from remodel.models.errors import RemodelError
+from remodel.pipelines import sampler as S
+from remodel.pipelines import tokens as T
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"  # vocab_size 2048, the tokenizer of data/tokenizer

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import cli
-from models.errors import RemodelError
-from pipelines import sampler as S
-from pipelines import tokens as T
-from pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
+from remodel import cli
+from remodel.models.errors import RemodelError
+from remodel.pipelines import sampler as S
+from remodel.pipelines import tokens as T
+from remodel.pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from tests.rss import PEAK_RSS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,8 +161,8 @@ def test_doc_split_keeps_newlines(tmp_path, tok):
 
 RSS_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import sys, json
-    from pipelines.sampler import sequences
-    from pipelines.tokens import TokenSet
+    from remodel.pipelines.sampler import sequences
+    from remodel.pipelines.tokens import TokenSet
     with sequences(TokenSet(sys.argv[1]), 256, 16, seed=0, prefetch=2) as it:
         next(it)
         base = reset_peak()

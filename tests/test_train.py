@@ -17,17 +17,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.load import save_model
-from models.model import HybridLM, init_weights
-from pipelines import losses as L
-from pipelines import train as T
-from pipelines import train_state as S
-from pipelines import trainer as TR
-from pipelines.data import embedded_corpus, embedded_tokenizer_path
-from pipelines.dcp_storage import read_metadata as read_dcp_metadata
-from pipelines.evaluate import evaluate
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.load import save_model
+from remodel.models.model import HybridLM, init_weights
+from remodel.pipelines import losses as L
+from remodel.pipelines import train as T
+from remodel.pipelines import train_state as S
+from remodel.pipelines import trainer as TR
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.dcp_storage import read_metadata as read_dcp_metadata
+from remodel.pipelines.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,8 +196,8 @@ SCRIPT = r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(1)
-from pipelines import train as T
-from pipelines import train_state as S
+from remodel.pipelines import train as T
+from remodel.pipelines import train_state as S
 kw, mode = json.loads(sys.argv[1]), sys.argv[2]
 if mode == "stall_after_4":  # a slow process: the SIGKILL lands after the step-4 checkpoint, before step 5 ends
     write = S._write
@@ -334,7 +334,7 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert set(S.read_meta(ckpt)["adam_steps"]) == moments
     w = S.read_full(ckpt)  # the checkpoint holds the trained weights, whole
     assert all(torch.equal(w["model." + k], v) for k, v in student.state_dict().items())
-    from pipelines.convert import convert  # `remodel convert OUT.run` streams the newest checkpoint to HF
+    from remodel.pipelines.convert import convert  # `remodel convert OUT.run` streams the newest checkpoint to HF
     convert(S.run_dir_for(out), work / "frozen_converted")
     got, want = load_file(work / "frozen_converted" / "model.safetensors"), load_file(out / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -398,7 +398,7 @@ def test_resume_refuses_changed_data_and_trains_on_a_blend(work, tmp_path, capsy
     data.write_text(data.read_text().replace("LORD", "Lord"))
     with pytest.raises(RemodelError, match="data changed"):
         T.train(**{**kw, "resume": True})
-    import cli  # the same through the command line: one line, exit 2, nothing written
+    from remodel import cli  # the same through the command line: one line, exit 2, nothing written
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
     rc = cli.main(["train", str(work / "student"), str(out), "--data", str(data), "--steps", "2", "--seq-len", "32",

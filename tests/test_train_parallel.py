@@ -67,11 +67,11 @@ def worker(d: Path, cases):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from pipelines.train import train
+    from remodel.pipelines.train import train
     for name in cases:
         t0 = time.time()
         if name == "kd_tp2":  # through the command line's own function (rank 0 prints the report)
-            import cli
+            from remodel import cli
             rc = cli.main(["distill", "--teacher", str(d / "teacher"), "--student", str(d / "student"), str(d / name),
                            "--data", str(d / "train.txt"), *CLI_FLAGS, "--tp", "2"])
             assert rc == 0
@@ -105,11 +105,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from models.config import ModelConfig  # noqa: E402
-from models.load import save_model  # noqa: E402
-from models.model import HybridLM, init_weights  # noqa: E402
-from pipelines import train as T  # noqa: E402
-from pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.load import save_model  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+from remodel.pipelines import train as T  # noqa: E402
+from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
 
 
 def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
@@ -331,7 +331,7 @@ def test_dcp_checkpoint_resumes_under_other_layouts(runs):
         w_rel, worst = weights_rel(load_file(d / name / "model.safetensors"), load_file(d / "ref_lm" / "model.safetensors"))
         assert w_rel <= 1e-5, (name, worst)
     # the DP 2 x TP 2 x EP 2 run saved in the background: both checkpoints complete
-    from pipelines.train_state import list_checkpoints, read_meta
+    from remodel.pipelines.train_state import list_checkpoints, read_meta
     cks = list_checkpoints(d / "kd_dp2_tp2_ep2.run")
     assert [read_meta(c)["step"] for c in cks] == [2, 3] and all((c / "dcp_metadata.json").is_file() for c in cks)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
-from models.checkpoint import CheckpointReader, read_header, read_json
-from models.errors import RemodelError
-from models.regions import RegionReader
+from remodel import cli
+from remodel.models.checkpoint import CheckpointReader, read_header, read_json
+from remodel.models.errors import RemodelError
+from remodel.models.regions import RegionReader
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -275,7 +275,7 @@ def test_swapped_offsets_still_valid(tmp_path):
 
 
 def _sharded(tmp_path) -> Path:
-    from models.checkpoint import copy_checkpoint
+    from remodel.models.checkpoint import copy_checkpoint
     copy_checkpoint(EMBEDDED, tmp_path / "sharded", max_shard_bytes=64 * 1024)
     return tmp_path / "sharded"
 
@@ -342,7 +342,7 @@ def test_header_size_bound(tmp_path):
 def test_full_disk_during_checkpoint_is_one_line_and_no_partial(tmp_path, capsys, monkeypatch):
     import errno
 
-    from pipelines import dcp_storage
+    from remodel.pipelines import dcp_storage
 
     def full(self, plan, planner):
         with open(self.path / plan.storage_data, "wb") as f:
@@ -361,7 +361,7 @@ def test_full_disk_during_checkpoint_is_one_line_and_no_partial(tmp_path, capsys
 def test_scores_must_be_float_and_not_infinite(tmp_path):
     from safetensors.torch import save_file
 
-    from compress.scores import FORMAT, load_scores
+    from remodel.compress.scores import FORMAT, load_scores
     d = tmp_path / "scores"
     d.mkdir()
     (d / "scores.json").write_text(json.dumps({"format": FORMAT}))

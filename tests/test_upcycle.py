@@ -7,14 +7,14 @@ import shutil
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.errors import RemodelError
-from models.load import load_model, save_model
-from models.mlp import Router
-from models.model import HybridLM, init_weights
-from pipelines import upcycle as pipeline
-from pipelines.upcycle import upcycle
-from upcycle.virtual_groups import make_plan, router_weight, upcycle_mlp, upcycle_model
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_model, save_model
+from remodel.models.mlp import Router
+from remodel.models.model import HybridLM, init_weights
+from remodel.pipelines import upcycle as pipeline
+from remodel.pipelines.upcycle import upcycle
+from remodel.upcycle.virtual_groups import make_plan, router_weight, upcycle_mlp, upcycle_model
 
 NEMO = dict(vocab_size=64, hidden_size=32, pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8,
@@ -161,7 +161,7 @@ def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
 def test_shared_index_and_expert_math():
     """Tensor level: any carved neuron set + virtual groups reproduce the dense relu2 MLP exactly,
     and expert e is the scaled shard e mod G."""
-    from models.mlp import MLP, MoE
+    from remodel.models.mlp import MLP, MoE
 
     cfg = ModelConfig(**NEMO)
     mlp = MLP(32, 64, "relu2", False)
@@ -187,9 +187,9 @@ def test_check_shard_experts_equal_per_expert_dispatch(gated, dtype):
     """The deviation check runs each of the G shards once (upcycle.deviation.ShardExperts); that must
     equal models.mlp.Experts over the N written experts, for any routing (also a token routed to two
     copies of one shard) and for weights stored in bf16."""
-    from models.mlp import Experts
-    from upcycle.deviation import ShardExperts
-    from upcycle.virtual_groups import LazyExperts
+    from remodel.models.mlp import Experts
+    from remodel.upcycle.deviation import ShardExperts
+    from remodel.upcycle.virtual_groups import LazyExperts
 
     G, N, Fm, H, T, k = 4, 12, 8, 16, 40, 5
     gen = torch.Generator().manual_seed(3)
@@ -267,7 +267,7 @@ def test_gelu_exact_for_g1_and_reported_for_g2(tmp_path):
 def test_gated_gelu_split_pairs_gate_and_up():
     """Gated GeLU (Megatron's known G>1 bug): each shard keeps its gate row with its up row, so the G
     unscaled shards add up to the dense MLP exactly; G=1 upcycling is exact in our model."""
-    from models.mlp import MLP
+    from remodel.models.mlp import MLP
 
     cfg = ModelConfig(**{**LLAMA, "mlp_act": "gelu"})
     mlp = MLP(32, 64, "gelu", True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.mlp import ACT, ffn
-from models.model import Block, init_buffers
-from models.norm import RMSNorm
+from remodel.models.mlp import ACT, ffn
+from remodel.models.model import Block, init_buffers
+from remodel.models.norm import RMSNorm
 
 from .virtual_groups import LazyExperts
 

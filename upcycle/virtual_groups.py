@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from models.config import ModelConfig
-from models.errors import RemodelError
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
 
 ROUTER_MODES = {  # CLI name -> (ModelConfig.router, norm_topk_prob)
     "topk-softmax": ("softmax", True),
@@ -216,7 +216,7 @@ def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int
     """In-memory upcycling of a HybridLM (tests and experiments; the pipeline streams): -> (new model, Plan).
     Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
     made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint."""
-    from models.model import HybridLM
+    from remodel.models.model import HybridLM
 
     cfg = model.cfg
     p = make_plan(cfg, experts, granularity, top_k, shared, router, placement)
