@@ -48,7 +48,7 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-MAX_COUNT = 10**18  # pipelines.train_config.MAX_COUNT: token and parameter counts
+MAX_COUNT = 10**18  # pipelines.training.train_config.MAX_COUNT: token and parameter counts
 
 
 def _count(s: str) -> int | float:
@@ -65,8 +65,8 @@ def _count(s: str) -> int | float:
 
 
 def _train_flags(p, distill: bool):
-    """The TrainConfig options (pipelines.train_config: one place for every default and help line)."""
-    from remodel.pipelines.train_config import add_train_flags
+    """The TrainConfig options (pipelines.training.train_config: one place for every default and help line)."""
+    from remodel.pipelines.training.train_config import add_train_flags
     p.add_argument("--data", required=True, help="training data: text file/folder, .jsonl/.json, .parquet, "
                    "save_to_disk folder (tokenized once into a cached token set), a token set from `remodel "
                    "tokenize`, or a blend 'W1 A W2 B ...' of those")
@@ -267,13 +267,13 @@ def _targets(a) -> dict:
 
 
 def _run_demo(a):
-    from remodel.pipelines.demo import demo
+    from remodel.pipelines.commands.demo import demo
     return demo(a.out, quick=a.quick, overwrite=a.overwrite)
 
 
 def _run_inspect(a):
     from remodel.models.errors import RemodelError
-    from remodel.pipelines.inspection import format_inspect, inspect
+    from remodel.pipelines.commands.inspection import format_inspect, inspect
     d = inspect(a.model)
     print(_json(d, a.command) if a.json else format_inspect(d))
     bad = (d.get("checkpoint") or {}).get("config_mismatches")
@@ -282,13 +282,13 @@ def _run_inspect(a):
 
 
 def _run_convert(a):
-    from remodel.pipelines.convert import convert
+    from remodel.pipelines.commands.convert import convert
     return convert(a.model, a.out, to=a.to, overwrite=a.overwrite, dtype=_dtype(a.dtype))
 
 
 def _run_score(a):
     from remodel.models.errors import RemodelError
-    from remodel.pipelines.score import score
+    from remodel.pipelines.commands.score import score
     if a.method == "activation" and not a.data:
         raise RemodelError("--data is required for --method activation")
     return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
@@ -297,12 +297,12 @@ def _run_score(a):
 
 
 def _run_prune(a):
-    from remodel.pipelines.prune import prune
+    from remodel.pipelines.commands.prune import prune
     return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
 
 
 def _run_plan(a):
-    from remodel.pipelines.plan import plan
+    from remodel.pipelines.commands.plan import plan
     axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
     r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
              axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
@@ -311,7 +311,7 @@ def _run_plan(a):
 
 
 def _run_search(a):
-    from remodel.pipelines.search import search_job
+    from remodel.pipelines.commands.search import search_job
     return search_job(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
                       distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
                       active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
@@ -319,15 +319,15 @@ def _run_search(a):
 
 
 def _run_training(a):
-    from remodel.pipelines.train_config import config_from_args
-    from remodel.pipelines.trainer import run as run_training
+    from remodel.pipelines.training.train_config import config_from_args
+    from remodel.pipelines.training.trainer import run as run_training
     if a.command == "distill":
         return run_training(config_from_args(a, student_dir=a.student, teacher_dir=a.teacher, out=a.out))
     return run_training(config_from_args(a, student_dir=a.model, out=a.out))
 
 
 def _run_upcycle(a):
-    from remodel.pipelines.upcycle import upcycle
+    from remodel.pipelines.commands.upcycle import upcycle
     return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                    shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
                    seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
@@ -335,7 +335,7 @@ def _run_upcycle(a):
 
 def _run_eval(a):
     from remodel.models.errors import RemodelError
-    from remodel.pipelines.evaluate import evaluate
+    from remodel.pipelines.training.evaluate import evaluate
     r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
     loss = r.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):
@@ -345,7 +345,7 @@ def _run_eval(a):
 
 
 def _run_tokenize(a):
-    from remodel.pipelines.tokens import tokenize
+    from remodel.pipelines.data.tokens import tokenize
     return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
                     overwrite=a.overwrite)
 
@@ -386,9 +386,9 @@ def _json(obj, command: str) -> str:
 def _options():
     """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
     parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
-    (pipelines.train_config: the same rules make_config applies to the Python API)."""
+    (pipelines.training.train_config: the same rules make_config applies to the Python API)."""
     from remodel.models.layout import PRUNABLE
-    from remodel.pipelines.train_config import CHECKS, Check, count, ints, positive
+    from remodel.pipelines.training.train_config import CHECKS, Check, count, ints, positive
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
         "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(1, 2**24), "batch": ints(1, 2**20),

@@ -1,6 +1,6 @@
 """Distillation step time against a plain LM training step of the same student, in one process.
 
-Both steps are the trainer's own code path (pipelines.trainer.compute_losses + backward + AdamW step):
+Both steps are the trainer's own code path (pipelines.training.trainer.compute_losses + backward + AdamW step):
 plain = student forward/backward on the LM loss; distill = the same plus a frozen teacher forward under
 no_grad and the fp32 KL(teacher || student) over the vocabulary. Steps alternate (plain, distill,
 plain, ...) so machine load hits both alike; medians are reported. Goal: distill / plain <= 1.45x
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
-from remodel.pipelines.metrics import forward_flops_per_token, measure_matmul_flops  # noqa: E402
-from remodel.pipelines.trainer import build_optimizer, compute_losses  # noqa: E402
+from remodel.pipelines.training.metrics import forward_flops_per_token, measure_matmul_flops  # noqa: E402
+from remodel.pipelines.training.trainer import build_optimizer, compute_losses  # noqa: E402
 
 # the Nemotron-H-style ~7M-parameter hybrid of bench_model.py (Mamba-dominant)
 STUDENT = dict(vocab_size=2048, hidden_size=256, pattern="M-M-M*M-M-M-", num_attention_heads=4,

@@ -1,9 +1,9 @@
 """Distillation vs LM-only retraining of a pruned model at an equal token budget (CPU).
 
 The embedded 3.36M-parameter hybrid (data/embedded, `M-M*M-M-`) is the teacher. It is scored on the
-train split (pipelines.score: activation importance) and pruned (pipelines.prune) to about half its
+train split (pipelines.commands.score: activation importance) and pruned (pipelines.commands.prune) to about half its
 parameters: FFN 768 -> 384, Mamba heads 8 -> 4, hidden 256 -> 192 (the `remodel demo` targets, 53%).
-The pruned student is then trained through pipelines.train.train with the same tokens, lr schedule,
+The pruned student is then trained through pipelines.training.train.train with the same tokens, lr schedule,
 data order and seed either
   (a) by logit distillation from the teacher (KL(teacher || student), `remodel distill`'s defaults), or
   (b) by the next-token loss alone (`remodel train`).
@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remodel.models.load import load_config  # noqa: E402
 from remodel.models.params import count_params  # noqa: E402
-from remodel.pipelines.data import DATA_DIR, embedded_corpus  # noqa: E402
-from remodel.pipelines.prune import prune  # noqa: E402
-from remodel.pipelines.score import score  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
-from remodel.pipelines.train import train  # noqa: E402
+from remodel.pipelines.data.data import DATA_DIR, embedded_corpus  # noqa: E402
+from remodel.pipelines.commands.prune import prune  # noqa: E402
+from remodel.pipelines.commands.score import score  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.training.train import train  # noqa: E402
 
 TEACHER = DATA_DIR / "embedded"
 SECTION = "## Distillation quality"

@@ -8,7 +8,7 @@ each method only changes the expert ranking (`layers.i.experts`), so the cases d
 Cases: experts 8 -> 6, 8 -> 4 (ranked by the method), and expert FFN -50% (moe_intermediate_size / 2:
 channels by their router-weighted contribution for both routed methods, by plain activation over routed
 tokens for frequency, random = compress.baselines.random_scores channels), plus experts 8 -> 6 with
-expert FFN -50% together. Held-out: the VALID split, fixed token count (pipelines.evaluate.evaluate).
+expert FFN -50% together. Held-out: the VALID split, fixed token count (pipelines.training.evaluate.evaluate).
 
     python bench/bench_expert_prune_quality.py [--samples 256 --eval-tokens 32768 --threads 1] [--write]
 """
@@ -32,8 +32,8 @@ from remodel.compress.expert_scores import rank_experts  # noqa: E402
 from remodel.compress.importance import score_model  # noqa: E402
 from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
-from remodel.pipelines.data import batches, embedded_corpus, embedded_moe_path, load_texts, pack  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.data.data import batches, embedded_corpus, embedded_moe_path, load_texts, pack  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 SECTION = "## Expert pruning quality (no retraining)"
 METHODS = ("reconstruction", "contribution", "frequency")

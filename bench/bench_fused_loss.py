@@ -1,4 +1,4 @@
-"""Fused vocabulary losses (pipelines.fused_loss) against the unfused losses on materialised logits (CPU).
+"""Fused vocabulary losses (pipelines.training.fused_loss) against the unfused losses on materialised logits (CPU).
 
     python bench/bench_fused_loss.py [--tokens 4096] [--hidden 512] [--teacher-hidden 768] [--vocab 32768]
                                      [--reps 3] [--chunk ROWS] [--only ce|kl]
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
-from remodel.pipelines.losses import kl_div, lm_loss  # noqa: E402
+from remodel.pipelines.training.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
+from remodel.pipelines.training.losses import kl_div, lm_loss  # noqa: E402
 
 
 def _status(field: str) -> int:
@@ -78,7 +78,7 @@ def main():
     p.add_argument("--teacher-hidden", type=int, default=768)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: pipelines.fused_loss's)")
+    p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: pipelines.training.fused_loss's)")
     p.add_argument("--only", choices=["ce", "kl"], default=None)
     a = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD

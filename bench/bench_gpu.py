@@ -14,7 +14,7 @@
 3. Windows (`--parts windows`): the 1.3B hybrid, an 8B-shaped window (models/configs/nemotron-h-8b.json's
    widths, its first --layers-8b layers) and a Nemotron 3 Nano-shaped MoE window
    (nemotron-3-nano-30b-a3b.json's widths, its first --layers-nano layers), each in bf16 and in FP8
-   (pipelines.fp8.convert: torchao Float8Linear under the Nemotron-H recipe's exceptions): the plain step
+   (pipelines.training.fp8.convert: torchao Float8Linear under the Nemotron-H recipe's exceptions): the plain step
    and the distill step (frozen teacher of the same shape, forward in the same precision, + fused KL,
    fused CE), and transformers' train step in the same process with its fastest available path (whatever
    mamba-ssm / causal-conv1d kernels import; FP8: the same torchao swap of its Linear layers but lm_head).
@@ -49,9 +49,9 @@ from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
-from remodel.pipelines.metrics import forward_flops_per_token  # noqa: E402
-from remodel.pipelines.objective import compute_losses  # noqa: E402
-from remodel.pipelines.trainer import build_optimizer  # noqa: E402
+from remodel.pipelines.training.metrics import forward_flops_per_token  # noqa: E402
+from remodel.pipelines.training.objective import compute_losses  # noqa: E402
+from remodel.pipelines.training.trainer import build_optimizer  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 H100_BF16_DENSE = 989e12
@@ -337,7 +337,7 @@ def fp8_filter_hf(module, fqn):
 def ours_model(kw, seed, fp8, dtype=torch.float32):
     """Our model of a window, built and initialised on DEV (the device's RNG, seeded: fast for billions of
     parameters, the same weights for the same seed), FP8-swapped when asked, in `dtype`."""
-    from remodel.pipelines.fp8 import convert
+    from remodel.pipelines.training.fp8 import convert
 
     torch.manual_seed(seed)
     with torch.device(DEV):

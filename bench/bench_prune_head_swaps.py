@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.compress.scores import load_scores  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
-from remodel.pipelines.score import score  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noqa: E402
+from remodel.pipelines.commands.score import score  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
 

@@ -1,11 +1,11 @@
 """Pruning quality without retraining: held-out perplexity of the embedded model pruned with
 activation importance vs weight magnitude vs random selection (compress/baselines.py).
 
-Activation scores are calibrated on the TRAIN split of the embedded corpus through `pipelines.score`
+Activation scores are calibrated on the TRAIN split of the embedded corpus through `pipelines.commands.score`
 (whole mode, loss_increase on the first 4 batches); magnitude and random scores come from the same
 function (method='magnitude' / 'random'). Every case prunes the unpruned model in memory from those
 scores (compress.prune.plan_keep + prune_model, what `remodel prune` writes) and evaluates the VALID
-split (pipelines.evaluate.evaluate, fixed token count). Depth: activation ranks layers by loss_increase
+split (pipelines.training.evaluate.evaluate, fixed token count). Depth: activation ranks layers by loss_increase
 (the prune default when the scores have it); the cos-based block importance is shown as a second row.
 
     python bench/bench_prune_quality.py [--samples 1024 --eval-tokens 32768 --seeds 3 --threads 2] [--write]
@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.compress.scores import load_scores  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, load_texts, pack  # noqa: E402
-from remodel.pipelines.score import score  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noqa: E402
+from remodel.pipelines.commands.score import score  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
 SECTION = "## Pruning quality (no retraining)"

@@ -62,8 +62,8 @@ def forward(model, batch, head: bool):
     """The forward of `step` -> (output to backward from, its gradient)."""
     ids, dh = batch
     model.zero_grad(set_to_none=False)
-    if head == "fused":  # pipelines.fused_loss: CE in vocabulary chunks, no [tokens, V] logits
-        from remodel.pipelines.fused_loss import fused_lm_loss, lm_head_weight
+    if head == "fused":  # pipelines.training.fused_loss: CE in vocabulary chunks, no [tokens, V] logits
+        from remodel.pipelines.training.fused_loss import fused_lm_loss, lm_head_weight
         return fused_lm_loss(model.hidden(ids)[0][0, :-1], lm_head_weight(model), ids[0, 1:]), None
     if head:
         return F.cross_entropy(model(ids)[0, :-1], ids[0, 1:]), None

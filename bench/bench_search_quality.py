@@ -1,6 +1,6 @@
 """Search's pick against the uniform-width cut of the same size, on the embedded model at 60% params.
 
-1. `search` (pipelines/search.py) on the embedded checkpoint, DATA = the corpus' train file, budget
+1. `search` (pipelines/commands/search.py) on the embedded checkpoint, DATA = the corpus' train file, budget
    60% of the parameters: scores on the train part, every candidate of plan's 2% window pruned and
    ranked by loss on the held-out 20th documents of the train file, the best `--candidates`
    distilled for `--tokens` tokens (teacher = the embedded model) and re-ranked.
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remodel.models.load import load_config  # noqa: E402
 from remodel.models.params import count_params  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, load_texts  # noqa: E402
-from remodel.pipelines.prune import prune  # noqa: E402
-from remodel.pipelines.search import search_job  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
-from remodel.pipelines.train import train  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, load_texts  # noqa: E402
+from remodel.pipelines.commands.prune import prune  # noqa: E402
+from remodel.pipelines.commands.search import search_job  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.training.train import train  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 

@@ -3,9 +3,9 @@
 A hybrid whose fp32 training state (weights + grads + AdamW moments, 16 B/param) is over 2 GB is
 distilled from a teacher of the same size: once in one process, then under `torchrun --nproc-per-node 4`
 as DP 2 x TP 2 and as DP 4. Each run loads, trains, writes a checkpoint and exports; the peak RSS of
-every rank over the whole run (pipelines.metrics.PeakRSS, the kernel's high-water mark) is compared with
+every rank over the whole run (pipelines.training.metrics.PeakRSS, the kernel's high-water mark) is compared with
 the one-process peak. Every run uses the same allocator policy, REMODEL_MMAP_THRESHOLD=1 MiB (the sharded
-runs' default; one process defaults to 16 MiB, see pipelines.runtime.return_freed_memory), so the ratio
+runs' default; one process defaults to 16 MiB, see pipelines.distributed.runtime.return_freed_memory), so the ratio
 compares like with like. Prints JSON (also bench/sharded_memory.json).
 
     python bench/bench_sharded_memory.py [--hidden 1024] [--blocks 5] [--out DIR]
@@ -29,7 +29,7 @@ from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.load import save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
 from remodel.models.params import count_params  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
 from rehearsal_56b import distill  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Tokenizing the shipped corpus into a token set with num_proc=1 against num_proc=2, in one process.
 
-Both runs are pipelines.tokens.tokenize (load_texts + datasets.map + streaming tokens.bin); they alternate
+Both runs are pipelines.data.tokens.tokenize (load_texts + datasets.map + streaming tokens.bin); they alternate
 (1, 2, 1, 2, ...) so machine load hits both alike, and best-of and median times are printed with the
 ratio t(num_proc=1) / t(num_proc=2). Goal (issue 16): >= 1.5x. Both outputs must have the same
 fingerprint. TOKENIZERS_PARALLELISM=false keeps the Rust tokenizer single-threaded inside each process,
@@ -22,8 +22,8 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
-from remodel.pipelines.tokens import load_tokenizer, tokenize  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.data.tokens import load_tokenizer, tokenize  # noqa: E402
 
 
 def main():

@@ -27,7 +27,7 @@ from remodel.models.checkpoint import copy_checkpoint  # noqa: E402
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.load import save_model  # noqa: E402
 from remodel.models.model import HybridLM  # noqa: E402
-from remodel.pipelines.upcycle import upcycle  # noqa: E402
+from remodel.pipelines.commands.upcycle import upcycle  # noqa: E402
 
 SUBHEAD = "### Time against a plain copy (bench/bench_upcycle.py)"
 

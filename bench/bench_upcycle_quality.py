@@ -4,7 +4,7 @@ with the held-out loss measured along the way (a curve, not one point).
 1. An fp32 copy of data/embedded (dense relu2 hybrid `M-M*M-M-`, shipped in bf16): with fp32 weights the
    expert scale s = G^(1/3) rounds at fp32, so the MoE starts equal to the dense model (to ~1e-6).
 2. upcycle(..., router="sigmoid", exact=True): Nemotron-H's normalised sigmoid router, virtual groups.
-3. pipelines.train.train on both, same `--tokens` (default 1.5M: about 1.5 epochs of the whole train split;
+3. pipelines.training.train.train on both, same `--tokens` (default 1.5M: about 1.5 epochs of the whole train split;
    `--stride k` keeps every k-th chapter only), same seed and data order, batch, lr schedule (linear
    warm-up, cosine to lr/10 over the whole run); the trainer adds the load-balancing loss (1e-2) for the
    MoE only. Each run keeps a checkpoint every tokens/`--evals` tokens; after it, every checkpoint's weights
@@ -36,9 +36,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from bench_upcycle import record  # noqa: E402
 from remodel.data.make_embedded_moe import RECIPE, record_of, ship, train_arm, upcycle_embedded  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
-from remodel.pipelines.train_state import list_checkpoints, read_full, read_meta, run_dir_for  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.training.train_state import list_checkpoints, read_full, read_meta, run_dir_for  # noqa: E402
 
 SUBHEAD = "### Quality after further training (bench/bench_upcycle_quality.py)"
 OUT_JSON, OUT_PNG = ROOT / "bench" / "upcycle_quality.json", ROOT / "bench" / "upcycle_quality.png"
@@ -130,7 +130,7 @@ def body(a, res: dict, up: dict) -> str:
         f"N={a.experts} G={a.granularity} T={a.top_k} (expert size {up['expert_size']}, {prm['moe_total'] / 1e6:.3f}M "
         f"total / {prm['moe_active'] / 1e6:.3f}M active), sigmoid router + norm_topk_prob (Nemotron-H), exact at "
         f"init (max |dlogit| {up['deviation']['max_abs_logit_diff']:.1e}).",
-        f"- Both trained with pipelines.train.train on the same {d['tokens']:,} tokens in the same order "
+        f"- Both trained with pipelines.training.train.train on the same {d['tokens']:,} tokens in the same order "
         f"({'the whole train split' if a.stride == 1 else f'every {a.stride}th chapter'}, {d['data_tokens']:,} "
         f"tokens, {d['epochs']:.2f} epochs; {d['steps']} steps of {a.batch}x{a.seq_len}, seed {a.seed}), AdamW lr "
         f"{a.lr:g} (warm-up {min(100, d['steps'] // 10)} steps, cosine to {a.lr / 10:g} over the whole run), wd 0.1, "

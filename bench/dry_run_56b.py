@@ -45,8 +45,8 @@ from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
 from remodel.models.params import count_params, memory_bytes  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
-from remodel.pipelines.plan import plan  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.commands.plan import plan  # noqa: E402
 
 REFERENCE = Path("/work/shared/reference/configs")
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "configs"
@@ -117,7 +117,7 @@ def build_checkpoint(cfg, path: Path, seed: int = 0):
 
 def check_refusals(ckpt: Path, root: Path, data, cfg) -> dict:
     """search_job() on budgets below the smallest / above the source: refused, nothing written."""
-    from remodel.pipelines.search import search_job
+    from remodel.pipelines.commands.search import search_job
     refused = {}
     for name, p in (("below", 1e3), ("above", 2.0 * count_params(cfg)["total"])):
         bad = root / f"refused-{name}"
@@ -154,8 +154,8 @@ def main():
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--out", default=None, help="keep the outputs here (default: a temporary folder)")
     a = ap.parse_args()
-    from remodel.pipelines.score import score
-    from remodel.pipelines.search import search_job
+    from remodel.pipelines.commands.score import score
+    from remodel.pipelines.commands.search import search_job
 
     t0 = time.time()
     phases = {}

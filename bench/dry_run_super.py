@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dry_run_56b import (build_checkpoint, check_export, check_refusals, counts, cpu_seconds,  # noqa: E402
                          peak_rss_mb, reference, scale_widths)
 from remodel.models.params import count_params  # noqa: E402
-from remodel.pipelines.data import embedded_corpus  # noqa: E402
-from remodel.pipelines.plan import plan  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus  # noqa: E402
+from remodel.pipelines.commands.plan import plan  # noqa: E402
 
 SUPER = "nemotron-3-super-120b-a12b"
 PARAMS_B, ACTIVE_B = 75e9, 10e9
@@ -144,8 +144,8 @@ def _args():
 
 def main():
     a = _args()
-    from remodel.pipelines.score import score
-    from remodel.pipelines.search import search_job
+    from remodel.pipelines.commands.score import score
+    from remodel.pipelines.commands.search import search_job
 
     t0, phases = time.time(), {}
 

@@ -7,7 +7,7 @@ Runs (each `cli.py distill`, the same flags, data: the embedded corpus as a cach
   one process (the reference), DP 2 x TP 2 and DP 4 under `torchrun --nproc-per-node 4`;
   DP 2 x TP 2 with rank 1 SIGKILLed after its step-2 checkpoint, resumed under DP 4 and in one process.
 Recorded per rank: peak RSS after loading, after the first checkpoint, after training and after the
-export (pipelines.metrics.PeakRSS), against the 1/N share of the training state; losses of the resumed
+export (pipelines.training.metrics.PeakRSS), against the 1/N share of the training state; losses of the resumed
 runs against the reference. Then the projection of the real job (see `project`), checked against the
 rehearsal's own measured per-rank memory. Prints one JSON object (bench/rehearsal_56b.json).
 
@@ -37,7 +37,7 @@ from dry_run_56b import build_checkpoint, reference, scaled_config  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.load import load_model, read_config_dict  # noqa: E402
 from remodel.models.params import count_params  # noqa: E402
-from remodel.pipelines.data import embedded_corpus  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus  # noqa: E402
 
 H100_GB, USABLE = 80, 0.9  # a GPU's memory and the share a job can plan on (allocator, NCCL, CUDA context)
 SEQ_REAL = 8192
@@ -45,8 +45,8 @@ SEQ_REAL = 8192
 
 def build(root: Path, scale: int):
     """Teacher checkpoint (56B pattern / scale) and its 47B-class pruned student."""
-    from remodel.pipelines.prune import prune
-    from remodel.pipelines.score import score_weights
+    from remodel.pipelines.commands.prune import prune
+    from remodel.pipelines.commands.score import score_weights
     cfg = scaled_config(scale).replace(num_key_value_heads=2)
     teacher, student = root / "teacher", root / "student"
     build_checkpoint(cfg, teacher)

@@ -354,7 +354,7 @@ def prune_state(state: dict, cfg: ModelConfig, keep: dict) -> tuple[ModelConfig,
 
 @torch.no_grad()
 def prune_model(model, keep: dict):
-    """In-memory: HybridLM -> pruned HybridLM (for search and tests; checkpoints go through pipelines.prune)."""
+    """In-memory: HybridLM -> pruned HybridLM (for search and tests; checkpoints go through pipelines.commands.prune)."""
     from remodel.models.model import HybridLM
 
     cfg, state = prune_state(model.state_dict(), model.cfg, keep)

@@ -22,7 +22,7 @@ alone in hybrids); name them in `axes` (or use the preset "all") to search them 
 
 Every metric is additive over layers at a fixed hidden size, so the search runs per hidden size over
 per-type option arrays (numpy outer sums, pruned by the budget as it goes): exact total and active
-parameters (models.params' per-layer formulas; pipelines.plan re-checks every candidate it returns
+parameters (models.params' per-layer formulas; pipelines.commands.plan re-checks every candidate it returns
 with count_params) and memory as models.params.memory_bytes counts it (weights at `dtype_bytes`,
 router correction bias fp32, KV cache of `batch` x `seq_len` tokens in bf16, Mamba conv state bf16 +
 SSM state fp32).

@@ -5,7 +5,7 @@ top-4, Nemotron-H sigmoid router, exact at init) and trained further on the ship
     python data/make_embedded_moe.py --tokens 262144 --out /tmp/moe
 
 Steps: an fp32 copy of data/embedded (so the upcycled model starts equal to the dense one to ~1e-6);
-pipelines.upcycle.upcycle; pipelines.train.train on the whole train split (the trainer caches it as a
+pipelines.commands.upcycle.upcycle; pipelines.training.train.train on the whole train split (the trainer caches it as a
 token set under $REMODEL_CACHE) with the same settings as bench/bench_upcycle_quality.py's MoE arm;
 save in bfloat16 (like data/embedded), reload, and evaluate the *shipped* weights in fp32 on the whole
 valid split, ours and transformers' (must agree within 1e-3). README.md and train_log.json record it.
@@ -29,10 +29,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see data/train_embedded.p
 import torch  # noqa: E402
 
 from remodel.models.load import load_config, load_model, save_model  # noqa: E402
-from remodel.pipelines.data import DATA_DIR, embedded_corpus, embedded_tokenizer_path  # noqa: E402
-from remodel.pipelines.evaluate import evaluate  # noqa: E402
-from remodel.pipelines.train import train  # noqa: E402
-from remodel.pipelines.upcycle import upcycle  # noqa: E402
+from remodel.pipelines.data.data import DATA_DIR, embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.training.train import train  # noqa: E402
+from remodel.pipelines.commands.upcycle import upcycle  # noqa: E402
 
 EMBEDDED = DATA_DIR / "embedded"
 # the recipe (bench/bench_upcycle_quality.py uses the same defaults)
@@ -81,7 +81,7 @@ def ship(trained: Path, out: Path, record: dict) -> dict:
 
 
 class _HFWrap(torch.nn.Module):
-    """transformers' model behind our forward(ids) -> logits, for pipelines.evaluate."""
+    """transformers' model behind our forward(ids) -> logits, for pipelines.training.evaluate."""
 
     def __init__(self, hf, cfg):
         super().__init__()
@@ -103,7 +103,7 @@ def readme(log: dict) -> str:
 data/embedded (the dense default, `M-M*M-M-`) upcycled to a fine-grained mixture of experts and trained
 further on the shipped King James Bible corpus. The trained MoE of `tests/test_embedded.py` and of the
 expert-pruning experiments. Loads with `transformers.AutoModelForCausalLM.from_pretrained("data/embedded_moe")`
-(no trust_remote_code); `pipelines.data.embedded_moe_path()` locates it.
+(no trust_remote_code); `pipelines.data.data.embedded_moe_path()` locates it.
 
 | | |
 |---|---|
@@ -111,7 +111,7 @@ expert-pruning experiments. Loads with `transformers.AutoModelForCausalLM.from_p
 | upcycling | `upcycle(dense_fp32, out, {log["experts"]}, {log["granularity"]}, {log["top_k"]}, router="sigmoid", exact=True, seed={log["seed"]})`: {log["experts"]} experts of {log["expert_size"]} (G={log["granularity"]} virtual groups), top-{log["top_k"]}, normalised sigmoid router (Nemotron-H), exact at init (max abs logit diff {log["init_max_abs_logit_diff"]:.1e}) |
 | parameters | {log["params_total"]:,} total, {log["params_active"]:,} active per token |
 | weights | bfloat16, {size / 1e6:.2f} MB on disk in all |
-| training | pipelines.train.train: {log["tokens_trained"]:,} tokens ({log["steps"]} steps of {log["batch"]}x{log["seq_len"]}) of the whole train split, seed {log["seed"]}, AdamW lr {log["lr"]:g} (warm-up {log["warmup_steps"]} steps, cosine to {log["lr"] / 10:g}), wd 0.1, clip 1.0, load-balancing loss 1e-2; {log["train_minutes"]} min on CPU ({log["threads"]} thread, shared machine) |
+| training | pipelines.training.train.train: {log["tokens_trained"]:,} tokens ({log["steps"]} steps of {log["batch"]}x{log["seq_len"]}) of the whole train split, seed {log["seed"]}, AdamW lr {log["lr"]:g} (warm-up {log["warmup_steps"]} steps, cosine to {log["lr"] / 10:g}), wd 0.1, clip 1.0, load-balancing loss 1e-2; {log["train_minutes"]} min on CPU ({log["threads"]} thread, shared machine) |
 | final train loss | {log["final_train_loss"]:.4f} (mean of the last 20 steps) |
 | held-out loss / perplexity | {log["valid_loss"]} / {log["valid_ppl"]} on all {log["valid_tokens"]:,} valid tokens (seq {log["seq_len"]}, shipped bf16 weights evaluated in fp32); the dense start: {log["valid_loss_at_init"]} |
 | via transformers | {log["valid_loss_transformers"]} |

@@ -4,7 +4,7 @@ shipped KJV corpus, on CPU: ~10 minutes on an idle 2-core machine, training capp
     python data/train_embedded.py                      # writes data/embedded (overwrites it)
     python data/train_embedded.py --max-minutes 5 --out /tmp/emb
 
-A self-contained loop (no dependency on pipelines/train.py): AdamW, linear warm-up then cosine decay,
+A self-contained loop (no dependency on pipelines/training/train.py): AdamW, linear warm-up then cosine decay,
 grad clip 1.0, batch 16 x 256 tokens, seeded init and data order. The schedule follows
 progress = max(tokens done / token budget, minutes spent / --max-minutes), so a slow machine still
 anneals to the final learning rate instead of stopping mid-schedule (the run is reproducible only
@@ -37,7 +37,7 @@ from tqdm import tqdm  # noqa: E402
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
-from remodel.pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
+from remodel.pipelines.data.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack  # noqa: E402
 
 SLICE_TOKENS = 8192  # the fixed held-out slice tests/test_embedded.py re-evaluates: first 32 valid blocks
 

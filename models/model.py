@@ -57,7 +57,7 @@ class HybridLM(nn.Module):
                 return_hidden=False):
         """-> logits [b, l, V] (and the residual stream after every layer, embeddings first).
         return_hidden: the final hidden states [b, l, H] (after norm_f) instead of the logits, for a loss
-        that applies the lm_head itself (pipelines.fused_loss); through forward, not `hidden`, so that
+        that applies the lm_head itself (pipelines.training.fused_loss); through forward, not `hidden`, so that
         FSDP's root hooks gather (and keep until the backward) the embeddings, norm_f and lm_head."""
         h, states = self.hidden(input_ids, attention_mask, position_ids, output_hidden_states)
         out = h if return_hidden else self.logits(h)

@@ -158,7 +158,7 @@ def _tally(shapes: dict, type_of, types=()) -> tuple[dict, int, int]:
 def active_params(cfg: ModelConfig, with_mtp: bool = False) -> int:
     """Parameters used per token: routed experts at num_experts_per_tok of n_routed_experts, all else in
     full (embeddings and lm_head included; buffers not). The one active count: count_params, the
-    training FLOPs (pipelines.metrics) and the upcycling report read it; with_mtp adds the MTP head's."""
+    training FLOPs (pipelines.training.metrics) and the upcycling report read it; with_mtp adds the MTP head's."""
     shapes = {n: s for n, s in our_shapes(cfg).items() if with_mtp or not n.startswith("mtp.")}
     by_type, _, routed = _tally(shapes, lambda n: "all")
     return _active(cfg, sum(by_type.values()), routed)

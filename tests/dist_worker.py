@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node N tests/dist_worker.py CASE [CASE ...]
 
-Every rank trains a tiny Nemotron-H both ways, parallelized (pipelines.parallel) and as a plain
+Every rank trains a tiny Nemotron-H both ways, parallelized (pipelines.distributed.parallel) and as a plain
 single-process reference on the concatenated batch, and rank 0 prints one `RESULT {json}` line per
 case with the measured differences; the test asserts on them. Cases 'die' / 'hang' stop rank 1
 mid-step.
@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
-from remodel.pipelines.parallel import (clip_grad_norm_, dp_mean, full_grads, full_state_dict, gather_model,  # noqa: E402
+from remodel.pipelines.distributed.parallel import (clip_grad_norm_, dp_mean, full_grads, full_state_dict, gather_model,  # noqa: E402
                                 parallel_info, parallelize)
-from remodel.pipelines.vocab_parallel import vocab_parallel_kl_div, vocab_parallel_lm_loss, vocab_shard  # noqa: E402
+from remodel.pipelines.training.vocab_parallel import vocab_parallel_kl_div, vocab_parallel_lm_loss, vocab_shard  # noqa: E402
 
 STEPS, B, L, LR = 3, 4, 16, 3e-3
 

@@ -119,8 +119,8 @@ def test_non_utf8_data_is_one_line_error(work, capsys):
 @pytest.mark.parametrize("name", ["binary.txt", "binary.jsonl", "folder"])
 def test_non_utf8_load_texts(tmp_path, name):
     """What train/distill --eval-data and every DATA path go through."""
-    from remodel.pipelines.data import load_texts
-    from remodel.pipelines.evaluate import evaluate
+    from remodel.pipelines.data.data import load_texts
+    from remodel.pipelines.training.evaluate import evaluate
     p = tmp_path / name
     if name == "folder":
         p.mkdir()
@@ -390,7 +390,7 @@ def test_oserror_anywhere_is_one_line(monkeypatch, capsys):
 def test_train_help_teaches():
     """distill/train: the budget rule, --keep-last 0, the warm-up cap, recompute modes, data forms; each
     default comes from TrainConfig (so the CLI and the API agree)."""
-    from remodel.pipelines.train_config import FIELDS
+    from remodel.pipelines.training.train_config import FIELDS
     for name in ("distill", "train"):
         p = _subparsers()[name]
         text = " ".join(p.format_help().split())

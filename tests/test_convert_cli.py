@@ -180,7 +180,7 @@ def test_conversion_memory_bounded(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from remodel.pipelines.convert import convert
+        from remodel.pipelines.commands.convert import convert
         import transformers  # imported before the baseline: its import cost is not the conversion's
         from remodel.models.hf import config_from_hf
         def rss(field):

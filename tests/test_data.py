@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from remodel.models.errors import RemodelError
-from remodel.pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
+from remodel.pipelines.data.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
 
 DOCS = ["In the beginning God created the heaven and the earth.",
         "And the earth was without form, and void.",

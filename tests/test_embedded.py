@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from remodel.models.checkpoint import CheckpointReader
 from remodel.models.load import load_config, load_model
-from remodel.pipelines.data import embedded_corpus, load_texts, pack
+from remodel.pipelines.data.data import embedded_corpus, load_texts, pack
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 VOCAB = 2048
@@ -98,20 +98,20 @@ MOE_LOSS_MAX = 3.87  # measured 3.84458 (data/embedded_moe/train_log.json), 0.02
 
 @pytest.fixture(scope="module")
 def moe_log():
-    from remodel.pipelines.data import embedded_moe_path
+    from remodel.pipelines.data.data import embedded_moe_path
     return json.loads((embedded_moe_path() / "train_log.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def moe():
-    from remodel.pipelines.data import embedded_moe_path
+    from remodel.pipelines.data.data import embedded_moe_path
     torch.set_num_threads(2)
     return load_model(embedded_moe_path())
 
 
 def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
     """Same trunk as data/embedded with every MLP turned into an 8-expert top-4 MoE, bf16, a few MB."""
-    from remodel.pipelines.data import embedded_moe_path
+    from remodel.pipelines.data.data import embedded_moe_path
     path, dense = embedded_moe_path(), load_config(EMBEDDED)
     cfg = load_config(path)
     assert "E" in cfg.pattern and cfg.pattern == dense.pattern.replace("-", "E")
@@ -129,7 +129,7 @@ def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
 
 def test_moe_held_out_loss(moe, moe_log):
     """The whole valid split (55,040 tokens): the recorded loss, below the threshold and the dense start."""
-    from remodel.pipelines.evaluate import evaluate
+    from remodel.pipelines.training.evaluate import evaluate
     blocks = pack(load_texts(embedded_corpus()[1]), AutoTokenizer.from_pretrained(EMBEDDED), 256)
     loss = evaluate(moe, blocks, batch=16)["loss"]
     assert abs(loss - moe_log["valid_loss"]) < 2e-3  # the log describes these weights
@@ -138,7 +138,7 @@ def test_moe_held_out_loss(moe, moe_log):
 
 
 def test_moe_ours_and_transformers_agree(moe, slice_blocks):
-    from remodel.pipelines.data import embedded_moe_path
+    from remodel.pipelines.data.data import embedded_moe_path
     hf = AutoModelForCausalLM.from_pretrained(embedded_moe_path(), dtype=torch.float32).eval()
     x = slice_blocks[-2:, :128]
     with torch.no_grad():

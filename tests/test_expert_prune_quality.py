@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remodel.pipelines.data import embedded_moe_path
+from remodel.pipelines.data.data import embedded_moe_path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""FP8 (pipelines/fp8.py): which Linear layers run in FP8 under the Nemotron-H recipe's exceptions, that
+"""FP8 (pipelines/training/fp8.py): which Linear layers run in FP8 under the Nemotron-H recipe's exceptions, that
 torchao's swap converts exactly those (checked on CPU; the FP8 matmuls themselves need an H100), and that
 a run asking for FP8 off CUDA is refused with one line before any work."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines.fp8 import convert, fp8_modules
+from remodel.pipelines.training.fp8 import convert, fp8_modules
 
 
 def model():
@@ -33,7 +33,7 @@ def test_fp8_picks_the_recipe_layers_and_torchao_swaps_exactly_those():
 
 
 def test_fp8_off_cuda_is_refused_before_work(tmp_path):
-    from remodel.pipelines.train import train
+    from remodel.pipelines.training.train import train
     with pytest.raises(RemodelError, match="--fp8"):
         train(tmp_path / "missing", tmp_path / "o", tmp_path / "d.txt", steps=1, fp8=True, device="cpu")
     assert not (tmp_path / "o").exists()

@@ -1,4 +1,4 @@
-"""pipelines.fused_loss against the unfused pipelines.losses on materialised logits: values and gradients
+"""pipelines.training.fused_loss against the unfused pipelines.training.losses on materialised logits: values and gradients
 (fp32 within 1e-6, bf16 and autocast within bf16 tolerances), every chunking, the vocab-parallel group
 (2 gloo processes), FSDP2 over 2 dp ranks (the trainer's objective, gathered gradients within 1e-5 of
 one process, measured <= 6e-7), and memory: nothing [N, V] is saved for backward and peak RSS stays far below it."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss
-from remodel.pipelines.losses import kl_div, lm_loss
+from remodel.pipelines.training.fused_loss import fused_kl_div, fused_lm_loss
+from remodel.pipelines.training.losses import kl_div, lm_loss
 from tests.rss import PEAK_RSS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,8 +132,8 @@ def test_nothing_n_by_v_saved_for_backward():
 
 MEMORY_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import json, sys, torch
-    from remodel.pipelines.fused_loss import fused_kl_div, fused_lm_loss
-    from remodel.pipelines.losses import lm_loss
+    from remodel.pipelines.training.fused_loss import fused_kl_div, fused_lm_loss
+    from remodel.pipelines.training.losses import lm_loss
     torch.manual_seed(0)
     N, H, V = 4096, 32, 32768
     h = torch.randn(N, H, requires_grad=True)
@@ -238,8 +238,8 @@ def _fsdp_worker(rank, world, init_file, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from remodel.pipelines.objective import compute_losses
-    from remodel.pipelines.parallel import full_grads, parallelize
+    from remodel.pipelines.training.objective import compute_losses
+    from remodel.pipelines.distributed.parallel import full_grads, parallelize
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -269,7 +269,7 @@ def test_fsdp_data_parallel_grads_match_single_process(tmp_path):
     gradients equal one process on the whole batch, untied and tied (lm_head = embeddings) student."""
     import torch.multiprocessing as mp
 
-    from remodel.pipelines.objective import compute_losses
+    from remodel.pipelines.training.objective import compute_losses
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "fsdp.pt")
     teacher = _tiny_teacher()

@@ -151,7 +151,7 @@ def test_fuzz_configs(tmp_path_factory, edits):
 
 @pytest.fixture(scope="module")
 def token_set(tmp_path_factory):
-    from remodel.pipelines.tokens import tokenize
+    from remodel.pipelines.data.tokens import tokenize
     d = tmp_path_factory.mktemp("tok")
     (d / "text.txt").write_text("\n".join(f"document {i} says hello to the fuzzer" for i in range(40)))
     tokenize(d / "text.txt", d / "set", str(ROOT / "data" / "tokenizer"))
@@ -159,8 +159,8 @@ def token_set(tmp_path_factory):
 
 
 def _read_batches(path, vocab: int):
-    from remodel.pipelines.sampler import sequences
-    from remodel.pipelines.tokens import open_tokens
+    from remodel.pipelines.data.sampler import sequences
+    from remodel.pipelines.data.tokens import open_tokens
     data = open_tokens(str(path))
     if data.vocab_size > vocab:
         raise RemodelError("vocab")
@@ -213,7 +213,7 @@ WORD = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.in
 @FUZZ
 @given(st.lists(WORD, min_size=0, max_size=6))
 def test_fuzz_blend_strings(token_set, tmp_path_factory, words):
-    from remodel.pipelines.tokens import open_tokens, parse_blend
+    from remodel.pipelines.data.tokens import open_tokens, parse_blend
     d = token_set.parent
     (d / "FILE").write_text("not a token set")
     spec = " ".join(str(d / "missing") if w == "MISSING" else str(d / "FILE") if w == "FILE"

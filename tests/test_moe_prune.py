@@ -21,7 +21,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 
 LATENT = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
                      head_dim=8, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=8,

@@ -22,7 +22,7 @@ from remodel.models.hf import config_from_hf, config_to_hf, our_shapes
 from remodel.models.load import load_model, read_config_dict, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
-from remodel.pipelines.inspection import format_inspect, inspect
+from remodel.pipelines.commands.inspection import format_inspect, inspect
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,

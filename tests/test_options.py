@@ -134,7 +134,7 @@ def test_every_numeric_option_has_a_rule():
                                       ({"steps": 0}, "steps"), ({"batch": True}, "batch"),
                                       ({"seq_len": "256"}, "seq_len"), ({"temperature": 0.0}, "temperature")])
 def test_make_config_validates(kw, match):
-    from remodel.pipelines.train_config import make_config
+    from remodel.pipelines.training.train_config import make_config
     with pytest.raises(RemodelError, match=match):
         make_config(student_dir="s", out="o", data="d", **kw)
     make_config(student_dir="s", out="o", data="d", lr=3e-4, grad_clip=0.0, tokens=2_000_000)

@@ -1,4 +1,4 @@
-"""Tensor / expert / data parallelism (pipelines.parallel, pipelines.vocab_parallel) against the
+"""Tensor / expert / data parallelism (pipelines.distributed.parallel, pipelines.training.vocab_parallel) against the
 single-process model: real gloo runs under torchrun (tests/dist_worker.py, one launch per world size)
 and one-process 'fake' process-group checks of the sharding plans at world size 8.
 
@@ -25,7 +25,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.model import HybridLM, init_weights
 
-from remodel.pipelines.parallel import parallel_info, parallelize, shard_tensor, unshard_tensor
+from remodel.pipelines.distributed.parallel import parallel_info, parallelize, shard_tensor, unshard_tensor
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 TRAIN_CASES = {2: ["tp", "tp_llama", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}

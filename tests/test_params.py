@@ -12,7 +12,7 @@ from remodel.models.hf import config_from_hf, config_to_hf, default_family
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import AXES, closed_form, count_params, layer_params, memory_bytes
-from remodel.pipelines.inspection import format_inspect, inspect
+from remodel.pipelines.commands.inspection import format_inspect, inspect
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 PUBLISHED = {"nemotron-h-56b": 56.324, "nemotron-h-47b": 46.792, "nemotron-h-8b": 8.101,

@@ -13,8 +13,8 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf
 from remodel.models.params import count_params, memory_bytes
-from remodel.pipelines.inspection import fmt_count
-from remodel.pipelines.plan import FIELDS, candidate_config, plan
+from remodel.pipelines.commands.inspection import fmt_count
+from remodel.pipelines.commands.plan import FIELDS, candidate_config, plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 TINY = ModelConfig(vocab_size=96, hidden_size=64, pattern="M-M*-ME-M-", num_attention_heads=4, num_key_value_heads=2,

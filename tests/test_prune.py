@@ -19,7 +19,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.hf import config_to_hf, our_shapes
 from remodel.models.load import iter_hf_tensors, load_model, save_model
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines.prune import prune
+from remodel.pipelines.commands.prune import prune
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -418,7 +418,7 @@ import re, sys
 import matplotlib.pyplot
 from remodel.models.hf import config_to_hf
 from remodel.models.load import load_config
-from remodel.pipelines.prune import prune
+from remodel.pipelines.commands.prune import prune
 config_to_hf(load_config(sys.argv[1]), "nemotron_h")  # code and transformers' config classes loaded up front
 base = reset_peak()
 prune(sys.argv[1], sys.argv[2], sys.argv[3], hidden_size=768, ffn_size=2048, max_shard_bytes=int(sys.argv[4]))
@@ -464,7 +464,7 @@ def test_pruning_memory_is_bounded(tmp_path):
 
 def test_prune_from_data_scores_then_reuses_them(tmp_path):
     from remodel.compress.scores import load_scores
-    from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
+    from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 
     cfg = NEMO.replace(vocab_size=2048)  # the embedded tokenizer's vocabulary
     src = save_model(make_model(cfg), tmp_path / "src", aux_from=embedded_tokenizer_path())

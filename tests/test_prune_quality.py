@@ -21,8 +21,8 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model, save_model
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines.prune import prune
-from remodel.pipelines.score import score
+from remodel.pipelines.commands.prune import prune
+from remodel.pipelines.commands.score import score
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "data" / "embedded"
@@ -151,8 +151,8 @@ def test_baseline_scores_through_score_and_prune(tmp_path):
 def test_activation_beats_random_on_the_embedded_model():
     from transformers import AutoTokenizer
 
-    from remodel.pipelines.data import batches, embedded_corpus, load_texts, pack
-    from remodel.pipelines.evaluate import evaluate
+    from remodel.pipelines.data.data import batches, embedded_corpus, load_texts, pack
+    from remodel.pipelines.training.evaluate import evaluate
 
     train, valid = embedded_corpus()
     tok = AutoTokenizer.from_pretrained(str(EMBEDDED))

@@ -12,7 +12,7 @@ import pytest
 
 from remodel import cli
 from remodel.models.errors import RemodelError
-from remodel.pipelines.runtime import LOCK_NAME, RunLock
+from remodel.pipelines.distributed.runtime import LOCK_NAME, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -21,7 +21,7 @@ VALID = ROOT / "data" / "corpus" / "valid.txt.gz"
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from remodel.pipelines.runtime import RunLock
+    from remodel.pipelines.distributed.runtime import RunLock
     RunLock(Path(sys.argv[1]), Path(sys.argv[2])).acquire()
     print("locked", flush=True)
     time.sleep(600)
@@ -94,7 +94,7 @@ def test_cli_refuses_an_out_in_use(tmp_path, capsys, holder, cmd, flags):
 
 
 def test_clear_keeps_the_lock(tmp_path):
-    from remodel.pipelines.trainer import _clear
+    from remodel.pipelines.training.trainer import _clear
     lock = RunLock(tmp_path / "o.run", tmp_path / "o").acquire()
     (tmp_path / "o.run" / "step-000002").mkdir()
     (tmp_path / "o.run" / "peak-rss-rank0.json").write_text("{}")

@@ -22,8 +22,8 @@ from remodel.models.hf import config_to_hf, our_shapes, weight_table
 from remodel.models.load import load_model, save_model
 from remodel.models.mlp import ACT
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
-from remodel.pipelines.score import choose_mode, score
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.commands.score import choose_mode, score
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -411,7 +411,7 @@ import re, sys
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 import transformers, datasets, psutil, torch
 from transformers import AutoTokenizer
-from remodel.pipelines.score import score
+from remodel.pipelines.commands.score import score
 torch.set_num_threads(1)
 # warm-up on a tiny checkpoint of the same layer kinds: code pages of the kernels, allocator pools
 score(sys.argv[4], sys.argv[2], sys.argv[5], samples=4, seq_len=32, batch=2, mode="streaming",

@@ -13,12 +13,12 @@ from remodel.models.load import load_config, load_model, save_model
 from remodel.models.config import ModelConfig
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
-from remodel.pipelines.inspection import fmt_count
-from remodel.pipelines.plan import plan
-from remodel.pipelines.search import search_job
-from remodel.pipelines.evaluate import evaluate
-from remodel.pipelines.runtime import load_tokenizer
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
+from remodel.pipelines.commands.inspection import fmt_count
+from remodel.pipelines.commands.plan import plan
+from remodel.pipelines.commands.search import search_job
+from remodel.pipelines.training.evaluate import evaluate
+from remodel.pipelines.distributed.runtime import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=2048, hidden_size=64, pattern="M-M*M-M-M-", num_attention_heads=4,

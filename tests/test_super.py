@@ -14,9 +14,9 @@ from remodel.compress.search_space import build_space
 from remodel.models.hf import config_from_hf
 from remodel.models.load import load_config, load_model
 from remodel.models.params import count_params
-from remodel.pipelines.inspection import inspect
-from remodel.pipelines.plan import plan
-from remodel.pipelines.search import search_job
+from remodel.pipelines.commands.inspection import inspect
+from remodel.pipelines.commands.plan import plan
+from remodel.pipelines.commands.search import search_job
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "nemotron-3-super-120b-a12b"
@@ -108,7 +108,7 @@ def random_scores(d, cfg, seed=0):
 def data(tmp_path_factory):
     import gzip
 
-    from remodel.pipelines.data import embedded_corpus
+    from remodel.pipelines.data.data import embedded_corpus
     p = tmp_path_factory.mktemp("data") / "data.txt"
     with gzip.open(embedded_corpus()[0], "rt") as f:
         p.write_text("".join(next(f) for _ in range(300)))

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from remodel import cli
 from remodel.models.errors import RemodelError
-from remodel.pipelines import sampler as S
-from remodel.pipelines import tokens as T
+from remodel.pipelines.data import sampler as S
+from remodel.pipelines.data import tokens as T
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"  # vocab_size 2048, the tokenizer of data/tokenizer

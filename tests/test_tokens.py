@@ -1,4 +1,4 @@
-"""Token sets on disk (pipelines/tokens.py): content equal to pack(), dtype by vocabulary, exact resume,
+"""Token sets on disk (pipelines/data/tokens.py): content equal to pack(), dtype by vocabulary, exact resume,
 DP rows, weighted blends, document splitting, flat resident memory, bad input, the CLI."""
 import json
 import os
@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from remodel import cli
 from remodel.models.errors import RemodelError
-from remodel.pipelines import sampler as S
-from remodel.pipelines import tokens as T
-from remodel.pipelines.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
+from remodel.pipelines.data import sampler as S
+from remodel.pipelines.data import tokens as T
+from remodel.pipelines.data.data import batches, embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from tests.rss import PEAK_RSS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,8 +161,8 @@ def test_doc_split_keeps_newlines(tmp_path, tok):
 
 RSS_SCRIPT = PEAK_RSS + textwrap.dedent('''
     import sys, json
-    from remodel.pipelines.sampler import sequences
-    from remodel.pipelines.tokens import TokenSet
+    from remodel.pipelines.data.sampler import sequences
+    from remodel.pipelines.data.tokens import TokenSet
     with sequences(TokenSet(sys.argv[1]), 256, 16, seed=0, prefetch=2) as it:
         next(it)
         base = reset_peak()

@@ -21,13 +21,13 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines import losses as L
-from remodel.pipelines import train as T
-from remodel.pipelines import train_state as S
-from remodel.pipelines import trainer as TR
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path
-from remodel.pipelines.dcp_storage import read_metadata as read_dcp_metadata
-from remodel.pipelines.evaluate import evaluate
+from remodel.pipelines.training import losses as L
+from remodel.pipelines.training import train as T
+from remodel.pipelines.training import train_state as S
+from remodel.pipelines.training import trainer as TR
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.training.dcp_storage import read_metadata as read_dcp_metadata
+from remodel.pipelines.training.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,8 +196,8 @@ SCRIPT = r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(1)
-from remodel.pipelines import train as T
-from remodel.pipelines import train_state as S
+from remodel.pipelines.training import train as T
+from remodel.pipelines.training import train_state as S
 kw, mode = json.loads(sys.argv[1]), sys.argv[2]
 if mode == "stall_after_4":  # a slow process: the SIGKILL lands after the step-4 checkpoint, before step 5 ends
     write = S._write
@@ -334,7 +334,7 @@ def test_teacher_frozen_and_outputs(work, reference, monkeypatch):
     assert set(S.read_meta(ckpt)["adam_steps"]) == moments
     w = S.read_full(ckpt)  # the checkpoint holds the trained weights, whole
     assert all(torch.equal(w["model." + k], v) for k, v in student.state_dict().items())
-    from remodel.pipelines.convert import convert  # `remodel convert OUT.run` streams the newest checkpoint to HF
+    from remodel.pipelines.commands.convert import convert  # `remodel convert OUT.run` streams the newest checkpoint to HF
     convert(S.run_dir_for(out), work / "frozen_converted")
     got, want = load_file(work / "frozen_converted" / "model.safetensors"), load_file(out / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -1,4 +1,4 @@
-"""The trainer (pipelines.trainer) under tensor/expert/data parallelism end to end against one-process
+"""The trainer (pipelines.training.trainer) under tensor/expert/data parallelism end to end against one-process
 train() on a tiny Nemotron-H with M, *, -, E layers (MoE with a shared expert): 3 AdamW steps under torchrun
 with EP 2 (folded over dp), TP 2 x EP 2 (folded over tp), DP 2 x TP 2 and DP 2 x TP 2 x EP 2; distillation
 (KL + CE + hidden-state cosine through projections + MoE load balancing, grad_accum 2) with TP 2 through
@@ -8,7 +8,7 @@ same checkpoint continued by one process; a SIGKILLed or SIGSTOPped rank of `tor
 the job within 60 s.
 
 This file is also the torchrun worker: `torchrun --nproc-per-node N tests/test_train_parallel.py DIR CASE...`
-calls pipelines.train.train(..., tp=, ep=) once per case (the process group outlives the calls).
+calls pipelines.training.train.train(..., tp=, ep=) once per case (the process group outlives the calls).
 
 Tolerances (fp32, gloo): every per-step loss term and gradient norm relative <= 1e-5 (measured <= 3e-6);
 final weights max|w - w_ref| / max|w_ref| per tensor <= 1e-5 (measured <= 2e-6). The reduction order
@@ -67,7 +67,7 @@ def worker(d: Path, cases):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from remodel.pipelines.train import train
+    from remodel.pipelines.training.train import train
     for name in cases:
         t0 = time.time()
         if name == "kd_tp2":  # through the command line's own function (rank 0 prints the report)
@@ -108,8 +108,8 @@ from safetensors.torch import load_file  # noqa: E402
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.load import save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
-from remodel.pipelines import train as T  # noqa: E402
-from remodel.pipelines.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.training import train as T  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
 
 
 def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
@@ -331,7 +331,7 @@ def test_dcp_checkpoint_resumes_under_other_layouts(runs):
         w_rel, worst = weights_rel(load_file(d / name / "model.safetensors"), load_file(d / "ref_lm" / "model.safetensors"))
         assert w_rel <= 1e-5, (name, worst)
     # the DP 2 x TP 2 x EP 2 run saved in the background: both checkpoints complete
-    from remodel.pipelines.train_state import list_checkpoints, read_meta
+    from remodel.pipelines.training.train_state import list_checkpoints, read_meta
     cks = list_checkpoints(d / "kd_dp2_tp2_ep2.run")
     assert [read_meta(c)["step"] for c in cks] == [2, 3] and all((c / "dcp_metadata.json").is_file() for c in cks)
 

@@ -342,7 +342,7 @@ def test_header_size_bound(tmp_path):
 def test_full_disk_during_checkpoint_is_one_line_and_no_partial(tmp_path, capsys, monkeypatch):
     import errno
 
-    from remodel.pipelines import dcp_storage
+    from remodel.pipelines.training import dcp_storage
 
     def full(self, plan, planner):
         with open(self.path / plan.storage_data, "wb") as f:

@@ -12,8 +12,8 @@ from remodel.models.errors import RemodelError
 from remodel.models.load import load_model, save_model
 from remodel.models.mlp import Router
 from remodel.models.model import HybridLM, init_weights
-from remodel.pipelines import upcycle as pipeline
-from remodel.pipelines.upcycle import upcycle
+from remodel.pipelines.commands import upcycle as pipeline
+from remodel.pipelines.commands.upcycle import upcycle
 from remodel.upcycle.virtual_groups import make_plan, router_weight, upcycle_mlp, upcycle_model
 
 NEMO = dict(vocab_size=64, hidden_size=32, pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2,

@@ -1,6 +1,6 @@
 """Cross-entropy and KL on vocab-parallel logits (each tensor-parallel rank holds a vocabulary shard).
 
-Same definitions and signatures as pipelines.losses.lm_loss / kl_div plus `group` (the group the
+Same definitions and signatures as pipelines.training.losses.lm_loss / kl_div plus `group` (the group the
 vocabulary is sharded over, `parallel_info(model).vocab_group`; None = unsharded, then these equal
 the plain losses). Rank r holds vocabulary ids [r*Vl, (r+1)*Vl). Every rank returns the same loss
 and the gradient of its own logits shard.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import load_balancing_loss, router_probs, topk_kl
-from .collectives import all_reduce_sum, gather_rows, group_rank, group_size, reduce_from_group
+from ..distributed.collectives import all_reduce_sum, gather_rows, group_rank, group_size, reduce_from_group
 
 
 def _masked_mean(per_token, mask):

@@ -6,7 +6,7 @@ block at a time: grad_h rows are written per chunk, grad_W is accumulated (fp32)
 scales the stored gradients by grad_output. Peak extra memory: one [chunk, V] fp32 block for CE, about
 three for KL, plus grad_h [N, H] and an fp32 grad_W [V, H].
 
-Same definitions as pipelines.losses.lm_loss / kl_div on `h @ W.T` (CE mean over non-ignored tokens;
+Same definitions as pipelines.training.losses.lm_loss / kl_div on `h @ W.T` (CE mean over non-ignored tokens;
 KL(teacher || student) of softmax(z / T) summed over the vocabulary, mean over tokens, no T^2).
 
 Caller (next-token CE; KL at every position, as compute_losses does):
@@ -20,7 +20,7 @@ gradient given here.
 
 Tensor parallelism (`group` = parallel_info(model).vocab_group): h is replicated, W is this rank's
 vocabulary shard (rows [r*Vl, (r+1)*Vl)); the logsumexp, the picked target logit and the per-token KL
-are all-reduced over the group (pipelines.vocab_parallel's math, in place), grad_h is all-reduced (h is
+are all-reduced over the group (pipelines.training.vocab_parallel's math, in place), grad_h is all-reduced (h is
 replicated), grad_W stays local. A full (unsharded) teacher weight is sliced to this rank's shard.
 Every rank returns the same loss. Under autocast the matmuls run in the autocast dtype (as the
 unfused F.linear would), the softmax arithmetic in fp32.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import group_rank, group_size
+from ..distributed.collectives import group_rank, group_size
 
 CHUNK_ELEMS = 1 << 25  # default chunk: rows such that one [chunk, V_local] fp32 block is ~128 MB
 

@@ -26,7 +26,7 @@ import torch
 
 from remodel.models.errors import RemodelError
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 VALID_SPLITS = ("validation", "valid", "test")

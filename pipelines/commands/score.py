@@ -19,7 +19,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf
 from remodel.models.load import iter_our_tensors, load_model
 
-from .data import batches as make_batches, load_texts, pack
+from ..data.data import batches as make_batches, load_texts, pack
 from .plots import plot_importance
 from .report import write_report
 

@@ -1,15 +1,15 @@
 """The one trainer of `remodel train` (LM loss) and `remodel distill` (logit KD from a frozen teacher).
 
 A single process is the 1-rank case of the same code path; under torchrun the processes form a
-("dp", "tp") DeviceMesh (pipelines.runtime) and `parallelize` (pipelines.parallel) shards the models from
+("dp", "tp") DeviceMesh (pipelines.distributed.runtime) and `parallelize` (pipelines.distributed.parallel) shards the models from
 outside: the student with TP / EP / FSDP2 over dp, the frozen teacher with TP (and EP over tp) where its
 widths allow. Every rank draws the same global micro-batch and trains on its own rows of it, so the data
 order is the single-process run's; the logged values are dp means and the clip is the global norm.
 
 AdamW with linear warm-up and cosine decay to min_lr, grad clipping and accumulation, bf16 autocast on
-CUDA only. Resumable from `<out>.run/` (pipelines.train_state) at the exact data position. The end result
+CUDA only. Resumable from `<out>.run/` (pipelines.training.train_state) at the exact data position. The end result
 is a HF checkpoint in OUT with remodel_report.json, metrics.csv and loss.png (written by rank 0).
-The checks before any heavy work are in pipelines.train_setup, the loss in pipelines.objective.
+The checks before any heavy work are in pipelines.training.train_setup, the loss in pipelines.training.objective.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ from . import metrics
 from . import train_state as state
 from .evaluate import evaluate
 from .objective import compute_losses
-from .parallel import check_layout, clip_grad_norm_, parallel_info
-from .runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
+from ..distributed.parallel import check_layout, clip_grad_norm_, parallel_info
+from ..distributed.runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
                       source_dtype, wait, wait_group, world_size)
-from .sharded import export_sharded, load_sharded
+from ..distributed.sharded import export_sharded, load_sharded
 from .train_config import RESUME_KEYS, TrainConfig
 from .train_setup import Plan, prepare
 from .vocab_parallel import parallel_loss_fns
@@ -118,7 +118,7 @@ def _resume_state(p: Plan):
 def _token_data(p: Plan, tokenizer, lead: bool, group):
     """The training tokens on disk: a token set (remodel tokenize), a text DATA tokenized once into the
     cache (rank 0 first, the others then find it), or a blend 'W1 A W2 B ...' of either."""
-    from .tokens import Blend, TokenSet, ensure_tokens, is_token_set, parse_blend
+    from ..data.tokens import Blend, TokenSet, ensure_tokens, is_token_set, parse_blend
     c = p.cfg
     d = c.data
     parts = [(1.0, d)] if is_token_set(d) or Path(d).expanduser().exists() else parse_blend(d)
@@ -133,7 +133,7 @@ def _token_data(p: Plan, tokenizer, lead: bool, group):
 
 
 def _eval_blocks(p: Plan, tokenizer):
-    from .data import load_texts, pack
+    from ..data.data import load_texts, pack
     return pack(load_texts(p.cfg.eval_data), tokenizer, p.cfg.seq_len, max_tokens=p.cfg.eval_tokens)
 
 
@@ -143,7 +143,7 @@ def _fingerprint(data) -> list[str]:
 
 def _load_models(p: Plan, mesh, ep_dim):
     """-> (student, teacher, projections, teacher layout). One process: whole models. Several: each rank
-    reads only its shards (pipelines.sharded): the student TP / EP / FSDP over dp, the frozen teacher
+    reads only its shards (pipelines.distributed.sharded): the student TP / EP / FSDP over dp, the frozen teacher
     FSDP over dp plus TP (and EP over tp) where its widths allow."""
     torch.manual_seed(p.cfg.seed)
     teacher, layout_t = None, None
@@ -295,7 +295,7 @@ class _Training:
         p, c, procs = self.p, self.c, self.procs
         if procs.lead and not c.resume and p.run_dir.exists():
             _clear(p.run_dir)  # overwrite: start over (only now that every input has loaded)
-        from .sampler import sequences
+        from ..data.sampler import sequences
         # this rank's rows of each global batch, read from disk by a prefetch thread
         it = sequences(self.data, c.seq_len, c.batch, seed=c.seed, start=self.start * c.grad_accum,
                        dp_rank=self.info.dp_rank, dp_size=procs.dp, vocab_size=p.vocab_size)

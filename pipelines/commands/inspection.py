@@ -15,7 +15,7 @@ from remodel.models.hf import config_from_hf, default_family
 from remodel.models.load import shape_mismatches
 from remodel.models.params import count_params, memory_bytes
 
-CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 

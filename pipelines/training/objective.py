@@ -3,7 +3,7 @@
 Loss = kl_weight * KL(teacher||student) + lm_loss_weight * CE + hidden_loss_weight * (1 - cos)
        + lb_coeff * load balancing (student MoE layers) + z_coeff * router z-loss.
 The vocabulary losses come from the logits, or fused from the final hidden states in token chunks
-(pipelines.fused_loss) so that no [tokens, vocab] logits exist.
+(pipelines.training.fused_loss) so that no [tokens, vocab] logits exist.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
 
 
 def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
-    """compute_losses with the vocabulary losses fused (pipelines.fused_loss): CE and KL from the final
+    """compute_losses with the vocabulary losses fused (pipelines.training.fused_loss): CE and KL from the final
     hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
     from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
     g = w.get("vocab_group")

@@ -1,6 +1,6 @@
 """`remodel plan`: candidate architectures under a parameter / active-parameter / memory budget.
 
-Needs no weights: any source pipelines.inspection accepts (checkpoint dir, config-only dir, config.json
+Needs no weights: any source pipelines.commands.inspection accepts (checkpoint dir, config-only dir, config.json
 path, shipped name such as 'nemotron-h-56b', an HF config dict or a ModelConfig). The grid and its
 arithmetic are in compress/search_space.py; here every returned candidate is rebuilt as a ModelConfig
 and re-counted with models.params.count_params / memory_bytes (the plan's numbers are exact, and

@@ -1,15 +1,15 @@
 """`remodel search`: budgeted architecture search (Minitron NAS / MiniPuzzle), scored by loss.
 
-1. plan (pipelines/plan.py) lists the candidate shapes under the budget, by arithmetic alone; an
+1. plan (pipelines/commands/plan.py) lists the candidate shapes under the budget, by arithmetic alone; an
    infeasible budget is refused here, naming the smallest and largest reachable sizes, before any
    data is read or anything written.
 2. SCORES (`--scores`, or one `remodel score` run on the training part of DATA, kept as OUT/scores)
    decide which units each candidate keeps, and which layers of each type go (plan re-run with the
    scores: the least important by loss_increase).
 3. Every candidate is pruned in memory from the one loaded source model and ranked by held-out LM
-   loss (held out: `eval_data`, else every 20th document of DATA, see pipelines.data.load_texts).
+   loss (held out: `eval_data`, else every 20th document of DATA, see pipelines.data.data.load_texts).
 4. The best `candidates` are distilled for `distill_tokens` tokens each (teacher = MODEL, the
-   training part of DATA, pipelines.train.train) and re-ranked by held-out loss.
+   training part of DATA, pipelines.training.train.train) and re-ranked by held-out loss.
 5. The best is written to OUT (atomic: HF checkpoint in the source dtype + tokenizer files), with
    OUT/remodel_report.json (the candidate table) and OUT/search.png (parameters against loss).
 """
@@ -29,12 +29,12 @@ from remodel.models.hf import config_from_hf
 from remodel.models.load import load_model, save_model
 from remodel.models.params import count_params
 
-from .data import load_texts, pack
+from ..data.data import load_texts, pack
 from .plan import SHORT, plan
 from .report import write_report
-from .evaluate import evaluate
-from .runtime import check_out, load_tokenizer, source_dtype
-from .train import train
+from ..training.evaluate import evaluate
+from ..distributed.runtime import check_out, load_tokenizer, source_dtype
+from ..training.train import train
 
 PLAN_OPTIONS = {"axes", "tol", "max_width_cut", "max_depth_cut", "max_type_cut", "batch", "seq_len", "divisors"}
 

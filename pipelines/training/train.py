@@ -2,8 +2,8 @@
 
     train(student_dir, out, data, teacher_dir=None, steps=100, ...)
 
-takes any pipelines.train_config.TrainConfig field as a keyword (the defaults and their meaning live
-there, shared with the command line and the report) and runs pipelines.trainer, in one process or,
+takes any pipelines.training.train_config.TrainConfig field as a keyword (the defaults and their meaning live
+there, shared with the command line and the report) and runs pipelines.training.trainer, in one process or,
 under torchrun, on every rank. Returns the report on rank 0 (also in OUT/remodel_report.json).
 """
 from __future__ import annotations

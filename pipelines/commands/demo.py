@@ -17,7 +17,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.load import load_config
 from remodel.models.params import count_params
 
-from .data import DATA_DIR, embedded_corpus, embedded_moe_path
+from ..data.data import DATA_DIR, embedded_corpus, embedded_moe_path
 from .report import write_report
 
 EMBEDDED = DATA_DIR / "embedded"
@@ -95,10 +95,10 @@ def _check_in_transformers(work: Path, vocab_size: int) -> dict:
 
 def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> dict:
     """Runs the steps of the module doc into OUT and prints the before/after table; -> the report."""
-    from .evaluate import evaluate
+    from ..training.evaluate import evaluate
     from .prune import prune
     from .score import score
-    from .train import train
+    from ..training.train import train
     from .upcycle import upcycle
 
     torch.manual_seed(0)

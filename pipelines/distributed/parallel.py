@@ -13,7 +13,7 @@ table (models.layout.TP_AXES / tp_split), a concatenated axis piece by piece (it
   Mamba-2    split by group: each in_proj and conv1d segment in rank pieces, heads, inner channels,
              out_proj row
   vocab      embedding rows (out-of-shard ids masked, all-reduced); lm_head rows, so the model returns
-             this rank's vocab shard of the logits: use pipelines.vocab_parallel for the losses
+             this rank's vocab shard of the logits: use pipelines.training.vocab_parallel for the losses
   norms, router, latent projections: replicated
 A column block's input passes `copy_to_group` (identity forward, all-reduce backward), a row block's
 output `reduce_from_group` (all-reduce forward, identity backward). The DTensor plans cannot express
@@ -27,7 +27,7 @@ Data parallelism: FSDP2 `fully_shard` over 'dp' (per block, then the root); expe
 EP folded over 'dp' are left out of FSDP and their gradients scaled by 1/dp, matching FSDP's mean.
 
 Training contract: every tp rank computes the same (replicated) loss from its logits shard with
-pipelines.vocab_parallel; each dp rank uses the mean over its own micro-batch; FSDP averages. Then
+pipelines.training.vocab_parallel; each dp rank uses the mean over its own micro-batch; FSDP averages. Then
 `clip_grad_norm_(model, max_norm)` here (global norm over all shards), `optimizer.step()`, and
 `full_state_dict(model)` / `gather_model(model)` for a checkpoint in the single-process format.
 """
@@ -93,7 +93,7 @@ class ParallelInfo:
 
     @property
     def vocab_group(self):
-        """Group the logits' vocabulary is sharded over (pass to pipelines.vocab_parallel)."""
+        """Group the logits' vocabulary is sharded over (pass to pipelines.training.vocab_parallel)."""
         return self.tp_group
 
 

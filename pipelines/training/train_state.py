@@ -2,7 +2,7 @@
 
 Every rank writes its own shards of the model, the AdamW moments and the projections in parallel (no
 gather): each tensor is described to DCP as the rectangular chunks of the full tensor that this rank
-holds (`Chunks`: the TP / EP split composed with FSDP2's dim-0 chunk, see pipelines.sharded.local_index),
+holds (`Chunks`: the TP / EP split composed with FSDP2's dim-0 chunk, see pipelines.distributed.sharded.local_index),
 keyed by parameter name, so a checkpoint is independent of the layout that wrote it. Replicas (a
 TP-replicated norm on every tp rank) are written by one rank only. On load every rank asks DCP for
 exactly the chunks it holds under the new layout (DP 4 -> DP 2 x TP 2 -> one process). Rank 0 adds
@@ -31,8 +31,8 @@ from remodel.models.errors import RemodelError
 from remodel.models.regions import runs
 
 from .dcp_storage import METADATA, RawReader, RawWriter, check_against, plain_errors
-from .parallel import local_tensor, parallel_info
-from .sharded import local_index
+from ..distributed.parallel import local_tensor, parallel_info
+from ..distributed.sharded import local_index
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -187,7 +187,7 @@ class Saver:
     gloo group, so the next training steps overlap the writing."""
 
     def __init__(self, run_dir: Path, keep_last: int, background: bool = False, group=None):
-        from .runtime import timeout
+        from ..distributed.runtime import timeout
         self.run_dir, self.keep_last, self.background = run_dir, keep_last, background
         self.group = group  # long-timeout gloo group: writing a large shard may outlast the step timeout
         if background and dist.is_initialized():

@@ -5,8 +5,8 @@ A token set is a folder written by `tokenize`:
               the vocabulary has at most 65536 entries, else uint32
   docs.idx    int64 start offset of every document in tokens.bin, n_docs + 1 entries
   meta.json   dtype, counts, tokenizer hash, source path/size/mtime, doc_split, eos, content fingerprint
-Sequence i of length L is tokens[i*L:(i+1)*L], the row pipelines.data.pack would give. `SequenceSampler`
-cuts global batches from a TokenSet (same order as pipelines.data.batches) or a weighted `Blend`, for
+Sequence i of length L is tokens[i*L:(i+1)*L], the row pipelines.data.data.pack would give. `SequenceSampler`
+cuts global batches from a TokenSet (same order as pipelines.data.data.batches) or a weighted `Blend`, for
 one DP rank, resumable at any batch; `sequences` adds a background prefetch thread. The sampler reads
 its rows with positioned reads (os.preadv) rather than through the memory map: the kernel maps a whole
 page-cache folio (up to 2 MB on ext4) per touched page, so random rows through a map would make resident
@@ -30,7 +30,7 @@ from remodel.models.checkpoint import atomic_output_dir
 from remodel.models.errors import RemodelError
 
 from .data import DOC_SPLITS, load_texts
-from .runtime import ChildrenDieWithUs, die_with_parent, load_tokenizer
+from ..distributed.runtime import ChildrenDieWithUs, die_with_parent, load_tokenizer
 
 FORMAT, VERSION = "remodel-tokens", 1
 SHARD_DOCS = 1 << 16  # documents tokenized per datasets.map call: bounds the memory of the map's output
@@ -80,7 +80,7 @@ def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite):
 
 def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
              overwrite: bool = False) -> dict:
-    """Tokenize DATA (anything pipelines.data.load_texts reads) into the token set OUT, atomically.
+    """Tokenize DATA (anything pipelines.data.data.load_texts reads) into the token set OUT, atomically.
 
     `tokenizer` is a tokenizer or a model/tokenizer folder. Documents are tokenized by datasets.map with
     `num_proc` processes, SHARD_DOCS at a time, and streamed to tokens.bin shard by shard. Returns meta.

@@ -13,7 +13,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model
 
 from .losses import lm_loss
-from .runtime import load_tokenizer, pick_device
+from ..distributed.runtime import load_tokenizer, pick_device
 
 
 def _check_positive(**kw):
@@ -30,7 +30,7 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
     loss_fn: replaces losses.lm_loss, e.g. the vocab-parallel CE of a sharded model (whose ranks then
     all evaluate the same blocks together).
     A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
-    from .data import load_texts, pack
+    from ..data.data import load_texts, pack
 
     if isinstance(model_or_dir, (str, Path)):
         dev = pick_device(device)

@@ -25,7 +25,7 @@ def source_shard_bytes(model_dir) -> int:
 
 def _dcp_checkpoint(path: Path) -> Path | None:
     """The DCP training checkpoint at `path`: a step-N directory, or the newest one in an OUT.run/."""
-    from .train_state import META, STEP_DIR, latest_checkpoint
+    from ..training.train_state import META, STEP_DIR, latest_checkpoint
     if STEP_DIR.match(path.name) and (path / META).is_file():
         return path
     return latest_checkpoint(path) if path.is_dir() and any(path.glob(f"step-*/{META}")) else None
@@ -39,7 +39,7 @@ def _open_source(model_dir: Path):
         reader = CheckpointReader(model_dir)
         cfg = config_from_hf(reader.config)
         return reader.config, source_plan(reader, cfg), model_dir, cfg  # validates every shape before reading
-    from .train_state import read_meta
+    from ..training.train_state import read_meta
     meta = read_meta(ckpt)
     hf = meta.get("hf_config")
     if hf is None:
@@ -56,8 +56,8 @@ def _dcp_plan_rows(ckpt: Path, cfg, family: str):
     (and its dtype for a float) before anything is read."""
     from remodel.models.hf import our_shapes
 
-    from .dcp_storage import RawReader
-    from .train_state import read_tensor
+    from ..training.dcp_storage import RawReader
+    from ..training.train_state import read_tensor
     src, cache = RawReader(ckpt), {}
     stored = src.read_metadata().state_dict_metadata
     for ours, shape in our_shapes(cfg).items():

@@ -1,5 +1,5 @@
 """Batches from token sets: `SequenceSampler` cuts global batch b (a pure function of b, so resuming is
-exact) for one DP rank from a TokenSet or a weighted Blend (pipelines.tokens), reading its rows with
+exact) for one DP rank from a TokenSet or a weighted Blend (pipelines.data.tokens), reading its rows with
 positioned reads; `Prefetch` reads ahead on a thread; `sequences` puts the two together."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class SequenceSampler:
     """Global batch b of `batch_size` sequences of `seq_len` tokens from a TokenSet or Blend; this DP
     rank's rows are b's rows dp_rank*B/dp .. (dp_rank+1)*B/dp (those today's trainer gives it).
 
-    A TokenSet is read in the order of pipelines.data.batches(pack(...), B, shuffle_seed=seed,
+    A TokenSet is read in the order of pipelines.data.data.batches(pack(...), B, shuffle_seed=seed,
     epochs=None, drop_last=True): epoch e shuffles with torch.randperm seeded seed + e (in order when
     seed is None), and a partial last batch is dropped. Each set of a Blend is shuffled with its own
     seed and repeats without dropping anything. Batches are a pure function of b: resuming is exact.

@@ -18,7 +18,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, read_config_dict
 
 from . import train_state as state
-from .runtime import RunLock, check_out, pick_device
+from ..distributed.runtime import RunLock, check_out, pick_device
 from .train_config import TrainConfig
 
 

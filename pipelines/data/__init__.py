@@ -1,0 +1,1 @@
+"""Data from disk: text corpora, token sets (tokenize, validate, blend) and the resumable sampler."""
