@@ -15,6 +15,7 @@ import pytest
 from remodel import cli
 from remodel.models.checkpoint import atomic_output_dir
 from remodel.models.errors import RemodelError
+from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -28,23 +29,6 @@ def snapshot(*paths) -> dict:
         files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
         out.update({str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
     return out
-
-
-def listing(d) -> set:
-    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
-
-
-def fails(capsys, *argv, rc=2, match=None) -> str:
-    """Run the CLI in-process; assert exit `rc` and exactly one error line on stderr; returns it."""
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == rc
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and "it/s]" not in ln]
-    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture()

@@ -11,27 +11,11 @@ import pytest
 
 from remodel import cli
 from remodel.models.errors import RemodelError
+from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
 CORPUS = ROOT / "data" / "corpus" / "valid.txt.gz"
-
-
-def fails(capsys, *argv, match=None) -> str:
-    """Run the CLI in-process: exit 2, exactly one `remodel CMD: error:` line on stderr, no traceback."""
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
-
-
-def listing(d) -> set:
-    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
 
 
 @pytest.fixture()

@@ -19,7 +19,8 @@ def test_install_target_has_one_namespace(tmp_path):
     assert not top & GENERIC, top
     assert {"models", "compress", "upcycle", "pipelines", "data", "cli.py"} <= {p.name for p in (target / "remodel").iterdir()}
     env = {**os.environ, "PYTHONPATH": str(target)}
-    code = ("import remodel.cli, remodel.models.model, sys; print(remodel.cli.__file__); "
+    code = ("import remodel.cli, remodel.models.model, remodel.pipelines.training.trainer, sys; "
+            "print(remodel.cli.__file__); "
             "import importlib.util as u; sys.exit(any(u.find_spec(m) for m in ('models', 'pipelines', 'cli')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 0 and str(target) in r.stdout, r.stdout + r.stderr

@@ -13,6 +13,7 @@ import pytest
 from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.pipelines.distributed.runtime import LOCK_NAME, RunLock
+from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
@@ -26,23 +27,6 @@ HOLDER = textwrap.dedent("""
     print("locked", flush=True)
     time.sleep(600)
 """)
-
-
-def listing(d) -> set:
-    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
-
-
-def fails(capsys, *argv, match=None) -> str:
-    """cli.main in-process: exit 2, exactly one `remodel CMD: error:` line on stderr, no traceback."""
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and "it/s]" not in ln]
-    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture()

@@ -14,31 +14,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.pipelines.data import sampler as S
 from remodel.pipelines.data import tokens as T
+from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"  # vocab_size 2048, the tokenizer of data/tokenizer
 TOKENIZER = ROOT / "data" / "tokenizer"
-
-
-def listing(d) -> set:
-    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
-
-
-def fails(capsys, *argv, match=None) -> str:
-    """cli.main in-process: exit 2, exactly one `remodel CMD: error:` line on stderr, no traceback."""
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and "it/s]" not in ln]
-    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -16,26 +16,11 @@ from remodel import cli
 from remodel.models.checkpoint import CheckpointReader, read_header, read_json
 from remodel.models.errors import RemodelError
 from remodel.models.regions import RegionReader
+from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
 CORPUS = ROOT / "data" / "corpus" / "train.txt.gz"
-
-
-def fails(capsys, *argv, match=None) -> str:
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and "it/s]" not in ln]
-    assert len(lines) == 1 and lines[0].startswith(f"remodel {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
-
-
-def listing(d) -> set:
-    return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
 
 
 # ---- a training run directory with a planted pickle ---------------------------------------------------
