@@ -66,25 +66,43 @@ def parse_json(raw: bytes, where) -> object:
         raise RemodelError(f"{where}: invalid JSON ({str(e).splitlines()[0][:200]})") from None
 
 
-def regular_file(path, max_bytes: int) -> int:
-    """The size of `path`, which must be a regular file of at most max_bytes (a FIFO or a device is
-    refused before it is opened, so reading never blocks on one)."""
+def open_regular(path, what: str = "file", max_bytes: int | None = None) -> int:
+    """A read-only fd of `path`, a regular file of at most max_bytes. A FIFO or a device is refused before
+    the open (which is non-blocking besides) and again after it, in case the path was swapped in between,
+    so reading never blocks on one; a one-line RemodelError naming `what` otherwise."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise RemodelError(f"{path}: file not found") from None
+        raise RemodelError(f"{path}: missing: {what} not found (deleted?)") from None
+    except OSError as e:
+        raise RemodelError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise RemodelError(f"{path}: not a regular file")
-    if st.st_size > max_bytes:
-        raise RemodelError(f"{path}: {st.st_size} bytes, more than the {max_bytes} this file may have")
-    return st.st_size
+        raise RemodelError(f"{path}: {what} is not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise RemodelError(f"{path}: {what} holds {st.st_size} bytes, more than the {max_bytes} allowed")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise RemodelError(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RemodelError(f"{path}: {what} is not a regular file")
+    return fd
+
+
+def read_bounded(path, what: str, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most max_bytes (see open_regular); a file that grew past the
+    bound since its stat is refused too."""
+    with os.fdopen(open_regular(path, what, max_bytes), "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise RemodelError(f"{path}: {what} is larger than {max_bytes} bytes")
+    return raw
 
 
 def read_json(path: Path, max_bytes: int = MAX_JSON) -> dict:
     """A JSON object from `path` (a regular file of bounded size, strict JSON), or RemodelError naming it."""
-    regular_file(path, max_bytes)
-    with open(path, "rb") as f:
-        obj = parse_json(f.read(max_bytes + 1), path)
+    obj = parse_json(read_bounded(path, Path(path).name, max_bytes), path)
     if not isinstance(obj, dict):
         raise RemodelError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -111,10 +129,10 @@ def read_header(path: Path) -> tuple[int, dict]:
     the safetensors library: a JSON object without duplicate names, string metadata, known dtypes,
     span = shape x dtype size, and the tensors' byte ranges contiguous from 0 to the end of the file
     (no gap, no overlap, nothing shifted or left over)."""
-    size = regular_file(path, 1 << 62)
-    if size < 8:
-        raise RemodelError(f"{path}: file of {size} bytes is too short for a safetensors header")
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "safetensors file"), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise RemodelError(f"{path}: file of {size} bytes is too short for a safetensors header")
         (n,) = struct.unpack("<Q", f.read(8))
         if n > min(size - 8, MAX_HEADER):
             raise RemodelError(f"{path}: corrupt or truncated safetensors header "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
-from remodel.models.checkpoint import atomic_output_dir
+from remodel.models.checkpoint import atomic_output_dir, open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
 from .data import DOC_SPLITS, load_texts
@@ -169,47 +168,10 @@ def is_token_set(path) -> bool:
         return folder.is_dir() and os.path.lexists(folder / "meta.json") and os.path.lexists(folder / "tokens.bin")
 
 
-def _regular(path: Path, what: str, limit: int | None = None) -> os.stat_result:
-    """stat of `path`, a regular file (no FIFO or device, which an open could block on) of at most
-    `limit` bytes; a one-line RemodelError otherwise."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise RemodelError(f"{path}: missing ({what}; deleted?)") from None
-    except OSError as e:
-        raise RemodelError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise RemodelError(f"{path}: {what} is not a regular file")
-    if limit is not None and st.st_size > limit:
-        raise RemodelError(f"{path}: {what} holds {st.st_size} bytes, more than the {limit} allowed")
-    return st
-
-
-def _open_regular(path: Path, what: str) -> int:
-    """A read-only fd of the regular file `path` (checked before and after the open, which cannot block)."""
-    _regular(path, what)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise RemodelError(f"{path}: cannot open {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else since the stat
-        os.close(fd)
-        raise RemodelError(f"{path}: {what} is not a regular file")
-    return fd
-
-
 def read_meta(folder) -> dict:
     """The JSON object in FOLDER/meta.json (a regular file of at most META_MAX_BYTES), unvalidated."""
     path = Path(folder).expanduser() / "meta.json"
-    _regular(path, "meta.json", META_MAX_BYTES)
-    fd = _open_regular(path, "meta.json")
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(META_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > META_MAX_BYTES:
-        raise RemodelError(f"{path}: meta.json is larger than {META_MAX_BYTES} bytes")
+    raw = read_bounded(path, "meta.json", META_MAX_BYTES)
     try:
         meta = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -305,7 +267,7 @@ class TokenSet:
         self.dtype = np.dtype(self.meta["dtype"])
         self.n_tokens, self.n_docs = self.meta["n_tokens"], self.meta["n_docs"]
         self.vocab_size, self.fingerprint = self.meta["vocab_size"], self.meta["fingerprint"]
-        self._fd = _open_regular(self.path / "tokens.bin", "tokens.bin")
+        self._fd = open_regular(self.path / "tokens.bin", "tokens.bin")
         size, actual = self.n_tokens * self.dtype.itemsize, os.fstat(self._fd).st_size
         if actual != size:
             raise RemodelError(f"{self.path}: tokens.bin holds {actual} bytes, meta.json says {size} "
@@ -316,7 +278,7 @@ class TokenSet:
     def _check_docs(self):
         """docs.idx: n_docs + 1 int64 offsets from 0 to n_tokens, never decreasing (read in chunks)."""
         path = self.path / "docs.idx"
-        fd = _open_regular(path, "docs.idx")
+        fd = open_regular(path, "docs.idx")
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(fd).st_size
             if size != (self.n_docs + 1) * 8:
