@@ -157,6 +157,13 @@ def read_header(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def check_weight_dtype(where, name: str, dtype: torch.dtype):
+    """A tensor read as a model weight must have a floating-point dtype (an integer relabel of the same
+    bytes would otherwise load as garbage)."""
+    if not dtype.is_floating_point:
+        raise RemodelError(f"{where}: tensor {name!r} is {dtype}; weights must be floating point")
+
+
 _SHARD = re.compile(r"[^/\\]+\.safetensors")
 
 

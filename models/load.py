@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint import CheckpointReader, read_json
+from .checkpoint import CheckpointReader, check_weight_dtype, read_json
 from .config import ModelConfig
 from .errors import RemodelError
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
@@ -51,20 +51,16 @@ class _Source:
             return "model." + name[9:]
         return None
 
-    def _float(self, k: str):
-        if not self.r.dtype(k).is_floating_point:
-            raise RemodelError(f"{self.r.path}: tensor {k!r} is {self.r.dtype(k)}; weights must be floating point")
-
     def shape_and_get(self, hf: str, expert: int | None):
         k = self._alias(hf)
         if k is not None:
-            self._float(k)
+            check_weight_dtype(self.r.path, k, self.r.dtype(k))
             return tuple(self.r.shape(k)), (lambda: self.r.get(k))
         if expert is not None:  # fused 3-D expert tensor, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
             fused = self._alias(base + "." + leaf.rsplit(".weight", 1)[0])
             if fused is not None:
-                self._float(fused)
+                check_weight_dtype(self.r.path, fused, self.r.dtype(fused))
                 shape = tuple(self.r.shape(fused))
                 return shape[1:], (lambda: self.r.get(fused)[expert])
         raise RemodelError(f"checkpoint {self.r.path} has no tensor {hf!r}")

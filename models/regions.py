@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index, read_json
+from .checkpoint import DTYPES, INDEX, SINGLE, check_weight_dtype, read_header, read_index, read_json
 from .errors import RemodelError
 from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
 
@@ -76,8 +76,7 @@ class RegionReader:
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
 
     def _float(self, k: str, lead: tuple):
-        if not self.where[k][2].is_floating_point:
-            raise RemodelError(f"{self.path}: tensor {k!r} is {self.where[k][2]}; weights must be floating point")
+        check_weight_dtype(self.path, k, self.where[k][2])
         return (*self.where[k], lead)
 
     def read(self, name: str, index: list, dtype=torch.float32) -> torch.Tensor:

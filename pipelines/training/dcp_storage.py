@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -118,7 +119,6 @@ class RawWriter(StorageWriter):
                 chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "file": file,
                                "offset": offset, "length": length})
             tensors[fqn] = {"dtype": DTYPE_NAMES[md.properties.dtype], "size": list(md.size), "chunks": chunks}
-        import json
         tmp = self.path / (METADATA + ".tmp")
         with open(tmp, "w") as f:
             json.dump({"format": FORMAT, "version": VERSION, "tensors": tensors}, f)
