@@ -456,19 +456,23 @@ def remove_stale_siblings(out: Path):
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _make_parents(out: Path) -> list[Path]:
-    """Create OUT's missing parent directories; returns those created (deepest last)."""
-    missing = [d for d in reversed(out.parents) if not d.exists()]
-    for d in missing:
+def make_parents(path: Path) -> list[Path]:
+    """Create `path`'s missing parent directories; returns those this call created (deepest last: one a
+    concurrent process made first is not ours to remove again)."""
+    made = []
+    for d in [d for d in reversed(Path(path).parents) if not d.exists()]:
         try:
             d.mkdir()
         except FileExistsError:
             if not d.is_dir():
                 raise
-    return missing
+            continue
+        made.append(d)
+    return made
 
 
-def _remove_dirs(dirs: list[Path]):
+def remove_dirs(dirs: list[Path]):
+    """Remove the directories make_parents created, deepest first, those still empty only."""
     for d in reversed(dirs):
         with contextlib.suppress(OSError):
             d.rmdir()
@@ -492,10 +496,10 @@ def atomic_output_dir(out, overwrite: bool = False, inputs=()):
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        created = _make_parents(out)
+        created = make_parents(out)
         tmp.mkdir()
     except OSError as e:
-        _remove_dirs(created)
+        remove_dirs(created)
         raise RemodelError(f"{out}: cannot create the output directory ({e.strerror or e}: "
                            f"{e.filename or out.parent})") from None
     try:
@@ -508,7 +512,7 @@ def atomic_output_dir(out, overwrite: bool = False, inputs=()):
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)  # put the previous output back
-        _remove_dirs(created)
+        remove_dirs(created)
         raise
     shutil.rmtree(old, ignore_errors=True)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from remodel.models.checkpoint import make_parents, remove_dirs
 from remodel.models.errors import RemodelError
 from remodel.models.load import read_config_dict
 
@@ -83,17 +84,7 @@ class RunLock:
         return self
 
     def _mkdirs(self):
-        missing = []
-        d = self.run_dir
-        while not d.exists() and d != d.parent:
-            missing.append(d)
-            d = d.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir()
-            except FileExistsError:
-                continue  # made by a concurrent run: not ours to remove
-            self.made.append(d)
+        self.made = make_parents(self.path)  # run_dir and its missing parents
         if not self.run_dir.is_dir():
             raise RemodelError(f"{self.run_dir}: exists and is not a directory (the run directory of {self.out})")
 
@@ -106,11 +97,7 @@ class RunLock:
                 pass
             os.close(self.fd)  # unlinked first: a waiter that opened the old file sees it is gone and retries
             self.fd = None
-        for d in reversed(self.made):
-            try:
-                d.rmdir()  # only while empty: a run that wrote checkpoints keeps its run directory
-            except OSError:
-                break
+        remove_dirs(self.made)  # only while empty: a run that wrote checkpoints keeps its run directory
         self.made = []
 
 
