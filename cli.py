@@ -48,12 +48,10 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-MAX_COUNT = 10**18  # pipelines.training.train_config.MAX_COUNT: token and parameter counts
-
-
 def _count(s: str) -> int | float:
     """1000, 4.5e9, 47B, 500M, 2k -> an int; a value no count can be (inf, nan, 1e400, 1e30B) comes back as
     a float for the OPTIONS check to refuse by name (int(float) would raise OverflowError)."""
+    from remodel.pipelines.training.train_config import MAX_COUNT
     mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
     t = s.strip().lower()
     num, scale = (t[:-1], mult[t[-1]]) if t and t[-1] in mult else (t, 1)
