@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from remodel import cli
+from remodel.pipelines.training.train_config import MAX_COUNT
 from remodel.models.errors import RemodelError
 from tests.cli_contract import fails, listing
 
@@ -83,7 +84,7 @@ def test_count_refused_without_overflow(work, capsys, cmd, flag, value):
 def test_count_parses_suffixes():
     assert [cli._count(s) for s in ("1000", "4.5e9", "47B", "500M", "2k", "1T")] == \
         [1000, 4500000000, 47 * 10**9, 500 * 10**6, 2000, 10**12]
-    assert cli._count("inf") == float("inf") and cli._count("1e30B") > cli.MAX_COUNT  # refused by check_options
+    assert cli._count("inf") == float("inf") and cli._count("1e30B") > MAX_COUNT  # refused by check_options
     with pytest.raises(argparse.ArgumentTypeError):
         cli._count("lots")
 
