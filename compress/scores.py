@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from remodel.models.checkpoint import atomic_output_dir, read_header, read_json
+from remodel.models.checkpoint import atomic_output_dir, read_header
+from remodel.models.files import read_json
 from remodel.models.errors import RemodelError
 
 FORMAT = "remodel-scores/1"

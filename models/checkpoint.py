@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import struct
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import RemodelError
+from .files import open_regular, parse_json, read_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -38,74 +38,6 @@ _DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
            "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 DTYPES = {k: getattr(torch, v) for k, v in _DTYPES.items() if hasattr(torch, v)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-MAX_JSON = 64 * 1024 * 1024  # config, index and meta files (a 1T-parameter index is ~10 MB)
-
-
-def _unique(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_json(raw: bytes, where) -> object:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN / Infinity, nesting within Python's recursion limit."""
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant)
-    except RecursionError:
-        raise RemodelError(f"{where}: JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise RemodelError(f"{where}: invalid JSON ({str(e).splitlines()[0][:200]})") from None
-
-
-def open_regular(path, what: str = "file", max_bytes: int | None = None) -> int:
-    """A read-only fd of `path`, a regular file of at most max_bytes. A FIFO or a device is refused before
-    the open (which is non-blocking besides) and again after it, in case the path was swapped in between,
-    so reading never blocks on one; a one-line RemodelError naming `what` otherwise."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise RemodelError(f"{path}: missing: {what} not found (deleted?)") from None
-    except OSError as e:
-        raise RemodelError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise RemodelError(f"{path}: {what} is not a regular file")
-    if max_bytes is not None and st.st_size > max_bytes:
-        raise RemodelError(f"{path}: {what} holds {st.st_size} bytes, more than the {max_bytes} allowed")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise RemodelError(f"{path}: cannot open {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise RemodelError(f"{path}: {what} is not a regular file")
-    return fd
-
-
-def read_bounded(path, what: str, max_bytes: int) -> bytes:
-    """The bytes of a regular file of at most max_bytes (see open_regular); a file that grew past the
-    bound since its stat is refused too."""
-    with os.fdopen(open_regular(path, what, max_bytes), "rb") as f:
-        raw = f.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise RemodelError(f"{path}: {what} is larger than {max_bytes} bytes")
-    return raw
-
-
-def read_json(path: Path, max_bytes: int = MAX_JSON) -> dict:
-    """A JSON object from `path` (a regular file of bounded size, strict JSON), or RemodelError naming it."""
-    obj = parse_json(read_bounded(path, Path(path).name, max_bytes), path)
-    if not isinstance(obj, dict):
-        raise RemodelError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _entry(path, name, e) -> tuple:
@@ -155,13 +87,6 @@ def read_header(path: Path) -> tuple[int, dict]:
         raise RemodelError(f"{path}: truncated or padded file: the tensors end at byte {pos} of the data "
                            f"section, which has {size - 8 - n} bytes")
     return 8 + n, header
-
-
-def check_weight_dtype(where, name: str, dtype: torch.dtype):
-    """A tensor read as a model weight must have a floating-point dtype (an integer relabel of the same
-    bytes would otherwise load as garbage)."""
-    if not dtype.is_floating_point:
-        raise RemodelError(f"{where}: tensor {name!r} is {dtype}; weights must be floating point")
 
 
 _SHARD = re.compile(r"[^/\\]+\.safetensors")

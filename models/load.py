@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint import CheckpointReader, check_weight_dtype, read_json
+from .checkpoint import CheckpointReader
+from .files import check_weight_dtype, read_json
 from .config import ModelConfig
 from .errors import RemodelError
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import DTYPES, INDEX, SINGLE, check_weight_dtype, read_header, read_index, read_json
+from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index
+from .files import check_weight_dtype, read_json
 from .errors import RemodelError
 from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from remodel import cli
-from remodel.models.checkpoint import CheckpointReader, read_header, read_json
+from remodel.models.checkpoint import CheckpointReader, read_header
+from remodel.models.files import read_json
 from remodel.models.errors import RemodelError
 from remodel.models.regions import RegionReader
 from tests.cli_contract import fails, listing

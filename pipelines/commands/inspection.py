@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from remodel.models.checkpoint import CheckpointReader, read_json
+from remodel.models.checkpoint import CheckpointReader
+from remodel.models.files import read_json
 from remodel.models.config import LAYER_TYPES, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf, default_family

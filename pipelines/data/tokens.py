@@ -25,7 +25,8 @@ import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
-from remodel.models.checkpoint import atomic_output_dir, open_regular, read_bounded
+from remodel.models.checkpoint import atomic_output_dir
+from remodel.models.files import open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
 from .data import DOC_SPLITS, load_texts

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from remodel.models.checkpoint import DTYPE_NAMES, DTYPES, read_json
+from remodel.models.checkpoint import DTYPE_NAMES, DTYPES
+from remodel.models.files import read_json
 from remodel.models.errors import RemodelError
 
 METADATA = "dcp_metadata.json"

@@ -285,7 +285,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def read_meta(ckpt: Path) -> dict:
     """meta.json of a checkpoint, checked against its directory: a JSON object (bounded, a regular file)
     whose step is the directory's, counts non-negative integers, AdamW step counts finite in [0, step]."""
-    from remodel.models.checkpoint import read_json
+    from remodel.models.files import read_json
     path = Path(ckpt) / META
     meta = read_json(path)
     m = STEP_DIR.match(Path(ckpt).name)
