@@ -109,9 +109,10 @@ def _overwrite(p):
 
 
 def _add_convert(sub):
+    from remodel.models.families import FAMILIES
+
     p = _job(sub, "convert", "import/export through the shared model definition", "checkpoint directory to read")
-    p.add_argument("--to", choices=["nemotron_h", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"],
-                   help="output family (default None: the input's own family)")
+    p.add_argument("--to", choices=list(FAMILIES), help="output family (default None: the input's own family)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (default None: as read)")
     _overwrite(p)
@@ -142,7 +143,7 @@ def _add_score(sub):
 
 
 def _add_prune(sub):
-    from remodel.models.layout import PRUNABLE, WIDTHS
+    from remodel.models.spec import PRUNABLE, WIDTHS
     p = _job(sub, "prune", "structured pruning to a target shape", "checkpoint directory to prune")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
@@ -156,7 +157,7 @@ def _add_prune(sub):
 
 
 def _add_plan(sub):
-    from remodel.models.layout import PRUNABLE
+    from remodel.models.spec import PRUNABLE
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
@@ -207,6 +208,8 @@ def _add_train(sub):
 
 
 def _add_upcycle(sub):
+    from remodel.models.families import UPCYCLE_TARGETS, upcycle_defaults
+
     p = _job(sub, "upcycle", "dense -> MoE upcycling (virtual groups, weight scaling)",
              "dense checkpoint directory (its MLP layers become MoE layers)")
     p.add_argument("--experts", type=int, required=True,
@@ -218,10 +221,8 @@ def _add_upcycle(sub):
     p.add_argument("--shared-expert-size", type=int, default=0,
                    help="dense neurons kept as an always-on shared expert (0: none)")
     p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid"],
-                   help="router scoring; default (None): sigmoid for nemotron_h sources, topk-softmax otherwise")
-    p.add_argument("--to", choices=["nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe"],
-                   help="output family; default (None): nemotron_h for nemotron_h, qwen3_moe for q/k-norm "
-                        "sources, qwen2_moe with a shared expert or softmax-topk, else mixtral")
+                   help=f"router scoring; default (None): {upcycle_defaults('router')}")
+    p.add_argument("--to", choices=list(UPCYCLE_TARGETS), help=f"output family; default (None): {upcycle_defaults('to')}")
     p.add_argument("--exact", action="store_true",
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -259,7 +260,7 @@ def _dtype(name):
 
 
 def _targets(a) -> dict:
-    from remodel.models.layout import PRUNABLE
+    from remodel.models.spec import PRUNABLE
     keys = PRUNABLE + ("num_layers", "drop_layers")
     return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
@@ -385,7 +386,7 @@ def _options():
     """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
     parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
     (pipelines.training.train_config: the same rules make_config applies to the Python API)."""
-    from remodel.models.layout import PRUNABLE
+    from remodel.models.spec import PRUNABLE
     from remodel.pipelines.training.train_config import CHECKS, Check, count, ints, positive
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths

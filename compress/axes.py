@@ -16,9 +16,9 @@ A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of
   layers                      [L']          kept layers (depth pruning)
   mtp.layers.{j}.<axis>                     the MTP blocks' own units, keyed like the trunk's (never dropped)
 
-Composite axes are derived from those: 'attn_q' rows (heads x head_dim), 'mamba_inner' (heads x
-head_dim channels), and the concatenated axes of models.layout.SEGMENTS, each segment by its own
-axis. `dim_indices` turns a keep dict into one index per tensor dimension: None (keep all),
+Composite axes are derived from those as the kinds' specs say: products such as 'attn_q' rows (heads x
+head_dim) and 'mamba_inner' (heads x head_dim channels), and concatenated axes (segments), each segment
+by its own axis. `dim_indices` turns a keep dict into one index per tensor dimension: None (keep all),
 a 1-D index (index_select), or a 2-D [rows, k] index that selects per row of dimension 0 (gather).
 Fixed axes (models.layout.FIXED_AXES) are never pruned.
 """
@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from remodel.models.config import ModelConfig
-from remodel.models.layout import FIXED_AXES, SEGMENTS, UNITS, axis_size, param_axes
+from remodel.models.layout import FIXED_AXES, axis_size, param_axes, product, segments
+from remodel.models.spec import UNITS
 
 PRIMARY, FIXED = UNITS, FIXED_AXES  # models.layout: the keep-dict units, the axes never pruned
 
@@ -64,24 +65,23 @@ def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | str | None)
     k = lambda a: keep.get(f"{block}.{a}")  # noqa: E731
     if axis in PRIMARY:
         return k(axis)
-    if axis == "attn_q":
-        heads, d = k("attn_heads"), cfg.head_dim
-        return None if heads is None else (heads[:, None] * d + torch.arange(d)).reshape(-1)
-    if axis in SEGMENTS:  # concatenated axes: each segment's kept units, at its offset
-        parts = [axis_index(cfg, keep, sub, layer) for _, sub in SEGMENTS[axis]]
-        if all(p is None for p in parts):
+    parts = segments(axis)
+    if parts:  # concatenated axes: each segment's kept units, at its offset
+        idx = [axis_index(cfg, keep, sub, layer) for _, sub in parts]
+        if all(p is None for p in idx):
             return None
-        sizes = [axis_size(cfg, sub) for _, sub in SEGMENTS[axis]]
+        sizes = [axis_size(cfg, sub) for _, sub in parts]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        return torch.cat([o + (torch.arange(n) if p is None else p) for p, n, o in zip(parts, sizes, offsets)])
-    if axis != "mamba_inner":
+        return torch.cat([o + (torch.arange(n) if p is None else p) for p, n, o in zip(idx, sizes, offsets)])
+    if product(axis) is None:
         raise KeyError(f"unknown axis {axis!r}")
-    heads, chans = k("mamba_heads"), k("mamba_head_dim")
-    if heads is None and chans is None:
+    outer, inner = product(axis)  # e.g. heads x channels: every kept channel of every kept head
+    o, i = k(outer), (k(inner) if inner in PRIMARY else None)
+    if o is None and i is None:
         return None
-    heads = torch.arange(cfg.mamba_num_heads) if heads is None else heads
-    hd = cfg.mamba_head_dim
-    return (heads[:, None] * hd + (torch.arange(hd) if chans is None else chans)).reshape(-1)
+    n = axis_size(cfg, inner)
+    o = torch.arange(axis_size(cfg, outer)) if o is None else o
+    return (o[:, None] * n + (torch.arange(n) if i is None else i)).reshape(-1)
 
 
 def dim_indices(cfg: ModelConfig, keep: dict, name: str, table: dict | None = None) -> list:

@@ -35,7 +35,9 @@ from typing import Iterable
 import torch
 
 from remodel.models.config import ModelConfig
-from remodel.models.layout import axis_size, segment_sizes
+from remodel.models.kinds import KINDS, layer_kinds
+from remodel.models.layout import axis_size
+from remodel.models.spec import sq
 
 from .axes import layer_of, tensor_axes
 
@@ -43,18 +45,11 @@ METHODS = ("activation", "magnitude", "random")
 WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
 
 
-# per layer kind: the score tensors an activation run writes, each with its axes (models.layout)
-SCORED = {"-": {"ffn": ("ffn",)}, "*": {"attn": ("attn_heads", "head_dim")},
-          "M": {"mamba_x": ("mamba_heads", "mamba_head_dim")},
-          "E": {"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),
-                "latent": ("latent",)}}
-
-
 def score_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """{name: shape} of every tensor an activation scoring run writes for this config."""
     s = {"hidden": (cfg.hidden_size,), "block_importance": (cfg.num_layers,), "loss_increase": (cfg.num_layers,)}
-    for i, c in enumerate(cfg.pattern):
-        for name, axes in SCORED[c].items():
+    for i, k in enumerate(layer_kinds(cfg)):
+        for name, axes in k.scored.items():  # per kind: the score tensors an activation run writes
             shape = tuple(axis_size(cfg, a) for a in axes)
             if all(shape):  # no shared expert / latent: not written
                 s[f"layers.{i}.{name}"] = shape
@@ -70,16 +65,11 @@ def random_scores(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
     extra = (("expert_contribution", (E,)), ("expert_frequency", (E,)))
     for keys in (extra, (("expert_reconstruction", (E,)), ("expert_ffn_contribution", (E, F)))):
-        for i, c in enumerate(cfg.pattern):
-            if c == "E":
+        for i, kind in enumerate(layer_kinds(cfg)):
+            if kind.routed:
                 for k, shape in keys:
                     out[f"layers.{i}.{k}"] = torch.rand(shape, generator=g)
     return out
-
-
-def _sq(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of squares over every dimension but `dim` -> 1-D."""
-    return t.square().sum(dim=[d for d in range(t.dim()) if d != dim]) if t.dim() > 1 else t.square()
 
 
 def _hidden_terms(cfg, name, t, axes, i, acc) -> None:
@@ -89,44 +79,23 @@ def _hidden_terms(cfg, name, t, axes, i, acc) -> None:
     if name == "norm_f.weight" or name == f"layers.{i}.norm.weight":
         gamma["f" if i is None else i] = t
     elif name == "embeddings.weight":
-        acc["write"] += _sq(t, 1)
+        acc["write"] += sq(t, 1)
         if cfg.tie_word_embeddings:
-            _add(read, "f", _sq(t, 1))
+            _add(read, "f", sq(t, 1))
     elif name == "lm_head.weight":
-        _add(read, "f", _sq(t, 1))
+        _add(read, "f", sq(t, 1))
     elif "hidden" in axes:
         d = axes.index("hidden")
         if d == t.dim() - 1 and t.dim() >= 2:
-            _add(read, i, _sq(t, d))
+            _add(read, i, sq(t, d))
         else:
-            acc["write"] += _sq(t, d)
+            acc["write"] += sq(t, d)
 
 
 def _unit_terms(cfg, local, t, i, units) -> None:
-    """What a tensor of layer i adds to its units' squared norms (see the module docstring)."""
-    p, c = f"layers.{i}.", cfg.pattern[i]
-    if c == "-" or local.startswith("shared_experts."):
-        key = p + ("ffn" if c == "-" else "shared_ffn")
-        if local.endswith(("up_proj.weight", "gate_proj.weight", "up_proj.bias", "gate_proj.bias")):
-            _add(units, key, _sq(t, 0))
-        elif local.endswith("down_proj.weight"):
-            _add(units, key, _sq(t, 1))
-    elif c == "*" and local in ("q_proj.weight", "q_proj.bias", "o_proj.weight"):
-        _add(units, p + "attn", _sq(t, 1 if local == "o_proj.weight" else 0))
-    elif c == "M" and local in ("in_proj.weight", "in_proj.bias"):
-        sizes = segment_sizes(cfg, "mamba_in_proj")
-        seg = dict(zip(sizes, _sq(t, 0).split(list(sizes.values()))))
-        _add(units, p + "mamba_x", seg["z"] + seg["x"] + (seg["dt"] / cfg.mamba_head_dim).repeat_interleave(cfg.mamba_head_dim))
-    elif c == "M" and local == "out_proj.weight":
-        _add(units, p + "mamba_x", _sq(t, 1))
-    elif c == "E" and local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
-        per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
-        _add(units, p + "expert_ffn", per)
-        _add(units, p + "experts", per.sum(1))
-        if cfg.moe_latent_size:
-            _add(units, p + "latent", _sq(t, 1 if local == "experts.down_proj" else 2))
-    elif c == "E" and local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
-        _add(units, p + "latent", _sq(t, 0 if local.startswith("fc1") else 1))
+    """What a tensor of layer i adds to its units' squared norms (its kind's spec says which)."""
+    for site, term in KINDS[cfg.pattern[i]].magnitude(cfg, local, t):
+        _add(units, f"layers.{i}.{site}", term)
 
 
 def _add(d, key, v):
@@ -154,11 +123,9 @@ def magnitude_scores(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
         g = acc["gamma"].get(site)
         H += r if g is None else r * g.square()
     out = {"hidden": H.sqrt(), "block_importance": block.sqrt().float()}
-    for k, v in units.items():
-        v = v.sqrt()
-        out[k] = v.view(cfg.mamba_num_heads, cfg.mamba_head_dim) if k.endswith("mamba_x") \
-            else v.view(cfg.num_attention_heads, -1) if k.endswith("attn") else v
     want = score_shapes(cfg)
+    for k, v in units.items():
+        out[k] = v.sqrt().view(want[k])
     want.pop("loss_increase")
     missing = sorted(set(want) - set(out))
     assert not missing, f"magnitude scores missing {missing}: not every tensor was given"

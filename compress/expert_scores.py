@@ -24,6 +24,7 @@ import torch
 
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.kinds import KINDS
 
 EXPERT_METHODS = ("reconstruction", "contribution", "frequency", "mean", "random")
 SOURCE = {"reconstruction": "expert_reconstruction", "contribution": "expert_contribution",
@@ -40,8 +41,8 @@ def rank_experts(scores: dict, cfg: ModelConfig, method: str = "reconstruction",
     """A copy of `scores` whose `layers.i.experts` is the `method` score of every MoE layer."""
     check_expert_method(method)
     out, g = dict(scores), torch.Generator().manual_seed(seed)
-    trunk = [f"layers.{i}." for i, c in enumerate(cfg.pattern) if c == "E"]
-    mtp = [f"mtp.layers.{j}." for j, c in enumerate(cfg.mtp_full_pattern) if c == "E"]
+    trunk = [f"layers.{i}." for i, c in enumerate(cfg.pattern) if KINDS[c].routed]
+    mtp = [f"mtp.layers.{j}." for j, c in enumerate(cfg.mtp_full_pattern) if KINDS[c].routed]
     for p in trunk + mtp:  # trunk first: the random draws of the trunk's layers do not depend on the MTP
         if method == "random":
             out[p + "experts"] = torch.rand(cfg.n_routed_experts, generator=g)

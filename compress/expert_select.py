@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from remodel.models.mlp import Experts
+from remodel.models.moe import Experts
 
 SAMPLE_BYTES = 1 << 29  # expert outputs [tokens, E, D] kept per MoE layer (fp32)
 SAMPLE_TOKENS = 4096

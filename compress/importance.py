@@ -6,7 +6,7 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   hidden           output of every layers[i].norm and of norm_f (gamma applied); per-site scores summed
   layers.i.ffn     input of mixer.down_proj, times ||down_proj[:, j]||        '-'   [F]
   layers.i.attn    input of mixer.o_proj, per head                              '*'   [nq, head_dim]
-  layers.i.mamba_x the x segment of mixer.in_proj's output (models.layout; before conv),
+  layers.i.mamba_x the x segment of mixer.in_proj's output (the Mamba spec; before conv),
                    times ||out_proj[:, c]|| of the same inner channel c        'M'   [nh, hd]
   layers.i.experts mean over routed tokens of ||w * expert(x)||                'E'   [E]
                    (w: the router weight the token's output is multiplied by, from the unbiased
@@ -50,7 +50,7 @@ from tqdm import tqdm
 from remodel.models.checkpoint import CheckpointReader
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf, our_shapes
-from remodel.models.layout import segment_span
+from remodel.models.layout import axis_size
 from remodel.models.load import iter_our_tensors
 from remodel.models.mlp import ffn
 from remodel.models.model import Block, init_buffers
@@ -83,7 +83,7 @@ class Scorer:
         self.model, self.cfg = model, cfg or model.cfg
         self.acc: dict[str, torch.Tensor] = {}
         self.wnorm: dict[str, torch.Tensor] = {}  # per-unit norm of the weight column a site feeds
-        self.mask, self._samples, self.tokens = None, {}, 0
+        self.mask, self._samples, self.tokens, self._sites = None, {}, 0, {}  # _sites: {key: score shape}
         self._handles, self._patched = [], []
 
     # ---- attaching ------------------------------------------------------------------
@@ -109,17 +109,18 @@ class Scorer:
         self._attach_mixer(f"mtp.layers.{j}.", block)
 
     def _attach_mixer(self, p: str, block: Block):
+        """The sites the block's kind names (models.spec.Site); a routed kind records its experts."""
         m, hook = block.mixer, self._handles.append
-        if block.kind == "-":
-            self.wnorm[p + "ffn"] = col_norms(m.down_proj.weight)
-            hook(m.down_proj.register_forward_pre_hook(self._input(p + "ffn")))
-        elif block.kind == "*":
-            hook(m.o_proj.register_forward_pre_hook(self._input(p + "attn")))
-        elif block.kind == "M":
-            self.wnorm[p + "mamba_x"] = col_norms(m.out_proj.weight)
-            x = segment_span(self.cfg, "mamba_in_proj", "x")
-            hook(m.in_proj.register_forward_hook(self._output(p + "mamba_x", x)))
-        else:
+        for site in block.spec.sites(self.cfg):
+            key, module = p + site.name, m.get_submodule(site.module)
+            self._sites[key] = tuple(axis_size(self.cfg, a) for a in block.spec.scored[site.name])
+            if site.norm_of:
+                self.wnorm[key] = col_norms(m.get_parameter(site.norm_of))
+            if site.read == "input":
+                hook(module.register_forward_pre_hook(self._input(key)))
+            else:
+                hook(module.register_forward_hook(self._output(key, site.part or slice(None))))
+        if block.spec.routed:
             self._attach_moe(p, m)
 
     def attach_final(self, norm_f: RMSNorm):
@@ -238,14 +239,11 @@ class Scorer:
     # ---- result -------------------------------------------------------------------------
     def _block_result(self, p: str) -> dict[str, torch.Tensor]:
         """The unit scores of one block (prefix p: 'layers.3.' or 'mtp.layers.1.')."""
-        cfg, acc, out = self.cfg, self.acc, {}
-        if p + "ffn" in acc:
-            out[p + "ffn"] = acc[p + "ffn"].sqrt() * self.wnorm[p + "ffn"].to(acc[p + "ffn"].device)
-        if p + "attn" in acc:
-            out[p + "attn"] = acc[p + "attn"].sqrt().view(cfg.num_attention_heads, cfg.head_dim)
-        if p + "mamba_x" in acc:
-            a = acc[p + "mamba_x"].sqrt() * self.wnorm[p + "mamba_x"].to(acc[p + "mamba_x"].device)
-            out[p + "mamba_x"] = a.view(cfg.mamba_num_heads, cfg.mamba_head_dim)
+        acc, out = self.acc, {}
+        for key, shape in self._sites.items():
+            if key.startswith(p) and "." not in key[len(p):] and key in acc:
+                a = acc[key].sqrt()
+                out[key] = (a * self.wnorm[key].to(a.device) if key in self.wnorm else a).view(shape)
         if p + "experts" in acc:
             s, n = acc[p + "experts"]
             out[p + "experts"] = s / n.clamp(min=1)

@@ -5,8 +5,8 @@ targets (any subset; an axis not named is kept):
   attn_heads (query heads per layer, a multiple of num_key_value_heads), experts, expert_ffn_size,
   shared_expert_size, latent_size (LatentMoE: fc1/fc2_latent_proj and the experts' inputs/outputs, per
   layer by `layers.i.latent`), num_layers | drop_layers.
-Depth is counted in the source family's layers: a Nemotron-H layer is one pattern character, a
-Llama/Mixtral/Qwen decoder layer is the pair '*-' / '*E' (dropped together, so the result stays
+Depth is counted in the source family's decoder layers (models.families: one of our layers for
+Nemotron-H, the attention + MLP/MoE pair for the Llama family, dropped together so the result stays
 exportable); `drop_layers` uses that numbering too. `num_layers` drops the layers with the lowest
 `loss_increase` when the scores have it (the direct measure: what removing that layer alone costs in
 LM loss, MiniPuzzle), else the lowest `block_importance` (1 - cos(x_in, x_out), Minitron); for a
@@ -15,8 +15,9 @@ decoder-layer pair the two per-character scores are summed.
 Experts with grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
 every group); an expert count below num_experts_per_tok, or one the groups cannot hold, is refused.
 Refused as not loadable by transformers: MoE expert_ffn_size / hidden_size (latent_size for a
-LatentMoE) not a multiple of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), Llama
-hidden not a multiple of the query heads (LlamaConfig checks it even with an explicit head_dim).
+LatentMoE) not a multiple of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), a
+hidden size not a multiple of the query heads where the family's config demands it (models.families), even
+with an explicit head_dim.
 
 validate_targets -> plan_keep (scores -> keep dict, see compress/axes.py) -> new_config + prune_tensor.
 """
@@ -26,10 +27,13 @@ import copy
 
 import torch
 
-from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.families import depth_units as layer_units, family as family_of
 from remodel.models.hf import check_exportable, config_to_hf, default_family
-from remodel.models.layout import PRUNABLE, WIDTHS
+from remodel.models.kinds import KINDS, layer_kinds, routed, used
+from remodel.models.spec import PRUNABLE, WIDTHS
+from remodel.models.spec import top
 
 from .axes import dim_indices, layer_of, select, tensor_axes
 
@@ -49,14 +53,6 @@ def _nearest(v: int, step: int, hi: int) -> str:
 
 
 # ---- depth units ------------------------------------------------------------------------------
-
-def layer_units(cfg: ModelConfig, family: str | None = None) -> list[list[int]]:
-    """The family's layers as lists of our layer indices: [[i]] for nemotron_h, pairs otherwise."""
-    family = family or default_family(cfg)
-    if family == "nemotron_h":
-        return [[i] for i in range(cfg.num_layers)]
-    return [[2 * j, 2 * j + 1] for j in range(cfg.num_layers // 2)]
-
 
 def parse_layers(v) -> list[int]:
     if isinstance(v, str):
@@ -126,8 +122,8 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
     if key == "num_layers":
         return
     kind, field = AXES[key]
-    if kind is not None and kind not in cfg.pattern:
-        raise RemodelError(f"{flag(key)}: the model has no {LAYER_TYPES[kind]} layers (pattern {cfg.pattern})")
+    if kind is not None and KINDS[kind] not in used(cfg, mtp=False):
+        raise RemodelError(f"{flag(key)}: the model has no {KINDS[kind].name} layers (pattern {cfg.pattern})")
     src = getattr(cfg, field)
     if not src:
         what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
@@ -162,7 +158,7 @@ def _check_experts(cfg: ModelConfig, t: dict) -> None:
                    f"does not fit n_group={G} expert groups (the same number in every group, >= 2 each, "
                    f"topk_group={tg} groups holding num_experts_per_tok={k})")
             raise RemodelError(f"--experts {v} {why}; nearest valid: {' or '.join(map(str, below + above)) or 'none'}")
-    if "E" in cfg.pattern:  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
+    if routed(cfg):  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
         keys = ["expert_ffn_size"] + (["latent_size"] if cfg.moe_latent_size else ["hidden_size"])
         for key in keys:
             v, src = t.get(key), getattr(cfg, AXES[key][1])
@@ -185,30 +181,19 @@ def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str
     except RemodelError:
         return  # an in-memory model no family can hold: nothing more to keep
     check_exportable(target, family)
-    if family == "llama" and target.hidden_size % target.num_attention_heads:
+    if family_of(family).hidden_divides_heads and target.hidden_size % target.num_attention_heads:
         H, nq = target.hidden_size, target.num_attention_heads
         if "hidden_size" in t:
             near = _nearest(H, nq, cfg.hidden_size)
             raise RemodelError(f"--hidden-size {H} is not a multiple of the {nq} attention heads, which transformers' "
-                               f"LlamaConfig requires; nearest valid: {near}")
+                               f"{family} config requires; nearest valid: {near}")
         ok = [q for q in range(nq, 0, -1) if H % q == 0 and q % cfg.num_key_value_heads == 0][:1]
-        raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' LlamaConfig "
-                           f"requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
+        raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' {family} "
+                           f"config requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
     config_to_hf(target, family)  # transformers' own config checks, still before any work
 
 
 # ---- ranking ----------------------------------------------------------------------------------
-
-def _top(s: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest (ties: lower index first), in increasing order."""
-    return torch.argsort(s, descending=True, stable=True)[:k].sort().values
-
-
-def _top_per_group(s: torch.Tensor, groups: int, k_total: int) -> torch.Tensor:
-    """Keep k_total/groups of the largest within every one of `groups` equal contiguous groups."""
-    r, k = s.numel() // groups, k_total // groups
-    return torch.cat([g * r + _top(s[g * r:(g + 1) * r], k) for g in range(groups)])
-
 
 def _score(scores: dict, name: str, shape: tuple, why: str) -> torch.Tensor:
     s = scores.get(name)
@@ -224,11 +209,12 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
     t = validate_targets(cfg, targets, family)
     keep = {}
     if "hidden_size" in t:
-        keep["hidden"] = _top(_score(scores, "hidden", (cfg.hidden_size,), "--hidden-size"), t["hidden_size"])
-    for i, c in enumerate(cfg.pattern):
-        keep.update(_block_keep(cfg, scores, t, f"layers.{i}.", c))
+        keep["hidden"] = top(_score(scores, "hidden", (cfg.hidden_size,), "--hidden-size"), t["hidden_size"])
+    for i, k in enumerate(layer_kinds(cfg)):  # each kind's keep rule (models.spec.LayerKind.keep)
+        keep.update(k.keep(cfg, lambda *a: _score(scores, *a), t, f"layers.{i}."))
     for j, c in enumerate(cfg.mtp_full_pattern):
-        keep.update(_block_keep(cfg, _mtp_scores(cfg, scores, j), t, f"mtp.layers.{j}.", c))
+        mtp = _mtp_scores(cfg, scores, j)
+        keep.update(KINDS[c].keep(cfg, lambda *a, s=mtp: _score(s, *a), t, f"mtp.layers.{j}."))
     units = layer_units(cfg, family)
     drop = []
     if "drop_layers" in t:
@@ -237,46 +223,11 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
         m = depth_metric(scores)
         s = _score(scores, m, (cfg.num_layers,), "--num-layers")
         per_unit = torch.stack([s[u].sum() for u in units])
-        drop = _top(-per_unit, len(units) - t["num_layers"]).tolist()
+        drop = top(-per_unit, len(units) - t["num_layers"]).tolist()
     if drop:
         keep["layers"] = torch.tensor([i for j, u in enumerate(units) if j not in drop for i in u])
         gone = {f"layers.{i}." for j in drop for i in units[j]}
         keep = {k: v for k, v in keep.items() if not any(k.startswith(g) for g in gone)}
-    return keep
-
-
-def _block_keep(cfg: ModelConfig, scores: dict, t: dict, p: str, c: str) -> dict:
-    """Keep entries of one block (prefix `p`, kind `c`) from its scores."""
-    keep = {}
-    if c == "-" and "ffn_size" in t:
-        keep[p + "ffn"] = _top(_score(scores, p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])
-    elif c == "*" and "attn_heads" in t:
-        s = _score(scores, p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
-        keep[p + "attn_heads"] = _top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])
-    elif c == "M" and ("mamba_heads" in t or "mamba_head_dim" in t):
-        nh, hd = cfg.mamba_num_heads, cfg.mamba_head_dim
-        s = _score(scores, p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
-        chans = _top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
-        if "mamba_head_dim" in t:
-            keep[p + "mamba_head_dim"] = chans
-        if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
-            keep[p + "mamba_heads"] = _top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
-    elif c == "E":
-        E = cfg.n_routed_experts
-        experts = torch.arange(E)
-        if "experts" in t:
-            s = _score(scores, p + "experts", (E,), "--experts")
-            experts = _top_per_group(s, cfg.n_group, t["experts"])  # n_group=1: plain top-k
-            keep[p + "experts"] = experts
-        if "expert_ffn_size" in t:
-            s = _score(scores, p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
-            keep[p + "expert_ffn"] = torch.stack([_top(row, t["expert_ffn_size"]) for row in s])
-        if "shared_expert_size" in t:
-            s = _score(scores, p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
-            keep[p + "shared_ffn"] = _top(s, t["shared_expert_size"])
-        if "latent_size" in t:
-            s = _score(scores, p + "latent", (cfg.moe_latent_size,), "--latent-size")
-            keep[p + "latent"] = _top(s, t["latent_size"])
     return keep
 
 
@@ -302,7 +253,7 @@ def _size(cfg, keep, layers, kind, axis, full):
     blocks += [f"mtp.layers.{j}" for j, c in enumerate(cfg.mtp_full_pattern) if c == kind]  # same widths
     sizes = {full if keep.get(f"{b}.{axis}") is None else keep[f"{b}.{axis}"].shape[-1] for b in blocks}
     if len(sizes) > 1:
-        raise RemodelError(f"keep sets give {LAYER_TYPES[kind]} layers different {axis} sizes {sorted(sizes)}; "
+        raise RemodelError(f"keep sets give {KINDS[kind].name} layers different {axis} sizes {sorted(sizes)}; "
                            "widths must be the same in every layer of a type")
     return sizes.pop() if sizes else full
 
@@ -311,19 +262,11 @@ def new_config(cfg: ModelConfig, keep: dict) -> ModelConfig:
     layers = kept_layers(cfg, keep)
     if not layers:
         raise RemodelError("pruning would remove every layer")
-    sz = lambda kind, axis, full: _size(cfg, keep, layers, kind, axis, full)  # noqa: E731
-    return cfg.replace(
-        pattern="".join(cfg.pattern[i] for i in layers),
-        hidden_size=len(keep["hidden"]) if "hidden" in keep else cfg.hidden_size,
-        intermediate_size=sz("-", "ffn", cfg.intermediate_size),
-        num_attention_heads=sz("*", "attn_heads", cfg.num_attention_heads),
-        mamba_num_heads=sz("M", "mamba_heads", cfg.mamba_num_heads),
-        mamba_head_dim=sz("M", "mamba_head_dim", cfg.mamba_head_dim),
-        n_routed_experts=sz("E", "experts", cfg.n_routed_experts),
-        moe_intermediate_size=sz("E", "expert_ffn", cfg.moe_intermediate_size),
-        moe_shared_expert_intermediate_size=sz("E", "shared_ffn", cfg.moe_shared_expert_intermediate_size),
-        moe_latent_size=sz("E", "latent", cfg.moe_latent_size),
-        extra=copy.deepcopy(cfg.extra))
+    sizes = {field: _size(cfg, keep, layers, c, unit, getattr(cfg, field))  # every kind's units (its spec)
+             for c, k in KINDS.items() for unit, field in k.units.items()}
+    return cfg.replace(pattern="".join(cfg.pattern[i] for i in layers),
+                       hidden_size=len(keep["hidden"]) if "hidden" in keep else cfg.hidden_size,
+                       **sizes, extra=copy.deepcopy(cfg.extra))
 
 
 def rename(name: str, keep: dict) -> str | None:

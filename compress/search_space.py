@@ -35,15 +35,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.config import ModelConfig
+from remodel.models.kinds import KINDS, routed
 from remodel.models.errors import RemodelError
+from remodel.models.families import depth_units, family as family_of
 from remodel.models.hf import default_family
-from remodel.models.layout import PRUNABLE
-from remodel.models.layout import WIDTHS as LAYOUT_WIDTHS
-from remodel.models.layout import widths as cfg_widths
+from remodel.models.spec import PRUNABLE
+from remodel.models.spec import WIDTHS as LAYOUT_WIDTHS
+from remodel.models.spec import widths as cfg_widths
 from remodel.models.params import per_layer
 
-# search axis (models.layout.WIDTHS) -> (layer char using it, None: every layer; config field; divisor)
+# search axis (models.spec.WIDTHS) -> (layer char using it, None: every layer; config field; divisor)
 WIDTHS = {n: (LAYOUT_WIDTHS[n].layer, LAYOUT_WIDTHS[n].field, LAYOUT_WIDTHS[n].divisor) for n in PRUNABLE}
 ALL_AXES = tuple(WIDTHS) + ("depth",)
 DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
@@ -80,7 +82,7 @@ def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
     if axis == "experts":
         k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         return v >= k and (G == 1 or (v % G == 0 and v // G >= 2 and tg * (v // G) >= k))
-    moe = "E" in cfg.pattern
+    moe = routed(cfg)
     expert_rows = axis in ("expert_ffn_size", "latent_size") or (axis == "hidden_size" and moe and not cfg.moe_latent_size)
     if expert_rows and v % MOE_ALIGN:
         return False
@@ -88,9 +90,9 @@ def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
 
 
 def _joint_ok(sp: "Space", d: dict) -> bool:
-    """Constraints between axes: Llama's hidden must be a multiple of its heads (LlamaConfig derives
-    head_dim from hidden / heads; compress.prune.validate_targets refuses the rest)."""
-    return not (sp.family == "llama" and "*" in sp.cfg.pattern and d["hidden_size"] % d["attn_heads"])
+    """Constraints between axes: hidden a multiple of the heads where the family demands it (its config
+    derives head_dim from hidden / heads; compress.prune.validate_targets refuses the rest)."""
+    return not (family_of(sp.family).hidden_divides_heads and d["attn_heads"] and d["hidden_size"] % d["attn_heads"])
 
 
 def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None,
@@ -115,13 +117,6 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
     step *= max(1, math.ceil(((size - 1) // step - (lo - 1) // step) / MAX_AXIS_VALUES))  # <= MAX_AXIS_VALUES
     top = (size - 1) // step * step  # multiples of the step only: never a loop over every width
     return [size] + [v for v in range(top, lo - 1, -step) if v > 0 and _valid(cfg, axis, v, family)]
-
-
-def depth_units(cfg: ModelConfig, family: str | None = None) -> list[list[int]]:
-    """Layers as the source family drops them (mirrors compress.prune.layer_units)."""
-    if (family or default_family(cfg)) == "nemotron_h":
-        return [[i] for i in range(cfg.num_layers)]
-    return [[2 * j, 2 * j + 1] for j in range(cfg.num_layers // 2)]
 
 
 @dataclass
@@ -202,18 +197,10 @@ def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
     one = per_layer(cfg, d)
     H = d["hidden_size"]
     out = np.zeros(3, dtype=np.int64)
-    for c in t:
-        p = one[LAYER_TYPES[c]] + H
-        a = p - (one["routed"] - one["routed"] * cfg.num_experts_per_tok // d["experts"] if c == "E" else 0)
-        m = p * sp.dtype_bytes
-        if c == "E" and cfg.router == "sigmoid":
-            m += 4 * d["experts"]  # e_score_correction_bias, an fp32 buffer
-        if c == "*":
-            m += 2 * sp.batch * sp.seq_len * cfg.num_key_value_heads * cfg.head_dim * 2
-        if c == "M":
-            nh, hd = d["mamba_heads"], d["mamba_head_dim"]
-            m += sp.batch * (nh * hd + 2 * cfg.n_groups * cfg.ssm_state_size) * cfg.conv_kernel * 2
-            m += sp.batch * nh * hd * cfg.ssm_state_size * 4
+    for k in map(KINDS.__getitem__, t):  # weights, the kind's fp32 buffers and its bf16 / fp32 inference cache
+        p = one[k.name] + H
+        a = p - (one["routed"] - one["routed"] * cfg.num_experts_per_tok // d["experts"] if k.routed else 0)
+        m = p * sp.dtype_bytes + k.buffer_bytes(cfg, d) + sum(k.cache_bytes(cfg, d, sp.batch, sp.seq_len).values())
         out += np.array([p, a, m], dtype=np.int64)
     return out
 

@@ -186,7 +186,7 @@ def main(argv=None):
 
     # save in bf16, reload, and evaluate exactly what ships
     out = Path(args.out)
-    save_model(model.eval(), out, family="nemotron_h", aux_from=tok_dir, dtype=torch.bfloat16, overwrite=True)
+    save_model(model.eval(), out, aux_from=tok_dir, dtype=torch.bfloat16, overwrite=True)
     ev = evaluate_shipped(model, out, valid, args)
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     log = {

@@ -1,4 +1,5 @@
-"""Grouped-query self-attention through SDPA, with RoPE (Llama family) or none (Nemotron-H)."""
+"""The attention layer kind ('*'): grouped-query self-attention through SDPA, with RoPE (Llama family)
+or none (Nemotron-H); its module and its spec (ATTENTION)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ from torch import nn
 
 from .norm import RMSNorm
 from .recompute import maybe_checkpoint
+from .spec import LayerKind, Param, Site, sq, top_per_group
 
 
 def rope_inv_freq(cfg) -> torch.Tensor:
@@ -91,3 +93,61 @@ class Attention(nn.Module):
                 keep = keep | torch.eye(l, dtype=torch.bool, device=q.device)  # no fully-masked rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])
+
+
+class AttentionKind(LayerKind):
+    def build(self, cfg):
+        return Attention(cfg)
+
+    def validate(self, cfg, need):
+        need(cfg.num_attention_heads > 0 and cfg.num_key_value_heads > 0 and cfg.head_dim > 0,
+             "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
+        need(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+             f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+             f"num_key_value_heads={cfg.num_key_value_heads}")
+        if cfg.rope_theta is not None:
+            need(cfg.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {cfg.head_dim}")
+        if cfg.rope_scaling is not None:
+            need(cfg.rope_scaling.get("rope_type") == "llama3",
+                 f"unsupported RoPE type {cfg.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
+
+    def summary(self, cfg):
+        return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+                "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta}
+
+    def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
+        return {"kv_cache": 2 * batch * seq_len * w["kv_heads"] * w["head_dim"] * kv_bytes}
+
+    def sites(self, cfg):
+        return (Site("attn", "o_proj", "input"),)
+
+    def keep(self, cfg, score, t, p):
+        if "attn_heads" not in t:
+            return {}
+        s = score(p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
+        return {p + "attn_heads": top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])}
+
+    def magnitude(self, cfg, local, t):
+        if local in ("q_proj.weight", "q_proj.bias", "o_proj.weight"):
+            return [("attn", sq(t, 1 if local == "o_proj.weight" else 0))]
+        return []
+
+    def check_tp(self, cfg, tp, need):
+        need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
+             f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
+
+
+ATTENTION = AttentionKind(
+    "*", "attention",
+    (Param("q_proj.weight", ("attn_q", "hidden")), Param("q_proj.bias", ("attn_q",), ("attention_bias",)),
+     Param("k_proj.weight", ("attn_kv", "hidden")), Param("k_proj.bias", ("attn_kv",), ("attention_bias",)),
+     Param("v_proj.weight", ("attn_kv", "hidden")), Param("v_proj.bias", ("attn_kv",), ("attention_bias",)),
+     Param("o_proj.weight", ("hidden", "attn_q")), Param("o_proj.bias", ("hidden",), ("attention_out_bias",)),
+     Param("q_norm.weight", ("head_dim",), ("qk_norm",)), Param("k_norm.weight", ("head_dim",), ("qk_norm",))),
+    sizes={"attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
+           "head_dim": lambda cfg, w: w["head_dim"], "attn_heads": lambda cfg, w: w["attn_heads"]},
+    units={"attn_heads": "num_attention_heads"}, products={"attn_q": ("attn_heads", "head_dim")},
+    scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
+    tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
+    tp_row=("o_proj",), tp_entry="", tp_local=("num_attention_heads", "num_key_value_heads"),
+    tp_shared_norms=("q_norm", "k_norm"))

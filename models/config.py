@@ -15,8 +15,8 @@ import numbers
 from dataclasses import dataclass, field
 
 from .errors import RemodelError
+from .kinds import KINDS, used
 
-LAYER_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # Bounds of a config's sizes: far above any real model, low enough that nothing allocates or loops
 # without bound on a hostile config.json (models.hf checks the raw JSON against them too).
 MAX_VOCAB = 2**24
@@ -33,8 +33,6 @@ INT_BOUNDS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inte
               "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "n_routed_experts": (0, MAX_SMALL),
               "num_experts_per_tok": (0, MAX_SMALL), "n_group": (1, MAX_SMALL), "topk_group": (1, MAX_SMALL),
               "mtp_layers": (0, MAX_MTP), "sliding_window": (1, 2**40)}
-ACTIVATIONS = ("relu2", "silu", "gelu", "gelu_tanh", "relu")
-ROUTERS = ("sigmoid", "softmax")
 
 
 @dataclass
@@ -149,46 +147,14 @@ class ModelConfig:
 
         self._check_numbers(need)
         need(len(self.pattern) > 0, "the layer pattern is empty")
-        bad = sorted(set(self.pattern + self.mtp_pattern) - set(LAYER_TYPES))
-        need(not bad, f"unknown layer characters {bad} in pattern (allowed: M * - E)")
+        bad = sorted(set(self.pattern + self.mtp_pattern) - set(KINDS))
+        need(not bad, f"unknown layer characters {bad} in pattern (allowed: {' '.join(KINDS)})")
         need(self.mtp_layers >= 0 and bool(self.mtp_layers) == bool(self.mtp_pattern),
              "MTP needs both mtp_layers > 0 and a non-empty mtp_pattern (or neither)")
         need(set(self.mtp_pattern) <= set(self.pattern),
              f"MTP layer types {self.mtp_pattern!r} must also occur in the trunk (they share its widths)")
-        if "*" in self.pattern:
-            need(self.num_attention_heads > 0 and self.num_key_value_heads > 0 and self.head_dim > 0,
-                 "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
-            need(self.num_attention_heads % self.num_key_value_heads == 0,
-                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                 f"num_key_value_heads={self.num_key_value_heads}")
-            if self.rope_theta is not None:
-                need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
-            if self.rope_scaling is not None:
-                need(self.rope_scaling.get("rope_type") == "llama3",
-                     f"unsupported RoPE type {self.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
-        if "-" in self.pattern:
-            need(self.intermediate_size > 0, "MLP layers need intermediate_size > 0")
-            need(self.mlp_act in ACTIVATIONS, f"unknown activation {self.mlp_act!r}")
-        if "M" in self.pattern:
-            need(self.mamba_num_heads > 0 and self.mamba_head_dim > 0 and self.ssm_state_size > 0,
-                 "Mamba layers need mamba_num_heads, mamba_head_dim and ssm_state_size > 0")
-            need(self.n_groups > 0 and self.mamba_num_heads % self.n_groups == 0,
-                 f"mamba_num_heads={self.mamba_num_heads} is not a multiple of n_groups={self.n_groups}")
-            need(self.chunk_size > 0 and self.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
-        if "E" in self.pattern:
-            need(self.n_routed_experts > 0 and self.moe_intermediate_size > 0,
-                 "MoE layers need n_routed_experts and moe_intermediate_size > 0")
-            need(0 < self.num_experts_per_tok <= self.n_routed_experts,
-                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={self.n_routed_experts}")
-            need(self.router in ROUTERS, f"unknown router {self.router!r} (allowed: {ROUTERS})")
-            need(self.n_group > 0 and self.n_routed_experts % self.n_group == 0,
-                 f"n_routed_experts={self.n_routed_experts} is not a multiple of n_group={self.n_group}")
-            need(0 < self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in 1..n_group")
-            if self.n_group > 1:
-                need(self.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
-                need(self.n_routed_experts // self.n_group >= 2,
-                     "grouped routing needs at least 2 experts per group")
-            need(self.mlp_act in ACTIVATIONS, f"unknown activation {self.mlp_act!r}")
+        for k in used(self):
+            k.validate(self, need)
 
     def _check_numbers(self, need) -> None:
         """Every size an int (not bool) within INT_BOUNDS, every float finite and in range, the pattern

@@ -1,4 +1,5 @@
-"""Tensor names between our model and each Hugging Face family: one declarative key map per family.
+"""Tensor names between our model and each Hugging Face family: one declarative key map per family
+(its module in models/families says it).
 
 `KEY_MAPS[family]` maps our parameter names to the family's checkpoint names, with placeholders:
 `{i}` a layer index kept as is; `{a}` / `{m}` our layer 2j / 2j+1 (the attention / MLP-or-MoE half
@@ -14,7 +15,8 @@ from functools import lru_cache
 
 from .config import ModelConfig
 from .errors import RemodelError
-from .layout import BLOCK_NORM, MTP_FIRST, MTP_LAST, PARAMS, shapes
+from .families import FAMILIES
+from .layout import shapes
 
 # our index -> HF index (None: not this placeholder's layer), HF index -> our index
 _INDEX = {"i": (lambda n: n, lambda n: n),
@@ -23,59 +25,7 @@ _INDEX = {"i": (lambda n: n, lambda n: n),
 _SLOT = re.compile(r"\{([iame])\}")
 
 
-def _nemotron_h() -> dict[str, str]:
-    """Our names are Nemotron-H's: `backbone.` in front of the trunk; MTP tensors unprefixed, as vLLM
-    reads them; routed experts split per expert. Every layer parameter of the layout registry."""
-    leaves = [BLOCK_NORM.leaf] + ["mixer." + p.leaf for ps in PARAMS.values() for p in ps]
-    out = {"embeddings.weight": "backbone.embeddings.weight", "norm_f.weight": "backbone.norm_f.weight",
-           "lm_head.weight": "lm_head.weight"}
-    for top, hf_top in (("layers.{i}.", "backbone.layers.{i}."), ("mtp.layers.{i}.", "mtp.layers.{i}.")):
-        for leaf in dict.fromkeys(leaves):
-            if leaf.startswith("mixer.experts."):
-                out[top + leaf] = f"{hf_top}mixer.experts.{{e}}.{leaf.rsplit('.', 1)[1]}.weight"
-            else:
-                out[top + leaf] = hf_top + leaf
-    for p in MTP_FIRST + MTP_LAST:
-        out["mtp.layers.{i}." + p.leaf] = "mtp.layers.{i}." + p.leaf
-    return out
-
-
-def _llama(attn: tuple, mlp: str, router: str = "", experts: dict | None = None,
-           shared: bool = False) -> dict[str, str]:
-    """A Llama-family map: our layers 2j (attention) and 2j+1 (MLP or MoE) are HF decoder layer j, their
-    norms its input_layernorm and post_attention_layernorm. `attn`: the attention tensors the family
-    has; `mlp`: the MLP / MoE module; `experts`: our fused expert -> HF per-expert leaf (MoE only)."""
-    hf_a, hf_m = "model.layers.{a}.", f"model.layers.{{m}}.{mlp}."
-    out = {"embeddings.weight": "model.embed_tokens.weight",
-           "layers.{a}.norm.weight": hf_a + "input_layernorm.weight",
-           "layers.{m}.norm.weight": "model.layers.{m}.post_attention_layernorm.weight"}
-    out.update({f"layers.{{a}}.mixer.{t}": f"{hf_a}self_attn.{t}" for t in attn})
-    if experts is None:
-        out.update({f"layers.{{m}}.mixer.{p}.weight": f"{hf_m}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")})
-    else:
-        out["layers.{m}.mixer.gate.weight"] = f"{hf_m}{router}.weight"
-        out.update({f"layers.{{m}}.mixer.experts.{p}": f"{hf_m}experts.{{e}}.{leaf}.weight" for p, leaf in experts.items()})
-    if shared:
-        out.update({f"layers.{{m}}.mixer.shared_experts.{p}.weight": f"{hf_m}shared_expert.{p}.weight"
-                    for p in ("gate_proj", "up_proj", "down_proj")})
-        out["layers.{m}.mixer.shared_expert_gate.weight"] = f"{hf_m}shared_expert_gate.weight"
-    out.update({"norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"})
-    return out
-
-
-_QKV = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
-_ATTN = _QKV + ("o_proj.weight", "o_proj.bias")  # attention_bias covers o_proj too
-_QWEN2_ATTN = _QKV + ("o_proj.weight",)  # q/k/v bias, never an o_proj bias
-_QWEN3_ATTN = _ATTN + ("q_norm.weight", "k_norm.weight")
-_SWIGLU = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-KEY_MAPS = {
-    "nemotron_h": _nemotron_h(),
-    "llama": _llama(_ATTN, "mlp"), "mistral": _llama(_ATTN, "mlp"),
-    "qwen2": _llama(_QWEN2_ATTN, "mlp"), "qwen3": _llama(_QWEN3_ATTN, "mlp"),
-    "mixtral": _llama(_ATTN, "block_sparse_moe", "gate", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
-    "qwen2_moe": _llama(_QWEN2_ATTN, "mlp", "gate", _SWIGLU, shared=True),
-    "qwen3_moe": _llama(_QWEN3_ATTN, "mlp", "gate", _SWIGLU),
-}
+KEY_MAPS = {name: f.key_map() for name, f in FAMILIES.items()}  # each family's declarative map
 
 
 class _Pattern:

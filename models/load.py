@@ -15,6 +15,7 @@ from .checkpoint import CheckpointReader
 from .files import check_weight_dtype, read_json
 from .config import ModelConfig
 from .errors import RemodelError
+from .families import FAMILIES
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
 from .model import HybridLM
 
@@ -155,29 +156,15 @@ def _blocks(model: HybridLM) -> list:
 
 
 def _keep_fp32(model: HybridLM):
-    for m in [b.mixer for b in _blocks(model) if b.kind == "E"]:
+    for m in [b.mixer for b in _blocks(model) if b.spec.routed]:
         if hasattr(m.gate, "e_score_correction_bias"):
             m.gate.e_score_correction_bias.data = m.gate.e_score_correction_bias.data.float()
 
 
 def extra_hf_tensors(cfg: ModelConfig, family: str) -> dict[str, tuple]:
-    """Tensors the family needs but our model lacks: a shared expert of size 1 with zero weights
-    stands for 'no shared expert' (transformers always builds one); named through the key map."""
-    if cfg.moe_shared_expert_intermediate_size or family not in ("nemotron_h", "qwen2_moe"):
-        return {}
-    H = cfg.hidden_size
-    leaves = {"up_proj.weight": (1, H), "down_proj.weight": (H, 1)}
-    if family == "qwen2_moe":
-        leaves = {"gate_proj.weight": (1, H), **leaves}
-    out = {}
-    for i, c in enumerate(cfg.pattern):
-        if c != "E":
-            continue
-        for leaf, shape in leaves.items():
-            out[to_hf_name(cfg, family, f"layers.{i}.mixer.shared_experts.{leaf}")] = shape
-        if family == "qwen2_moe":
-            out[to_hf_name(cfg, family, f"layers.{i}.mixer.shared_expert_gate.weight")] = (1, H)
-    return out
+    """{HF name: shape} of the tensors the family needs but our model lacks (its spec's extra_tensors,
+    e.g. a size-1 zero shared expert standing for 'none'), named through the key map."""
+    return {to_hf_name(cfg, family, ours): shape for ours, shape in FAMILIES[family].extra_tensors(cfg).items()}
 
 
 def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family: str,

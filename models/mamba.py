@@ -1,9 +1,10 @@
-"""Mamba-2 mixer: in_proj -> causal depthwise conv + silu -> SSD scan -> gated group RMSNorm -> out_proj.
+"""The Mamba-2 layer kind ('M'): in_proj -> causal depthwise conv + silu -> SSD scan -> gated group
+RMSNorm -> out_proj; its module and its spec (MAMBA).
 
 Numerics follow transformers' `nemotron_h`: dt = clamp(softplus(dt + dt_bias), time_step_min,
 time_step_max), A = -exp(A_log), and the gate multiplies before the group norm. The in_proj output
-and the conv channels are concatenations of segments whose order models.layout states once; every
-slice here comes from there, under the mixer's current cfg (tensor parallelism gives it one rank's
+and the conv channels are concatenations of segments whose order the spec at the end of this file
+states once; every slice here comes from there, under the mixer's current cfg (tensor parallelism gives it one rank's
 heads and groups).
 
 This file is the readable form; models.mamba_kernels computes it fast. On CPU the mixer runs the
@@ -23,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import axis_size
-from .mamba_kernels import compute_dtype, gated_rms_norm, layout_spans, mamba_core, ssd_scan
+from .mamba_kernels import Spans, compute_dtype, gated_rms_norm, mamba_core, ssd_scan
 from .recompute import maybe_checkpoint
+from .spec import LayerKind, Param, Site, sq, top, top_per_group
 
 USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
 
@@ -126,8 +127,8 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        conv = axis_size(cfg, "mamba_conv")
-        self.in_proj = nn.Linear(cfg.hidden_size, axis_size(cfg, "mamba_in_proj"), bias=cfg.mamba_proj_bias)
+        conv = MAMBA.axis_size(cfg, "mamba_conv")
+        self.in_proj = nn.Linear(cfg.hidden_size, MAMBA.axis_size(cfg, "mamba_in_proj"), bias=cfg.mamba_proj_bias)
         self.conv1d = nn.Conv1d(conv, conv, cfg.conv_kernel, groups=conv, bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(cfg.mamba_num_heads))
         self.A_log = nn.Parameter(torch.empty(cfg.mamba_num_heads))
@@ -150,7 +151,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(maybe_checkpoint(self, core, proj, A, attention_mask).to(u.dtype))
 
     def _spans(self):
-        """models.layout's column slices under the current cfg (`layout_spans`), recomputed when the cfg
+        """The spec's column slices under the current cfg (`layout_spans`), recomputed when the cfg
         object changes (tensor parallelism swaps in one rank's)."""
         if self.__dict__.get("_spans_cfg") is not self.cfg:
             self._spans_cfg, self._spans_val = self.cfg, layout_spans(self.cfg)
@@ -186,3 +187,88 @@ class Mamba2Mixer(nn.Module):
             return self.norm(y, z)
         n = self.norm  # gate before the norm (norm_before_gate=False), one norm per group of channels
         return k.norm(y, n.weight, None, z=z, eps=n.eps, group_size=y.shape[-1] // n.groups, norm_before_gate=False)
+
+
+class MambaKind(LayerKind):
+    def build(self, cfg):
+        return Mamba2Mixer(cfg)
+
+    def validate(self, cfg, need):
+        need(cfg.mamba_num_heads > 0 and cfg.mamba_head_dim > 0 and cfg.ssm_state_size > 0,
+             "Mamba layers need mamba_num_heads, mamba_head_dim and ssm_state_size > 0")
+        need(cfg.n_groups > 0 and cfg.mamba_num_heads % cfg.n_groups == 0,
+             f"mamba_num_heads={cfg.mamba_num_heads} is not a multiple of n_groups={cfg.n_groups}")
+        need(cfg.chunk_size > 0 and cfg.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
+
+    def summary(self, cfg):
+        return {"mamba_num_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim, "n_groups": cfg.n_groups,
+                "ssm_state_size": cfg.ssm_state_size, "conv_kernel": cfg.conv_kernel, "mamba_inner": cfg.mamba_inner,
+                "mamba_conv_dim": cfg.mamba_conv_dim, "mamba_in_proj_size": cfg.mamba_in_proj_size}
+
+    def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
+        """The conv state keeps conv_kernel columns of the conv channels; the SSM state does not grow with seq_len."""
+        inner, N = w["mamba_heads"] * w["mamba_head_dim"], w["ssm_state_size"]
+        return {"mamba_conv_state": batch * (inner + 2 * cfg.n_groups * N) * cfg.conv_kernel * conv_bytes,
+                "mamba_ssm_state": batch * inner * N * state_bytes}
+
+    def sites(self, cfg):
+        return (Site("mamba_x", "in_proj", "output", self.segment_span(cfg, "mamba_in_proj", "x"), "out_proj.weight"),)
+
+    def keep(self, cfg, score, t, p):
+        if "mamba_heads" not in t and "mamba_head_dim" not in t:
+            return {}
+        keep, nh, hd = {}, cfg.mamba_num_heads, cfg.mamba_head_dim
+        s = score(p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
+        chans = top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
+        if "mamba_head_dim" in t:
+            keep[p + "mamba_head_dim"] = chans
+        if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
+            keep[p + "mamba_heads"] = top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
+        return keep
+
+    def magnitude(self, cfg, local, t):
+        """in_proj z and x rows, out_proj columns, and each head's dt row spread over its channels."""
+        if local in ("in_proj.weight", "in_proj.bias"):
+            sizes, hd = self.segment_sizes(cfg, "mamba_in_proj"), cfg.mamba_head_dim
+            seg = dict(zip(sizes, sq(t, 0).split(list(sizes.values()))))
+            return [("mamba_x", seg["z"] + seg["x"] + (seg["dt"] / hd).repeat_interleave(hd))]
+        if local == "out_proj.weight":
+            return [("mamba_x", sq(t, 1))]
+        return []
+
+    def check_tp(self, cfg, tp, need):
+        need(cfg.n_groups % tp == 0, f"tensor parallelism: Mamba n_groups={cfg.n_groups} is not divisible "
+             f"by tp={tp} (heads are split by whole groups)")
+
+
+MAMBA = MambaKind(
+    "M", "mamba",
+    (Param("in_proj.weight", ("mamba_in_proj", "hidden")),
+     Param("in_proj.bias", ("mamba_in_proj",), ("mamba_proj_bias",)),
+     Param("conv1d.weight", ("mamba_conv", "one", "conv_kernel")),
+     Param("conv1d.bias", ("mamba_conv",), ("use_conv_bias",)),
+     Param("dt_bias", ("mamba_heads",)), Param("A_log", ("mamba_heads",)), Param("D", ("mamba_heads",)),
+     Param("norm.weight", ("mamba_inner",)),
+     Param("out_proj.weight", ("hidden", "mamba_inner")),
+     Param("out_proj.bias", ("hidden",), ("mamba_proj_bias",))),
+    # the in_proj output is [z | x | B | C | dt] (gate, scan input, SSM B and C, per-head dt); the conv runs over x, B, C
+    segments={"mamba_in_proj": (("z", "mamba_inner"), ("x", "mamba_inner"), ("B", "mamba_bc"), ("C", "mamba_bc"),
+                                ("dt", "mamba_heads")),
+              "mamba_conv": (("x", "mamba_inner"), ("B", "mamba_bc"), ("C", "mamba_bc"))},
+    sizes={"mamba_heads": lambda cfg, w: w["mamba_heads"], "mamba_head_dim": lambda cfg, w: w["mamba_head_dim"],
+           "mamba_inner": lambda cfg, w: w["mamba_heads"] * w["mamba_head_dim"],
+           "mamba_bc": lambda cfg, w: cfg.n_groups * w["ssm_state_size"], "conv_kernel": lambda cfg, w: cfg.conv_kernel},
+    units={"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim"},
+    products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
+    widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),
+    tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
+    tp_row=("out_proj",), tp_entry="", tp_local=("mamba_num_heads", "n_groups"), tp_local_attrs={"norm.groups": "n_groups"})
+
+
+def layout_spans(cfg) -> Spans:
+    """The slices of the spec's 'mamba_in_proj' and 'mamba_conv' axes under `cfg` (whose head and group
+    counts may be one tensor-parallel rank's). The conv input is the in_proj span of the conv's segments."""
+    conv = list(MAMBA.segment_sizes(cfg, "mamba_conv"))
+    return Spans(z=MAMBA.segment_span(cfg, "mamba_in_proj", "z"), dt=MAMBA.segment_span(cfg, "mamba_in_proj", "dt"),
+                 conv=MAMBA.segment_span(cfg, "mamba_in_proj", conv[0], conv[-1]),
+                 **{name: MAMBA.segment_span(cfg, "mamba_conv", name) for name in conv})

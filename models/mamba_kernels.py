@@ -9,7 +9,7 @@ output in place and writing its whole gradient into one tensor), `ssd_scan` (the
 the CUDA path's scan when mamba-ssm is missing), `gated_rms_norm` (over cache-sized row blocks).
 models.mamba hooks up the optional GPU kernels (mamba-ssm, causal-conv1d) on CUDA.
 
-Column offsets of the in_proj output and the conv channels come from models.layout (`layout_spans`).
+Column offsets of the in_proj output and the conv channels come from the Mamba spec (models.mamba.layout_spans).
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from .layout import segment_sizes, segment_span
 
 CPU_CHUNK = 64  # scan chunk on CPU (any chunk gives the same result up to summation order)
 BLOCK_ELEMS = 1 << 18  # elements of one per-block tensor (1 MiB fp32: stays in a core's L2 cache)
@@ -35,16 +33,6 @@ class Spans(NamedTuple):
     x: slice
     B: slice
     C: slice
-
-
-def layout_spans(cfg) -> Spans:
-    """The slices of models.layout's 'mamba_in_proj' and 'mamba_conv' axes under `cfg` (whose head and
-    group counts may be one tensor-parallel rank's). The conv input is the in_proj span of the conv's
-    segments."""
-    conv = list(segment_sizes(cfg, "mamba_conv"))
-    return Spans(z=segment_span(cfg, "mamba_in_proj", "z"), dt=segment_span(cfg, "mamba_in_proj", "dt"),
-                 conv=segment_span(cfg, "mamba_in_proj", conv[0], conv[-1]),
-                 **{name: segment_span(cfg, "mamba_conv", name) for name in conv})
 
 
 def compute_dtype(t) -> torch.dtype:
@@ -73,12 +61,12 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, return
     return (y, s) if return_state else y
 
 
-def mamba_core(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans: Spans | None = None):
+def mamba_core(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans: Spans):
     """The mixer between in_proj and the gated norm on CPU: the in_proj output proj [b, l, :] ->
     (scan output y [b, l, inner] in `compute_dtype`, gate z [b, l, inner]). mask [b, l] or None
-    zeroes the conv output of padded steps; spans: `layout_spans(cfg)` if already at hand. Same
+    zeroes the conv output of padded steps; spans: models.mamba.layout_spans(cfg). Same
     arithmetic as conv -> dt -> `ssd_scan`."""
-    return _MambaCore.apply(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans or layout_spans(cfg))
+    return _MambaCore.apply(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans)
 
 
 def gated_rms_norm(y, z, w, groups: int, eps: float):

@@ -1,8 +1,4 @@
-"""Dense MLP (relu2 or SwiGLU) and the mixture-of-experts layer with its routers.
-
-Experts are stored fused, [E, F, L] per projection, and dispatched dropless: tokens are sorted by
-expert and each expert runs once on exactly the tokens routed to it.
-"""
+"""The dense MLP layer kind ('-'): relu2 or SwiGLU, its module and its spec (MLP_KIND)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .recompute import maybe_checkpoint
+from .spec import LayerKind, Site, mlp_params, sq, top
 
 
 class _Relu2(torch.autograd.Function):
@@ -34,6 +31,7 @@ ACT = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+ACTIVATIONS = ("relu2", "silu", "gelu", "gelu_tanh", "relu")
 
 
 def gated_act(act, h, gate=None):
@@ -69,109 +67,45 @@ class MLP(nn.Module):
         return self.down_proj(gated_act(self.act, h, gate))
 
 
-class Router(nn.Module):
-    """sigmoid: Nemotron-H / DeepSeek-V3 (select on score + correction bias, optional expert groups,
-    weight with the unbiased score). softmax: Mixtral / Qwen (softmax over all, keep top-k).
-    Both: optional renormalisation of the kept weights, then routed_scaling_factor."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.router == "sigmoid":
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-
-    def forward(self, x):
-        """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k])."""
-        cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        k = cfg.num_experts_per_tok
-        if cfg.router == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            if cfg.n_group > 1:
-                E, G = cfg.n_routed_experts, cfg.n_group
-                group = choice.view(choice.shape[0], G, E // G).topk(2, dim=-1)[0].sum(-1)
-                top_groups = group.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-                gmask = torch.zeros_like(group).scatter_(1, top_groups, 1.0).bool()
-                choice = choice.masked_fill(~gmask.repeat_interleave(E // G, dim=1), float("-inf"))
-            idx = choice.topk(k, dim=-1, sorted=False)[1]
-            w = scores.gather(1, idx)
-            if cfg.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        else:
-            probs = logits.softmax(-1)
-            w, idx = probs.topk(k, dim=-1)
-            if cfg.norm_topk_prob:
-                w = w / w.sum(-1, keepdim=True)
-        return logits, w * cfg.routed_scaling_factor, idx
 
 
-class Experts(nn.Module):
-    recompute_core = False  # models.recompute "selective": each expert's activation + down recomputed
-
-    def __init__(self, cfg):
-        super().__init__()
-        E, Fm, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
-        self.act = ACT[cfg.mlp_act]
-        self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
-        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp_gated else None
-        self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
-
-    def expert(self, e: int, x):
-        h = F.linear(x, self.up_proj[e])
-        if self.gate_proj is None:
-            return maybe_checkpoint(self, self._act_down, e, h)
-        return maybe_checkpoint(self, self._act_down, e, h, F.linear(x, self.gate_proj[e]))
-
-    def _act_down(self, e: int, h, gate=None):
-        return F.linear(gated_act(self.act, h, gate), self.down_proj[e])
-
-    def forward(self, x, weights, idx):
-        """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless."""
-        T, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
-        token = order // k
-        w = weights.reshape(-1)[order]
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                tok = token[start:start + n]
-                y = self.expert(e, x[tok]) * w[start:start + n, None]
-                out.index_add_(0, tok, y.float())
-            start += n
-        return out.to(x.dtype)
+def ffn_magnitude(site: str, local: str, t: torch.Tensor) -> list:
+    """Squared-norm terms of an MLP's tensor (leaf `local`) on its `site` units: up/gate rows, down columns."""
+    if local.endswith(("up_proj.weight", "gate_proj.weight", "up_proj.bias", "gate_proj.bias")):
+        return [(site, sq(t, 0))]
+    if local.endswith("down_proj.weight"):
+        return [(site, sq(t, 1))]
+    return []
 
 
-class MoE(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.cfg = cfg
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        S = cfg.moe_shared_expert_intermediate_size
-        self.shared_experts = MLP(cfg.hidden_size, S, cfg.mlp_act, cfg.mlp_gated) if S else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
-        if cfg.moe_latent_size:
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False)
-            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
-        self.router_logits = None  # last forward's [T, E] logits, read by the trainer's aux losses
+class MLPKind(LayerKind):
+    def build(self, cfg):
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias)
 
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        logits, w, idx = self.gate(x)
-        self.router_logits = logits
-        h = self.fc1_latent_proj(x) if self.cfg.moe_latent_size else x
-        y = self.experts(h, w, idx)
-        if self.cfg.moe_latent_size:
-            y = self.fc2_latent_proj(y)
-        if self.shared_experts is not None:
-            s = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                s = torch.sigmoid(self.shared_expert_gate(x)) * s
-            y = y + s
-        return y.view(shape)
+    def validate(self, cfg, need):
+        need(cfg.intermediate_size > 0, "MLP layers need intermediate_size > 0")
+        need(cfg.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp_act!r}")
+
+    def summary(self, cfg):
+        return {"intermediate_size": cfg.intermediate_size, "mlp_act": cfg.mlp_act, "mlp_gated": cfg.mlp_gated}
+
+    def sites(self, cfg):
+        return (Site("ffn", "down_proj", "input", norm_of="down_proj.weight"),)
+
+    def keep(self, cfg, score, t, p):
+        if "ffn_size" not in t:
+            return {}
+        return {p + "ffn": top(score(p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])}
+
+    def magnitude(self, cfg, local, t):
+        return ffn_magnitude("ffn", local, t)
+
+    def check_tp(self, cfg, tp, need):
+        need(cfg.intermediate_size % tp == 0, f"tensor parallelism: intermediate_size={cfg.intermediate_size} "
+             f"is not divisible by tp={tp}")
+
+
+MLP_KIND = MLPKind("-", "mlp", mlp_params("", "ffn", ("mlp_bias",)), units={"ffn": "intermediate_size"},
+                   sizes={"ffn": lambda cfg, w: w["ffn_size"]},
+                   scored={"ffn": ("ffn",)}, widths=("ffn_size",), tp_axes=("ffn",), color="tab:green",
+                   tp_row=("down_proj",), tp_entry="", upcycles_to="E")

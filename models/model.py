@@ -13,7 +13,6 @@ from torch import nn
 from .block import Block
 from .config import ModelConfig
 from .mamba import init_a_log
-from .mlp import MoE
 from .mtp import MTP
 from .norm import RMSNorm
 
@@ -80,7 +79,7 @@ class HybridLM(nn.Module):
 
     def moe_layers(self):
         """The trunk's MoE mixers (the MTP head's are under self.mtp.layers)."""
-        return [layer.mixer for layer in self.layers if layer.kind == "E"]
+        return [layer.mixer for layer in self.layers if layer.spec.routed]
 
 
 def init_buffers(module: nn.Module, device) -> nn.Module:

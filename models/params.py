@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import math
 
-from .config import LAYER_TYPES, ModelConfig
+from .config import ModelConfig
 from .hf import default_family, our_shapes
-from .layout import BUFFERS, WIDTHS, axis_size, layer_table, widths
+from .kinds import KINDS, count, kind as kind_of, used
+from .layout import BUFFERS, axis_size, layer_table
+from .spec import WIDTHS, widths
 
-TYPES = ("embeddings", "mamba", "attention", "mlp", "moe", "norms", "lm_head")
-KIND = {**{c: c for c in LAYER_TYPES}, **{v: k for k, v in LAYER_TYPES.items()}}  # 'mamba' -> 'M'
+TYPES = ("embeddings", *(k.name for k in KINDS.values()), "norms", "lm_head")
 AXES = {n: w.field for n, w in WIDTHS.items()}  # width name (the prune / plan flag) -> ModelConfig field
 
 
@@ -32,7 +33,7 @@ def _type_of(name: str, cfg: ModelConfig) -> str:
         return "lm_head"
     if name == "norm_f.weight" or (name.endswith(".norm.weight") and name.count(".") == 3):
         return "norms"  # layers.i.norm.weight (the mixer's own gated norm is layers.i.mixer.norm.weight)
-    return LAYER_TYPES[cfg.pattern[int(name.split(".")[1])]]
+    return KINDS[cfg.pattern[int(name.split(".")[1])]].name
 
 
 def _is_routed_expert(name: str) -> bool:
@@ -48,11 +49,11 @@ def per_layer(cfg: ModelConfig, d: dict | None = None) -> dict:
     d = d or widths(cfg)
     out = {"routed": 0}
     size, table = {}, layer_table(cfg)
-    for c, t in LAYER_TYPES.items():
+    for c, k in KINDS.items():
         n = [(math.prod(size[a] if a in size else size.setdefault(a, axis_size(cfg, a, d)) for a in axes), routed)
              for axes, routed in _counted(table[c])]
-        out[t] = sum(v for v, _ in n)
-        if c == "E":
+        out[k.name] = sum(v for v, _ in n)
+        if k.routed:
             out["routed"] = sum(v for v, routed in n if routed)
     return out
 
@@ -68,10 +69,11 @@ def closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
     d = d or widths(cfg)
     V, H = d["vocab_size"], d["hidden_size"]
     one = per_layer(cfg, d)
-    n = {t: cfg.pattern.count(c) for c, t in LAYER_TYPES.items()}
-    out = {t: n[t] * one[t] for t in LAYER_TYPES.values()}
+    n = {k.name: count(cfg, k) for k in KINDS.values()}
+    out = {k.name: n[k.name] * one[k.name] for k in KINDS.values()}
     out.update(embeddings=V * H, norms=(cfg.num_layers + 1) * H, lm_head=0 if cfg.tie_word_embeddings else V * H,
-               buffers=n["moe"] * d["experts"] if cfg.router == "sigmoid" else 0, routed=n["moe"] * one["routed"])
+               buffers=sum(n[k.name] * k.buffer_bytes(cfg, d) // 4 for k in KINDS.values()),
+               routed=sum(n[k.name] for k in KINDS.values() if k.routed) * one["routed"])
     return out
 
 
@@ -96,14 +98,12 @@ def _axis_table(cfg: ModelConfig) -> dict:
 # ---- public API -------------------------------------------------------------------------------
 
 def layer_params(cfg: ModelConfig, kind: str, active: bool = False) -> int:
-    """Parameters of one layer of `kind` ('M', '*', '-', 'E' or 'mamba', ...), its pre-norm included
-    (what removing one such layer frees); active=True counts routed experts at k / n_routed_experts."""
-    if kind not in KIND:
-        raise ValueError(f"unknown layer kind {kind!r}")
-    t = LAYER_TYPES[KIND[kind]]
+    """Parameters of one layer of `kind` (a pattern character or a kind name such as 'mamba'), its pre-norm
+    included (what removing one such layer frees); active=True counts routed experts at k / n_routed_experts."""
+    k = kind_of(kind)
     one = per_layer(cfg)
-    p = one[t]
-    if active and t == "moe":
+    p = one[k.name]
+    if active and k.routed:
         p -= one["routed"] - one["routed"] * cfg.num_experts_per_tok // cfg.n_routed_experts
     return p + cfg.hidden_size
 
@@ -118,8 +118,8 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
       are 'norms'; a Mamba mixer's gated norm is 'mamba'); routed: routed-expert params;
     buffers: e_score_correction_bias elements (fp32 buffers, saved in checkpoints, not parameters);
     hf_total: parameters of the model transformers builds from the `family` export (default
-      `default_family(cfg)`): a nemotron_h/qwen2_moe export of a model without shared expert adds a
-      size-1 zero shared expert per MoE layer (models.load.extra_hf_tensors);
+      `default_family(cfg)`): a family that always builds a shared expert adds a size-1 zero one per MoE
+      layer of a model without (its extra_tensors, models.load.extra_hf_tensors);
     by_axis: see `_axis_table`; per_layer: params of one layer of each kind present (norm included).
     """
     from .load import extra_hf_tensors
@@ -136,7 +136,7 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
         "hf_total": total + extra, "family": family,
         "by_type": by_type,
         "by_axis": _axis_table(cfg),
-        "per_layer": {LAYER_TYPES[c]: layer_params(cfg, c) for c in LAYER_TYPES if c in cfg.pattern},
+        "per_layer": {k.name: layer_params(cfg, k.name) for k in used(cfg, mtp=False)},
         "mtp": mtp_params(cfg),
     }
 
@@ -174,7 +174,7 @@ def _mtp_type(name: str, cfg: ModelConfig) -> str:
         return "eh_proj"
     if not leaf.startswith("mixer."):
         return "norms"  # norm, enorm, hnorm, final_layernorm
-    return LAYER_TYPES[cfg.mtp_full_pattern[int(name.split(".")[2])]]
+    return KINDS[cfg.mtp_full_pattern[int(name.split(".")[2])]].name
 
 
 def mtp_params(cfg: ModelConfig) -> dict:
@@ -202,19 +202,15 @@ def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len
       fp32: mamba_ssm_cache_dtype 'float32'). Mamba state does not grow with seq_len.
     """
     conv_dtype_bytes = kv_dtype_bytes if conv_dtype_bytes is None else conv_dtype_bytes
-    c = count_params(cfg)
-    nA, nM = cfg.count("*"), cfg.count("M")
-    out = {
-        "weights": c["total"] * dtype_bytes + c["buffers"] * 4,
-        "kv_cache": nA * 2 * batch * seq_len * cfg.num_key_value_heads * cfg.head_dim * kv_dtype_bytes,
-        "mamba_conv_state": nM * batch * cfg.mamba_conv_dim * cfg.conv_kernel * conv_dtype_bytes,
-        "mamba_ssm_state": nM * batch * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size
-        * state_dtype_bytes,
-    }
+    c, w, cache = count_params(cfg), widths(cfg), {"kv_cache": 0, "mamba_conv_state": 0, "mamba_ssm_state": 0}
+    for k in used(cfg, mtp=False):
+        for name, b in k.cache_bytes(cfg, w, batch, seq_len, kv_dtype_bytes, state_dtype_bytes, conv_dtype_bytes).items():
+            cache[name] = cache.get(name, 0) + count(cfg, k) * b
+    out = {"weights": c["total"] * dtype_bytes + c["buffers"] * 4, **cache}
     mtp = c["mtp"]  # the MTP head's weights, apart (not in weights / total; needed to serve it)
     out["mtp_weights"] = mtp["total"] * dtype_bytes + mtp["buffers"] * 4
     out["mamba_state"] = out["mamba_conv_state"] + out["mamba_ssm_state"]
-    out["cache"] = out["kv_cache"] + out["mamba_state"]
+    out["cache"] = sum(cache.values())
     out["total"] = out["weights"] + out["cache"]
     out.update(batch=batch, seq_len=seq_len, dtype_bytes=dtype_bytes)
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remodel.compress.axes import axis_index, dim_indices
-from remodel.models import layout
+from remodel.models import layout, spec
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM
@@ -60,8 +60,9 @@ def test_params_pruning_and_tp_plan_derive_from_the_segments(monkeypatch):
     assert specs["layers.0.mixer.conv1d.weight"] == ("tp", 0, (Im, GN, GN))
 
     # one more in_proj segment in the table: every consumer follows
-    extra = layout.SEGMENTS["mamba_in_proj"] + (("w", "mamba_heads"),)
-    monkeypatch.setitem(layout.SEGMENTS, "mamba_in_proj", extra)
+    from remodel.models.mamba import MAMBA
+    extra = MAMBA.segments["mamba_in_proj"] + (("w", "mamba_heads"),)
+    monkeypatch.setitem(MAMBA.segments, "mamba_in_proj", extra)
     assert count_params(cfg)["total"] == base_total + nh * H
     assert per_layer(cfg)["mamba"] == per_layer(cfg, layout.widths(cfg))["mamba"]
     idx = axis_index(cfg, keep, "mamba_in_proj", 0)
@@ -71,13 +72,13 @@ def test_params_pruning_and_tp_plan_derive_from_the_segments(monkeypatch):
 
 
 def test_the_in_proj_layout_is_written_once():
-    """Its segment order is spelled only in models/layout.py (code and docstrings)."""
+    """Its segment order is spelled only in the Mamba kind's module, models/mamba.py (code and docstrings)."""
     order = re.compile(r"\bz\W{1,4}x\W{1,4}B\W{1,4}C\W{1,4}dt\b|\[\s*Im\s*,\s*Im\s*,\s*GN")
     files = [p for d in PRODUCT for p in (ROOT / d).rglob("*.py")] + [ROOT / "cli.py"]
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.name != "layout.py"
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.name != "mamba.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if order.search(line)]
     assert not hits, hits
-    assert order.search((ROOT / "models" / "layout.py").read_text())
+    assert order.search((ROOT / "models" / "mamba.py").read_text())
 
 
 def test_one_width_vocabulary():
@@ -85,7 +86,7 @@ def test_one_width_vocabulary():
     from remodel.compress.prune import AXES as PRUNE_AXES
     from remodel.compress.search_space import WIDTHS as SEARCH
     from remodel.models.params import AXES as COUNT_AXES
-    assert set(PRUNE_AXES) == set(layout.PRUNABLE)
-    assert set(SEARCH) <= set(layout.WIDTHS) and set(COUNT_AXES) == set(layout.WIDTHS)
+    assert set(PRUNE_AXES) == set(spec.PRUNABLE)
+    assert set(SEARCH) <= set(spec.WIDTHS) and set(COUNT_AXES) == set(spec.WIDTHS)
     for name, (layer, field, *_) in {**PRUNE_AXES, **SEARCH}.items():
-        assert (layer, field) == (layout.WIDTHS[name].layer, layout.WIDTHS[name].field)
+        assert (layer, field) == (spec.WIDTHS[name].layer, spec.WIDTHS[name].field)

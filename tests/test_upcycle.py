@@ -10,7 +10,7 @@ import torch
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_model, save_model
-from remodel.models.mlp import Router
+from remodel.models.moe import Router
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.commands import upcycle as pipeline
 from remodel.pipelines.commands.upcycle import upcycle
@@ -161,7 +161,8 @@ def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
 def test_shared_index_and_expert_math():
     """Tensor level: any carved neuron set + virtual groups reproduce the dense relu2 MLP exactly,
     and expert e is the scaled shard e mod G."""
-    from remodel.models.mlp import MLP, MoE
+    from remodel.models.mlp import MLP
+    from remodel.models.moe import MoE
 
     cfg = ModelConfig(**NEMO)
     mlp = MLP(32, 64, "relu2", False)
@@ -187,7 +188,7 @@ def test_check_shard_experts_equal_per_expert_dispatch(gated, dtype):
     """The deviation check runs each of the G shards once (upcycle.deviation.ShardExperts); that must
     equal models.mlp.Experts over the N written experts, for any routing (also a token routed to two
     copies of one shard) and for weights stored in bf16."""
-    from remodel.models.mlp import Experts
+    from remodel.models.moe import Experts
     from remodel.upcycle.deviation import ShardExperts
     from remodel.upcycle.virtual_groups import LazyExperts
 

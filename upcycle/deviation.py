@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from remodel.models.kinds import KINDS
 from remodel.models.mlp import ACT, ffn
 from remodel.models.model import Block, init_buffers
 from remodel.models.norm import RMSNorm
@@ -56,7 +57,7 @@ class StreamLinear(torch.nn.Module):
 
 
 class ShardExperts(torch.nn.Module):
-    """Stands in for models.mlp.Experts in an upcycled layer, whose expert e is the scaled shard
+    """Stands in for models.moe.Experts in an upcycled layer, whose expert e is the scaled shard
     e mod G: each shard's FFN runs once on the tokens routed to any of its N/G copies and is added with
     the sum of those routing weights. Equal to dropless per-expert dispatch up to fp32 reassociation,
     but it reads each shard once instead of N/G times."""
@@ -122,7 +123,7 @@ class StreamCheck:
                 if isinstance(m, torch.nn.Linear):
                     parent, _, leaf = name.rpartition(".")
                     setattr(b.get_submodule(parent), leaf, StreamLinear())
-            if kind == "E":
+            if KINDS[kind].routed:
                 b.mixer.experts = ShardExperts(cfg.mlp_act)
             _materialise(b)
             init_buffers(b, "cpu")
@@ -141,7 +142,7 @@ class StreamCheck:
         missing = [k for k in res.missing_keys if not k.startswith("mixer.experts.")]
         if missing or res.unexpected_keys:
             raise RuntimeError(f"deviation check: {prefix} missing {missing}, unexpected {res.unexpected_keys}")
-        if kind == "E":  # the G scaled shards stand for the N experts, read in place
+        if KINDS[kind].routed:  # the G scaled shards stand for the N experts, read in place
             ex = b.mixer.experts
             ex.up, ex.gate, ex.down = (tensors.get(prefix + f"mixer.experts.{leaf}")
                                        for leaf in ("up_proj", "gate_proj", "down_proj"))
@@ -160,14 +161,14 @@ class StreamCheck:
             i = int(key.split(".")[1])
             kind, p = self.cfg.pattern[i], key + "."
             block = self._load(self.cfg, kind, p, tensors)
-            if kind != "-":
+            if not KINDS[kind].upcycles_to:
                 self.x = block(self.x)
                 return
             h = block.norm(self.x)
             d = block.mixer(h)
             moe_t = {k: v for k, v in tensors.items() if k.startswith(p + "norm.")}
             moe_t.update((p + "mixer." + k, v) for k, v in moe.items())
-            m = self._load(self.moe_cfg, "E", p, moe_t).mixer(h[b:])
+            m = self._load(self.moe_cfg, KINDS[kind].upcycles_to, p, moe_t).mixer(h[b:])
             diff = (m - d[b:]).float()
             self.layers.append({"layer": i, "max_abs_out_diff": diff.abs().max().item(),
                                 "rel_out_diff": (diff.norm() / d[b:].norm().clamp_min(1e-30)).item()})

@@ -35,6 +35,8 @@ import torch
 
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES
+from remodel.models.kinds import layer_kinds, routed, upcycled_pattern, used
 
 ROUTER_MODES = {  # CLI name -> (ModelConfig.router, norm_topk_prob)
     "topk-softmax": ("softmax", True),
@@ -88,9 +90,9 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
     N, G, T, S, F = experts, granularity, top_k, shared, cfg.intermediate_size
     if router not in ROUTER_MODES:
         raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
-    if "-" not in cfg.pattern:
+    if not any(k.upcycles_to for k in used(cfg)):
         raise RemodelError(f"the source has no dense MLP layers to upcycle (pattern {cfg.pattern!r})")
-    if "E" in cfg.pattern:
+    if routed(cfg):
         raise RemodelError("the source already has MoE layers; upcycling needs a dense-MLP model")
     if cfg.mlp_bias:
         raise RemodelError("MLP biases cannot be upcycled (experts have no bias)")
@@ -120,14 +122,19 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
     return Plan(N, G, T, S, router, F, cfg.mlp_act, cfg.mlp_gated, (F - S) // G, a, s, not why, why, placement)
 
 
+def gated_shared(family: str | None) -> bool:
+    """Whether the target family scales its shared expert by sigmoid(w.x) (models.families)."""
+    return bool(family) and FAMILIES[family].shared_expert_gate
+
+
 def moe_config(cfg: ModelConfig, p: Plan, family: str) -> ModelConfig:
-    """The upcycled config: every '-' becomes 'E'; routed scale kept at 1 (exactness), no bias groups."""
+    """The upcycled config: every dense MLP layer becomes MoE; routed scale kept at 1 (exactness), no bias groups."""
     kind, norm = ROUTER_MODES[p.router]
     return cfg.replace(
-        pattern=cfg.pattern.replace("-", "E"), n_routed_experts=p.experts, num_experts_per_tok=p.top_k,
+        pattern=upcycled_pattern(cfg), n_routed_experts=p.experts, num_experts_per_tok=p.top_k,
         moe_intermediate_size=p.expert_size, moe_shared_expert_intermediate_size=p.shared,
         moe_latent_size=None, router=kind, norm_topk_prob=norm, routed_scaling_factor=1.0,
-        n_group=1, topk_group=1, shared_expert_gate=family == "qwen2_moe" and p.shared > 0)
+        n_group=1, topk_group=1, shared_expert_gate=gated_shared(family) and p.shared > 0)
 
 
 def router_weight(p: Plan, hidden: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -153,7 +160,7 @@ class LazyExperts:
         return self.shards[e % len(self.shards)]
 
     @property
-    def shape(self) -> tuple:  # of the fused tensor (what models.mlp.Experts reads)
+    def shape(self) -> tuple:  # of the fused tensor (what models.moe.Experts reads)
         return (self.n, *self.shards.shape[1:])
 
     def fused(self) -> torch.Tensor:
@@ -172,8 +179,8 @@ def upcycle_mlp(p: Plan, up: torch.Tensor, down: torch.Tensor, gate: torch.Tenso
                 family: str | None = None, shared_index: torch.Tensor | None = None) -> dict:
     """One dense MLP (up/gate [F, H], down [H, F]) -> the MoE tensors under our names relative to
     `mixer.` (fused experts as LazyExperts). `router` is the [N, H] gate weight (see router_weight).
-    Inputs are not modified. qwen2_moe scales its shared expert by sigmoid(w.x): w = 0 and
-    down_proj * 2 keep it exact."""
+    Inputs are not modified. A family whose shared expert is scaled by sigmoid(w.x) (Qwen2-MoE) gets
+    w = 0 and down_proj * 2, which keep it exact."""
     F, G, N, Fm = up.shape[0], p.granularity, p.experts, p.expert_size
     if shared_index is None:  # the first S neurons: plain slices, no gather
         shared, rest = slice(0, p.shared), slice(p.shared, F)
@@ -197,7 +204,7 @@ def upcycle_mlp(p: Plan, up: torch.Tensor, down: torch.Tensor, gate: torch.Tenso
         if gate is not None:
             out["shared_experts.gate_proj.weight"] = gate[shared]
         sd = down[:, shared]
-        if family == "qwen2_moe":
+        if gated_shared(family):
             out["shared_experts.down_proj.weight"] = sd * 2  # exact in any float format
             out["shared_expert_gate.weight"] = torch.zeros(1, up.shape[1], dtype=up.dtype)
         else:
@@ -223,8 +230,8 @@ def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int
     new_cfg = moe_config(cfg, p, family or "")
     dtype = next(model.parameters()).dtype
     state = dict(model.state_dict())
-    for i, c in enumerate(cfg.pattern):
-        if c != "-":
+    for i, k in enumerate(layer_kinds(cfg)):
+        if not k.upcycles_to:
             continue
         m = f"layers.{i}.mixer."
         up, down, gate = (state.pop(m + n, None) for n in ("up_proj.weight", "down_proj.weight", "gate_proj.weight"))

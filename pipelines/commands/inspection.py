@@ -10,8 +10,9 @@ from pathlib import Path
 
 from remodel.models.checkpoint import CheckpointReader
 from remodel.models.files import read_json
-from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.kinds import count, used
 from remodel.models.hf import config_from_hf, default_family
 from remodel.models.load import shape_mismatches
 from remodel.models.params import count_params, memory_bytes
@@ -48,24 +49,11 @@ def resolve_source(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
 
 
 def _widths(cfg: ModelConfig) -> dict:
+    """The model-wide widths, then what each kind present shows (its spec's summary)."""
     w = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,
          "tie_word_embeddings": cfg.tie_word_embeddings}
-    if "*" in cfg.pattern:
-        w.update(num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                 head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
-    if "-" in cfg.pattern:
-        w.update(intermediate_size=cfg.intermediate_size)
-    if set(cfg.pattern) & set("-E"):
-        w.update(mlp_act=cfg.mlp_act, mlp_gated=cfg.mlp_gated)
-    if "M" in cfg.pattern:
-        w.update(mamba_num_heads=cfg.mamba_num_heads, mamba_head_dim=cfg.mamba_head_dim, n_groups=cfg.n_groups,
-                 ssm_state_size=cfg.ssm_state_size, conv_kernel=cfg.conv_kernel, mamba_inner=cfg.mamba_inner,
-                 mamba_conv_dim=cfg.mamba_conv_dim, mamba_in_proj_size=cfg.mamba_in_proj_size)
-    if "E" in cfg.pattern:
-        w.update(n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                 moe_intermediate_size=cfg.moe_intermediate_size,
-                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                 moe_latent_size=cfg.moe_latent_size, router=cfg.router)
+    for k in used(cfg, mtp=False):
+        w.update(k.summary(cfg))
     if cfg.mtp_layers:
         w.update(mtp_layers=cfg.mtp_layers, mtp_pattern=cfg.mtp_pattern)
     return w
@@ -97,7 +85,7 @@ def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
         "family": family,
         "architecture": _architecture(d),
         "pattern": cfg.pattern,
-        "layers": {t: cfg.count(c) for c, t in LAYER_TYPES.items() if c in cfg.pattern},
+        "layers": {k.name: count(cfg, k) for k in used(cfg, mtp=False)},
         "widths": _widths(cfg),
         "params": counts,
         "memory_bf16": memory_bytes(cfg, dtype_bytes=2, batch=batch, seq_len=seq_len),

@@ -30,9 +30,10 @@ import math
 import time
 
 from remodel.compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
-from remodel.models.config import LAYER_TYPES, ModelConfig
+from remodel.models.config import ModelConfig
+from remodel.models.kinds import KINDS, routed
 from remodel.models.errors import RemodelError
-from remodel.models.layout import WIDTHS as LAYOUT_WIDTHS
+from remodel.models.spec import WIDTHS as LAYOUT_WIDTHS
 from remodel.models.params import count_params, memory_bytes
 
 from .inspection import fmt_count, resolve_source
@@ -123,7 +124,7 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     for t, r in row["removed"].items():
         for ch in t:
             if r:
-                by_kind[LAYER_TYPES[ch]] = by_kind.get(LAYER_TYPES[ch], 0) + r
+                by_kind[KINDS[ch].name] = by_kind.get(KINDS[ch].name, 0) + r
     targets = {a: v for a, (_, v) in changed.items()}
     if drop:
         targets["drop_layers"] = drop
@@ -225,7 +226,7 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
         note = f"note: no candidate within {100 * tol:g}% of the budget; the closest ones below it follow"
     cands = [_candidate(sp, r, budgets, unit_scores, metric, i + 1) for i, r in enumerate(rows)]
     out = {
-        "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": "E" in cfg.pattern,
+        "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
         "axes": list(sp.axes), "space": {a: v for a, v in sp.values.items()}, "depth": dict(sp.removable),
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],

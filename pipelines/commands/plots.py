@@ -4,9 +4,9 @@ One figure for both, so a layer type has the same colour in the scores and in th
 """
 from __future__ import annotations
 
-from remodel.models.config import LAYER_TYPES
+from remodel.models.kinds import KINDS
 
-COLORS = {"M": "tab:blue", "*": "tab:orange", "-": "tab:green", "E": "tab:purple"}
+COLORS = {c: k.color for c, k in KINDS.items()}  # each kind's colour (its spec)
 PANELS = {"block_importance": "block importance (1 - cos)", "loss_increase": "LM loss increase when removed"}
 
 
@@ -35,7 +35,7 @@ def plot_importance(path, pattern: str, scores: dict, dropped=()) -> bool:
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xlim(-1, L)
     axes[-1, 0].set_xlabel("layer (original index; x = dropped)" if dropped else "layer")
-    handles = [Patch(color=COLORS[c], label=LAYER_TYPES[c]) for c in COLORS if c in pattern]
+    handles = [Patch(color=COLORS[c], label=KINDS[c].name) for c in COLORS if c in pattern]
     fig.suptitle(f"per-layer importance ({pattern if L <= 60 else f'{L} layers'})", fontsize=9)
     fig.legend(handles=handles, ncol=len(handles), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.95),
                frameon=False)

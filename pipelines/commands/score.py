@@ -17,6 +17,7 @@ from remodel.compress.scores import write_scores
 from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf
+from remodel.models.kinds import routed
 from remodel.models.load import iter_our_tensors, load_model
 
 from ..data.data import batches as make_batches, load_texts, pack
@@ -118,7 +119,7 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
         scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "samples": len(blocks), "seq_len": seq_len,
                 "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
-                "expert_method": expert_method if "E" in cfg.pattern else None}
+                "expert_method": expert_method if routed(cfg) else None}
         write_scores(tmp, scores, meta)
         plot_importance(tmp / "importance.png", cfg.pattern, scores)
         seconds = time.time() - t0

@@ -26,6 +26,7 @@ from remodel.compress.scores import load_scores
 from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf
+from remodel.models.kinds import used
 from remodel.models.load import load_model, save_model
 from remodel.models.params import count_params
 
@@ -49,8 +50,8 @@ def _positive_int(name, v, zero_ok=False):
 
 
 def shape_str(c: dict, cfg) -> str:
-    """'98 layers (45 M, 48 -, 5 *), ffn 30720' for a candidate row."""
-    counts = ", ".join(f"{c['pattern'].count(ch)} {ch}" for ch in "M-*E" if ch in cfg.pattern)
+    """'98 layers (45 M, 5 *, 48 -), ffn 30720' for a candidate row."""
+    counts = ", ".join(f"{c['pattern'].count(k.char)} {k.char}" for k in used(cfg, mtp=False))
     w = ", ".join(f"{SHORT[a]} {b}" for a, (_, b) in c["changed"].items())
     return f"{c['num_layers']} layers ({counts})" + (f", {w}" if w else "")
 

@@ -21,6 +21,8 @@ from tqdm import tqdm
 
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from remodel.models.errors import RemodelError
+from remodel.models.kinds import KINDS, layer_kinds
+from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
 from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
 from remodel.upcycle.deviation import StreamCheck
@@ -28,7 +30,6 @@ from remodel.upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed,
 
 from .report import write_report
 
-TARGETS = ("nemotron_h", "mixtral", "qwen2_moe", "qwen3_moe")
 # (random sequences, tokens each) of the deviation check: it is bound by casting and packing the weight
 # blocks, hardly by the tokens (bench/RESULTS.md)
 DEVIATION_TOKENS = (1, 16)
@@ -40,28 +41,17 @@ def _group(name: str) -> str:
 
 
 def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared: int) -> tuple[str, str]:
-    router = p_router or ("sigmoid" if src_family == "nemotron_h" else "topk-softmax")
+    """(router, target family): the source family's defaults, checked against what the target holds."""
+    src = FAMILIES[src_family]
+    router = p_router or src.upcycle_router()
     if router not in ROUTER_MODES:
         raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
-    if to is None:
-        if src_family == "nemotron_h":
-            to = "nemotron_h"
-        elif cfg.qk_norm:
-            to = "qwen3_moe"
-        else:
-            to = "qwen2_moe" if shared or router == "softmax-topk" else "mixtral"
-    if to not in TARGETS:
-        raise RemodelError(f"unknown upcycling target {to!r} (supported: {', '.join(TARGETS)})")
-    if to == "nemotron_h" and router != "sigmoid":
-        raise RemodelError(f"router {router} cannot be exported to nemotron_h: transformers' nemotron_h MoE only "
-                           f"has the normalised sigmoid router (use --router sigmoid)")
-    if to != "nemotron_h" and router == "sigmoid":
-        raise RemodelError(f"{to} routers are softmax: use --router topk-softmax or softmax-topk")
-    if to == "qwen3_moe" and not cfg.qk_norm:
-        raise RemodelError("cannot upcycle to qwen3_moe exactly: the source attention has no q/k norm "
-                           "(use --to mixtral or qwen2_moe, or a qwen3 source)")
-    if to == "mixtral" and router == "softmax-topk":
-        raise RemodelError("mixtral always renormalises the top-k weights (softmax-topk needs --to qwen2_moe/qwen3_moe)")
+    to = to or src.upcycle_into(cfg, router, shared)
+    if to not in UPCYCLE_TARGETS:
+        raise RemodelError(f"unknown upcycling target {to!r} (supported: {', '.join(UPCYCLE_TARGETS)})")
+    why = FAMILIES[to].upcycle_check(cfg, router)
+    if why:
+        raise RemodelError(why)
     return router, to
 
 
@@ -183,7 +173,7 @@ class _LayerStream:
         source, moe = dict(tensors), None
         if self.dtype is not None:  # scaled in the written dtype: rounded once
             tensors = {k: _cast(k, v, self.dtype) for k, v in tensors.items()}
-        if key.startswith("layers.") and self.cfg.pattern[int(key.split(".")[1])] == "-":
+        if key.startswith("layers.") and KINDS[self.cfg.pattern[int(key.split(".")[1])]].upcycles_to:
             moe = self._upcycle_layer(key, tensors)
         # the check runs beside the conversion and the writes, at most two groups behind (memory)
         while len(self.pending) >= 2:
@@ -242,8 +232,8 @@ def _method_report(p, router: str, family: str, seed: int, logit_std: float) -> 
                     "w2_scale": p.scales[1],
                     "applied_to": "W1 (gate and up) and W2 of every routed expert" if p.placement == "balanced"
                     else "W2 (down) of every routed expert, the whole factor a (--exact)",
-                    "shared_expert": "unscaled" + (", down_proj x2 with a zero sigmoid gate (qwen2_moe)"
-                                                   if family == "qwen2_moe" and p.shared else "")},
+                    "shared_expert": "unscaled" + (f", down_proj x2 with a zero sigmoid gate ({family})"
+                                                   if FAMILIES[family].shared_expert_gate and p.shared else "")},
     }
 
 
@@ -284,7 +274,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
             "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
             **_method_report(p, router, family, seed, layers.logit_std),
             "exact_expected": p.exact, "why_not_exact": p.why_not_exact, "exact_requested": exact,
-            "layers_upcycled": [i for i, c in enumerate(cfg.pattern) if c == "-"],
+            "layers_upcycled": [i for i, k in enumerate(layer_kinds(cfg)) if k.upcycles_to],
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
             "deviation": deviation,

@@ -7,7 +7,7 @@ gloo/CPU and NCCL/GPU.
 
 Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
 replicated over 'tp'): each parameter is split along its first tensor-parallel axis of the layout
-table (models.layout.TP_AXES / tp_split), a concatenated axis piece by piece (its SEGMENTS), so:
+table (the kinds' tp_axes / models.layout.tp_split), a concatenated axis piece by piece (its segments), so:
   attention  q/k/v column-parallel by KV groups (whole KV heads with their query heads), o_proj row
   MLP        up/gate column, down row (also the MoE shared expert)
   Mamba-2    split by group: each in_proj and conv1d segment in rank pieces, heads, inner channels,
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remodel.models.errors import RemodelError
+from remodel.models.kinds import routed, used
 from remodel.models.layout import layer_params, tp_split
 from remodel.models.mlp import ffn
 
@@ -139,7 +140,7 @@ def _copy_input_hook(group):
 
 def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicated, grad_scale):
     """Dropless expert-parallel Experts.forward: same arithmetic and summation order per token as
-    models.mlp.Experts.forward, experts e in [rank*El, (rank+1)*El) computed on this rank."""
+    models.moe.Experts.forward, experts e in [rank*El, (rank+1)*El) computed on this rank."""
     T_all = x.shape[0]
     if tokens_replicated:
         _, a, b = chunk_bounds(T_all, group_size(group), group_rank(group))
@@ -195,20 +196,10 @@ def check_layout(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
         need(ep_dim in (tp_dim, dp_dim), f"ep_dim={ep_dim!r} must be the tp or the dp mesh dimension "
              "(expert parallelism is folded over one of them)")
     if tp > 1:
-        if "M" in cfg.pattern:
-            need(cfg.n_groups % tp == 0, f"tensor parallelism: Mamba n_groups={cfg.n_groups} is not divisible "
-                 f"by tp={tp} (heads are split by whole groups)")
-        if "*" in cfg.pattern:
-            need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
-                 f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
-        if "-" in cfg.pattern:
-            need(cfg.intermediate_size % tp == 0, f"tensor parallelism: intermediate_size={cfg.intermediate_size} "
-                 f"is not divisible by tp={tp}")
-        if "E" in cfg.pattern and cfg.moe_shared_expert_intermediate_size:
-            S = cfg.moe_shared_expert_intermediate_size
-            need(S % tp == 0, f"tensor parallelism: moe_shared_expert_intermediate_size={S} is not divisible by tp={tp}")
+        for k in used(cfg):  # each kind's widths that tp must divide (its spec)
+            k.check_tp(cfg, tp, need)
         need(cfg.vocab_size % tp == 0, f"tensor parallelism: vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
-    if ep > 1 and "E" in cfg.pattern:
+    if ep > 1 and routed(cfg):
         need(cfg.n_routed_experts % ep == 0, f"expert parallelism: n_routed_experts={cfg.n_routed_experts} is not "
              f"divisible by ep={ep}")
 
@@ -237,42 +228,40 @@ def _row_parallel(linear, group):
     linear.forward = functools.partial(types.MethodType(_row_linear_forward, linear), group=group)
 
 
-def _tp_mlp(mlp, group):
-    _row_parallel(mlp.down_proj, group)
-    mlp.register_forward_pre_hook(_copy_input_hook(group))
+def _sub(mixer, path: str):
+    """The submodule at `path` under the mixer ('' : the mixer itself), None when the layer has none."""
+    m = mixer
+    for part in filter(None, path.split(".")):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m
 
 
-def _tp_attention(att, group, n):
-    cfg = att.cfg
-    _row_parallel(att.o_proj, group)
-    if cfg.qk_norm:
-        for nm in (att.q_norm, att.k_norm):
-            nm.forward = functools.partial(types.MethodType(_rmsnorm_shared_weight_forward, nm), group=group)
-    att.cfg = cfg.replace(num_attention_heads=cfg.num_attention_heads // n,
-                          num_key_value_heads=cfg.num_key_value_heads // n)
-    att.register_forward_pre_hook(_copy_input_hook(group))
-
-
-def _tp_mamba(mx, group, n):
-    cfg = mx.cfg
-    _row_parallel(mx.out_proj, group)
-    mx.cfg = cfg.replace(mamba_num_heads=cfg.mamba_num_heads // n, n_groups=cfg.n_groups // n)
-    mx.norm.groups = cfg.n_groups // n
-    mx.register_forward_pre_hook(_copy_input_hook(group))
+def tp_forward(mixer, kind, group, n):
+    """The kind's tensor-parallel plan (its spec's tp_* fields) on one layer's sharded mixer: row-parallel
+    outputs all-reduced, norms of shared weight, the rank's share of the head counts, the parallel region's entry."""
+    for path in kind.tp_row:
+        if (m := _sub(mixer, path)) is not None:
+            _row_parallel(m, group)
+    for path in kind.tp_shared_norms:
+        if (m := _sub(mixer, path)) is not None:
+            m.forward = functools.partial(types.MethodType(_rmsnorm_shared_weight_forward, m), group=group)
+    if kind.tp_local:
+        cfg = mixer.cfg
+        mixer.cfg = cfg.replace(**{f: getattr(cfg, f) // n for f in kind.tp_local})
+    for path, f in kind.tp_local_attrs.items():
+        owner, _, attr = path.rpartition(".")
+        setattr(_sub(mixer, owner), attr, getattr(mixer.cfg, f))
+    if kind.tp_entry is not None and (m := _sub(mixer, kind.tp_entry)) is not None:
+        m.register_forward_pre_hook(_copy_input_hook(group))
 
 
 def _tp_layers(model, cfg, specs, group, r, tp):
     """Tensor-parallel plan of every trunk layer: shards from the layout table, then the forwards."""
     for i, layer in enumerate(model.layers):
         tp_shard_layer(layer.mixer, layer.kind, cfg, f"layers.{i}.mixer.", specs, r, tp)
-        if layer.kind == "M":
-            _tp_mamba(layer.mixer, group, tp)
-        elif layer.kind == "*":
-            _tp_attention(layer.mixer, group, tp)
-        elif layer.kind == "-":
-            _tp_mlp(layer.mixer, group)
-        elif layer.mixer.shared_experts is not None:
-            _tp_mlp(layer.mixer.shared_experts, group)
+        tp_forward(layer.mixer, layer.spec, group, tp)
 
 
 def _ep_experts(experts, prefix, specs, group, n_experts, tokens_replicated, grad_scale):
@@ -316,7 +305,7 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         info.ep_over = "tp" if ep_dim == tp_dim else "dp"
         scale = 1.0 / dp if info.ep_over == "dp" else 1.0
         for i, layer in enumerate(model.layers):
-            if layer.kind == "E":
+            if layer.spec.routed:
                 _ep_experts(layer.mixer.experts, f"layers.{i}.mixer.experts.", specs, ep_group,
                             cfg.n_routed_experts, info.ep_over == "tp", scale)
                 if info.ep_over == "dp":

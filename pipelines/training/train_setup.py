@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from remodel.models.errors import RemodelError
+from remodel.models.kinds import routed
 from remodel.models.load import load_config, read_config_dict
 
 from . import train_state as state
@@ -142,7 +143,7 @@ def prepare(c: TrainConfig) -> Plan:
         if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
             raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
                                "or --overwrite to start over")
-        p.args = _record(p, moe="E" in s_cfg.pattern)
+        p.args = _record(p, moe=routed(s_cfg))
     except BaseException:
         p.release()
         raise

@@ -1,0 +1,44 @@
+"""The registry of Hugging Face model families (models/families/family.py: the spec each one fills in).
+
+Adding a family is one module and one line in FAMILIES (and in DEFAULT_ORDER when it should be the
+default export of some models); the CLI's `--to` choices and every check come from here.
+"""
+from __future__ import annotations
+
+from remodel.models.errors import RemodelError
+
+from .family import Family
+from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from .llama_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from .nemotron_h import NEMOTRON_H
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON_H, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE,
+                                                   QWEN3_MOE)}
+DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, NEMOTRON_H)  # the first that claims a config
+UPCYCLE_TARGETS = tuple(name for name, f in FAMILIES.items() if f.moe)
+
+
+def family(name: str, what: str = "family") -> Family:
+    """The registered family `name`; one-line RemodelError naming the supported ones otherwise."""
+    f = FAMILIES.get(name) if isinstance(name, str) else None
+    if f is None:
+        raise RemodelError(f"unknown {what} {name!r} (supported: {', '.join(FAMILIES)})")
+    return f
+
+
+def upcycle_defaults(what: str) -> str:
+    """The `remodel upcycle` defaults per source family, for --help: what='router' or 'to'."""
+    by: dict[str, list] = {}
+    for name, f in FAMILIES.items():
+        by.setdefault(f.upcycle_router() if what == "router" else f.upcycle_help, []).append(name)
+    return "; ".join(f"{v} for {', '.join(names)} sources" for v, names in by.items())
+
+
+def depth_units(cfg, name: str | None = None) -> list:
+    """The decoder layers of family `name` (default: the model's default family) as our layer indices."""
+    return family(name or default_family(cfg)).depth_units(cfg)
+
+
+def default_family(cfg) -> str:
+    """The family a model exports to when none is named."""
+    return next(f.name for f in DEFAULT_ORDER if f.claims(cfg))

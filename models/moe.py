@@ -1,0 +1,208 @@
+"""The mixture-of-experts layer kind ('E', LatentMoE included): router, fused experts, shared expert,
+and its spec (MOE).
+
+Experts are stored fused, [E, F, L] per projection, and dispatched dropless: tokens are sorted by
+expert and each expert runs once on exactly the tokens routed to it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import ACT, ACTIVATIONS, MLP, ffn_magnitude, gated_act
+from .recompute import maybe_checkpoint
+from .spec import LayerKind, Param, mlp_params, sq, top, top_per_group
+
+ROUTERS = ("sigmoid", "softmax")
+
+
+class Router(nn.Module):
+    """sigmoid: Nemotron-H / DeepSeek-V3 (select on score + correction bias, optional expert groups,
+    weight with the unbiased score). softmax: Mixtral / Qwen (softmax over all, keep top-k).
+    Both: optional renormalisation of the kept weights, then routed_scaling_factor."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.router == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        k = cfg.num_experts_per_tok
+        if cfg.router == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            if cfg.n_group > 1:
+                E, G = cfg.n_routed_experts, cfg.n_group
+                group = choice.view(choice.shape[0], G, E // G).topk(2, dim=-1)[0].sum(-1)
+                top_groups = group.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+                gmask = torch.zeros_like(group).scatter_(1, top_groups, 1.0).bool()
+                choice = choice.masked_fill(~gmask.repeat_interleave(E // G, dim=1), float("-inf"))
+            idx = choice.topk(k, dim=-1, sorted=False)[1]
+            w = scores.gather(1, idx)
+            if cfg.norm_topk_prob:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        else:
+            probs = logits.softmax(-1)
+            w, idx = probs.topk(k, dim=-1)
+            if cfg.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+        return logits, w * cfg.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    recompute_core = False  # models.recompute "selective": each expert's activation + down recomputed
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, Fm, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
+        self.act = ACT[cfg.mlp_act]
+        self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
+        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp_gated else None
+        self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
+
+    def expert(self, e: int, x):
+        h = F.linear(x, self.up_proj[e])
+        if self.gate_proj is None:
+            return maybe_checkpoint(self, self._act_down, e, h)
+        return maybe_checkpoint(self, self._act_down, e, h, F.linear(x, self.gate_proj[e]))
+
+    def _act_down(self, e: int, h, gate=None):
+        return F.linear(gated_act(self.act, h, gate), self.down_proj[e])
+
+    def forward(self, x, weights, idx):
+        """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless."""
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
+        token = order // k
+        w = weights.reshape(-1)[order]
+        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                tok = token[start:start + n]
+                y = self.expert(e, x[tok]) * w[start:start + n, None]
+                out.index_add_(0, tok, y.float())
+            start += n
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        S = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = MLP(cfg.hidden_size, S, cfg.mlp_act, cfg.mlp_gated) if S else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        if cfg.moe_latent_size:
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
+        self.router_logits = None  # last forward's [T, E] logits, read by the trainer's aux losses
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, w, idx = self.gate(x)
+        self.router_logits = logits
+        h = self.fc1_latent_proj(x) if self.cfg.moe_latent_size else x
+        y = self.experts(h, w, idx)
+        if self.cfg.moe_latent_size:
+            y = self.fc2_latent_proj(y)
+        if self.shared_experts is not None:
+            s = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            y = y + s
+        return y.view(shape)
+
+
+class MoEKind(LayerKind):
+    def build(self, cfg):
+        return MoE(cfg)
+
+    def validate(self, cfg, need):
+        need(cfg.n_routed_experts > 0 and cfg.moe_intermediate_size > 0,
+             "MoE layers need n_routed_experts and moe_intermediate_size > 0")
+        need(0 < cfg.num_experts_per_tok <= cfg.n_routed_experts,
+             f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..n_routed_experts={cfg.n_routed_experts}")
+        need(cfg.router in ROUTERS, f"unknown router {cfg.router!r} (allowed: {ROUTERS})")
+        need(cfg.n_group > 0 and cfg.n_routed_experts % cfg.n_group == 0,
+             f"n_routed_experts={cfg.n_routed_experts} is not a multiple of n_group={cfg.n_group}")
+        need(0 < cfg.topk_group <= cfg.n_group, f"topk_group={cfg.topk_group} must be in 1..n_group")
+        if cfg.n_group > 1:
+            need(cfg.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
+            need(cfg.n_routed_experts // cfg.n_group >= 2, "grouped routing needs at least 2 experts per group")
+        need(cfg.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp_act!r}")
+
+    def summary(self, cfg):
+        return {"mlp_act": cfg.mlp_act, "mlp_gated": cfg.mlp_gated, "n_routed_experts": cfg.n_routed_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
+                "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
+                "moe_latent_size": cfg.moe_latent_size, "router": cfg.router}
+
+    def buffer_bytes(self, cfg, w):
+        return 4 * w["experts"] if cfg.router == "sigmoid" else 0  # e_score_correction_bias, fp32
+
+    def keep(self, cfg, score, t, p):
+        keep, E = {}, cfg.n_routed_experts
+        experts = torch.arange(E)
+        if "experts" in t:
+            experts = top_per_group(score(p + "experts", (E,), "--experts"), cfg.n_group, t["experts"])
+            keep[p + "experts"] = experts  # n_group=1: plain top-k
+        if "expert_ffn_size" in t:
+            s = score(p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
+            keep[p + "expert_ffn"] = torch.stack([top(row, t["expert_ffn_size"]) for row in s])
+        if "shared_expert_size" in t:
+            s = score(p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
+            keep[p + "shared_ffn"] = top(s, t["shared_expert_size"])
+        if "latent_size" in t:
+            keep[p + "latent"] = top(score(p + "latent", (cfg.moe_latent_size,), "--latent-size"), t["latent_size"])
+        return keep
+
+    def magnitude(self, cfg, local, t):
+        if local.startswith("shared_experts."):
+            return ffn_magnitude("shared_ffn", local, t)
+        if local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
+            per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
+            out = [("expert_ffn", per), ("experts", per.sum(1))]
+            if cfg.moe_latent_size:
+                out.append(("latent", sq(t, 1 if local == "experts.down_proj" else 2)))
+            return out
+        if local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
+            return [("latent", sq(t, 0 if local.startswith("fc1") else 1))]
+        return []
+
+    def check_tp(self, cfg, tp, need):
+        S = cfg.moe_shared_expert_intermediate_size
+        need(S % tp == 0, f"tensor parallelism: moe_shared_expert_intermediate_size={S} is not divisible by tp={tp}")
+
+
+MOE = MoEKind(
+    "E", "moe",
+    (Param("gate.weight", ("experts", "hidden")),
+     Param("gate.e_score_correction_bias", ("experts",), ("sigmoid_router",)),
+     Param("experts.up_proj", ("experts", "expert_ffn", "moe_io")),
+     Param("experts.gate_proj", ("experts", "expert_ffn", "moe_io"), ("mlp_gated",)),
+     Param("experts.down_proj", ("experts", "moe_io", "expert_ffn")))
+    + mlp_params("shared_experts.", "shared_ffn", (), ("moe_shared_expert_intermediate_size",))
+    + (Param("shared_expert_gate.weight", ("one", "hidden"), ("shared_expert_gate",)),
+       Param("fc1_latent_proj.weight", ("latent", "hidden"), ("moe_latent_size",)),
+       Param("fc2_latent_proj.weight", ("hidden", "latent"), ("moe_latent_size",))),
+    sizes={"experts": lambda cfg, w: w["experts"], "expert_ffn": lambda cfg, w: w["expert_ffn_size"],
+           "shared_ffn": lambda cfg, w: w["shared_expert_size"], "latent": lambda cfg, w: w["latent_size"],
+           "moe_io": lambda cfg, w: w["latent_size"] if cfg.moe_latent_size else w["hidden_size"]},  # what experts read
+    units={"experts": "n_routed_experts", "expert_ffn": "moe_intermediate_size",
+           "shared_ffn": "moe_shared_expert_intermediate_size", "latent": "moe_latent_size"},
+    scored={"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),
+            "latent": ("latent",)},
+    widths=("experts", "expert_ffn_size", "shared_expert_size", "latent_size"), tp_axes=("shared_ffn",), routed=True,
+    color="tab:purple", tp_row=("shared_experts.down_proj",), tp_entry="shared_experts")

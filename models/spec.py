@@ -1,0 +1,194 @@
+"""The spec of a layer kind: what every operation (scoring, pruning, search, inspect, upcycling,
+parallelism) reads about a kind instead of testing its pattern character.
+
+Each kind module (models/mamba.py, attention.py, mlp.py, moe.py) holds its nn.Module and one
+`LayerKind` instance; models/kinds.py lists them. A new kind is one such module and one registry line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+# ---- the width vocabulary: the `remodel prune` / `plan` flags, the search axes, the config fields ----
+@dataclass(frozen=True)
+class Width:
+    """One model width. name: flag / search axis; field: ModelConfig field; layer: the layer char that
+    uses it (None: every layer); unit: the keep-dict axis it prunes (None: not prunable); divisor: the
+    search-space step (None: a multiple of the groups, or not searched); short: a table column label."""
+    name: str
+    field: str
+    layer: str | None
+    unit: str | None
+    divisor: int | None
+    short: str
+    help: str
+
+
+WIDTHS = {w.name: w for w in (
+    Width("vocab_size", "vocab_size", None, None, None, "vocab", "vocabulary size"),
+    Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"),
+    Width("ffn_size", "intermediate_size", "-", "ffn", 512, "ffn", "dense MLP intermediate size"),
+    Width("mamba_heads", "mamba_num_heads", "M", "mamba_heads", None, "m.heads",
+          "Mamba heads per layer (a multiple of n_groups)"),
+    Width("mamba_head_dim", "mamba_head_dim", "M", "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
+    Width("ssm_state_size", "ssm_state_size", "M", None, None, "state", "Mamba SSM state size"),
+    Width("attn_heads", "num_attention_heads", "*", "attn_heads", None, "a.heads",
+          "query heads per attention layer (a multiple of num_key_value_heads)"),
+    Width("kv_heads", "num_key_value_heads", "*", None, None, "kv", "key/value heads"),
+    Width("head_dim", "head_dim", "*", None, None, "hd", "attention head size"),
+    Width("experts", "n_routed_experts", "E", "experts", 8, "experts", "routed experts per MoE layer"),
+    Width("expert_ffn_size", "moe_intermediate_size", "E", "expert_ffn", 512, "e.ffn", "routed expert FFN size"),
+    Width("shared_expert_size", "moe_shared_expert_intermediate_size", "E", "shared_ffn", 512, "shared",
+          "shared expert FFN size"),
+    Width("latent_size", "moe_latent_size", "E", "latent", 256, "latent", "LatentMoE latent size"),
+)}
+PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
+UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
+
+
+def widths(cfg, **changes) -> dict:
+    """{width name: size} of `cfg`, with `changes` applied (any value, even 0: nothing is validated)."""
+    return {**{n: getattr(cfg, w.field) or 0 for n, w in WIDTHS.items()}, **changes}
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter of a layer kind: its name under the mixer, one axis per dimension, and the
+    conditions (ModelConfig flags, or names in models.layout's conditions) that must all hold for it to exist."""
+    leaf: str
+    axes: tuple
+    when: tuple = ()
+
+
+def mlp_params(prefix: str, unit: str, bias: tuple, present: tuple = ()) -> tuple:
+    """up/gate/down of a (gated) MLP over `unit`; biases when every flag of `bias` holds."""
+    out = (Param(prefix + "up_proj.weight", (unit, "hidden"), present),
+           Param(prefix + "gate_proj.weight", (unit, "hidden"), present + ("mlp_gated",)),
+           Param(prefix + "down_proj.weight", ("hidden", unit), present))
+    if bias:
+        out += (Param(prefix + "up_proj.bias", (unit,), bias), Param(prefix + "gate_proj.bias", (unit,), bias + ("mlp_gated",)),
+                Param(prefix + "down_proj.bias", ("hidden",), bias))
+    return out
+
+
+@dataclass(frozen=True)
+class Site:
+    """An activation-importance site: score `name` accumulated from the input (or output) of the
+    submodule `module` of the mixer, columns `part` of it (None: all), times the input-column norm of
+    the weight `norm_of` when given (Wanda-style)."""
+    name: str
+    module: str
+    read: str = "input"  # or "output"
+    part: slice | None = None
+    norm_of: str | None = None
+
+
+def top(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest (ties: lower index first), in increasing order."""
+    return torch.argsort(s, descending=True, stable=True)[:k].sort().values
+
+
+def top_per_group(s: torch.Tensor, groups: int, k_total: int) -> torch.Tensor:
+    """Keep k_total/groups of the largest within every one of `groups` equal contiguous groups."""
+    r, k = s.numel() // groups, k_total // groups
+    return torch.cat([g * r + top(s[g * r:(g + 1) * r], k) for g in range(groups)])
+
+
+def sq(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of squares over every dimension but `dim` -> 1-D (a weight's per-unit squared norm)."""
+    return t.square().sum(dim=[d for d in range(t.dim()) if d != dim]) if t.dim() > 1 else t.square()
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One layer kind. char: its pattern character; name: its word ('mamba'); params: its layout (every
+    parameter with named axes); units: the keep-dict axes it prunes, each with the ModelConfig field it
+    sets; the tp_* fields: its tensor-parallel plan (pipelines.distributed.parallel applies it); sizes: {axis: size(cfg, widths)} of the axes it owns; segments: {axis: ((segment, axis), ...)}
+    of its concatenated axes, in storage order; products: composite axes indexed as outer unit x inner axis ('attn_q' = heads x head_dim);
+    scored: {score site: its axes}, the scores an activation run writes for one layer; widths: the
+    WIDTHS it reads; tp_axes: the axes tensor parallelism splits; inputs: what its mixer
+    reads beside the hidden states; routed: it holds routed experts (top-k of E per token)."""
+    char: str
+    name: str
+    params: tuple
+    units: dict = field(default_factory=dict)
+    sizes: dict = field(default_factory=dict)
+    segments: dict = field(default_factory=dict)
+    products: dict = field(default_factory=dict)
+    scored: dict = field(default_factory=dict)
+    widths: tuple = ()
+    tp_axes: tuple = ()
+    inputs: tuple = ()
+    routed: bool = False
+    upcycles_to: str | None = None  # the kind (pattern character) its layers become when upcycled to MoE
+    # tensor parallelism: submodules whose output is a partial sum (row-parallel), the submodule whose
+    # input enters the parallel region ('': the mixer), config fields that become this rank's share,
+    # {submodule.attr: field} set to the rank's share too, norms whose weight is shared by the ranks
+    tp_row: tuple = ()
+    tp_entry: str | None = None
+    tp_local: tuple = ()
+    tp_local_attrs: dict = field(default_factory=dict)
+    tp_shared_norms: tuple = ()
+    color: str = "tab:gray"  # in the per-layer figures
+
+    # ---- axes ---------------------------------------------------------------------------
+    def axis_size(self, cfg, axis: str, w: dict | None = None) -> int:
+        """Size of one of this kind's axes under the widths w (default: cfg's own)."""
+        w = w or widths(cfg)
+        if axis in self.segments:
+            return sum(self.sizes[a](cfg, w) for _, a in self.segments[axis])
+        return self.sizes[axis](cfg, w)
+
+    def segment_sizes(self, cfg, axis: str) -> dict:
+        """{segment: size} of a concatenated axis, in storage order."""
+        w = widths(cfg)
+        return {name: self.sizes[a](cfg, w) for name, a in self.segments[axis]}
+
+    def segment_span(self, cfg, axis: str, first: str, last: str | None = None) -> slice:
+        """The slice of a concatenated axis holding the segments first..last (inclusive)."""
+        sizes = self.segment_sizes(cfg, axis)
+        names = list(sizes)
+        start = sum(sizes[n] for n in names[:names.index(first)])
+        return slice(start, start + sum(sizes[n] for n in names[names.index(first):names.index(last or first) + 1]))
+
+    # ---- the model --------------------------------------------------------------------
+    def build(self, cfg):
+        """The rank-free nn.Module of one layer of this kind."""
+        raise NotImplementedError
+
+    def validate(self, cfg, need) -> None:
+        """ModelConfig checks of the fields this kind reads (need(ok, message))."""
+
+    def summary(self, cfg) -> dict:
+        """The config fields `remodel inspect` shows for this kind."""
+        return {}
+
+    # ---- counts -------------------------------------------------------------------------
+    def cache_bytes(self, cfg, w: dict, batch: int, seq_len: int, kv_bytes: int = 2, state_bytes: int = 4,
+                    conv_bytes: int = 2) -> dict:
+        """{cache name: bytes} of one layer's inference cache at widths w."""
+        return {}
+
+    def buffer_bytes(self, cfg, w: dict) -> int:
+        """Bytes of the fp32 buffers one layer stores (not parameters)."""
+        return 0
+
+    # ---- compression ----------------------------------------------------------------------
+    def sites(self, cfg) -> tuple:
+        """The activation-importance Sites of one layer (routed kinds add their own recording)."""
+        return ()
+
+    def keep(self, cfg, score, t: dict, p: str) -> dict:
+        """Keep entries (prefix p) of one layer from its scores under the width targets t;
+        score(site, shape, flag) returns the checked score tensor."""
+        return {}
+
+    def magnitude(self, cfg, local: str, t: torch.Tensor) -> list:
+        """[(site, squared-norm term)] a tensor (its name under the mixer) adds to the layer's
+        data-free magnitude scores."""
+        return []
+
+    def check_tp(self, cfg, tp: int, need) -> None:
+        """Refuse widths tensor parallelism over tp ranks cannot split."""
