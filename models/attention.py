@@ -1,5 +1,6 @@
-"""The attention layer kind ('*'): grouped-query self-attention through SDPA, with RoPE (Llama family)
-or none (Nemotron-H); its module and its spec (ATTENTION)."""
+"""The attention layer kind ('*'): grouped-query self-attention through SDPA, with RoPE (Llama family;
+on the first `partial_rotary_factor` of each head's channels, Bamba: half) or none (Nemotron-H); its
+module and its spec (ATTENTION)."""
 from __future__ import annotations
 
 import math
@@ -13,9 +14,14 @@ from .recompute import maybe_checkpoint
 from .spec import LayerKind, Param, Site, sq, top_per_group
 
 
+def rope_dim(cfg) -> int:
+    """The channels of each head RoPE rotates (the first ones; transformers' int(head_dim * factor))."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 def rope_inv_freq(cfg) -> torch.Tensor:
     """Inverse frequencies; the "llama3" type rescales long wavelengths as transformers does."""
-    d = cfg.head_dim
+    d = rope_dim(cfg)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = cfg.rope_scaling
     if rs is None:
@@ -33,6 +39,15 @@ def rope_inv_freq(cfg) -> torch.Tensor:
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x, cos, sin):
+    """RoPE on the first cos.shape[-1] channels of x [..., head_dim]; the rest pass through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 class Attention(nn.Module):
@@ -78,7 +93,7 @@ class Attention(nn.Module):
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
             if cos.dim() == 3:  # per-batch positions
                 cos, sin = cos[:, None], sin[:, None]
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         gqa = cfg.num_attention_heads != cfg.num_key_value_heads
         window = cfg.sliding_window is not None and l > cfg.sliding_window
         if attention_mask is None and not window:
@@ -106,14 +121,18 @@ class AttentionKind(LayerKind):
              f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={cfg.num_key_value_heads}")
         if cfg.rope_theta is not None:
-            need(cfg.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {cfg.head_dim}")
+            need(0 < cfg.partial_rotary_factor <= 1, f"partial_rotary_factor must be in (0, 1], got "
+                 f"{cfg.partial_rotary_factor}")
+            need(rope_dim(cfg) > 0 and rope_dim(cfg) % 2 == 0, f"RoPE needs an even number of rotated channels, got "
+                 f"{rope_dim(cfg)} (head_dim={cfg.head_dim}, partial_rotary_factor={cfg.partial_rotary_factor})")
         if cfg.rope_scaling is not None:
             need(cfg.rope_scaling.get("rope_type") == "llama3",
                  f"unsupported RoPE type {cfg.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
 
     def summary(self, cfg):
         return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-                "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta}
+                "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
+                **({"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1 else {})}
 
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         return {"kv_cache": 2 * batch * seq_len * w["kv_heads"] * w["head_dim"] * kv_bytes}

@@ -48,6 +48,7 @@ class ModelConfig:
     head_dim: int = 0
     rope_theta: float | None = None  # None: no positional encoding (Nemotron-H)
     rope_scaling: dict | None = None  # HF rope_parameters beyond "default" (only "llama3" supported)
+    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) channels of each head (Bamba: 0.5)
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     attention_out_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
@@ -171,7 +172,7 @@ class ModelConfig:
         need(len(self.pattern) <= MAX_LAYERS and len(self.mtp_pattern) <= MAX_LAYERS,
              f"{len(self.pattern)} layers (pattern length), at most {MAX_LAYERS}")
         floats = {"norm_eps": (0, 1), "rope_theta": (0, None), "routed_scaling_factor": (0, None),
-                  "time_step_min": (None, None), "time_step_max": (0, "inf")}
+                  "partial_rotary_factor": (0, None), "time_step_min": (None, None), "time_step_max": (0, "inf")}
         for name, (lo, hi) in floats.items():
             v = getattr(self, name)
             if v is None and name == "rope_theta":

@@ -32,6 +32,8 @@ _RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inter
              **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "head_dim", "mamba_num_heads",
                               "mamba_head_dim", "n_groups", "ssm_state_size", "n_routed_experts", "num_local_experts",
                               "num_experts", "num_experts_per_tok", "n_group", "topk_group"), (1, MAX_SMALL)),
+             **dict.fromkeys(("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_expand"),
+                             (1, MAX_SMALL)), "mamba_d_conv": (1, 1024), "mamba_chunk_size": (1, MAX_WIDTH),
              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
              "decoder_sparse_step": (1, MAX_LAYERS), "num_nextn_predict_layers": (0, MAX_MTP),
              "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40)}
@@ -50,7 +52,7 @@ def check_raw_config(d: dict, where: str = "config.json") -> None:
 
     for key, (lo, hi) in _RAW_INTS.items():
         v = d.get(key)
-        if v is None:
+        if v is None or (key == "mamba_d_head" and v == "auto"):  # bamba derives it from the expansion
             continue
         if isinstance(v, bool) or not isinstance(v, int):
             bad(key, f"expected int, got {type(v).__name__} {v!r}")

@@ -34,6 +34,9 @@ CASES = {  # (family, tiny config of that family)
                                            **LLAMA, **MOE)),
     "qwen2_moe_noshared": ("qwen2_moe", ModelConfig(pattern="*E" * 2, router="softmax", **LLAMA, **MOE)),
     "qwen3_moe": ("qwen3_moe", ModelConfig(pattern="*E" * 2, qk_norm=True, router="softmax", **LLAMA, **MOE)),
+    "bamba": ("bamba", ModelConfig(pattern="M-*-M-", intermediate_size=40, partial_rotary_factor=0.5,
+                                   attention_bias=True, attention_out_bias=True, mlp_bias=True, mamba_proj_bias=True,
+                                   tie_word_embeddings=True, **{**LLAMA, "head_dim": 8}, **MAMBA)),
 }
 
 

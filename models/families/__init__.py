@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from remodel.models.errors import RemodelError
 
+from .bamba import BAMBA
 from .family import Family
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .llama_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from .nemotron_h import NEMOTRON_H
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON_H, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE,
-                                                   QWEN3_MOE)}
-DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, NEMOTRON_H)  # the first that claims a config
+                                                   QWEN3_MOE, BAMBA)}
+DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, BAMBA, NEMOTRON_H)  # the first that claims a config
 UPCYCLE_TARGETS = tuple(name for name, f in FAMILIES.items() if f.moe)
 
 

@@ -94,7 +94,7 @@ class LlamaFamily(Family):
         L = cfg.num_layers // 2
         need(cfg.num_layers % 2 == 0 and cfg.pattern == self.layer * L,
              f"needs the layer pattern {self.layer!r} * N, got {cfg.pattern!r}")
-        need(cfg.rope_theta is not None, "needs RoPE attention")
+        need(cfg.rope_theta is not None and cfg.partial_rotary_factor == 1, "needs RoPE attention on whole heads")
         need(cfg.sliding_window is None or self.window, "sliding-window attention is mistral/mixtral only")
         need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
         need(cfg.qk_norm == self.qk_norm, "q/k norm must match (only qwen3 families have it)")
@@ -129,8 +129,8 @@ class LlamaFamily(Family):
 
     def claims(self, cfg):
         L = cfg.num_layers // 2
-        return (cfg.rope_theta is not None and cfg.mlp_gated and cfg.pattern == self.layer * L
-                and cfg.qk_norm == self.qk_norm)
+        return (cfg.rope_theta is not None and cfg.partial_rotary_factor == 1 and cfg.mlp_gated
+                and cfg.pattern == self.layer * L and cfg.qk_norm == self.qk_norm)
 
     def upcycle_into(self, cfg, router, shared):
         if cfg.qk_norm:

@@ -1,0 +1,130 @@
+"""IBM Bamba (transformers' `bamba`): decoder layer j is our pair of layers 2j (a Mamba-2 'M' or attention
+'*' mixer, its norm HF's input_layernorm) and 2j+1 (a SwiGLU MLP '-', its norm HF's pre_ff_layernorm),
+so the pattern is e.g. "M-M-*-". Its Mamba mixer computes as nemotron_h's (the Mamba spec's in_proj segments,
+gate before the group RMSNorm, dt clamped to time_step_limit); its attention rotates the first half of
+each head's channels (transformers hardcodes partial_rotary_factor 0.5); every norm uses rms_norm_eps."""
+from __future__ import annotations
+
+from remodel.models.attention import ATTENTION
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.kinds import used
+from remodel.models.layout import BLOCK_NORM
+from remodel.models.mamba import MAMBA
+
+from .family import Family
+
+BLOCK_TYPES = {"linear_attention": "M", "full_attention": "*"}  # HF layer type -> our mixer layer
+ROTARY = 0.5  # transformers' BambaConfig sets partial_rotary_factor=0.5 whatever config.json says
+_MLP = "-"
+_HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the HF decoder layer's module
+
+
+def _time_step_limit(h) -> tuple[float, float]:
+    """(lower, upper) clamp of dt; None means no clamp (dt = softplus(.) >= 0 already)."""
+    lim = h.time_step_limit
+    if lim is None:
+        return 0.0, float("inf")
+    if len(lim) != 2:
+        raise RemodelError(f"time_step_limit must be [min, max], got {list(lim)!r}")
+    return float(lim[0]), float(lim[1])
+
+
+def _rope(h) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) of the config; only the default RoPE type."""
+    rp = dict(getattr(h, "rope_parameters", None) or {})
+    if rp.get("rope_type", "default") != "default":
+        raise RemodelError(f"bamba with rope_type {rp.get('rope_type')!r} is not supported (only default)")
+    return float(rp.get("rope_theta", 10000.0)), float(rp.get("partial_rotary_factor", 1.0))
+
+
+class Bamba(Family):
+    def required(self, h):
+        need = [("num_hidden_layers",), ("intermediate_size",)]
+        types = set(h.layers_block_type)
+        if "full_attention" in types:
+            need += [("num_attention_heads",)]
+        if "linear_attention" in types:
+            need += [("mamba_n_heads",), ("mamba_d_state",), ("mamba_expand", "mamba_d_head")]
+        return need
+
+    def from_hf(self, h, extra):
+        if h.hidden_act != "silu":
+            raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for bamba (only silu)")
+        theta, rotary = _rope(h)
+        lo, hi = _time_step_limit(h)
+        return ModelConfig(
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
+            pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layers_block_type),
+            tie_word_embeddings=bool(h.tie_word_embeddings),
+            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+            head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
+            rope_theta=theta, partial_rotary_factor=rotary,
+            attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
+            intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True, mlp_bias=bool(h.mlp_bias),
+            mamba_num_heads=h.mamba_n_heads, mamba_head_dim=h.mamba_d_head, n_groups=h.mamba_n_groups,
+            ssm_state_size=h.mamba_d_state, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
+            use_conv_bias=bool(h.mamba_conv_bias), mamba_proj_bias=bool(h.mamba_proj_bias),
+            time_step_min=lo, time_step_max=hi, extra=extra)
+
+    def check(self, cfg, need):
+        need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
+        mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {_MLP},
+             f"needs the layer pattern of (Mamba 'M' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
+        need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
+        if ATTENTION in used(cfg):
+            need(cfg.rope_theta is not None and cfg.rope_scaling is None, "bamba attention uses default RoPE")
+            need(cfg.partial_rotary_factor == ROTARY, f"bamba rotates {ROTARY} of each head's channels "
+                 f"(partial_rotary_factor), got {cfg.partial_rotary_factor}")
+            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(not cfg.qk_norm, "bamba attention has no q/k norm")
+            need(cfg.sliding_window is None, "bamba has no sliding-window attention")
+        if MAMBA in used(cfg):
+            need(cfg.mamba_inner % cfg.hidden_size == 0, f"bamba's Mamba width is mamba_expand * hidden_size: "
+                 f"mamba_num_heads * mamba_head_dim = {cfg.mamba_inner} is not a multiple of {cfg.hidden_size}")
+
+    def to_hf(self, cfg):
+        mamba, H = MAMBA in used(cfg), cfg.hidden_size
+        return dict(
+            num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+            attn_layer_indices=[j for j, c in enumerate(cfg.pattern[0::2]) if c == ATTENTION.char],
+            num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
+            head_dim=cfg.head_dim or 1, attention_bias=cfg.attention_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0,
+                             "partial_rotary_factor": ROTARY},
+            intermediate_size=cfg.intermediate_size, mlp_bias=cfg.mlp_bias,
+            # without Mamba layers any consistent widths do: one head of the whole hidden size
+            mamba_n_heads=cfg.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba_head_dim if mamba else H,
+            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.n_groups if mamba else 1,
+            mamba_d_state=cfg.ssm_state_size or 1, mamba_d_conv=cfg.conv_kernel, mamba_chunk_size=cfg.chunk_size,
+            mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
+            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)])
+
+    def key_map(self):
+        """Our layer 2j's mixer is HF layer j's `mamba` or `self_attn` (their tensor names differ), 2j+1's
+        MLP its `feed_forward`; every tensor the two kinds can hold in bamba (no q/k norm)."""
+        out = {"embeddings.weight": "model.embed_tokens.weight",
+               "layers.{a}." + BLOCK_NORM.leaf: "model.layers.{a}.input_layernorm.weight",
+               "layers.{m}." + BLOCK_NORM.leaf: "model.layers.{m}.pre_ff_layernorm.weight"}
+        for k, module in _HF_MIXER:
+            out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}"
+                        for p in k.params if "qk_norm" not in p.when})
+        out.update({f"layers.{{m}}.mixer.{p}.{t}": f"model.layers.{{m}}.feed_forward.{p}.{t}"
+                    for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "bias")})
+        out.update({"norm_f.weight": "model.final_layernorm.weight", "lm_head.weight": "lm_head.weight"})
+        return out
+
+    def claims(self, cfg):
+        """The default export of every model bamba holds exactly (asked before nemotron_h)."""
+        problems = []
+        self.check(cfg, lambda ok, why: ok or problems.append(why))
+        return not problems
+
+    def upcycle_into(self, cfg, router, shared):
+        raise RemodelError("bamba has no upcycling target: no supported MoE family holds Mamba layers with "
+                           "SwiGLU experts exactly (nemotron_h's experts are not gated)")
+
+
+BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, block_types=BLOCK_TYPES,
+              upcycle_help="none (no MoE family holds Mamba layers with SwiGLU experts)")
