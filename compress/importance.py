@@ -32,8 +32,8 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
 Deviation from pruning.md: ffn and mamba_x are "Wanda"-style, activation times the L2 norm of the weight
 column the unit feeds (chosen by held-out loss, bench/bench_prune_quality.py).
 
-Fused experts have no per-expert module: while attached, `experts.expert` is shadowed on the instance by
-a recording copy. The padding mask comes from each Block's `attention_mask` (or Scorer.update).
+Fused experts have no per-expert module: while attached, an expert hook of the dispatch
+(models.moe.Experts.register_expert_hook) records each expert's activation and output. The padding mask comes from each Block's `attention_mask` (or Scorer.update).
 
 Two runners give identical numbers: `score_model` (whole model in memory, batch by batch) and
 `score_streaming` (one layer's weights at a time; calibration hidden states kept in a StateStore that
@@ -52,7 +52,6 @@ from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf, our_shapes
 from remodel.models.layout import axis_size
 from remodel.models.load import iter_our_tensors
-from remodel.models.mlp import ffn
 from remodel.models.model import Block, init_buffers
 from remodel.models.mtp import MTPBlock, mtp_block_roles
 from remodel.models.norm import RMSNorm
@@ -84,7 +83,7 @@ class Scorer:
         self.acc: dict[str, torch.Tensor] = {}
         self.wnorm: dict[str, torch.Tensor] = {}  # per-unit norm of the weight column a site feeds
         self.mask, self._samples, self.tokens, self._sites = None, {}, 0, {}  # _sites: {key: score shape}
-        self._handles, self._patched = [], []
+        self._handles = []
 
     # ---- attaching ------------------------------------------------------------------
     def attach(self) -> "Scorer":
@@ -129,9 +128,7 @@ class Scorer:
     def detach(self):
         for h in self._handles:
             h.remove()
-        for experts in self._patched:
-            del experts.expert  # the class's own method is visible again
-        self._handles, self._patched = [], []
+        self._handles = []
         for p, sample in self._samples.items():  # scored as each layer is done (streaming: one at a time)
             if (order := sample.scores()) is not None:
                 self.acc[p + "expert_reconstruction"] = order
@@ -192,16 +189,9 @@ class Scorer:
             ctx.update(token=order // idx.shape[1], w=w.reshape(-1)[order].float(), counts=counts, starts=starts)
             self._samples[p].add(args[0], self.mask)
 
-        def expert(e, x):  # Experts.expert, recording its hidden and output
-            gate = None if experts.gate_proj is None else experts.gate_proj[e]
-            h, y = ffn(x, experts.up_proj[e], gate, experts.down_proj[e], experts.act)
-            self._expert_stats(p, e, h, y, ctx)
-            return y
-
         self._handles.append(moe.register_forward_pre_hook(pre_moe))
         self._handles.append(experts.register_forward_pre_hook(pre_experts))
-        experts.expert = expert
-        self._patched.append(experts)
+        self._handles.append(experts.register_expert_hook(lambda _, e, h, y: self._expert_stats(p, e, h, y, ctx)))
         if moe.cfg.moe_latent_size:
             def latent_in(module, args, out):  # [T, Lt] for tokens flattened by the MoE
                 self._acc(p + "latent_in", out.view(*ctx["bl"], -1))

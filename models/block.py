@@ -1,7 +1,9 @@
 """One residual layer: x + mixer(norm(x)), the mixer built by the layer kind of its pattern character."""
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .kinds import KINDS
@@ -9,6 +11,8 @@ from .norm import RMSNorm
 
 
 class Block(nn.Module):
+    recompute = False  # models.recompute "full": the block runs under checkpoint and is recomputed in backward
+
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind, self.spec = kind, KINDS[kind]
@@ -16,5 +20,11 @@ class Block(nn.Module):
         self.mixer = self.spec.build(cfg)
 
     def forward(self, x, attention_mask=None, position_ids=None):
+        """Hooks on the Block (FSDP2's, per layer) stay outside the checkpointed region."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, attention_mask, position_ids, use_reentrant=False)
+        return self._forward(x, attention_mask, position_ids)
+
+    def _forward(self, x, attention_mask, position_ids):
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
         return x + self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs))

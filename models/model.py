@@ -32,6 +32,7 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logit_input = nn.Identity()  # what the output projection reads (tensor parallelism puts its entry here)
         if cfg.mtp_layers:  # only when the checkpoint has an MTP head; the trunk never reads it
             self.mtp = MTP(cfg)
 
@@ -50,7 +51,7 @@ class HybridLM(nn.Module):
 
     def logits(self, h):
         w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(h, w)
+        return nn.functional.linear(self.logit_input(h), w)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False,
                 return_hidden=False):

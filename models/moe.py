@@ -6,11 +6,14 @@ expert and each expert runs once on exactly the tokens routed to it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from .mlp import ACT, ACTIVATIONS, MLP, ffn_magnitude, gated_act
+from .mlp import ACT, ACTIVATIONS, MLP, ffn, ffn_magnitude, gated_act
 from .recompute import maybe_checkpoint
 from .spec import LayerKind, Param, mlp_params, sq, top, top_per_group
 
@@ -56,7 +59,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """The routed experts, fused [E, ...] per projection, with one dropless dispatch. Expert parallelism
+    plugs in as `exchange` (set from outside, pipelines.distributed.parallel.ExpertExchange): it moves
+    the sorted rows to the rank holding their expert and back; the arithmetic stays this class's."""
     recompute_core = False  # models.recompute "selective": each expert's activation + down recomputed
+    exchange = None
 
     def __init__(self, cfg):
         super().__init__()
@@ -65,33 +72,67 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
         self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp_gated else None
         self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
+        self._expert_hooks: OrderedDict = OrderedDict()  # torch's hook handles need a weak-referable dict
 
-    def expert(self, e: int, x):
-        h = F.linear(x, self.up_proj[e])
-        if self.gate_proj is None:
-            return maybe_checkpoint(self, self._act_down, e, h)
-        return maybe_checkpoint(self, self._act_down, e, h, F.linear(x, self.gate_proj[e]))
+    def register_expert_hook(self, hook) -> RemovableHandle:
+        """hook(experts, e, h, y) after expert e ran in the dispatch: h the activation entering its down
+        projection, y its output (importance scoring reads them). -> a handle whose remove() detaches it."""
+        handle = RemovableHandle(self._expert_hooks)
+        self._expert_hooks[handle.id] = hook
+        return handle
 
-    def _act_down(self, e: int, h, gate=None):
-        return F.linear(gated_act(self.act, h, gate), self.down_proj[e])
+    def weights(self) -> tuple:
+        """(up, gate or None, down) as the dispatch uses them (the exchange may scale their gradients)."""
+        w = (self.up_proj, self.gate_proj, self.down_proj)
+        return w if self.exchange is None else self.exchange.weights(w)
+
+    def expert(self, e: int, x, w: tuple | None = None):
+        """Expert e on rows x [n, L] -> [n, L]."""
+        up, gate, down = w or (self.up_proj, self.gate_proj, self.down_proj)
+        h = F.linear(x, up[e])
+        if gate is None:
+            return maybe_checkpoint(self, self._act_down, down[e], h)
+        return maybe_checkpoint(self, self._act_down, down[e], h, F.linear(x, gate[e]))
+
+    def _act_down(self, down, h, gate=None):
+        return F.linear(gated_act(self.act, h, gate), down)
+
+    def _run(self, rows, counts: list, every: bool):
+        """Every expert on its run of `rows` (sorted by expert, counts[e] each) -> outputs in the same order;
+        every: also the experts with no rows (an exchange needs each rank's backward to meet the same collectives)."""
+        w, ys = self.weights(), []
+        for e, xi in enumerate(rows.split(counts)):  # split, not slices: one cat in backward, no zero-filled grads
+            if len(xi) or every:
+                if self._expert_hooks:  # scoring: the activation and output of each expert, recorded
+                    h, y = ffn(xi, w[0][e], None if w[1] is None else w[1][e], w[2][e], self.act)
+                    for hook in list(self._expert_hooks.values()):
+                        hook(self, e, h, y)
+                else:
+                    y = self.expert(e, xi, w)
+                ys.append(y)
+        return torch.cat(ys) if ys else rows.new_zeros(0, rows.shape[-1])
 
     def forward(self, x, weights, idx):
-        """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless."""
+        """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless; each token's terms are
+        added in expert order."""
+        ex = self.exchange
+        if ex is not None:
+            x, weights, idx, T_all = ex.enter(x, weights, idx)
         T, k = idx.shape
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
         token = order // k
+        counts = torch.bincount(flat, minlength=self.up_proj.shape[0] if ex is None else ex.n_experts)
+        rows = x[token]
+        if ex is None:
+            y = self._run(rows, counts.tolist(), every=False)
+        else:
+            rows, local, back = ex.dispatch(rows, counts)
+            y = ex.combine(self._run(rows, local, every=True), back)
         w = weights.reshape(-1)[order]
         out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                tok = token[start:start + n]
-                y = self.expert(e, x[tok]) * w[start:start + n, None]
-                out.index_add_(0, tok, y.float())
-            start += n
-        return out.to(x.dtype)
+        out = out.index_add(0, token, (y * w[:, None]).float()).to(x.dtype)
+        return out if ex is None else ex.leave(out, T_all)
 
 
 class MoE(nn.Module):

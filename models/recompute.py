@@ -5,15 +5,13 @@ selective  the cheap, memory-heavy internals run under non-reentrant checkpoint 
            in backward (Megatron's selective recomputation): the Mamba conv + scan + gated norm, the
            attention core (q/k norm, RoPE, SDPA), the MLP / expert activation with the down projection
            that reads it. The q/k/v, in_proj, up/gate matmul outputs stay saved.
-full       each Block runs under non-reentrant checkpoint and is recomputed from its input. The Block's
-           own forward is replaced per instance, so FSDP2's hooks on the Block (`fully_shard` per layer)
-           stay outside the checkpointed region and parameter names do not change.
+full       each Block runs under non-reentrant checkpoint and is recomputed from its input (its
+           `recompute` flag, read by Block.forward), so FSDP2's hooks on the Block (`fully_shard` per
+           layer) stay outside the checkpointed region and parameter names do not change.
 Recomputation replays the same ops on the same inputs: losses and gradients are bit-identical on CPU.
 Under no_grad (evaluation, scoring) nothing is checkpointed.
 """
 from __future__ import annotations
-
-import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,30 +29,13 @@ def maybe_checkpoint(module, fn, *args):
     return fn(*args)
 
 
-def _checkpointed_forward(self, *args, **kwargs):
-    """A Block's forward under non-reentrant checkpoint (bound per instance by `set_recompute`)."""
-    plain = type(self).forward  # FSDP2 subclasses the Block's class; its forward is still Block's
-    if torch.is_grad_enabled():
-        return checkpoint(plain, self, *args, use_reentrant=False, **kwargs)
-    return plain(self, *args, **kwargs)
-
-
-def _set_full(block, on: bool):
-    """Bind (or remove) the checkpointed forward on one Block instance; MethodType so deepcopy rebinds."""
-    mine = getattr(block.__dict__.get("forward"), "__func__", None) is _checkpointed_forward
-    if on and not mine:
-        block.forward = types.MethodType(_checkpointed_forward, block)
-    elif not on and mine:
-        del block.forward
-
-
 def set_recompute(model, mode: str):
     """Set the recomputation mode of every layer of `model` (a HybridLM, possibly sharded); returns it.
     Setting "none" undoes any earlier mode. Raises RemodelError for an unknown mode."""
     if mode not in RECOMPUTE_MODES:
         raise RemodelError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, not {mode!r}")
     for block in model.layers:
-        _set_full(block, mode == "full")
+        block.recompute = mode == "full"
         for m in block.modules():
             if hasattr(type(m), "recompute_core"):
                 m.recompute_core = mode == "selective"

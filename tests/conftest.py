@@ -14,6 +14,173 @@ if "REMODEL_CACHE" not in os.environ:
     import tempfile
     os.environ["REMODEL_CACHE"] = tempfile.mkdtemp(prefix="remodel-test-cache-")
 
+# ---- shared tiny models (issue 26: one builder per layer kind and per family, no test module imports another)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.model import HybridLM, init_weights  # noqa: E402
+
+_BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=6)
+_MAMBA = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
+_MOE = dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=10)
+_SWIGLU = dict(mlp_gated=True, mlp_act="silu", rope_theta=1e4)
+# one tiny config per layer kind (its name in models.kinds) and per HF family (models.families)
+KIND_CONFIGS = {
+    "mamba": ModelConfig(pattern="MM", **_BASE, **_MAMBA),
+    "attention": ModelConfig(pattern="**", **_BASE, **_ATTN),
+    "mlp": ModelConfig(pattern="--", intermediate_size=40, **_BASE),
+    "moe": ModelConfig(pattern="EE", moe_shared_expert_intermediate_size=12, **_BASE, **_MOE),
+}
+FAMILY_CONFIGS = {
+    "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,
+                              **_BASE, **_ATTN, **_MAMBA, **_MOE),
+    "llama": ModelConfig(pattern="*-" * 2, intermediate_size=40, **_BASE, **_ATTN, **_SWIGLU),
+    "mistral": ModelConfig(pattern="*-" * 2, intermediate_size=40, sliding_window=16, **_BASE, **_ATTN, **_SWIGLU),
+    "qwen2": ModelConfig(pattern="*-" * 2, intermediate_size=40, attention_bias=True, **_BASE, **_ATTN, **_SWIGLU),
+    "qwen3": ModelConfig(pattern="*-" * 2, intermediate_size=40, qk_norm=True, **_BASE, **_ATTN, **_SWIGLU),
+    "mixtral": ModelConfig(pattern="*E" * 2, router="softmax", **_BASE, **_ATTN, **_SWIGLU, **_MOE),
+    "qwen2_moe": ModelConfig(pattern="*E" * 2, attention_bias=True, router="softmax", shared_expert_gate=True,
+                             moe_shared_expert_intermediate_size=12, **_BASE, **_ATTN, **_SWIGLU, **_MOE),
+    "qwen3_moe": ModelConfig(pattern="*E" * 2, qk_norm=True, router="softmax", **_BASE, **_ATTN, **_SWIGLU, **_MOE),
+    "bamba": ModelConfig(pattern="M-*-", intermediate_size=40, partial_rotary_factor=0.5, time_step_min=0.0,
+                         **_BASE, **{**_ATTN, "head_dim": 8}, **{**_MAMBA, "mamba_head_dim": 8}, **_SWIGLU),
+}
+
+
+@pytest.fixture(params=sorted(KIND_CONFIGS))
+def kind_config(request):
+    """(kind name, tiny config whose every layer is that kind): a new kind's tests are one entry above."""
+    return request.param, KIND_CONFIGS[request.param]
+
+
+@pytest.fixture(params=sorted(FAMILY_CONFIGS))
+def family_config(request):
+    """(family name, tiny config it exports exactly): a new family's tests are one entry above."""
+    return request.param, FAMILY_CONFIGS[request.param]
+
+
+def tiny_configs():
+    base = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5)
+    attn = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=6)
+    mamba = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
+    moe = dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=10)
+    return {
+        "hybrid_shared": ModelConfig(pattern="M*-EM-", intermediate_size=40, moe_shared_expert_intermediate_size=12,
+                                     **base, **attn, **mamba, **moe),
+        "hybrid_noshared_latent_bias": ModelConfig(pattern="ME*E", moe_latent_size=8, mamba_proj_bias=True,
+                                                   use_conv_bias=False, **base, **attn, **mamba, **moe),
+        "llama_tied_bias": ModelConfig(pattern="*-" * 3, intermediate_size=40, mlp_gated=True, mlp_act="silu",
+                                       rope_theta=1e4, attention_bias=True, attention_out_bias=True,
+                                       tie_word_embeddings=True, **base, **attn),
+        "qwen2_moe": ModelConfig(pattern="*E" * 2, mlp_gated=True, mlp_act="silu", rope_theta=1e4,
+                                 attention_bias=True, router="softmax", shared_expert_gate=True,
+                                 moe_shared_expert_intermediate_size=12, **base, **attn, **moe),
+        "qwen3_moe": ModelConfig(pattern="*E" * 2, mlp_gated=True, mlp_act="silu", rope_theta=1e4, qk_norm=True,
+                                 router="softmax", **base, **attn, **moe),
+    }
+
+
+
+LATENT = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=8,
+                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                     moe_shared_expert_intermediate_size=24, moe_latent_size=24, router="sigmoid",
+                     routed_scaling_factor=2.0)
+SOFTMAX = ModelConfig(vocab_size=96, hidden_size=32, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rope_theta=10000.0, mlp_act="silu", mlp_gated=True, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                      router="softmax")
+IDS = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1))
+
+
+
+@torch.no_grad()
+def random_model(cfg, seed=0, bias=0.3):
+    """Random weights; norm gains away from 1 and a non-trivial correction bias (sigmoid routers)."""
+    model = init_weights(HybridLM(cfg), std=0.15, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    for m in model.moe_layers() if cfg.router == "sigmoid" else []:
+        m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.n_routed_experts, generator=g))
+    return model.eval()
+
+
+
+@torch.no_grad()
+def randomise(model, seed=0):
+    """Move every weight away from its init: norms ~N(1, .1), linears N(0, .15), Mamba scalars random."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(p, mean, std):
+        p.copy_(torch.randn(p.shape, generator=g) * std + mean)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and p.dim() == 1:
+            normal(p, 1.0, 0.1)
+        elif leaf == "dt_bias":
+            normal(p, -2.0, 1.5)
+            p[0] = -9.0  # softplus falls below time_step_min for head 0: the clamp is exercised
+        elif leaf == "A_log":
+            p.copy_(torch.rand(p.shape, generator=g) * 3 - 1)
+        elif leaf == "D":
+            normal(p, 1.0, 0.5)
+        elif leaf == "bias":
+            normal(p, 0.0, 0.1)
+        elif "embed" in name:
+            normal(p, 0.0, 0.5)
+        else:
+            normal(p, 0.0, 0.2 if "conv1d" in name or "gate" in name else 0.15)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            normal(b, 0.0, 0.1)
+    return model
+
+
+# the recomputation tests' models (also run in a child process by test_recompute's FSDP2 script)
+RV, RB, RL = 128, 2, 96
+_RBASE = dict(vocab_size=RV, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+            chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+RECOMPUTE_CONFIGS = {
+    "nemotron": dict(pattern="M*-EM", moe_shared_expert_intermediate_size=16, **_RBASE),
+    "llama_moe": dict(pattern="*-*E", mlp_act="silu", mlp_gated=True, rope_theta=10000.0, qk_norm=True,
+                      router="softmax", **_RBASE),
+}
+
+
+def recompute_build(name, seed=0):
+    torch.manual_seed(seed)
+    return init_weights(HybridLM(ModelConfig(**RECOMPUTE_CONFIGS[name])), std=0.1, seed=seed)
+
+
+def recompute_batch(seed=1, mask=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, RV, (RB, RL), generator=g)
+    am = None
+    if mask:
+        am = torch.ones(RB, RL, dtype=torch.long)
+        am[1, :7] = 0  # left padding in one row
+    return ids, am
+
+
+def recompute_step(model, ids, am):
+    """Loss (LM + a router z-loss, so gradients also flow through router_logits) and its gradients."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=am)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, RV), ids[:, 1:].reshape(-1))
+    for moe in model.moe_layers():
+        loss = loss + 1e-2 * moe.router_logits.logsumexp(-1).pow(2).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+
+
 # ---- markers ---------------------------------------------------------------------------------------
 # `python -m pytest -q tests` runs everything (CI); `python -m pytest -q -m "not slow" tests` is the
 # edit-test loop. The markers (registered in pyproject.toml) are given here, not in the test files:
@@ -118,6 +285,13 @@ MARKS = {
         "test_shipped_corpus_equals_pack": "slow",
         "test_sampler_matches_todays_batches": "slow",
         "test_rss_flat_with_10x_corpus": "slow",
+    },
+    "test_tokenize_stream.py": {
+        "test_same_bytes_as_in_ram": "slow",
+        "test_sigkill_then_rerun_resumes_identically": "multiprocess",
+        "test_a_killed_worker_fails_in_one_line_and_the_rerun_resumes": "multiprocess",
+        "test_concurrent_runs_on_one_corpus_share_one_tokenization": "multiprocess",
+        "test_peak_rss_flat_with_10x_corpus": "slow",
     },
     "test_token_validation.py": {
         "test_tokenize_workers_die_with_a_killed_parent": "multiprocess",

@@ -59,7 +59,7 @@ def test_sample_cap_and_projection_keep_the_ranking_close(monkeypatch):
     choice's error, and within half the error of the 4 the unprojected order ranks last."""
     from remodel.compress import expert_select
     from remodel.compress.importance import Scorer
-    from tests.test_moe_prune import IDS, LATENT, make_model
+    from tests.conftest import IDS, LATENT, random_model as make_model
 
     model = make_model(LATENT, seed=2)
     moe = model.layers[1].mixer

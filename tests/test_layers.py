@@ -2,6 +2,7 @@
 [tool.importlinter]) passes, and no package imports the top-level `cli` module (import-linter takes
 packages only as roots, so `cli`, the top layer, is checked here instead)."""
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -63,3 +64,58 @@ def test_product_functions_and_files_are_short():
                  for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                  and n.end_lineno - n.lineno + 1 > 60]
     assert not long, long
+
+
+def _product_trees():
+    for path in [p for pkg in ("models", "compress", "upcycle", "pipelines") for p in sorted((ROOT / pkg).rglob("*.py"))] \
+            + [ROOT / "cli.py"]:
+        yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+
+
+def test_no_method_rebound_on_an_instance():
+    """Issue 26: behaviour changes from outside through hooks, swapped modules or data the module reads,
+    never by assigning a method (forward, logits, expert, ...) on an instance or binding with MethodType."""
+    offenders = []
+    for rel, tree in _product_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                offenders += [f"{rel}:{node.lineno} assigns .{t.attr}" for t in targets
+                              if isinstance(t, ast.Attribute) and t.attr in ("forward", "logits", "expert")]
+            if isinstance(node, ast.Attribute) and node.attr == "MethodType":
+                offenders.append(f"{rel}:{node.lineno} uses types.MethodType")
+    assert not offenders, offenders
+
+
+PATTERN_CHARS = set("M*-E")
+
+
+def _tests_pattern(node) -> bool:
+    """A comparison against a pattern character, or a membership test of one (`"E" in cfg.pattern`)."""
+    if not isinstance(node, ast.Compare):
+        return False
+    consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+    return any(isinstance(v, str) and v and set(v) <= PATTERN_CHARS for v in consts)
+
+
+def test_pattern_characters_are_tested_only_in_the_model_definition():
+    """Issue 26: operations ask the layer kinds' specs (models/kinds.py); at most 4 product files, all in
+    models/, compare against a pattern character."""
+    files = sorted({rel for rel, tree in _product_trees() for n in ast.walk(tree) if _tests_pattern(n)})
+    assert len(files) <= 4 and all(f.startswith("models/") for f in files), files
+
+
+def test_family_names_only_in_the_families_folder():
+    """Issue 26: a family's name is written only in its module under models/families (docstrings aside)."""
+    from remodel.models.families import FAMILIES
+
+    offenders = []
+    for rel, tree in _product_trees():
+        if rel.startswith("models/families/"):
+            continue
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        offenders += [f"{rel}:{n.lineno} {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                      and isinstance(n.value, str) and id(n) not in docs
+                      and any(re.search(rf"\b{f}\b", n.value) for f in FAMILIES)]
+    assert not offenders, offenders

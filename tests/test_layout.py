@@ -15,7 +15,7 @@ from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params, per_layer
 from remodel.pipelines.distributed.parallel import tp_shard_layer
-from tests.test_params import tiny_configs
+from tests.conftest import tiny_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ["models", "compress", "upcycle", "pipelines"]

@@ -18,6 +18,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.hf import weight_table
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
+from tests.conftest import randomise
 
 V, B, L = 96, 2, 37
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -44,37 +45,6 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
                                     norm_topk_prob=True, **LLAMA)),
 }
-
-
-@torch.no_grad()
-def randomise(model, seed=0):
-    """Move every weight away from its init: norms ~N(1, .1), linears N(0, .15), Mamba scalars random."""
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(p, mean, std):
-        p.copy_(torch.randn(p.shape, generator=g) * std + mean)
-
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and p.dim() == 1:
-            normal(p, 1.0, 0.1)
-        elif leaf == "dt_bias":
-            normal(p, -2.0, 1.5)
-            p[0] = -9.0  # softplus falls below time_step_min for head 0: the clamp is exercised
-        elif leaf == "A_log":
-            p.copy_(torch.rand(p.shape, generator=g) * 3 - 1)
-        elif leaf == "D":
-            normal(p, 1.0, 0.5)
-        elif leaf == "bias":
-            normal(p, 0.0, 0.1)
-        elif "embed" in name:
-            normal(p, 0.0, 0.5)
-        else:
-            normal(p, 0.0, 0.2 if "conv1d" in name or "gate" in name else 0.15)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            normal(b, 0.0, 0.1)
-    return model
 
 
 _BUILT = {}

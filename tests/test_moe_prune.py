@@ -16,24 +16,11 @@ from remodel.compress.expert_scores import rank_experts
 from remodel.compress.importance import score_model, seq_mean_abs
 from remodel.compress.prune import plan_keep, prune_model, validate_targets
 from remodel.compress.scores import load_scores
-from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_model, save_model
-from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
-
-LATENT = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=8, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=8,
-                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                     moe_shared_expert_intermediate_size=24, moe_latent_size=24, router="sigmoid",
-                     routed_scaling_factor=2.0)
-SOFTMAX = ModelConfig(vocab_size=96, hidden_size=32, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rope_theta=10000.0, mlp_act="silu", mlp_gated=True, n_routed_experts=8,
-                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
-                      router="softmax")
-IDS = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1))
-
+from tests.conftest import IDS, LATENT, SOFTMAX, random_model as make_model
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -41,19 +28,6 @@ def one_thread():
     torch.set_num_threads(1)  # tiny ops on a shared CPU
     yield
     torch.set_num_threads(n)
-
-
-@torch.no_grad()
-def make_model(cfg, seed=0, bias=0.3):
-    """Random weights; norm gains away from 1 and a non-trivial correction bias (sigmoid routers)."""
-    model = init_weights(HybridLM(cfg), std=0.15, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    for m in model.moe_layers() if cfg.router == "sigmoid" else []:
-        m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.n_routed_experts, generator=g))
-    return model.eval()
 
 
 @torch.no_grad()

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf, config_to_hf, default_family
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import AXES, closed_form, count_params, layer_params, memory_bytes
 from remodel.pipelines.commands.inspection import format_inspect, inspect
+from tests.conftest import tiny_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 PUBLISHED = {"nemotron-h-56b": 56.324, "nemotron-h-47b": 46.792, "nemotron-h-8b": 8.101,
@@ -60,27 +60,6 @@ def test_real_configs_match_transformers(name):
           f"{(active - c['by_type']['embeddings']) / 1e9:.3f}e9)")
     assert c["active"] == active and c["routed"] == routed
     assert layer_params(cfg, "E", active=True) == numel(m.model.layers[1].parameters()) - routed // cfg.count("E") * (E - k) // E
-
-
-def tiny_configs():
-    base = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5)
-    attn = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=6)
-    mamba = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
-    moe = dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=10)
-    return {
-        "hybrid_shared": ModelConfig(pattern="M*-EM-", intermediate_size=40, moe_shared_expert_intermediate_size=12,
-                                     **base, **attn, **mamba, **moe),
-        "hybrid_noshared_latent_bias": ModelConfig(pattern="ME*E", moe_latent_size=8, mamba_proj_bias=True,
-                                                   use_conv_bias=False, **base, **attn, **mamba, **moe),
-        "llama_tied_bias": ModelConfig(pattern="*-" * 3, intermediate_size=40, mlp_gated=True, mlp_act="silu",
-                                       rope_theta=1e4, attention_bias=True, attention_out_bias=True,
-                                       tie_word_embeddings=True, **base, **attn),
-        "qwen2_moe": ModelConfig(pattern="*E" * 2, mlp_gated=True, mlp_act="silu", rope_theta=1e4,
-                                 attention_bias=True, router="softmax", shared_expert_gate=True,
-                                 moe_shared_expert_intermediate_size=12, **base, **attn, **moe),
-        "qwen3_moe": ModelConfig(pattern="*E" * 2, mlp_gated=True, mlp_act="silu", rope_theta=1e4, qk_norm=True,
-                                 router="softmax", **base, **attn, **moe),
-    }
 
 
 @pytest.mark.parametrize("name", sorted(tiny_configs()))

@@ -9,49 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
-from remodel.models.model import HybridLM, init_weights
 from remodel.models.recompute import RECOMPUTE_MODES, set_recompute
-
-V, B, L = 128, 2, 96
-BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
-            chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
-CONFIGS = {
-    "nemotron": dict(pattern="M*-EM", moe_shared_expert_intermediate_size=16, **BASE),
-    "llama_moe": dict(pattern="*-*E", mlp_act="silu", mlp_gated=True, rope_theta=10000.0, qk_norm=True,
-                      router="softmax", **BASE),
-}
-
-
-def build(name, seed=0):
-    torch.manual_seed(seed)
-    return init_weights(HybridLM(ModelConfig(**CONFIGS[name])), std=0.1, seed=seed)
-
-
-def batch(seed=1, mask=False):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, L), generator=g)
-    am = None
-    if mask:
-        am = torch.ones(B, L, dtype=torch.long)
-        am[1, :7] = 0  # left padding in one row
-    return ids, am
-
-
-def step(model, ids, am):
-    """Loss (LM + a router z-loss, so gradients also flow through router_logits) and its gradients."""
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, attention_mask=am)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
-    for moe in model.moe_layers():
-        loss = loss + 1e-2 * moe.router_logits.logsumexp(-1).pow(2).mean()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
+from tests.conftest import recompute_batch as batch, recompute_build as build, recompute_step as step
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -91,10 +52,11 @@ def test_bad_mode_and_undo():
     with pytest.raises(RemodelError, match="recompute"):
         set_recompute(model, "everything")
     set_recompute(model, "full")
-    twin = copy.deepcopy(model)  # the per-instance forward rebinds to the copy
-    assert twin.layers[0].forward.__self__ is twin.layers[0]
+    twin = copy.deepcopy(model)  # the mode is data on the block: a copy keeps it
+    assert all(b.recompute for b in twin.layers) and all(b.recompute for b in model.layers)
     set_recompute(model, "none")
-    assert all("forward" not in b.__dict__ for b in model.layers)
+    assert not any(b.recompute for b in model.layers)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # nothing rebound on an instance
     assert not any(getattr(m, "recompute_core", False) for m in model.modules())
     set_recompute(model, "selective")
     assert sum(getattr(m, "recompute_core", False) for m in model.modules()) >= 5
@@ -134,7 +96,7 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from remodel.models.recompute import set_recompute
-from tests.test_recompute import batch, build, step
+from tests.conftest import recompute_batch as batch, recompute_build as build, recompute_step as step
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 ids, am = batch(mask=True)
 loss0, g0 = step(build("nemotron"), ids, am)

@@ -222,8 +222,9 @@ def test_hooks_equal_direct_computation(name):
         hooked = model(batches[0])
         model(batches[1])
     scorer.detach()
-    assert torch.equal(plain, hooked)  # the recording expert copy computes exactly what the model does
-    assert all("expert" not in m.experts.__dict__ for m in model.moe_layers())  # detach restored the method
+    assert torch.equal(plain, hooked)  # the recording expert hook path computes exactly what the model does
+    assert all(not m.experts._expert_hooks for m in model.moe_layers())  # detach removed the expert hooks
+    assert all("expert" not in m.experts.__dict__ for m in model.moe_layers())  # nothing rebound
     assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
     got, want = scorer.result(), direct_scores(model, batches)
     n_e, F_e = cfg.n_routed_experts, cfg.moe_intermediate_size

@@ -1,9 +1,10 @@
 """Tensor, expert and data parallelism applied to a HybridLM from outside, over a DeviceMesh.
 
 The model definition (models/*.py) knows nothing of ranks (torchtitan's principle): `parallelize`
-replaces parameters by this rank's shards, sets the sharded mixers' local head counts, patches a few
-forwards with autograd-aware collectives and hands data parallelism to FSDP2. The same code runs on
-gloo/CPU and NCCL/GPU.
+replaces parameters by this rank's shards, sets the sharded mixers' local head counts, puts modules with
+autograd-aware collectives in place of a few (RowParallelLinear, VocabParallelEmbedding, ...), all as
+each layer kind's spec says (its tp_* fields), and hands data parallelism to FSDP2. No method is
+rebound on an instance. The same code runs on gloo/CPU and NCCL/GPU.
 
 Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
 replicated over 'tp'): each parameter is split along its first tensor-parallel axis of the layout
@@ -20,7 +21,8 @@ output `reduce_from_group` (all-reduce forward, identity backward). The DTensor 
 the piecewise Mamba in_proj split, so one mechanism (plain shards) serves every layer.
 
 Expert parallelism: E/ep experts per rank, tokens exchanged with uneven `all_to_all_single` (autograd
-version), dropless; router replicated. Folded over 'dp' (each rank routes its own micro-batch) or
+version), dropless; router replicated. The dispatch is models.moe.Experts' own; an ExpertExchange set
+as its `exchange` moves the rows. Folded over 'dp' (each rank routes its own micro-batch) or
 over 'tp' (the replicated tokens are split over the ranks first and gathered after).
 
 Data parallelism: FSDP2 `fully_shard` over 'dp' (per block, then the root); experts sharded by an
@@ -33,8 +35,6 @@ pipelines.training.vocab_parallel; each dp rank uses the mean over its own micro
 """
 from __future__ import annotations
 
-import functools
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +45,6 @@ from torch import nn
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed, used
 from remodel.models.layout import layer_params, tp_split
-from remodel.models.mlp import ffn
 
 from .collectives import (chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
                           reduce_from_group, scale_grad, split_rows)
@@ -103,33 +102,59 @@ def parallel_info(model) -> ParallelInfo:
     return getattr(model, "_parallel", None) or ParallelInfo()
 
 
-# ---- forwards patched onto sharded modules ----------------------------------------------------
+# ---- the modules tensor parallelism puts in place, and the experts' exchange ------------------------
 
-def _row_linear_forward(self, x, group):
-    y = reduce_from_group(F.linear(x, self.weight), group)
-    return y if self.bias is None else y + self.bias
+class RowParallelLinear(nn.Module):
+    """A Linear over this rank's share of the input features: the partial products are summed over the
+    group (all-reduce forward, identity backward), then the bias is added once."""
 
+    def __init__(self, linear: nn.Module, group):
+        super().__init__()
+        self.weight, self.bias, self.group = linear.weight, linear.bias, group
 
-def _rmsnorm_shared_weight_forward(self, x, group):
-    """RMSNorm whose weight serves only this rank's heads (q_norm/k_norm): its gradient is summed."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-    return (copy_to_group(self.weight, group).float() * x).to(dtype)
-
-
-def _vocab_embedding_forward(self, ids, group, start):
-    n = self.weight.shape[0]
-    local = ids - start
-    inside = (local >= 0) & (local < n)
-    e = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
-    e = e.masked_fill(~inside[..., None], 0.0)
-    return reduce_from_group(e, group)
+    def forward(self, x):
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
-def _vocab_logits(h, model, group):
-    w = model.embeddings.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(copy_to_group(h, group), w)
+class SharedWeightRMSNorm(nn.Module):
+    """An RMSNorm whose weight serves only this rank's heads (q_norm / k_norm): its gradient is summed."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (copy_to_group(self.weight, self.group).float() * x).to(dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + n) of the embedding: out-of-shard ids give zeros, then all-reduce."""
+
+    def __init__(self, emb: nn.Module, group, start: int):
+        super().__init__()
+        self.weight, self.group, self.start = emb.weight, group, start
+
+    def forward(self, ids):
+        n = self.weight.shape[0]
+        local = ids - self.start
+        inside = (local >= 0) & (local < n)
+        e = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        return reduce_from_group(e.masked_fill(~inside[..., None], 0.0), self.group)
+
+
+class CopyToGroup(nn.Module):
+    """Enters the tensor-parallel region: identity forward, gradient all-reduced in backward."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return copy_to_group(x, self.group)
 
 
 def _copy_input_hook(group):
@@ -138,42 +163,51 @@ def _copy_input_hook(group):
     return hook
 
 
-def _ep_experts_forward(self, x, weights, idx, group, n_experts, tokens_replicated, grad_scale):
-    """Dropless expert-parallel Experts.forward: same arithmetic and summation order per token as
-    models.moe.Experts.forward, experts e in [rank*El, (rank+1)*El) computed on this rank."""
-    T_all = x.shape[0]
-    if tokens_replicated:
-        _, a, b = chunk_bounds(T_all, group_size(group), group_rank(group))
-        x, weights, idx = split_rows(x, group), split_rows(weights, group), idx[a:b]
-    n, El = group_size(group), self.up_proj.shape[0]
-    T, k = idx.shape
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
-    send = torch.bincount(flat, minlength=n_experts).view(n, El)  # rows for (dest rank, its expert)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[src, local expert]
-    send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    token = order // k
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-    xr = all_to_all_single_autograd(x[token].contiguous(), recv_splits, send_splits, group)
-    local_e = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(n), recv.reshape(-1))
-    perm = local_e.argsort(stable=True)
-    xe = xr[perm]
-    scale = (lambda p: p) if grad_scale == 1.0 else (lambda p: scale_grad(p, grad_scale))
-    up, down = scale(self.up_proj), scale(self.down_proj)
-    gate = None if self.gate_proj is None else scale(self.gate_proj)
-    ys, start = [], 0
-    for e, m in enumerate(recv.sum(0).tolist()):  # every local expert runs, even on 0 rows, so that
-        xi = xe[start:start + m]                  # every rank's backward meets the same collectives
-        ys.append(ffn(xi, up[e], None if gate is None else gate[e], down[e], self.act)[1])
-        start += m
-    ye = torch.cat(ys)
-    yr = torch.empty_like(ye).index_copy(0, perm, ye)  # back to arrival order
-    yb = all_to_all_single_autograd(yr.contiguous(), send_splits, recv_splits, group)
-    w = weights.reshape(-1)[order]
-    out = torch.zeros(T, yb.shape[-1], dtype=torch.float32, device=x.device)
-    out = out.index_add(0, token, (yb * w[:, None]).float()).to(x.dtype)
-    return gather_rows(out, group, T_all) if tokens_replicated else out
+class ExpertExchange:
+    """Expert parallelism as the exchange of models.moe.Experts' one dispatch (the arithmetic stays
+    there): tokens replicated over the group (EP folded over tp) are split first and gathered after; the
+    sorted rows go to the rank holding their expert and back with uneven all_to_all (autograd); the
+    experts' gradients are scaled by grad_scale (EP folded over dp: FSDP's mean)."""
+
+    def __init__(self, group, n_experts: int, tokens_replicated: bool, grad_scale: float):
+        self.group, self.n_experts, self.replicated, self.grad_scale = group, n_experts, tokens_replicated, grad_scale
+        self.n = group_size(group)
+
+    def enter(self, x, weights, idx):
+        T_all = x.shape[0]
+        if self.replicated:
+            _, a, b = chunk_bounds(T_all, self.n, group_rank(self.group))
+            x, weights, idx = split_rows(x, self.group), split_rows(weights, self.group), idx[a:b]
+        return x, weights, idx, T_all
+
+    def weights(self, w: tuple) -> tuple:
+        if self.grad_scale == 1.0:
+            return w
+        return tuple(None if p is None else scale_grad(p, self.grad_scale) for p in w)
+
+    def dispatch(self, rows, counts):
+        """rows sorted by global expert, counts [E] -> (the rows this rank's experts get, sorted by local
+        expert; their counts; what combine needs)."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        n, El = self.n, self.n_experts // self.n
+        send = counts.view(n, El)  # rows for (dest rank, its expert)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[src, local expert]
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        xr = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group)
+        local_e = torch.repeat_interleave(torch.arange(El, device=rows.device).repeat(n), recv.reshape(-1))
+        perm = local_e.argsort(stable=True)
+        return xr[perm], recv.sum(0).tolist(), (perm, send_splits, recv_splits)
+
+    def combine(self, y, back):
+        """The local experts' outputs back to the ranks and order their rows came from."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        perm, send_splits, recv_splits = back
+        yr = torch.empty_like(y).index_copy(0, perm, y)  # back to arrival order
+        return all_to_all_single_autograd(yr.contiguous(), send_splits, recv_splits, self.group)
+
+    def leave(self, out, T_all: int):
+        return gather_rows(out, self.group, T_all) if self.replicated else out
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -224,8 +258,13 @@ def tp_shard_layer(mixer, kind, cfg, prefix, specs, rank, n):
             _shard_param(module, attr, prefix + (path + "." if path else ""), specs, *split, rank, n)
 
 
-def _row_parallel(linear, group):
-    linear.forward = functools.partial(types.MethodType(_row_linear_forward, linear), group=group)
+def _swap(mixer, path: str, make):
+    """Put make(old) in place of the submodule at `path` (parameter names unchanged); None: absent."""
+    owner, _, leaf = path.rpartition(".")
+    parent = _sub(mixer, owner)
+    old = None if parent is None else getattr(parent, leaf, None)
+    if old is not None:
+        setattr(parent, leaf, make(old))
 
 
 def _sub(mixer, path: str):
@@ -242,11 +281,9 @@ def tp_forward(mixer, kind, group, n):
     """The kind's tensor-parallel plan (its spec's tp_* fields) on one layer's sharded mixer: row-parallel
     outputs all-reduced, norms of shared weight, the rank's share of the head counts, the parallel region's entry."""
     for path in kind.tp_row:
-        if (m := _sub(mixer, path)) is not None:
-            _row_parallel(m, group)
+        _swap(mixer, path, lambda m: RowParallelLinear(m, group))
     for path in kind.tp_shared_norms:
-        if (m := _sub(mixer, path)) is not None:
-            m.forward = functools.partial(types.MethodType(_rmsnorm_shared_weight_forward, m), group=group)
+        _swap(mixer, path, lambda m: SharedWeightRMSNorm(m, group))
     if kind.tp_local:
         cfg = mixer.cfg
         mixer.cfg = cfg.replace(**{f: getattr(cfg, f) // n for f in kind.tp_local})
@@ -268,9 +305,7 @@ def _ep_experts(experts, prefix, specs, group, n_experts, tokens_replicated, gra
     rank, n = group_rank(group), group_size(group)
     for attr in ("up_proj", "gate_proj", "down_proj"):
         _shard_param(experts, attr, prefix, specs, 0, [n_experts], rank, n, kind="ep")
-    experts.forward = functools.partial(types.MethodType(_ep_experts_forward, experts), group=group,
-                                        n_experts=n_experts, tokens_replicated=tokens_replicated,
-                                        grad_scale=grad_scale)
+    experts.exchange = ExpertExchange(group, n_experts, tokens_replicated, grad_scale)
 
 
 def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = None, dp_dim: str | None = None):
@@ -293,11 +328,10 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         r = group_rank(tp_group)
         V = cfg.vocab_size
         _shard_param(model.embeddings, "weight", "embeddings.", specs, 0, [V], r, tp)
-        model.embeddings.forward = functools.partial(
-            types.MethodType(_vocab_embedding_forward, model.embeddings), group=tp_group, start=r * V // tp)
+        model.embeddings = VocabParallelEmbedding(model.embeddings, tp_group, r * V // tp)
         if model.lm_head is not None:
             _shard_param(model.lm_head, "weight", "lm_head.", specs, 0, [V], r, tp)
-        model.logits = functools.partial(_vocab_logits, model=model, group=tp_group)
+        model.logit_input = CopyToGroup(tp_group)
         _tp_layers(model, cfg, specs, tp_group, r, tp)
 
     expert_params = set()
