@@ -249,7 +249,7 @@ def test_tokenize_workers_die_with_a_killed_parent(tmp_path):
         assert p.poll() is None and len(kids) >= 2, "tokenize ended before its workers started"
         time.sleep(0.5)  # the workers are at work on their first batches
         kids = sorted(set(kids) | {(c.pid, c.create_time()) for c in psutil.Process(p.pid).children(recursive=True)})
-        assert len(kids) >= 3  # two map workers and the Manager of datasets' progress queue
+        assert len(kids) >= 2  # the two tokenizing workers (the streaming tokenize starts no Manager)
         p.send_signal(signal.SIGKILL)
         p.wait()
         t0 = time.time()

@@ -52,12 +52,18 @@ def embedded_tokenizer_path() -> Path:
 
 @contextlib.contextmanager
 def _open(path: Path):
-    """Text file (gunzipped for .gz) as UTF-8; a file that is not UTF-8, a truncated or fake .gz, or an
-    unreadable file raises a one-line RemodelError naming it, also when the error comes while reading."""
+    """Text file (gunzipped for .gz) as UTF-8, under text_errors."""
+    with text_errors(path), (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else
+                             open(path, encoding="utf-8")) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def text_errors(path: Path):
+    """A file that is not UTF-8, a truncated or fake .gz, or an unreadable file raises a one-line
+    RemodelError naming it, also when the error comes while reading."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else \
-                open(path, encoding="utf-8") as f:
-            yield f
+        yield
     except UnicodeDecodeError as e:
         raise RemodelError(f"{path}: not UTF-8 text ({e.reason}, byte 0x{e.object[e.start]:02x}); "
                            "convert it to UTF-8 first") from None

@@ -14,26 +14,26 @@ memory grow with the corpus; with preads it holds only the batches in flight.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
-from tqdm.auto import tqdm
 
 from remodel.models.checkpoint import atomic_output_dir
 from remodel.models.files import open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
-from .data import DOC_SPLITS, load_texts
-from ..distributed.runtime import ChildrenDieWithUs, die_with_parent, load_tokenizer
+from . import shards, stream
+from .data import DOC_SPLITS
+from ..distributed.runtime import load_tokenizer
 
 FORMAT, VERSION = "remodel-tokens", 1
-SHARD_DOCS = 1 << 16  # documents tokenized per datasets.map call: bounds the memory of the map's output
 BLEND_PERIOD = 1 << 16  # blend weights are quantized to 1/65536; the dataset pattern repeats with this period
 MAX_BLEND = 128  # token sets in one blend (each costs a BLEND_PERIOD-long int64 prefix row, 512 KiB)
 META_MAX_BYTES = 1 << 20  # a meta.json larger than this is refused unread
@@ -59,97 +59,78 @@ def tokenizer_hash(tok) -> str:
     return h.hexdigest()
 
 
-def _source_stat(path: Path) -> dict:
-    """Path, total size and newest mtime of a data file or folder (what the cache key depends on)."""
-    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+def _source_stat(path: Path, files=None) -> dict:
+    """Path, total size and newest mtime of a data file or folder, or of the `files` a glob matched (what
+    the cache key depends on)."""
+    files = files if files is not None else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     stats = [f.stat() for f in files]
-    return {"path": str(path.resolve()), "size": sum(s.st_size for s in stats),
+    return {"path": str(path.resolve() if path.exists() else path), "size": sum(s.st_size for s in stats),
             "mtime_ns": max((s.st_mtime_ns for s in stats), default=0), "files": len(files)}
 
 
-def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite):
+def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite, glob: bool = False):
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise RemodelError(f"num_proc must be a positive integer, got {num_proc!r}")
     if doc_split not in DOC_SPLITS:
         raise RemodelError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {doc_split!r}")
-    if not data.exists():
+    if not data.exists() and not glob:
         raise RemodelError(f"data not found: {data}")
     if out is not None and out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise RemodelError(f"{out}: output exists and is not empty (pass --overwrite to replace it)")
 
 
 def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
-             overwrite: bool = False) -> dict:
-    """Tokenize DATA (anything pipelines.data.data.load_texts reads) into the token set OUT, atomically.
-
-    `tokenizer` is a tokenizer or a model/tokenizer folder. Documents are tokenized by datasets.map with
-    `num_proc` processes, SHARD_DOCS at a time, and streamed to tokens.bin shard by shard. Returns meta.
-    """
+             overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS) -> dict:
+    """Tokenize DATA (what pipelines.data.data.load_texts reads, or a glob of such files) into the token
+    set OUT, atomically, streaming: see pipelines.data.shards. A killed run rerun with the same arguments
+    keeps its finished shards of about `shard_tokens` tokens (report["resumed_shards"]); the result is the
+    same bytes. Returns the report (meta and run figures)."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
-    _check_args(data, out, num_proc, doc_split, overwrite)
+    is_glob = not data.exists() and glob.has_magic(str(data))
+    _check_args(data, out, num_proc, doc_split, overwrite, glob=is_glob)
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise RemodelError(f"shard_tokens must be a positive integer (--shard-tokens), got {shard_tokens!r}")
+    files, kind = stream.inputs(data)
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if eos and tok.eos_token_id is None:
         raise RemodelError("the tokenizer has no eos token; tokenize with eos=False (--no-eos)")
     vocab = len(tok)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     t0 = time.perf_counter()
-    texts = load_texts(data, doc_split=doc_split)
-    inputs = [data] + ([Path(tokenizer)] if isinstance(tokenizer, (str, Path)) else [])
+    stream.check_inputs(files, kind, doc_split, data)
+    source = _source_stat(data, files if is_glob else None)
+    key = json.dumps([VERSION, source, tokenizer_hash(tok), doc_split, eos, dtype.name], sort_keys=True)
+    inputs = files + ([Path(tokenizer)] if isinstance(tokenizer, (str, Path)) else [])
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
-        n_tokens, fingerprint, max_id = _write_tokens(texts, tok, tmp, dtype, num_proc, eos)
-        if max_id >= vocab:
-            raise RemodelError(f"the tokenizer gave token id {max_id}, outside its own vocabulary ({vocab})")
+        work = shards.work_dir(out.absolute())
+        try:
+            with shards.locked_work(work, key) as done:
+                meter = stream.Meter()
+                docs = stream.documents(files, kind, doc_split, meter, data)
+                resumed = len(done)
+                done = shards.write_shards(docs, done, work, tok, [tok.eos_token_id] if eos else [], dtype,
+                                           num_proc, meter, source["size"], shard_tokens)
+                n_tokens, n_docs, fingerprint, max_id = shards.assemble(done, work, tmp, dtype)
+        except shards.WorkerDied:
+            raise  # the finished shards stay: a rerun resumes from them
+        except RemodelError:
+            shards.remove_work(work)  # bad data: nothing to resume
+            raise
+        if n_tokens == 0:
+            shards.remove_work(work)
+            raise RemodelError("the data gives no tokens")
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
-                "n_docs": len(texts), "vocab_size": vocab, "max_id": max_id, "eos": eos,
+                "n_docs": n_docs, "vocab_size": vocab, "max_id": max_id, "eos": eos,
                 "eos_id": tok.eos_token_id if eos else None,
                 "doc_split": doc_split, "tokenizer": {"name": str(getattr(tok, "name_or_path", "")),
                                                       "hash": tokenizer_hash(tok)},
-                "source": _source_stat(data), "fingerprint": fingerprint}
+                "source": source, "fingerprint": fingerprint}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        report = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc}
+        report = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc,
+                  "shards": len(done), "resumed_shards": resumed}
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    shards.remove_work(work)
     return report
-
-
-def _write_tokens(texts: datasets.Dataset, tok, folder: Path, dtype, num_proc: int, eos: bool):
-    """Stream the documents' tokens to tokens.bin and their offsets to docs.idx; (n_tokens, hash, max id)."""
-    tail = [tok.eos_token_id] if eos else []
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype.name))})
-    owner, guard = os.getpid(), ChildrenDieWithUs()
-
-    def encode(batch):
-        die_with_parent(owner)  # (a worker the after-fork hook missed, e.g. another start method)
-        return {"ids": [x + tail for x in tok(batch["text"], add_special_tokens=False)["input_ids"]]}
-
-    h, n_tokens, max_id = hashlib.blake2b(digest_size=16), 0, -1
-    was_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        with open(folder / "tokens.bin", "wb") as fb, open(folder / "docs.idx", "wb") as fi, \
-                tqdm(total=len(texts), desc="tokenize", unit="doc", dynamic_ncols=True) as bar:
-            np.zeros(1, np.int64).tofile(fi)
-            for start in range(0, len(texts), SHARD_DOCS):
-                part = texts.select(range(start, min(start + SHARD_DOCS, len(texts))))
-                ids = part.map(encode, batched=True, num_proc=min(num_proc, len(part)), features=features,
-                               remove_columns=part.column_names, keep_in_memory=True,
-                               new_fingerprint=f"remodel-tokens-{start}").data.column("ids")
-                for chunk in ids.chunks:
-                    flat = pc.list_flatten(chunk).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-                    lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
-                    max_id = max(max_id, int(flat.max())) if len(flat) else max_id
-                    raw = memoryview(np.ascontiguousarray(flat)).cast("B")
-                    fb.write(raw)
-                    h.update(raw)
-                    (n_tokens + np.cumsum(lengths)).tofile(fi)
-                    n_tokens += int(lengths.sum())
-                bar.update(len(part))
-    finally:
-        del guard
-        if was_on:
-            datasets.enable_progress_bars()
-    if n_tokens == 0:
-        raise RemodelError("the data gives no tokens")
-    return n_tokens, h.hexdigest(), max_id
 
 
 def cache_root() -> Path:
@@ -230,8 +211,8 @@ def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split:
 
     The cache entry (under cache_dir or `cache_root()`) is keyed by the source's path, size and mtime, the
     tokenizer's hash, doc_split and eos, so an edited corpus or another tokenizer is tokenized afresh.
-    Under several processes call it on one rank first (a concurrent writer that loses the race reuses
-    the winner's set).
+    Under several processes call it on one rank first; concurrent runs on one corpus (separate jobs)
+    wait for the one that tokenizes and reuse its set.
     """
     data = Path(data).expanduser()
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
@@ -245,12 +226,23 @@ def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split:
     out = Path(cache_dir).expanduser() if cache_dir else cache_root()
     out = out / hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
     if not is_token_set(out):
-        try:
-            tokenize(data, out, tok, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=out.exists())
-        except (RemodelError, OSError):
-            if not is_token_set(out):  # not another process's finished set: a real failure
-                raise
+        with _entry_lock(out):  # concurrent runs on one corpus: one tokenizes, the others wait and reuse it
+            if not is_token_set(out):
+                tokenize(data, out, tok, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=out.exists())
     return out
+
+
+@contextlib.contextmanager
+def _entry_lock(out: Path):
+    """An exclusive lock on the cache entry `out` (a `.NAME.lock` file beside it, kept: removing it would
+    let a waiter lock a file no newcomer sees)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.parent / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 # -- reading ---------------------------------------------------------------------------------------
