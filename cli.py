@@ -232,6 +232,8 @@ def _add_upcycle(sub):
 
 
 def _add_tokenize(sub):
+    from remodel.pipelines.data.shards import SHARD_TOKENS
+
     p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
@@ -242,6 +244,8 @@ def _add_tokenize(sub):
                    help="what a document of a .txt file is: each non-empty line (newlines dropped), each "
                         "blank-line separated paragraph, or the whole file (both keep newlines)")
     p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
+    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
+                   help="tokens per work shard (a killed run resumes from its finished shards)")
     _overwrite(p)
 
 
@@ -346,7 +350,7 @@ def _run_eval(a):
 def _run_tokenize(a):
     from remodel.pipelines.data.tokens import tokenize
     return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
-                    overwrite=a.overwrite)
+                    overwrite=a.overwrite, shard_tokens=a.shard_tokens)
 
 
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
@@ -393,7 +397,7 @@ def _options():
         "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(1, 2**24), "batch": ints(1, 2**20),
         "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
         "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
-        "candidates": ints(1, 1000), "num_proc": ints(1, 1024),
+        "candidates": ints(1, 1000), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
         "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
         "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
         "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16),

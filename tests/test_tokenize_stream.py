@@ -202,6 +202,20 @@ def test_a_killed_worker_fails_in_one_line_and_the_rerun_resumes(tmp_path):
     assert full.returncode == 0 and same_bytes(out, tmp_path / "full")
 
 
+def test_cli_shard_tokens(tmp_path, inputs, capsys):
+    """--shard-tokens reaches tokenize (many shards, the same bytes) and is checked in one line naming it."""
+    from remodel import cli as C
+    data, tok_dir = inputs / "c.jsonl", str(embedded_tokenizer_path())
+    assert C.main(["tokenize", str(data), str(tmp_path / "a"), "--tokenizer", tok_dir]) == 0
+    assert C.main(["tokenize", str(data), str(tmp_path / "b"), "--tokenizer", tok_dir, "--shard-tokens", "5000"]) == 0
+    reports = [json.loads((tmp_path / x / "remodel_report.json").read_text()) for x in "ab"]
+    assert reports[0]["shards"] == 1 < reports[1]["shards"] and same_bytes(tmp_path / "a", tmp_path / "b")
+    capsys.readouterr()
+    assert C.main(["tokenize", str(data), str(tmp_path / "c"), "--tokenizer", tok_dir, "--shard-tokens", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shard-tokens" in err[0] and not (tmp_path / "c").exists()
+
+
 def test_concurrent_runs_on_one_corpus_share_one_tokenization(tmp_path):
     """Two jobs started together on the same text (the cached token set not there yet): one tokenizes, the
     other waits for it and reuses the set; both succeed with the same path (a race once removed the
