@@ -58,6 +58,17 @@ class Router(nn.Module):
         return logits, w * cfg.routed_scaling_factor, idx
 
 
+GROUPED = hasattr(F, "grouped_mm")  # the grouped expert path (the loop where it is off or the shapes refuse)
+
+
+def grouped_ok(rows, ffn: int) -> bool:
+    """Whether F.grouped_mm takes these rows and expert width: rows of 16-byte multiples on both sides of
+    the experts (the kernel's stride rule), fp32 / bf16 on CPU, bf16 on CUDA."""
+    size = rows.element_size()
+    dtypes = (torch.bfloat16,) if rows.is_cuda else (torch.float32, torch.bfloat16)
+    return GROUPED and rows.dtype in dtypes and (rows.shape[-1] * size) % 16 == 0 and (ffn * size) % 16 == 0
+
+
 class Experts(nn.Module):
     """The routed experts, fused [E, ...] per projection, with one dropless dispatch. Expert parallelism
     plugs in as `exchange` (set from outside, pipelines.distributed.parallel.ExpertExchange): it moves
@@ -97,11 +108,15 @@ class Experts(nn.Module):
     def _act_down(self, down, h, gate=None):
         return F.linear(gated_act(self.act, h, gate), down)
 
-    def _run(self, rows, counts: list, every: bool):
-        """Every expert on its run of `rows` (sorted by expert, counts[e] each) -> outputs in the same order;
-        every: also the experts with no rows (an exchange needs each rank's backward to meet the same collectives)."""
+    def _run(self, rows, counts, every: bool):
+        """Every expert on its run of `rows` (sorted by expert, counts[e] each, a tensor) -> outputs in the same
+        order: one grouped matmul per projection where the shapes allow it (GROUPED), else a loop over the
+        experts (every: also the ones with no rows, so that each rank's backward meets the same collectives).
+        Scoring's expert hooks get each expert's activation and output from either path."""
+        if grouped_ok(rows, self.up_proj.shape[1]):
+            return self._grouped(rows, counts)
         w, ys = self.weights(), []
-        for e, xi in enumerate(rows.split(counts)):  # split, not slices: one cat in backward, no zero-filled grads
+        for e, xi in enumerate(rows.split(counts.tolist())):  # split, not slices: one cat in backward, no zero-filled grads
             if len(xi) or every:
                 if self._expert_hooks:  # scoring: the activation and output of each expert, recorded
                     h, y = ffn(xi, w[0][e], None if w[1] is None else w[1][e], w[2][e], self.act)
@@ -111,6 +126,25 @@ class Experts(nn.Module):
                     y = self.expert(e, xi, w)
                 ys.append(y)
         return torch.cat(ys) if ys else rows.new_zeros(0, rows.shape[-1])
+
+    def _grouped(self, rows, counts):
+        """The experts as grouped matmuls over the sorted rows (no host sync, no Python loop over experts)."""
+        up, gate, down = self.weights()
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.grouped_mm(rows, up.transpose(-2, -1), offs=offs)
+        g = None if gate is None else F.grouped_mm(rows, gate.transpose(-2, -1), offs=offs)
+        if not self._expert_hooks:
+            return maybe_checkpoint(self, self._act_down_grouped, down, offs, h, g)
+        a = gated_act(self.act, h, g)  # scoring: the same arithmetic, each expert's part recorded
+        y = F.grouped_mm(a, down.transpose(-2, -1), offs=offs)
+        sizes = counts.tolist()
+        for e, (ae, ye) in enumerate(zip(a.split(sizes), y.split(sizes))):
+            for hook in list(self._expert_hooks.values()) if len(ae) else ():
+                hook(self, e, ae, ye)
+        return y
+
+    def _act_down_grouped(self, down, offs, h, gate=None):
+        return F.grouped_mm(gated_act(self.act, h, gate), down.transpose(-2, -1), offs=offs)
 
     def forward(self, x, weights, idx):
         """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless; each token's terms are
@@ -125,7 +159,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.up_proj.shape[0] if ex is None else ex.n_experts)
         rows = x[token]
         if ex is None:
-            y = self._run(rows, counts.tolist(), every=False)
+            y = self._run(rows, counts, every=False)
         else:
             rows, local, back = ex.dispatch(rows, counts)
             y = ex.combine(self._run(rows, local, every=True), back)

@@ -197,7 +197,7 @@ class ExpertExchange:
         xr = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group)
         local_e = torch.repeat_interleave(torch.arange(El, device=rows.device).repeat(n), recv.reshape(-1))
         perm = local_e.argsort(stable=True)
-        return xr[perm], recv.sum(0).tolist(), (perm, send_splits, recv_splits)
+        return xr[perm], recv.sum(0), (perm, send_splits, recv_splits)
 
     def combine(self, y, back):
         """The local experts' outputs back to the ranks and order their rows came from."""
