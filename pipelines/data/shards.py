@@ -153,6 +153,7 @@ def encoded(parts, tok, tail, dtype, num_proc: int):
     pool = multiprocess.get_context("fork").Pool(num_proc, initializer=_init,
                                                  initargs=(tok, tail, dtype, guard.owner))
     workers = list(pool._pool)  # a Pool replaces a dead worker and waits forever for its lost batch
+    died = False
     try:
         pending = deque()
         for texts in parts:
@@ -161,10 +162,25 @@ def encoded(parts, tok, tail, dtype, num_proc: int):
                 yield _result(pending.popleft(), workers)
         while pending:
             yield _result(pending.popleft(), workers)
+    except WorkerDied:
+        died = True
+        raise
     finally:
-        pool.terminate()
-        pool.join()
+        if died:
+            _abandon(pool)
+        else:
+            pool.terminate()
+            pool.join()
         del guard
+
+
+def _abandon(pool):
+    """After a worker died: kill the others and drop the pool without terminate(), which would wait forever
+    for the queue lock a worker killed mid-read still holds (also at exit: its finalizer is cancelled)."""
+    for w in list(pool._pool):
+        if w.exitcode is None:
+            w.kill()
+    pool._terminate.cancel()
 
 
 class _Shard:
