@@ -137,6 +137,9 @@ class AttentionKind(LayerKind):
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         return {"kv_cache": 2 * batch * seq_len * w["kv_heads"] * w["head_dim"] * kv_bytes}
 
+    def mixing_flops(self, cfg, seq_len):
+        return 4 * seq_len * cfg.num_attention_heads * cfg.head_dim  # scores and values, no causal discount
+
     def sites(self, cfg):
         return (Site("attn", "o_proj", "input"),)
 

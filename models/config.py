@@ -101,14 +101,6 @@ class ModelConfig:
         return self.mamba_num_heads * self.mamba_head_dim
 
     @property
-    def mamba_conv_dim(self) -> int:
-        return self.mamba_inner + 2 * self.n_groups * self.ssm_state_size
-
-    @property
-    def mamba_in_proj_size(self) -> int:
-        return 2 * self.mamba_inner + 2 * self.n_groups * self.ssm_state_size + self.mamba_num_heads
-
-    @property
     def moe_input_size(self) -> int:
         return self.moe_latent_size or self.hidden_size
 

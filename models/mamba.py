@@ -203,7 +203,8 @@ class MambaKind(LayerKind):
     def summary(self, cfg):
         return {"mamba_num_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim, "n_groups": cfg.n_groups,
                 "ssm_state_size": cfg.ssm_state_size, "conv_kernel": cfg.conv_kernel, "mamba_inner": cfg.mamba_inner,
-                "mamba_conv_dim": cfg.mamba_conv_dim, "mamba_in_proj_size": cfg.mamba_in_proj_size}
+                "mamba_conv_dim": self.axis_size(cfg, "mamba_conv"),
+                "mamba_in_proj_size": self.axis_size(cfg, "mamba_in_proj")}
 
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps conv_kernel columns of the conv channels; the SSM state does not grow with seq_len."""

@@ -224,8 +224,8 @@ class MoEKind(LayerKind):
                 "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
                 "moe_latent_size": cfg.moe_latent_size, "router": cfg.router}
 
-    def buffer_bytes(self, cfg, w):
-        return 4 * w["experts"] if cfg.router == "sigmoid" else 0  # e_score_correction_bias, fp32
+    def buffer_elements(self, cfg, w):
+        return w["experts"] if cfg.router == "sigmoid" else 0  # e_score_correction_bias, fp32
 
     def keep(self, cfg, score, t, p):
         keep, E = {}, cfg.n_routed_experts

@@ -72,7 +72,7 @@ def closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
     n = {k.name: count(cfg, k) for k in KINDS.values()}
     out = {k.name: n[k.name] * one[k.name] for k in KINDS.values()}
     out.update(embeddings=V * H, norms=(cfg.num_layers + 1) * H, lm_head=0 if cfg.tie_word_embeddings else V * H,
-               buffers=sum(n[k.name] * k.buffer_bytes(cfg, d) // 4 for k in KINDS.values()),
+               buffers=sum(n[k.name] * k.buffer_elements(cfg, d) for k in KINDS.values()),
                routed=sum(n[k.name] for k in KINDS.values() if k.routed) * one["routed"])
     return out
 

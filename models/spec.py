@@ -171,8 +171,12 @@ class LayerKind:
         """{cache name: bytes} of one layer's inference cache at widths w."""
         return {}
 
-    def buffer_bytes(self, cfg, w: dict) -> int:
-        """Bytes of the fp32 buffers one layer stores (not parameters)."""
+    def buffer_elements(self, cfg, w: dict) -> int:
+        """Elements of the fp32 buffers one layer stores (not parameters)."""
+        return 0
+
+    def mixing_flops(self, cfg, seq_len: int) -> int:
+        """Forward FLOPs per token beyond its parameters' matmuls (attention: scores and values)."""
         return 0
 
     # ---- compression ----------------------------------------------------------------------

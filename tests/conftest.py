@@ -141,6 +141,15 @@ def randomise(model, seed=0):
     return model
 
 
+def tensors(d):
+    """Every tensor of a safetensors checkpoint directory (sharded or not)."""
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 # the recomputation tests' models (also run in a child process by test_recompute's FSDP2 script)
 RV, RB, RL = 128, 2, 96
 _RBASE = dict(vocab_size=RV, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from remodel import cli
@@ -16,7 +15,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.hf import check_exportable, weight_table
 from remodel.models.load import load_model, save_model
-from tests.conftest import randomise
+from tests.conftest import randomise, tensors
 
 V, B, L = 128, 2, 37
 BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
@@ -97,13 +96,6 @@ def test_left_padding(case, root):
     keep = mask.bool()
     assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
     assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3  # the mask changes something
-
-
-def tensors(d):
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -91,10 +91,14 @@ PATTERN_CHARS = set("M*-E")
 
 
 def _tests_pattern(node) -> bool:
-    """A comparison against a pattern character, or a membership test of one (`"E" in cfg.pattern`)."""
-    if not isinstance(node, ast.Compare):
+    """A comparison against a pattern character, a membership test of one (`"E" in cfg.pattern`), or a
+    count of one (`cfg.count("*")`)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count":
+        consts = [a.value for a in node.args if isinstance(a, ast.Constant)]
+    elif isinstance(node, ast.Compare):
+        consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+    else:
         return False
-    consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
     return any(isinstance(v, str) and v and set(v) <= PATTERN_CHARS for v in consts)
 
 

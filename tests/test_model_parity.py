@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from remodel.models.config import ModelConfig
 from remodel.models.hf import weight_table
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
-from tests.conftest import randomise
+from tests.conftest import randomise, tensors
 
 V, B, L = 96, 2, 37
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -139,13 +138,6 @@ def test_left_padding(case, root):
     with torch.no_grad():
         plain = ours(ids)
     assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3
-
-
-def tensors(d):
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -30,9 +30,8 @@ def matmul_params(model) -> int:
 def forward_flops_per_token(model, seq_len: int) -> float:
     """2 * matmul params + attention scores/values (4 * seq * heads * head_dim per attention layer,
     no causal discount); the Mamba scan and elementwise work are not counted."""
-    cfg = model.cfg
-    attn = cfg.count("*") * 4 * seq_len * cfg.num_attention_heads * cfg.head_dim
-    return 2.0 * matmul_params(model) + attn
+    from remodel.models.kinds import layer_kinds
+    return 2.0 * matmul_params(model) + sum(k.mixing_flops(model.cfg, seq_len) for k in layer_kinds(model.cfg))
 
 
 _PEAK: dict = {}
