@@ -94,7 +94,7 @@ class Attention(nn.Module):
             if cos.dim() == 3:  # per-batch positions
                 cos, sin = cos[:, None], sin[:, None]
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        gqa = cfg.num_attention_heads != cfg.num_key_value_heads
+        gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
         window = cfg.sliding_window is not None and l > cfg.sliding_window
         if attention_mask is None and not window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -171,5 +171,5 @@ ATTENTION = AttentionKind(
     units={"attn_heads": "num_attention_heads"}, products={"attn_q": ("attn_heads", "head_dim")},
     scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
     tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
-    tp_row=("o_proj",), tp_entry="", tp_local=("num_attention_heads", "num_key_value_heads"),
+    tp_row=("o_proj",), tp_entry="",
     tp_shared_norms=("q_norm", "k_norm"))

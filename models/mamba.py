@@ -108,12 +108,17 @@ def init_a_log(p: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """y * silu(z), then RMS-normalised within each of `groups` groups, times weight."""
+    """y * silu(z), then RMS-normalised within each of `groups` groups, times weight. It keeps the group
+    width, so a tensor-parallel shard of the weight (whole groups) reads its own group count from its shape."""
 
     def __init__(self, size: int, groups: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps = size // groups, eps
+
+    @property
+    def groups(self) -> int:
+        return self.weight.shape[0] // self.group_size
 
     def forward(self, y, z):
         return gated_rms_norm(y, z, self.weight, self.groups, self.eps)
@@ -145,30 +150,33 @@ class Mamba2Mixer(nn.Module):
             u = u * attention_mask[:, :, None].to(u.dtype)
         proj = self.in_proj(u)
         if b == 0 or l == 0:  # nothing to scan (the blocked kernels cannot view an empty tensor)
-            return self.out_proj(proj.new_zeros(b, l, self.cfg.mamba_inner))
+            return self.out_proj(proj.new_zeros(b, l, self.norm.weight.shape[0]))
         A = -torch.exp(self.A_log.float())
         core = self._core if _on_gpu(u) else self._fused_core
         return self.out_proj(maybe_checkpoint(self, core, proj, A, attention_mask).to(u.dtype))
 
-    def _spans(self):
-        """The spec's column slices under the current cfg (`layout_spans`), recomputed when the cfg
-        object changes (tensor parallelism swaps in one rank's)."""
-        if self.__dict__.get("_spans_cfg") is not self.cfg:
-            self._spans_cfg, self._spans_val = self.cfg, layout_spans(self.cfg)
-        return self._spans_val
+    def _local(self):
+        """(cfg with the head and group counts this mixer's parameters hold, the spec's column slices of its
+        in_proj output): read from the shapes, so a tensor-parallel rank's shards give that rank's counts."""
+        nh, rows = self.dt_bias.shape[0], self.in_proj.weight.shape[0]
+        if self.__dict__.get("_local_key") != (nh, rows):
+            cfg = self.cfg
+            groups = (rows - nh * (2 * cfg.mamba_head_dim + 1)) // (2 * cfg.ssm_state_size)
+            local = cfg.replace(mamba_num_heads=nh, n_groups=groups)
+            self._local_key, self._local_val = (nh, rows), (local, layout_spans(local))
+        return self._local_val
 
     def _fused_core(self, proj, A, attention_mask):
         """CPU: conv + dt + scan as one cache-blocked kernel, then the gated norm (in_proj output ->
         out_proj input)."""
         mask = attention_mask.to(compute_dtype(proj)) if attention_mask is not None else None
-        y, z = mamba_core(proj, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, mask, self.cfg,
-                          self._spans())
+        y, z = mamba_core(proj, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, mask, *self._local())
         return self.norm(y, z)
 
     def _core(self, proj, A, attention_mask):
         """CUDA: conv, dt, scan and gated norm as whole-tensor ops, each through its GPU kernel when one is
         installed (in_proj output -> out_proj input)."""
-        cfg, sp, k = self.cfg, self._spans(), _kernels()
+        (cfg, sp), k = self._local(), _kernels()
         conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d, k.conv)
         if attention_mask is not None:
             conv_out = conv_out * attention_mask[:, :, None].to(conv_out.dtype)
@@ -263,7 +271,7 @@ MAMBA = MambaKind(
     products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
     widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
-    tp_row=("out_proj",), tp_entry="", tp_local=("mamba_num_heads", "n_groups"), tp_local_attrs={"norm.groups": "n_groups"})
+    tp_row=("out_proj",), tp_entry="")
 
 
 def layout_spans(cfg) -> Spans:

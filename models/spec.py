@@ -128,8 +128,6 @@ class LayerKind:
     # {submodule.attr: field} set to the rank's share too, norms whose weight is shared by the ranks
     tp_row: tuple = ()
     tp_entry: str | None = None
-    tp_local: tuple = ()
-    tp_local_attrs: dict = field(default_factory=dict)
     tp_shared_norms: tuple = ()
     color: str = "tab:gray"  # in the per-layer figures
 

@@ -97,16 +97,33 @@ IDS = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1))
 
 
 @torch.no_grad()
-def random_model(cfg, seed=0, bias=0.3):
-    """Random weights; norm gains away from 1 and a non-trivial correction bias (sigmoid routers)."""
-    model = init_weights(HybridLM(cfg), std=0.15, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
+def random_model(cfg, seed=0, bias=0.3, std=0.15, gain=0.3, final_norm=False, d_std=None, mtp=False, noise_seed=None):
+    """The one random tiny HybridLM of the tests: weights N(0, std); norm gains N(1, gain) (the final norm's
+    too with final_norm), Mamba's D N(0, d_std) when given, and a N(0, bias) routing correction bias (sigmoid
+    routers; the MTP head's too with mtp), drawn from one generator seeded noise_seed (default seed + 100)."""
+    model = init_weights(HybridLM(cfg), std=std, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100 if noise_seed is None else noise_seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    for m in model.moe_layers() if cfg.router == "sigmoid" else []:
+        if name.endswith("norm.weight") or (final_norm and name.endswith("norm_f.weight")):
+            p.copy_(1 + gain * torch.randn(p.shape, generator=g))
+        elif d_std is not None and name.endswith(".D"):
+            p.copy_(d_std * torch.randn(p.shape, generator=g))
+    moes = model.moe_layers() + ([b.mixer for b in model.mtp.layers if b.spec.routed] if mtp and cfg.mtp_layers else [])
+    for m in moes if cfg.router == "sigmoid" else []:
         m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.n_routed_experts, generator=g))
     return model.eval()
+
+
+def write_checkpoint(model, path, tokenizer=True, **save_kw):
+    """Save `model` as a HF checkpoint at `path` with the embedded test tokenizer's files beside it."""
+    import shutil
+
+    from remodel.models.load import save_model
+    from remodel.pipelines.data.data import embedded_tokenizer_path
+    save_model(model, path, **save_kw)
+    for f in embedded_tokenizer_path().iterdir() if tokenizer else []:
+        shutil.copy(f, Path(path) / f.name)
+    return Path(path)
 
 
 
@@ -364,3 +381,24 @@ def pytest_collection_modifyitems(session, config, items):
     if stale:
         raise pytest.UsageError("tests/conftest.py MARKS names tests that were not collected (renamed or "
                                 "removed? update the table): " + ", ".join(stale))
+
+
+_HF_BUILT = {}
+
+
+def hf_pair(model_type, root, name, seed, **hf_config):
+    """(a transformers `model_type` model from hf_config with randomised weights (fp32, eval), ours loaded
+    from its save_pretrained, the checkpoint dir), built once per (root, name): the one builder of the
+    per-family parity tests (transformers is the oracle)."""
+    key = (str(root), name)
+    if key not in _HF_BUILT:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from remodel.models.load import load_model
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **hf_config)).float().eval()
+        randomise(hf, seed=seed)
+        d = Path(root) / name
+        hf.save_pretrained(d)
+        _HF_BUILT[key] = hf, load_model(d), d
+    return _HF_BUILT[key]

@@ -3,19 +3,18 @@ BambaForCausalLM mixing Mamba-2 and attention decoder layers is saved, loaded by
 logit for logit and gradient for gradient (with and without left padding), exported back bit for bit,
 loaded again by transformers, and inspected through the CLI."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.hf import check_exportable, weight_table
-from remodel.models.load import load_model, save_model
-from tests.conftest import randomise, tensors
+from remodel.models.load import save_model
+from tests.conftest import hf_pair, tensors
 
 V, B, L = 128, 2, 37
 BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
@@ -29,7 +28,6 @@ CASES = {
                         mamba_conv_bias=False, tie_word_embeddings=True, head_dim=24, time_step_limit=(0.01, 5.0),
                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
 }
-_BUILT = {}
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +36,8 @@ def root(tmp_path_factory):
 
 
 def build(case, root):
-    """-> (transformers model, our model, checkpoint dir), cached per case for the module."""
-    if case not in _BUILT:
-        torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("bamba", **CASES[case])).float().eval()
-        randomise(hf, seed=len(case))
-        d = Path(root) / case
-        hf.save_pretrained(d)
-        _BUILT[case] = hf, load_model(d), d
-    return _BUILT[case]
+    """-> (transformers model, our model, checkpoint dir), built once per case (tests/conftest.hf_pair)."""
+    return hf_pair("bamba", root, case, len(case), **CASES[case])
 
 
 def ids(seed=0):

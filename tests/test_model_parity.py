@@ -6,18 +6,17 @@ gradient of every parameter. Round trips write the model back with `save_model` 
 every tensor bit for bit, then load the export in transformers (no trust_remote_code).
 """
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from remodel.models.config import ModelConfig
 from remodel.models.hf import weight_table
-from remodel.models.load import load_model, save_model
+from remodel.models.load import save_model
 from remodel.models.model import HybridLM, init_weights
-from tests.conftest import randomise, tensors
+from tests.conftest import hf_pair, randomise, tensors
 
 V, B, L = 96, 2, 37
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -46,20 +45,10 @@ CASES = {
 }
 
 
-_BUILT = {}
-
-
 def build(case, root):
-    """-> (hf model, our model, checkpoint dir, family), cached per case for the module."""
-    if case not in _BUILT:
-        family, kw = CASES[case]
-        torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=V, **kw)).float().eval()
-        randomise(hf, seed=len(case))
-        d = Path(root) / case
-        hf.save_pretrained(d)
-        _BUILT[case] = hf, load_model(d), d, family
-    return _BUILT[case]
+    """-> (hf model, our model, checkpoint dir, family), built once per case (tests/conftest.hf_pair)."""
+    family, kw = CASES[case]
+    return (*hf_pair(family, root, case, len(case), vocab_size=V, **kw), family)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from remodel.compress.scores import save_scores
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf, config_to_hf, our_shapes
 from remodel.models.load import load_model, read_config_dict, save_model
-from remodel.models.model import HybridLM, init_weights
+from remodel.models.model import HybridLM
 from remodel.models.params import count_params
 from remodel.pipelines.commands.inspection import format_inspect, inspect
+from tests.conftest import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
@@ -43,16 +44,8 @@ def one_thread():
 
 @torch.no_grad()
 def make_model(cfg=CFG, seed=0):
-    """Random weights, norm gains away from 1 and a non-trivial router correction bias."""
-    model = init_weights(HybridLM(cfg), std=0.15, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    for b in list(model.layers) + (list(model.mtp.layers) if cfg.mtp_layers else []):
-        if b.kind == "E":
-            b.mixer.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts, generator=g))
-    return model.eval()
+    """Random weights, norm gains away from 1 and a non-trivial router correction bias (MTP head's too)."""
+    return random_model(cfg, seed, mtp=True)
 
 
 @torch.no_grad()

@@ -162,7 +162,10 @@ def test_sharding_plan_world8():
                           2 * Im + torch.arange(r * N, (r + 1) * N), 2 * Im + GN + torch.arange(r * N, (r + 1) * N),
                           2 * Im + 2 * GN + torch.arange(r * nh // 8, (r + 1) * nh // 8)])
         assert torch.equal(local["layers.0.mixer.in_proj.weight"], fsd["layers.0.mixer.in_proj.weight"][rows])
-        assert model.layers[0].mixer.cfg.n_groups == 1 and model.layers[1].mixer.cfg.num_key_value_heads == 1
+        # the mixers read one group / one KV head from their shards' shapes; their config is the full one
+        assert model.layers[0].mixer._local()[0].n_groups == 1 and model.layers[0].mixer.norm.groups == 1
+        assert model.layers[1].mixer.k_proj.weight.shape[0] == cfg.head_dim
+        assert all(getattr(layer.mixer, "cfg", cfg) == cfg for layer in model.layers)
         assert local["layers.3.mixer.experts.up_proj"].shape[0] == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -18,8 +18,8 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_to_hf, our_shapes
 from remodel.models.load import iter_hf_tensors, load_model, save_model
-from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.commands.prune import prune
+from tests.conftest import random_model
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,16 +52,7 @@ ALL = {"nemotron_h": dict(hidden_size=24, ffn_size=29, attn_heads=4, mamba_heads
 @torch.no_grad()
 def make_model(cfg, seed=0):
     """Random weights large enough that every unit matters (norm gains, D, router bias not trivial)."""
-    model = init_weights(HybridLM(cfg), std=0.15, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-        elif name.endswith(".D"):
-            p.copy_(torch.randn(p.shape, generator=g))
-    for m in model.moe_layers() if cfg.router == "sigmoid" else []:
-        m.gate.e_score_correction_bias.copy_(0.05 * torch.randn(cfg.n_routed_experts, generator=g))
-    return model.eval()
+    return random_model(cfg, seed, bias=0.05, final_norm=True, d_std=1.0)
 
 
 def random_scores(cfg, seed=0):

@@ -20,9 +20,9 @@ from remodel.compress.scores import load_scores
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model, save_model
-from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.commands.prune import prune
 from remodel.pipelines.commands.score import score
+from tests.conftest import random_model
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "data" / "embedded"
@@ -42,12 +42,8 @@ def two_threads():
 
 @torch.no_grad()
 def make_model(cfg=CFG, seed=0):
-    m = init_weights(HybridLM(cfg), std=0.2, seed=seed).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    for name, p in m.named_parameters():
-        if name.endswith("norm.weight"):  # gains must show in the hidden scores
-            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return m
+    """Norm gains far from 1: they must show in the hidden scores."""
+    return random_model(cfg, seed, std=0.2, gain=0.5, noise_seed=seed + 1)
 
 
 def sq(t):

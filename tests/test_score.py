@@ -21,9 +21,10 @@ from remodel.models.errors import RemodelError
 from remodel.models.hf import config_to_hf, our_shapes, weight_table
 from remodel.models.load import load_model, save_model
 from remodel.models.mlp import ACT
-from remodel.models.model import HybridLM, init_weights
+from remodel.models.model import HybridLM
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from remodel.pipelines.commands.score import choose_mode, score
+from tests.conftest import random_model
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,16 +47,8 @@ def one_thread():
 
 
 def make_model(cfg, seed=0):
-    g = torch.Generator().manual_seed(seed + 100)
-    m = init_weights(HybridLM(cfg), std=0.2, seed=seed).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):  # gamma must show in the hidden scores
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-        for moe in m.moe_layers():
-            if hasattr(moe.gate, "e_score_correction_bias"):
-                moe.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts, generator=g))
-    return m
+    """Norm gains far from 1 (gamma must show in the hidden scores), a correction bias."""
+    return random_model(cfg, seed, std=0.2, gain=0.5)
 
 
 def rand_ids(cfg, b, l, seed):

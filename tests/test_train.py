@@ -19,15 +19,15 @@ from safetensors.torch import load_file
 
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
-from remodel.models.load import save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.training import losses as L
 from remodel.pipelines.training import train as T
 from remodel.pipelines.training import train_state as S
 from remodel.pipelines.training import trainer as TR
-from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from remodel.pipelines.data.data import embedded_corpus
 from remodel.pipelines.training.dcp_storage import read_metadata as read_dcp_metadata
 from remodel.pipelines.training.evaluate import evaluate
+from tests.conftest import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,10 +166,7 @@ def tiny(path, H, pattern, seed):
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=2 * H,
                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, chunk_size=16,
                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=H)
-    save_model(init_weights(HybridLM(cfg), seed=seed), path)
-    for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, Path(path) / f.name)
-    return Path(path)
+    return write_checkpoint(init_weights(HybridLM(cfg), seed=seed), path)
 
 
 @pytest.fixture(scope="module")

@@ -106,10 +106,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from remodel.models.config import ModelConfig  # noqa: E402
-from remodel.models.load import save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
 from remodel.pipelines.training import train as T  # noqa: E402
-from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
+from remodel.pipelines.data.data import embedded_corpus  # noqa: E402
 
 
 def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
@@ -124,9 +123,8 @@ def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
         with torch.no_grad():
             model.embeddings.weight.mul_(sharpen)
             model.norm_f.weight.fill_(1.0)
-    save_model(model, path)
-    for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, path / f.name)
+    from tests.conftest import write_checkpoint  # here: the torchrun workers (this file) never import the test config
+    write_checkpoint(model, path)
 
 
 def launch(d: Path, n: int, cases, timeout=300):

@@ -52,6 +52,10 @@ class StreamLinear(torch.nn.Module):
         super().__init__()
         self.w = self.b = None
 
+    @property
+    def weight(self) -> torch.Tensor:  # the mixers read their Linears' shapes (models.mamba's _local)
+        return self.w
+
     def forward(self, x):
         return linear_f32(x, self.w, self.b)
 

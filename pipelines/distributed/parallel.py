@@ -1,10 +1,11 @@
 """Tensor, expert and data parallelism applied to a HybridLM from outside, over a DeviceMesh.
 
 The model definition (models/*.py) knows nothing of ranks (torchtitan's principle): `parallelize`
-replaces parameters by this rank's shards, sets the sharded mixers' local head counts, puts modules with
-autograd-aware collectives in place of a few (RowParallelLinear, VocabParallelEmbedding, ...), all as
-each layer kind's spec says (its tp_* fields), and hands data parallelism to FSDP2. No method is
-rebound on an instance. The same code runs on gloo/CPU and NCCL/GPU.
+replaces parameters by this rank's shards (the mixers read their local head counts from the shapes),
+puts modules with autograd-aware collectives in place of a few (RowParallelLinear,
+VocabParallelEmbedding, ...), all as each layer kind's spec says (its tp_* fields), and hands data
+parallelism to FSDP2. No method is rebound on an instance and no module's config changes. The same
+code runs on gloo/CPU and NCCL/GPU.
 
 Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
 replicated over 'tp'): each parameter is split along its first tensor-parallel axis of the layout
@@ -279,17 +280,12 @@ def _sub(mixer, path: str):
 
 def tp_forward(mixer, kind, group, n):
     """The kind's tensor-parallel plan (its spec's tp_* fields) on one layer's sharded mixer: row-parallel
-    outputs all-reduced, norms of shared weight, the rank's share of the head counts, the parallel region's entry."""
+    outputs all-reduced, norms of shared weight, the parallel region's entry. The mixers read their local
+    head counts from their shards' shapes; nothing of their config changes."""
     for path in kind.tp_row:
         _swap(mixer, path, lambda m: RowParallelLinear(m, group))
     for path in kind.tp_shared_norms:
         _swap(mixer, path, lambda m: SharedWeightRMSNorm(m, group))
-    if kind.tp_local:
-        cfg = mixer.cfg
-        mixer.cfg = cfg.replace(**{f: getattr(cfg, f) // n for f in kind.tp_local})
-    for path, f in kind.tp_local_attrs.items():
-        owner, _, attr = path.rpartition(".")
-        setattr(_sub(mixer, owner), attr, getattr(mixer.cfg, f))
     if kind.tp_entry is not None and (m := _sub(mixer, kind.tp_entry)) is not None:
         m.register_forward_pre_hook(_copy_input_hook(group))
 
