@@ -227,7 +227,11 @@ def _add_upcycle(sub):
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (None: the checkpoint's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random router rows")
+    p.add_argument("--drop-ratio", type=float, default=0.0,
+                   help="Drop-Upcycling: fraction R in [0, 1] of each routed expert's neurons re-initialised "
+                        "(a different random subset per expert, drawn with the dense matrices' mean and std); "
+                        "0: plain copies of the dense MLP; not with --exact")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random router rows and of --drop-ratio's draws")
     _overwrite(p)
 
 
@@ -237,7 +241,8 @@ def _add_tokenize(sub):
     p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
-    p.add_argument("out", help="new token-set directory (tokens.bin, docs.idx, meta.json)")
+    p.add_argument("out", help="new token-set directory (tokens.bin, docs.idx, meta.json; with --format megatron: "
+                               "data.bin, data.idx)")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or model checkpoint directory")
     p.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     p.add_argument("--doc-split", choices=["line", "paragraph", "file"], default="line",
@@ -246,6 +251,9 @@ def _add_tokenize(sub):
     p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
     p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
                    help="tokens per work shard (a killed run resumes from its finished shards)")
+    p.add_argument("--format", choices=["remodel", "megatron"], default="remodel",
+                   help="remodel: a token set; megatron: Megatron-Core's indexed dataset OUT/data.bin + "
+                        "OUT/data.idx (one sequence per document; --data takes OUT or OUT/data)")
     _overwrite(p)
 
 
@@ -333,7 +341,7 @@ def _run_upcycle(a):
     from remodel.pipelines.commands.upcycle import upcycle
     return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
                    shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
-                   seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype))
+                   seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype), drop_ratio=a.drop_ratio)
 
 
 def _run_eval(a):
@@ -348,9 +356,10 @@ def _run_eval(a):
 
 
 def _run_tokenize(a):
-    from remodel.pipelines.data.tokens import tokenize
-    return tokenize(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
-                    overwrite=a.overwrite, shard_tokens=a.shard_tokens)
+    from remodel.pipelines.data.tokens import tokenize, tokenize_megatron
+    run = tokenize_megatron if a.format == "megatron" else tokenize
+    return run(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
+               overwrite=a.overwrite, shard_tokens=a.shard_tokens)
 
 
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
@@ -400,7 +409,7 @@ def _options():
         "candidates": ints(1, 1000), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
         "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
         "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
-        "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16),
+        "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16), "drop_ratio": Check(float, 0, 1),
     }
     return common, {**common, **CHECKS}
 

@@ -38,6 +38,8 @@ from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.kinds import layer_kinds, routed, upcycled_pattern, used
 
+from .drop import dense_stats, drop_neurons, drop_seed
+
 ROUTER_MODES = {  # CLI name -> (ModelConfig.router, norm_topk_prob)
     "topk-softmax": ("softmax", True),
     "softmax-topk": ("softmax", False),
@@ -216,13 +218,27 @@ def layer_seed(seed: int, layer: int) -> int:
     return seed * 1_000_003 + layer
 
 
+def drop_upcycle(moe: dict, up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None, ratio: float,
+                 seed: int, layer: int) -> dict:
+    """upcycle_mlp's output `moe` of the dense MLP (up, down, gate) of `layer` -> the same with its routed
+    experts drop-upcycled (upcycle.drop): N distinct experts as LazyExperts over N shards. `moe` itself
+    is returned when ratio is 0 (naive copies, bit for bit)."""
+    if not ratio:
+        return moe
+    leaves = {k.split(".")[1]: v for k, v in moe.items() if k.startswith("experts.")}
+    fused = {k: v.fused() for k, v in leaves.items()}  # repeat: new tensors
+    drop_neurons(fused, dense_stats(up, down, gate), ratio, drop_seed(layer_seed(seed, layer)))
+    return {**moe, **{f"experts.{k}": LazyExperts(v, len(v)) for k, v in fused.items()}}
+
+
 @torch.no_grad()
 def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int = 0,
                   router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None,
-                  placement: str = "balanced"):
+                  placement: str = "balanced", drop_ratio: float = 0.0):
     """In-memory upcycling of a HybridLM (tests and experiments; the pipeline streams): -> (new model, Plan).
     Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
-    made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint."""
+    made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint.
+    drop_ratio > 0: Drop-Upcycling (drop_upcycle) after the copies."""
     from remodel.models.model import HybridLM
 
     cfg = model.cfg
@@ -237,7 +253,8 @@ def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int
         up, down, gate = (state.pop(m + n, None) for n in ("up_proj.weight", "down_proj.weight", "gate_proj.weight"))
         up, down, gate = (None if t is None else t.to(round_to or dtype) for t in (up, down, gate))
         r = router_weight(p, cfg.hidden_size, layer_seed(seed, i))
-        for k, v in upcycle_mlp(p, up, down, gate, r, family).items():
+        moe = drop_upcycle(upcycle_mlp(p, up, down, gate, r, family), up, down, gate, drop_ratio, seed, i)
+        for k, v in moe.items():
             if isinstance(v, LazyExperts):  # cast the G shards, then repeat: E times less casting
                 v = LazyExperts(v.shards.to(dtype), v.n).fused()
             state[m + k] = v if k.endswith("correction_bias") else v.to(dtype)

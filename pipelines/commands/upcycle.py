@@ -7,6 +7,10 @@ written to the shard file as they come, so memory is about two dense MLPs (and t
 On a second thread, upcycle.deviation measures the initial deviation (dense vs upcycled logits on
 random tokens, and per upcycled layer MoE vs dense MLP outputs) from the streamed tensors, at most two
 layer groups behind the writer; the figures go to OUT/remodel_report.json.
+--drop-ratio R > 0 (upcycle.drop, Drop-Upcycling): the N experts of a layer become distinct tensors (E
+dense MLPs of memory per layer) with round(R * expert size) neurons each re-initialised. The report
+also gives the experts' similarity per layer (upcycle.similarity), and config.json records how the
+experts were built (UPCYCLE_KEY) for the training run's figures.
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
 from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
 from remodel.upcycle.deviation import StreamCheck
-from remodel.upcycle.virtual_groups import ROUTER_MODES, ROUTER_STD, layer_seed, make_plan, moe_config, router_weight, upcycle_mlp
+from remodel.upcycle.drop import drop_count, drop_report
+from remodel.upcycle.similarity import UPCYCLE_KEY, expert_similarity
+from remodel.upcycle.virtual_groups import (ROUTER_MODES, ROUTER_STD, drop_upcycle, layer_seed, make_plan, moe_config,
+                                            router_weight, upcycle_mlp)
 
 from .report import write_report
 
@@ -91,13 +98,25 @@ def _one_thread():
 
 
 def upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size=0, router=None, to=None,
-            exact=False, seed=0, overwrite=False, dtype=None) -> dict:
+            exact=False, seed=0, overwrite=False, dtype=None, drop_ratio=0.0) -> dict:
     """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report.
     exact=True puts the whole factor on down_proj (exact_placement) or refuses; dtype: the written
-    floating-point dtype (default: the checkpoint's), the expert weights scaled in it."""
+    floating-point dtype (default: the checkpoint's), the expert weights scaled in it; drop_ratio R > 0:
+    Drop-Upcycling, round(R * expert size) neurons of every routed expert re-initialised (upcycle.drop)."""
+    check_drop(drop_ratio, exact)
     with _one_thread():
         return _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-                        overwrite, dtype)
+                        overwrite, dtype, drop_ratio)
+
+
+def check_drop(ratio, exact: bool):
+    """One-line RemodelError, before anything is read: R outside [0, 1], or R > 0 with --exact."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise RemodelError(f"--drop-ratio must be in [0, 1] (the fraction of each expert's neurons "
+                           f"re-initialised), got {ratio!r}")
+    if exact and ratio > 0:
+        raise RemodelError(f"--exact cannot be combined with --drop-ratio {ratio:g} > 0: drop-upcycling "
+                           f"re-initialises neurons, so the MoE does not reproduce the dense model; drop one of them")
 
 
 _MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -144,8 +163,9 @@ class _LayerStream:
     """Serves the MoE checkpoint's tensors one layer group at a time: reads a group of the source,
     upcycles its dense MLP, and hands the group to the deviation check on the `pool` thread."""
 
-    def __init__(self, reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir):
+    def __init__(self, reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir, drop_ratio=0.0):
         self.cfg, self.p, self.family, self.seed, self.dtype, self.model_dir = cfg, p, family, seed, dtype, model_dir
+        self.drop_ratio, self.similarity = drop_ratio, []
         stream = iter_our_tensors(reader, cfg, src_family)
         first = next(stream)  # checks every tensor's shape against the config before anything is written
         self.groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
@@ -187,9 +207,14 @@ class _LayerStream:
         # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
         self.logit_std = max(self.logit_std, ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
         self.mlp_dtypes.add(str(tensors[m + "up_proj.weight"].dtype).replace("torch.", ""))
-        r = router_weight(p, self.cfg.hidden_size, layer_seed(self.seed, int(key.split(".")[1])))
-        moe = upcycle_mlp(p, tensors.pop(m + "up_proj.weight"), tensors.pop(m + "down_proj.weight"),
-                          tensors.pop(m + "gate_proj.weight", None), r, self.family)
+        layer = int(key.split(".")[1])
+        r = router_weight(p, self.cfg.hidden_size, layer_seed(self.seed, layer))
+        up, down, gate = (tensors.pop(m + n, None) for n in ("up_proj.weight", "down_proj.weight", "gate_proj.weight"))
+        moe = drop_upcycle(upcycle_mlp(p, up, down, gate, r, self.family), up, down, gate, self.drop_ratio,
+                           self.seed, layer)
+        sim = expert_similarity([moe.get(f"experts.{n}") for n in ("up_proj", "gate_proj", "down_proj")],
+                                p.granularity)
+        self.similarity.append({"layer": layer, **sim})
         tensors.update((m + k, v) for k, v in moe.items())
         return moe
 
@@ -238,7 +263,7 @@ def _method_report(p, router: str, family: str, seed: int, logit_std: float) -> 
 
 
 def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-             overwrite, dtype=None) -> dict:
+             overwrite, dtype=None, drop_ratio=0.0) -> dict:
     t0 = time.perf_counter()
     reader = CheckpointReader(model_dir)
     src_family = reader.config.get("model_type")
@@ -253,8 +278,9 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     new_cfg = moe_config(cfg, p, family)
     check_exportable(new_cfg, family)
     hf_cfg = _hf_config(reader, new_cfg, family, dtype)
-    moe_total, moe_active = _params(new_cfg)
-    layers = _LayerStream(reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir)
+    hf_cfg[UPCYCLE_KEY] = {"experts": p.experts, "granularity": p.granularity, "expert_shard": "e mod granularity",
+                           "drop_ratio": drop_ratio, "seed": seed}  # read by training's expert-similarity figures
+    layers = _LayerStream(reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir, drop_ratio)
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp, \
             ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as layers.pool:
@@ -264,25 +290,41 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0
         deviation = layers.deviation()
-        report = {
-            "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
-            "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "
-                      "tied per group, W1 and W2 of every routed expert scaled by s = a^(1/d)",
-            "experts": p.experts, "granularity": p.granularity, "expansion": p.expansion, "top_k": p.top_k,
-            "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
-            "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(layers.mlp_dtypes),
-            "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
-            **_method_report(p, router, family, seed, layers.logit_std),
-            "exact_expected": p.exact, "why_not_exact": p.why_not_exact, "exact_requested": exact,
-            "layers_upcycled": [i for i, k in enumerate(layer_kinds(cfg)) if k.upcycles_to],
-            "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
-            "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
-            "deviation": deviation,
-            "notes": _notes(p, ROUTER_MODES[router][0], layers.mlp_dtypes, dtype, layers.logit_std),
-            "tensors_written": n_out, "bytes_written": w.total_size,
-            "seconds": {"upcycle_and_write": round(t_write, 3), "deviation_check_overlapped": round(layers.t_check, 3),
-                        "total": round(time.perf_counter() - t0, 3)},
-        }
+        report = _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, exact, dtype, src_dtype,
+                         layers, drop_ratio)
+        report.update({"deviation": deviation, "tensors_written": n_out, "bytes_written": w.total_size,
+                       "seconds": {"upcycle_and_write": round(t_write, 3),
+                                   "deviation_check_overlapped": round(layers.t_check, 3),
+                                   "total": round(time.perf_counter() - t0, 3)}})
         write_report(tmp, report)
     reader.close()
     return report
+
+
+def _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, exact, dtype, src_dtype, layers,
+            drop_ratio) -> dict:
+    """The report's figures known once every layer was upcycled (the deviation and timings come after)."""
+    moe_total, moe_active = _params(new_cfg)
+    dropped = drop_count(drop_ratio, p.expert_size) > 0
+    why = p.why_not_exact + (["drop-upcycling re-initialised neurons of every routed expert"] if dropped else [])
+    return {
+        "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
+        "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "
+                  "tied per group, W1 and W2 of every routed expert scaled by s = a^(1/d)"
+                  + ("; then Drop-Upcycling (arXiv 2502.19261)" if dropped else ""),
+        "experts": p.experts, "granularity": p.granularity, "expansion": p.expansion, "top_k": p.top_k,
+        "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
+        "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(layers.mlp_dtypes),
+        "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
+        **_method_report(p, router, family, seed, layers.logit_std),
+        "drop_upcycling": drop_report(drop_ratio, p.expert_size, seed),
+        "exact_expected": p.exact and not dropped, "why_not_exact": why, "exact_requested": exact,
+        "layers_upcycled": [i for i, k in enumerate(layer_kinds(cfg)) if k.upcycles_to],
+        "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
+        "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},
+        "expert_similarity": {"layers": layers.similarity,
+                              "method": "mean pairwise cosine of the routed experts' flattened weights (up, gate, "
+                                        "down): same_shard over the pairs e = e' mod G built from one dense shard "
+                                        "(1.0 for naive copies), all_pairs over every pair"},
+        "notes": _notes(p, ROUTER_MODES[router][0], layers.mlp_dtypes, dtype, layers.logit_std),
+    }

@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from remodel.models.checkpoint import atomic_output_dir
 from remodel.models.files import open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
-from . import shards, stream
+from . import megatron, shards, stream
 from .data import DOC_SPLITS
 from ..distributed.runtime import load_tokenizer
 
@@ -133,6 +134,29 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
     return report
 
 
+def tokenize_megatron(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
+                      overwrite: bool = False, **kw) -> dict:
+    """`remodel tokenize --format megatron`: DATA tokenized (resumably, in the work token set `.OUT.tokens`
+    beside OUT) and written atomically as OUT/data.bin + OUT/data.idx (the prefix OUT/data, or OUT itself,
+    is what --data and Megatron take)."""
+    data, out = Path(data).expanduser(), Path(out).expanduser()
+    _check_args(data, out, num_proc, doc_split, overwrite, glob=not data.exists() and glob.has_magic(str(data)))
+    work = out.absolute().parent / f".{out.name}.tokens"
+    t0 = time.perf_counter()
+    report = tokenize(data, work, tokenizer, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=True, **kw)
+    src = TokenSet(work)
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[data]) as tmp:
+        megatron.write_megatron(src, tmp / megatron.NAME)
+        got = megatron.MegatronSet(tmp / megatron.NAME)  # what we wrote reads back: every check above holds
+        report = {**{k: report[k] for k in ("n_tokens", "n_docs", "vocab_size", "eos", "doc_split", "tokenizer",
+                                           "source", "num_proc")},
+                  "format": "megatron", "dtype": got.dtype.name, "prefix": str(out.absolute() / megatron.NAME), "output": str(out),
+                  "seconds": round(time.perf_counter() - t0, 3)}
+        (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
 def cache_root() -> Path:
     """Where `ensure_tokens` keeps token sets: $REMODEL_CACHE/tokens, else ~/.cache/remodel/tokens."""
     env = os.environ.get("REMODEL_CACHE")
@@ -215,6 +239,8 @@ def ensure_tokens(data, tokenizer, cache_dir=None, num_proc: int = 1, doc_split:
     wait for the one that tokenizes and reuse its set.
     """
     data = Path(data).expanduser()
+    if not is_token_set(data) and megatron.is_megatron(data):
+        return data  # Megatron's .bin/.idx: tokenized already, with a tokenizer it does not record
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if is_token_set(data):
         meta = check_meta(read_meta(data), data)
@@ -362,7 +388,7 @@ def parse_blend(spec, check_paths: bool = True) -> list[tuple[float, str]]:
     else:
         out = [(_weight(w, p), p) for w, p in zip(parts[::2], parts[1::2])]
     for _, p in out if check_paths else []:
-        if not os.path.exists(Path(p).expanduser()):
+        if not os.path.exists(Path(p).expanduser()) and not megatron.is_megatron(p):
             raise RemodelError(f"blend spec: data not found: {p}" if len(out) > 1 else f"data not found: {p}")
     return out
 
@@ -377,6 +403,14 @@ def _weight(w: str, path: str) -> float:
     return weight
 
 
+SETS = (TokenSet, megatron.MegatronSet)  # what samplers and blends read
+
+
+def open_set(path):
+    """The token source at `path`: a token set folder (remodel tokenize), else a Megatron prefix."""
+    return TokenSet(path) if is_token_set(path) or not megatron.is_megatron(path) else megatron.MegatronSet(path)
+
+
 class Blend:
     """Token sets mixed with weights, as Megatron's blended dataset: sample i of the stream comes from the
     set whose turn it is in a fixed pattern (each set's samples at ideal times (j + 1/2) / weight, merged),
@@ -384,10 +418,10 @@ class Blend:
     order and epochs; `counts(i)` is closed-form, so resuming never replays the stream."""
 
     def __init__(self, parts):
-        parts = [(float(w), s if isinstance(s, TokenSet) else TokenSet(s)) for w, s in parts]
+        parts = [(float(w), s if isinstance(s, SETS) else open_set(s)) for w, s in parts]
         if not parts or len(parts) > MAX_BLEND or any(not 0 < w < float("inf") for w, _ in parts):
             raise RemodelError(f"a blend needs 1 to {MAX_BLEND} token sets, each with a positive finite weight")
-        hashes = {s.meta["tokenizer"]["hash"] for _, s in parts}
+        hashes = {s.meta["tokenizer"]["hash"] for _, s in parts} - {None}  # Megatron sets record none
         if len(hashes) > 1:
             raise RemodelError("blended token sets were made with different tokenizers")
         self.sets = [s for _, s in parts]
@@ -413,8 +447,8 @@ class Blend:
 
 
 def open_tokens(spec):
-    """A TokenSet for one path, a Blend for a 'W1 A W2 B ...' spec (string or list)."""
-    if isinstance(spec, (str, Path)) and is_token_set(spec):
-        return TokenSet(spec)  # a path, spaces and all
+    """A TokenSet (or MegatronSet) for one path, a Blend for a 'W1 A W2 B ...' spec (string or list)."""
+    if isinstance(spec, (str, Path)) and (is_token_set(spec) or megatron.is_megatron(spec)):
+        return open_set(spec)  # a path, spaces and all
     parts = parse_blend(spec)
-    return TokenSet(parts[0][1]) if len(parts) == 1 else Blend([(w, TokenSet(p)) for w, p in parts])
+    return open_set(parts[0][1]) if len(parts) == 1 else Blend([(w, open_set(p)) for w, p in parts])

@@ -62,6 +62,13 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 102
 
 
 METRIC_COLUMNS = ("step", "loss", "kl", "lm", "hidden", "lb", "z", "lr", "grad_norm", "tokens_per_s")
+MOE_FIGURES = ("load_balance", "router_entropy", "expert_cosine_same_shard", "expert_cosine_all_pairs")  # MoEStats
+MOE_METHOD = ("per MoE layer, over each interval of record_every_steps steps: load_balance = max / mean tokens per "
+              "expert; router_entropy = mean over tokens of the entropy of the router's distribution over the "
+              "experts (softmax of the logits, or sigmoid scores normalised to sum 1); at the interval's end, the "
+              "mean pairwise cosine of the experts' flattened weights, same_shard over the experts built from one "
+              "dense shard (e = e' mod granularity, known from an upcycled student's config.json), all_pairs over "
+              "all; measured in a single process only")
 
 
 def write_metrics(history: list[dict], path: Path):
@@ -73,10 +80,14 @@ def write_metrics(history: list[dict], path: Path):
 
 
 def plot_losses(history: list[dict], path: Path, title: str):
+    """loss.png: the losses per step; for an MoE student also a panel per MoE figure (MoEStats), a line per layer."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    moe = [r for r in history if r.get("moe")]
+    panels = [k for k in MOE_FIGURES if any(f.get(k) is not None for r in moe for f in r["moe"].values())]
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(7 + 4.5 * len(panels), 4), squeeze=False)
+    ax = axes[0][0]
     steps = [r["step"] for r in history]
     ax.plot(steps, [r["loss"] for r in history], label="loss")
     for key in ("kl", "lm", "hidden"):
@@ -88,9 +99,22 @@ def plot_losses(history: list[dict], path: Path, title: str):
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
+    for key, ax in zip(panels, axes[0][1:]):
+        _moe_panel(ax, moe, key)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _moe_panel(ax, rows: list[dict], key: str):
+    """One MoE figure over the recorded steps, a line per layer."""
+    for label in sorted({lb for r in rows for lb in r["moe"]}, key=lambda x: (len(x), x)):
+        ys = [r["moe"].get(label, {}).get(key) for r in rows]
+        ax.plot([r["step"] for r in rows], [math.nan if y is None else y for y in ys], ".-", label=label)
+    ax.set_xlabel("step")
+    ax.set_title(key.replace("_", " "))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def report(args, family, n_params, steps, tokens_per_step, data_tokens: int, resumed_from, run_dir, history, evals,
@@ -132,3 +156,99 @@ class PeakRSS:
         import json
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.marks) + "\n")
+
+
+class MoEStats:
+    """Per MoE layer of a training run ("layers.i", the trunk's and the MTP head's): load balance (max /
+    mean tokens per expert, >= 1), router entropy (mean over tokens of the entropy of the router's
+    distribution over the E experts: the softmax of its logits, or its sigmoid scores normalised to sum
+    to 1; in [0, log E]) and the experts' similarity (upcycle.similarity: the mean pairwise cosine of
+    their flattened weights, same_shard over the experts built from one dense shard, all_pairs over all).
+    Router outputs come from forward hooks on the Router modules (models.moe): a hook keeps the last
+    output of its router, and `collect`, called after each micro-batch's backward, adds it to the
+    interval's sums (activation recomputation replays the same forward, so keeping rather than adding
+    counts each micro-batch once). The shard origin of an expert (e mod G) is known when the student is
+    an upcycled checkpoint: config.json's UPCYCLE_KEY (written by `remodel upcycle`) gives G; without
+    it same_shard is None and only all_pairs is given. Similarity is measured in a single process only
+    (sharded experts would need gathering); router counts are summed over the data-parallel ranks."""
+
+    def __init__(self, model, granularity: int | None, measure_weights: bool):
+        from remodel.models.moe import Router
+        self.granularity, self.measure_weights = granularity, measure_weights
+        self.routers = {n.rsplit(".mixer.", 1)[0]: m for n, m in model.named_modules() if isinstance(m, Router)}
+        self.last: dict = {}
+        self.sums: dict = {}
+        self.handles = [m.register_forward_hook(self._hook(label)) for label, m in self.routers.items()]
+
+    def _hook(self, label: str):
+        def keep(module, inputs, out):  # out: (logits [T, E], weights [T, k], indices [T, k])
+            self.last[label] = (module.cfg.router, out[0].detach(), out[2].detach())
+        return keep
+
+    @torch.no_grad()
+    def collect(self):
+        """Adds the routers' last outputs to the interval's sums: [tokens per expert..., entropy sum, tokens]."""
+        for label, (kind, logits, idx) in self.last.items():
+            z = logits.float()
+            if kind == "softmax":
+                p = z.softmax(-1)
+            else:
+                s = z.sigmoid()
+                p = s / s.sum(-1, keepdim=True).clamp_min(1e-30)
+            ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
+            row = torch.cat([torch.bincount(idx.reshape(-1), minlength=z.shape[-1]).double(),
+                             ent.sum().double().view(1), torch.tensor([ent.numel()], dtype=torch.float64, device=z.device)])
+            self.sums[label] = row if label not in self.sums else self.sums[label] + row
+        self.last.clear()
+
+    @torch.no_grad()
+    def record(self, model, group=None) -> dict:
+        """{layer: {load_balance, router_entropy, expert_cosine_same_shard, expert_cosine_all_pairs}} of the
+        interval since the last record (collective over `group`, the data-parallel ranks, when given)."""
+        import torch.distributed as dist
+        out = {}
+        for label in sorted(self.sums):
+            row = self.sums[label]
+            if group is not None:
+                dist.all_reduce(row, group=group)
+            counts, ent, n = row[:-2], row[-2].item(), row[-1].item()
+            out[label] = {"load_balance": (counts.max() / counts.mean().clamp_min(1e-30)).item(),
+                          "router_entropy": ent / max(n, 1.0)}
+        self.sums.clear()
+        for label, sim in (self.similarity(model) or {}).items():
+            out.setdefault(label, {}).update(sim)
+        return out
+
+    def similarity(self, model) -> dict | None:
+        """{layer: {expert_cosine_same_shard, expert_cosine_all_pairs}}; None when not measured."""
+        from remodel.models.moe import Experts
+        from remodel.upcycle.similarity import expert_similarity
+        if not self.measure_weights:
+            return None
+        out = {}
+        for name, m in model.named_modules():
+            if isinstance(m, Experts):
+                sim = expert_similarity([m.up_proj, m.gate_proj, m.down_proj], self.granularity)
+                out[name.rsplit(".mixer.", 1)[0]] = {"expert_cosine_same_shard": sim["same_shard"],
+                                                     "expert_cosine_all_pairs": sim["all_pairs"]}
+        return out
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+
+def moe_summary(history: list[dict], initial: dict | None, granularity: int | None, every: int) -> dict:
+    """The report's "moe" section: per MoE layer, each figure's series over the recorded steps (the
+    history rows that carry "moe"), and the experts' similarity before the first step."""
+    layers: dict = {}
+    for row in history:
+        for label, figs in (row.get("moe") or {}).items():
+            d = layers.setdefault(label, {"step": [], **{k: [] for k in MOE_FIGURES}})
+            d["step"].append(row["step"])
+            for k in MOE_FIGURES:
+                d[k].append(figs.get(k))
+    return {"layers": layers, "initial": initial, "granularity": granularity, "record_every_steps": every,
+            "method": MOE_METHOD}

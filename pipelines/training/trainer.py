@@ -8,7 +8,9 @@ order is the single-process run's; the logged values are dp means and the clip i
 
 AdamW with linear warm-up and cosine decay to min_lr, grad clipping and accumulation, bf16 autocast on
 CUDA only. Resumable from `<out>.run/` (pipelines.training.train_state) at the exact data position. The end result
-is a HF checkpoint in OUT with remodel_report.json, metrics.csv and loss.png (written by rank 0).
+is a HF checkpoint in OUT with remodel_report.json, metrics.csv and loss.png (written by rank 0); an MoE
+student's report and plot also give, per MoE layer, load balance, router entropy and expert similarity
+(metrics.MoEStats).
 The checks before any heavy work are in pipelines.training.train_setup, the loss in pipelines.training.objective.
 """
 from __future__ import annotations
@@ -118,15 +120,16 @@ def _resume_state(p: Plan):
 def _token_data(p: Plan, tokenizer, lead: bool, group):
     """The training tokens on disk: a token set (remodel tokenize), a text DATA tokenized once into the
     cache (rank 0 first, the others then find it), or a blend 'W1 A W2 B ...' of either."""
-    from ..data.tokens import Blend, TokenSet, ensure_tokens, is_token_set, parse_blend
+    from ..data.megatron import is_megatron
+    from ..data.tokens import Blend, ensure_tokens, is_token_set, open_set, parse_blend
     c = p.cfg
     d = c.data
-    parts = [(1.0, d)] if is_token_set(d) or Path(d).expanduser().exists() else parse_blend(d)
+    parts = [(1.0, d)] if is_token_set(d) or is_megatron(d) or Path(d).expanduser().exists() else parse_blend(d)
     for who in ("lead", "rest"):
         if (who == "lead") == lead:
             paths = [(w, ensure_tokens(x, tokenizer, num_proc=c.num_proc, doc_split=c.doc_split)) for w, x in parts]
         wait(group)
-    sets = [(w, TokenSet(x)) for w, x in paths]
+    sets = [(w, open_set(x)) for w, x in paths]
     for _, s in sets:
         s.check_vocab(p.vocab_size)  # ids past the model's vocabulary: one line now, not an index error later
     return sets[0][1] if len(sets) == 1 else Blend(sets)
@@ -258,6 +261,23 @@ class _Training:
                   "fused": c.fused_loss, "vocab_group": self.info.vocab_group}
         self.hf_config = read_config_dict(p.student_dir)  # `remodel convert` exports a checkpoint alone
         self.step_time, self.step_tokens = 0.0, 0
+        self.moe_every = max(1, p.steps // 100)
+        self.moe, self.moe_init = self._moe_stats(ck_meta)
+
+    def _moe_stats(self, ck_meta) -> tuple:
+        """(metrics.MoEStats, the experts' similarity before step 1 (from the checkpoint when resuming)) of an
+        MoE student, recorded every moe_every steps; (None, None) without MoE layers. An upcycled student's
+        config.json tells the shard origin (UPCYCLE_KEY's granularity)."""
+        from remodel.upcycle.similarity import UPCYCLE_KEY
+        up = self.hf_config.get(UPCYCLE_KEY)
+        g = up.get("granularity") if isinstance(up, dict) else None
+        g = g if isinstance(g, int) and not isinstance(g, bool) and g >= 1 else None
+        stats = metrics.MoEStats(self.student, g, self.procs.world == 1)
+        if not stats.routers:
+            stats.close()
+            return None, None
+        init = ck_meta.get("moe_init") if ck_meta else stats.similarity(self.student)
+        return stats, init if isinstance(init, dict) else None
 
     def _resume_history(self, ckpt, ck_meta):
         self.start, self.history, self.resumed_from, self.evals = 0, [], None, {}
@@ -286,7 +306,7 @@ class _Training:
 
     def checkpoint(self, step: int):
         meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
-                "history": self.history, "eval": self.evals, "hf_config": self.hf_config}
+                "history": self.history, "eval": self.evals, "hf_config": self.hf_config, "moe_init": self.moe_init}
         self.saver.save(step, self.student, self.projections, self.opt, meta)
         self.rss.mark("checkpoint", first=True)
 
@@ -306,7 +326,8 @@ class _Training:
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if procs.lead and c.log_every and (step + 1) % c.log_every == 0:
-                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                                    if not isinstance(v, dict)))
             self.rss.mark("first step", first=True)
             if (step + 1) % p.checkpoint_every == 0 or step + 1 == p.steps:
                 self.checkpoint(step + 1)
@@ -328,6 +349,8 @@ class _Training:
             loss, parts = compute_losses(self.student, self.teacher, ids, self.w, p.layer_map, self.projections,
                                          self.autocast, self.fns)
             (loss / c.grad_accum).backward()
+            if self.moe is not None:
+                self.moe.collect()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / c.grad_accum
         sums = _dp_mean(sums, self.info, dev)
@@ -346,6 +369,8 @@ class _Training:
                                + (f"; last checkpoint {last[-1]}" if last else ""))
         row = {"step": step + 1, **{k: sums[k] for k in parts}, "lr": cur_lr, "grad_norm": float(gnorm),
                "tokens_per_s": p.tokens_per_step / dt}
+        if self.moe is not None and ((step + 1) % self.moe_every == 0 or step + 1 == p.steps):
+            row["moe"] = self.moe.record(self.student, self.info.dp_group)
         self.history.append(row)
         return row
 
@@ -353,6 +378,8 @@ class _Training:
         """Final evaluation, report, export (rank 0 writes; every rank takes part); -> the report on rank 0."""
         from remodel.models.recompute import set_recompute
         set_recompute(self.student, "none")
+        if self.moe is not None:
+            self.moe.close()
         if self.eval_blocks is not None:
             self.evals["after"] = self._evaluate()
         report = self.report() if self.procs.lead else None
@@ -375,6 +402,8 @@ class _Training:
                               "backend": dist.get_backend() if procs.mesh is not None else None}
         if procs.world > 1:
             report["mfu_note"] += f", times {procs.world} processes"
+        if self.moe is not None:
+            report["moe"] = metrics.moe_summary(self.history, self.moe_init, self.moe.granularity, self.moe_every)
         return report
 
 
@@ -395,9 +424,21 @@ def _write_outputs(p: Plan, student, report):
     dtype = getattr(torch, p.cfg.save_dtype) if p.cfg.save_dtype else source_dtype(p.student_dir)
 
     def finish(tmp):
+        _keep_upcycle_origin(p.student_dir, tmp / "config.json")
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         metrics.write_metrics(report["history"], tmp / "metrics.csv")
         metrics.plot_losses(report["history"], tmp / "loss.png", f"{report['command']}: {p.student_dir.name}")
 
     export_sharded(student, p.out, family=p.family, aux_from=p.student_dir, overwrite=p.cfg.overwrite, dtype=dtype,
                    inputs=p.inputs, finish=finish)
+
+
+def _keep_upcycle_origin(student_dir: Path, config: Path):
+    """The written config.json keeps how an upcycled student's experts were built (UPCYCLE_KEY, from
+    `remodel upcycle`), so a later run on OUT still reports the same-shard expert similarity."""
+    from remodel.upcycle.similarity import UPCYCLE_KEY
+    origin = read_config_dict(student_dir).get(UPCYCLE_KEY)
+    if isinstance(origin, dict) and config.exists():
+        c = json.loads(config.read_text())
+        c[UPCYCLE_KEY] = origin
+        config.write_text(json.dumps(c, indent=2) + "\n")
