@@ -450,7 +450,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
     try:
         emb = _load(reader, cfg, ["embeddings.weight"], dev, dtype)["embeddings.weight"]
         for b, ids in enumerate(batches):
-            store["main", b] = F.embedding(ids.to(dev), emb)
+            store["main", b] = F.embedding(ids.to(dev), emb) * cfg.embedding_multiplier  # as HybridLM.hidden
         del emb
         _trunk_streaming(reader, cfg, scorer, store, len(batches), mask_of, k, dev, dtype, progress)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -463,7 +463,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         try:
             for b, ids in enumerate(batches):
                 scorer.update(mask_of[b])
-                h = norm_f(store["main", b].to(dev))
+                h = norm_f(store["main", b].to(dev)) / cfg.logits_scaling  # as HybridLM.hidden
                 store.pop(("main", b))
                 sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
                 if cfg.mtp_layers:
@@ -476,7 +476,8 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         if k:
             base = _mean(sums[:k])
             scores["loss_increase"] = torch.tensor(
-                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)), W, batches[b], mask_of[b]) for b in range(k)]) - base
+                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)) / cfg.logits_scaling, W, batches[b], mask_of[b])
+                        for b in range(k)]) - base
                  for j in range(L)], dtype=torch.float32)
         info = {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k,
                 "spilled_bytes": store.spilled}

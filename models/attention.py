@@ -97,7 +97,7 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
         window = cfg.sliding_window is not None and l > cfg.sliding_window
         if attention_mask is None and not window:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=cfg.attention_scale)
         else:  # causal AND inside the window AND key not padded
             keep = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
             if window:
@@ -106,7 +106,7 @@ class Attention(nn.Module):
             if attention_mask is not None:
                 keep = keep & attention_mask[:, None, None, :].bool()
                 keep = keep | torch.eye(l, dtype=torch.bool, device=q.device)  # no fully-masked rows
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa, scale=cfg.attention_scale)
         return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])
 
 

@@ -1,4 +1,5 @@
-"""One residual layer: x + mixer(norm(x)), the mixer built by the layer kind of its pattern character."""
+"""One residual layer: x + mixer(norm(x)) (the mixer's output times cfg.residual_multiplier), the mixer built
+by the layer kind of its pattern character."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,7 @@ class Block(nn.Module):
         self.kind, self.spec = kind, KINDS[kind]
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mixer = self.spec.build(cfg)
+        self.residual_multiplier = cfg.residual_multiplier  # the mixer's output joins the stream scaled
 
     def forward(self, x, attention_mask=None, position_ids=None):
         """Hooks on the Block (FSDP2's, per layer) stay outside the checkpointed region."""
@@ -27,4 +29,5 @@ class Block(nn.Module):
 
     def _forward(self, x, attention_mask, position_ids):
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
-        return x + self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs))
+        y = self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs))
+        return x + (y if self.residual_multiplier == 1 else y * self.residual_multiplier)

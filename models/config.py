@@ -85,6 +85,14 @@ class ModelConfig:
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
     mtp_layers: int = 0
     mtp_pattern: str = ""
+    # scalar multipliers (Granite; 1 / None elsewhere): the embeddings times embedding_multiplier, every
+    # layer's output times residual_multiplier before it joins the residual stream, attention scores times
+    # attention_scale (None: 1/sqrt(head_dim)), logits divided by logits_scaling. Part of the model, not
+    # of its weights: training keeps them as they are.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
     # HF fields carried through untouched (bos/eos ids, max positions, ...)
     extra: dict = field(default_factory=dict)
 
@@ -146,6 +154,9 @@ class ModelConfig:
              "MTP needs both mtp_layers > 0 and a non-empty mtp_pattern (or neither)")
         need(set(self.mtp_pattern) <= set(self.pattern),
              f"MTP layer types {self.mtp_pattern!r} must also occur in the trunk (they share its widths)")
+        need(not self.mtp_layers or (self.logits_scaling, self.embedding_multiplier) == (1.0, 1.0),
+             "MTP layers read the trunk's final hidden states and embeddings unscaled: logits_scaling and "
+             "embedding_multiplier must be 1")
         for k in used(self):
             k.validate(self, need)
 
@@ -164,10 +175,12 @@ class ModelConfig:
         need(len(self.pattern) <= MAX_LAYERS and len(self.mtp_pattern) <= MAX_LAYERS,
              f"{len(self.pattern)} layers (pattern length), at most {MAX_LAYERS}")
         floats = {"norm_eps": (0, 1), "rope_theta": (0, None), "routed_scaling_factor": (0, None),
-                  "partial_rotary_factor": (0, None), "time_step_min": (None, None), "time_step_max": (0, "inf")}
+                  "partial_rotary_factor": (0, None), "time_step_min": (None, None), "time_step_max": (0, "inf"),
+                  **dict.fromkeys(("embedding_multiplier", "residual_multiplier", "attention_scale",
+                                   "logits_scaling"), (0, None))}
         for name, (lo, hi) in floats.items():
             v = getattr(self, name)
-            if v is None and name == "rope_theta":
+            if v is None and name in ("rope_theta", "attention_scale"):
                 continue
             ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and not math.isnan(v)
             ok = ok and (math.isfinite(v) or hi == "inf") and (lo is None or v > lo)

@@ -14,6 +14,7 @@ import math
 from .config import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
+from .families.family import scaled
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
 
@@ -30,8 +31,9 @@ _RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inter
              "moe_intermediate_size": (1, MAX_WIDTH), "moe_shared_expert_intermediate_size": (0, MAX_WIDTH),
              "shared_expert_intermediate_size": (0, MAX_WIDTH), "moe_latent_size": (1, MAX_WIDTH),
              **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "head_dim", "mamba_num_heads",
-                              "mamba_head_dim", "n_groups", "ssm_state_size", "n_routed_experts", "num_local_experts",
+                              "mamba_head_dim", "n_groups", "ssm_state_size", "n_routed_experts",
                               "num_experts", "num_experts_per_tok", "n_group", "topk_group"), (1, MAX_SMALL)),
+             "num_local_experts": (0, MAX_SMALL), "shared_intermediate_size": (1, MAX_WIDTH),  # 0 experts: dense
              **dict.fromkeys(("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_expand"),
                              (1, MAX_SMALL)), "mamba_d_conv": (1, 1024), "mamba_chunk_size": (1, MAX_WIDTH),
              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
@@ -39,7 +41,8 @@ _RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inter
              "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40)}
 # key -> smallest value (excluded); every one finite (time_step_max may be inf)
 _RAW_FLOATS = {"rms_norm_eps": 0, "layer_norm_epsilon": 0, "rope_theta": 0, "routed_scaling_factor": 0,
-               "time_step_min": -1e-300, "time_step_max": 0}
+               "time_step_min": -1e-300, "time_step_max": 0, "embedding_multiplier": 0, "residual_multiplier": 0,
+               "attention_multiplier": 0, "logits_scaling": 0}
 _RAW_LISTS = {"layers_block_type": MAX_LAYERS, "hybrid_override_pattern": MAX_LAYERS,
               "mtp_layers_block_type": MAX_LAYERS}
 
@@ -143,6 +146,9 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
             raise RemodelError(f"cannot export to {family}: {why}")
 
     need(isinstance(family, str) and family in FAMILIES, f"unknown target (supported: {', '.join(FAMILIES)})")
+    off = scaled(cfg)
+    need(FAMILIES[family].multipliers or not off, f"{family} has no scalar multipliers ({', '.join(off)}; "
+         f"supported by {', '.join(n for n, f in FAMILIES.items() if f.multipliers)})")
     FAMILIES[family].check(cfg, need)
 
 

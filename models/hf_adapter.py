@@ -4,19 +4,24 @@
 `KEY_MAPS[family]` maps our parameter names to the family's checkpoint names, with placeholders:
 `{i}` a layer index kept as is; `{a}` / `{m}` our layer 2j / 2j+1 (the attention / MLP-or-MoE half
 of a Llama-family decoder layer j: HF has one index j for both); `{e}` an expert, on the HF side only
-(our routed experts are fused [E, ...] tensors that HF stores one tensor per expert). Those two
-placeholders are the only transforms that need code. `to_hf_name` and `from_hf_name` read the same
-map in opposite directions, so export is the exact inverse of import (tests/test_hf_adapter.py).
+(our routed experts are fused [E, ...] tensors that HF stores one tensor per expert; a map without `{e}`
+names a fused HF tensor [E, ...] stored whole). A value may also be a `Part`: the HF tensor concatenates
+several of ours along one dimension (granite's fused gate/up projections), ours is one equal part of it.
+Those are the only transforms that need code. `to_hf_name` / `to_hf_part` and `from_hf_name` read the
+same map in opposite directions, so export is the exact inverse of import (tests/test_hf_adapter.py).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from functools import lru_cache
 
 from .config import ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES
+from .families.family import Part
 from .layout import shapes
+
 
 # our index -> HF index (None: not this placeholder's layer), HF index -> our index
 _INDEX = {"i": (lambda n: n, lambda n: n),
@@ -53,14 +58,16 @@ def _skeleton(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _compiled(family: str, side: int) -> dict[str, list[tuple[_Pattern, _Pattern]]]:
-    """{skeleton: [(pattern on `side`, pattern on the other side)]}; side 0: ours, 1: HF."""
+def _compiled(family: str, side: int) -> dict[str, list[tuple[_Pattern, _Pattern, Part]]]:
+    """{skeleton: [(pattern on `side`, pattern on the other side, the map's Part)]}; side 0: ours, 1: HF."""
     if family not in KEY_MAPS:
         raise RemodelError(f"unknown Hugging Face family {family!r} (supported: {', '.join(KEY_MAPS)})")
     out: dict[str, list] = {}
-    for pair in KEY_MAPS[family].items():
-        src, dst = _Pattern(pair[side]), _Pattern(pair[1 - side])
-        out.setdefault(src.skeleton, []).append((src, dst))
+    for ours, hf in KEY_MAPS[family].items():
+        part = hf if isinstance(hf, Part) else Part(hf)
+        pair = (_Pattern(ours), _Pattern(part.name))
+        src, dst = pair[side], pair[1 - side]
+        out.setdefault(src.skeleton, []).append((src, dst, part))
     return out
 
 
@@ -71,40 +78,63 @@ def _check_expert(cfg: ModelConfig, family: str, name: str, expert, wants: bool)
         raise RemodelError(f"expert {expert} of {name!r} is out of range (the model has {cfg.n_routed_experts})")
 
 
-def to_hf_name(cfg: ModelConfig, family: str, our_name: str, expert: int | None = None) -> str:
-    """The family's checkpoint name of our tensor `our_name` (of its expert `expert`, for a fused
-    expert tensor, which HF stores per expert). RemodelError when the family has no such tensor."""
-    for ours, hf in _compiled(family, 0).get(_skeleton(our_name), ()):
+def _lookup(cfg: ModelConfig, family: str, our_name: str):
+    """(HF pattern, its slot values, the map's Part) of our tensor `our_name`."""
+    for ours, hf, part in _compiled(family, 0).get(_skeleton(our_name), ()):
         got = ours.match(our_name)
         if got is None:
             continue
         values = {k: _INDEX[k][0](v) for k, v in got.items()}
         if None in values.values():  # e.g. an odd layer index for an attention-half slot
             continue
-        _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
-        return hf.fill({**values, "e": expert})
+        return hf, values, part
     raise RemodelError(f"{family} has no tensor for our {our_name!r}")
 
 
-def from_hf_name(cfg: ModelConfig, family: str, hf_name: str) -> tuple[str, int | None]:
-    """(our name, expert index or None) of a checkpoint tensor of the family: the inverse of to_hf_name."""
-    for hf, ours in _compiled(family, 1).get(_skeleton(hf_name), ()):
+def to_hf_part(cfg: ModelConfig, family: str, our_name: str, expert: int | None = None) -> Part:
+    """Where our tensor `our_name` (its expert `expert`, for a fused expert tensor that HF stores per
+    expert) lies in the family's checkpoint: the HF tensor's name and, when that tensor concatenates
+    several of ours, which part of it. RemodelError when the family has no such tensor."""
+    hf, values, part = _lookup(cfg, family, our_name)
+    _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
+    return replace(part, name=hf.fill({**values, "e": expert}))
+
+
+def to_hf_name(cfg: ModelConfig, family: str, our_name: str, expert: int | None = None) -> str:
+    """The family's checkpoint name of our tensor `our_name` (see to_hf_part)."""
+    return to_hf_part(cfg, family, our_name, expert).name
+
+
+def from_hf_name(cfg: ModelConfig, family: str, hf_name: str, part: int = 0) -> tuple[str, int | None]:
+    """(our name, expert index or None) of part `part` of a checkpoint tensor of the family (0: a tensor
+    that is one of ours): the inverse of to_hf_part. Where the map names one HF tensor from two of our
+    layer kinds (granite's shared MLP is our dense MLP or the MoE's shared expert), the config picks."""
+    cands = _compiled(family, 1).get(_skeleton(hf_name), ())
+    found = []
+    for hf, ours, p in cands:
         got = hf.match(hf_name)
-        if got is None:
+        if got is None or p.index != part:
             continue
         expert = got.pop("e", None)
         _check_expert(cfg, family, hf_name, expert, "e" in hf.slots)
-        return ours.fill({k: _INDEX[k][1](v) for k, v in got.items()}), expert
-    raise RemodelError(f"{hf_name!r} is not a {family} tensor remodel knows")
+        found.append((ours.fill({k: _INDEX[k][1](v) for k, v in got.items()}), expert))
+    if len(found) > 1:
+        have = shapes(cfg)
+        found = [f for f in found if f[0] in have] or found
+    if found:
+        return found[0]
+    raise RemodelError(f"{hf_name!r} is not a {family} tensor remodel knows" + (f" (part {part})" if part else ""))
 
 
 def weight_table(cfg: ModelConfig, family: str) -> list[tuple[str, str, int | None]]:
     """Rows (our_name, hf_name, expert_index or None) covering every tensor of the HF checkpoint, in
-    our storage order (models.layout), each fused expert tensor expanded into its experts in order.
-    Import stacks a fused tensor's rows; export slices `ours[our_name][expert]`."""
+    our storage order (models.layout), each fused expert tensor that HF stores per expert expanded into
+    its experts in order. Import stacks a fused tensor's rows; export slices `ours[our_name][expert]`.
+    Rows whose HF tensor concatenates several of ours share its name (to_hf_part says which part)."""
     rows = []
     for ours, shape in shapes(cfg).items():
-        if ".experts." in ours and not ours.endswith(".weight"):  # fused [E, ...]: one HF tensor per expert
+        hf = _lookup(cfg, family, ours)[0]
+        if "e" in hf.slots:  # fused [E, ...]: one HF tensor per expert
             rows += [(ours, to_hf_name(cfg, family, ours, e), e) for e in range(shape[0])]
         else:
             rows.append((ours, to_hf_name(cfg, family, ours), None))

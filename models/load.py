@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
+from .hf_adapter import to_hf_part
 from .model import HybridLM
 
 
@@ -68,6 +69,17 @@ class _Source:
         raise RemodelError(f"checkpoint {self.r.path} has no tensor {hf!r}")
 
 
+def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: str, hf: str, e: int | None):
+    """(None, read()) of one weight_table row, or (why its stored shape is wrong, None). A row whose HF
+    tensor concatenates several of ours (models.hf_adapter.Part) reads its own part of it."""
+    part = to_hf_part(cfg, family, ours, e)
+    shape, get = src.shape_and_get(hf, e)
+    want = part.hf_shape(shapes[ours][1:] if e is not None else shapes[ours], e)
+    if tuple(shape) != tuple(want):
+        return f"{hf} has shape {list(shape)} but the config implies {list(want)}", None
+    return None, (get if part.count == 1 else lambda: part.narrow(get(), e).clone())
+
+
 def source_plan(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,
                 names: set[str] | None = None) -> list[tuple[str, int | None, Callable]]:
     """Rows (our_name, expert_index|None, read()) of the checkpoint in table order. Every shape is
@@ -79,10 +91,9 @@ def source_plan(reader: CheckpointReader, cfg: ModelConfig, family: str | None =
     for ours, hf, e in weight_table(cfg, family):
         if names is not None and ours not in names:
             continue
-        shape, get = src.shape_and_get(hf, e)
-        want = shapes[ours][1:] if e is not None else shapes[ours]
-        if tuple(shape) != tuple(want):
-            raise RemodelError(f"tensor {hf} has shape {list(shape)} but the config implies {list(want)}")
+        bad, get = _plan_row(src, shapes, cfg, family, ours, hf, e)
+        if bad:
+            raise RemodelError(f"tensor {bad}")
         plan.append((ours, e, get))
     return plan
 
@@ -94,13 +105,11 @@ def shape_mismatches(reader: CheckpointReader, cfg: ModelConfig, family: str | N
     shapes, src, bad = our_shapes(cfg), _Source(reader), []
     for ours, hf, e in weight_table(cfg, family):
         try:
-            shape, _ = src.shape_and_get(hf, e)
+            why, _ = _plan_row(src, shapes, cfg, family, ours, hf, e)
         except RemodelError:
-            bad.append(f"{hf} is missing")
-            continue
-        want = shapes[ours][1:] if e is not None else shapes[ours]
-        if tuple(shape) != tuple(want):
-            bad.append(f"{hf} has shape {list(shape)} but the config implies {list(want)}")
+            why = f"{hf} is missing"
+        if why and why not in bad:
+            bad.append(why)
     return bad
 
 
@@ -167,17 +176,39 @@ def extra_hf_tensors(cfg: ModelConfig, family: str) -> dict[str, tuple]:
     return {to_hf_name(cfg, family, ours): shape for ours, shape in FAMILIES[family].extra_tensors(cfg).items()}
 
 
+def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) of rows (our_name, hf_name, expert or None, our tensor or its expert's) in
+    weight_table order: an HF tensor that concatenates several of ours (models.hf_adapter.Part) comes
+    once, joined, when its last part has come; every other row passes as it is."""
+    parts = {}
+    for ours, hf, e, t in rows:
+        part = to_hf_part(cfg, family, ours, e)
+        if part.count > 1:
+            got = parts.setdefault(hf, [None] * part.count)
+            got[part.index] = t
+            if any(x is None for x in got):
+                continue
+            t = torch.cat(parts.pop(hf), dim=part.dim - (e is not None))
+        yield hf, t
+    if parts:
+        raise RemodelError(f"internal: HF tensors left without all their parts: {sorted(parts)[:3]}")
+
+
 def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family: str,
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) for a family, reading our tensors through `get(our_name)` once each."""
-    rows = weight_table(cfg, family)
-    cur_name, cur = None, None
-    for ours, hf, e in rows:
-        if ours != cur_name:
-            cur_name, cur = ours, get(ours)
-        t = cur if e is None else cur[e]
-        if dtype is not None and t.is_floating_point() and not ours.endswith("e_score_correction_bias"):
-            t = t.to(dtype)
+    """Yield (hf_name, tensor) for a family, reading our tensors through `get(our_name)` once each, in
+    weight_table order (join_parts: an HF tensor concatenating several of ours comes with its last part)."""
+    def rows():
+        cur_name, cur = None, None
+        for ours, hf, e in weight_table(cfg, family):
+            if ours != cur_name:
+                cur_name, cur = ours, get(ours)
+            t = cur if e is None else cur[e]
+            if dtype is not None and t.is_floating_point() and not ours.endswith("e_score_correction_bias"):
+                t = t.to(dtype)
+            yield ours, hf, e, t
+
+    for hf, t in join_parts(cfg, family, rows()):
         yield hf, t.contiguous()
     for hf, shape in extra_hf_tensors(cfg, family).items():
         yield hf, torch.zeros(shape, dtype=dtype or torch.float32)

@@ -41,13 +41,19 @@ class HybridLM(nn.Module):
         return init_buffers(self, device)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
+        """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling, so that any output
+        projection of them gives the model's logits; the residual stream after every layer, or None)."""
+        cfg = self.cfg
         x = self.embeddings(input_ids)
+        if cfg.embedding_multiplier != 1:
+            x = x * cfg.embedding_multiplier
         states = [x] if output_hidden_states else None
         for layer in self.layers:
             x = layer(x, attention_mask, position_ids)
             if output_hidden_states:
                 states.append(x)
-        return self.norm_f(x), states
+        h = self.norm_f(x)
+        return (h if cfg.logits_scaling == 1 else h / cfg.logits_scaling), states
 
     def logits(self, h):
         w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
@@ -56,9 +62,9 @@ class HybridLM(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False,
                 return_hidden=False):
         """-> logits [b, l, V] (and the residual stream after every layer, embeddings first).
-        return_hidden: the final hidden states [b, l, H] (after norm_f) instead of the logits, for a loss
-        that applies the lm_head itself (pipelines.training.fused_loss); through forward, not `hidden`, so that
-        FSDP's root hooks gather (and keep until the backward) the embeddings, norm_f and lm_head."""
+        return_hidden: the final hidden states [b, l, H] (as `hidden` gives them) instead of the logits, for a
+        loss that applies the lm_head itself (pipelines.training.fused_loss); through forward, not `hidden`, so
+        that FSDP's root hooks gather (and keep until the backward) the embeddings, norm_f and lm_head."""
         h, states = self.hidden(input_ids, attention_mask, position_ids, output_hidden_states)
         out = h if return_hidden else self.logits(h)
         return (out, states) if output_hidden_states else out

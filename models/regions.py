@@ -22,6 +22,7 @@ from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index
 from .files import check_weight_dtype, read_json
 from .errors import RemodelError
 from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
+from .hf_adapter import to_hf_part
 
 
 def runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -60,8 +61,10 @@ class RegionReader:
                 self.where[k] = (self.path / shard, start + e["data_offsets"][0], DTYPES[e["dtype"]], e["shape"])
         self.shapes = our_shapes(self.cfg)
         self.rows: dict[str, list[tuple[str, int | None]]] = {}
+        self.parts = {}  # our name -> its Part of an HF tensor that concatenates several of ours
         for ours, hf, e in weight_table(self.cfg, self.family):
             self.rows.setdefault(ours, []).append((hf, e))
+            self.parts.setdefault(ours, to_hf_part(self.cfg, self.family, ours, e))
         self._fds: dict[Path, int] = {}
 
     def _entry(self, hf: str, expert: int | None):
@@ -85,7 +88,9 @@ class RegionReader:
         shape = self.shapes[name]
         idx = [torch.arange(n) if i is None else i for n, i in zip(shape, index)]
         out = torch.empty([len(i) for i in idx], dtype=dtype)
-        rows = self.rows[name]
+        rows, part = self.rows[name], self.parts[name]
+        if part.count > 1:  # our part of a concatenation: its indices start at part.index * our size
+            idx = [i + part.index * shape[d] if d == part.dim else i for d, i in enumerate(idx)]
         if rows[0][1] is not None:  # dim 0 = experts, one HF tensor each
             for pos, e in enumerate(idx[0].tolist()):
                 self._fill(out[pos], self._entry(rows[e][0], e), idx[1:])

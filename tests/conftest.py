@@ -46,6 +46,9 @@ FAMILY_CONFIGS = {
     "qwen3_moe": ModelConfig(pattern="*E" * 2, qk_norm=True, router="softmax", **_BASE, **_ATTN, **_SWIGLU, **_MOE),
     "bamba": ModelConfig(pattern="M-*-", intermediate_size=40, partial_rotary_factor=0.5, time_step_min=0.0,
                          **_BASE, **{**_ATTN, "head_dim": 8}, **{**_MAMBA, "mamba_head_dim": 8}, **_SWIGLU),
+    "granitemoehybrid": ModelConfig(pattern="ME*E", router="softmax", moe_shared_expert_intermediate_size=12,
+                                    mlp_gated=True, mlp_act="silu", embedding_multiplier=3.0, residual_multiplier=0.4,
+                                    attention_scale=0.2, logits_scaling=2.5, **_BASE, **_ATTN, **_MAMBA, **_MOE),
 }
 
 

@@ -10,6 +10,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf, default_family, from_hf_name, to_hf_name, \
     weight_table
+from remodel.models.hf_adapter import to_hf_part
 from remodel.models.layout import shapes
 from remodel.models.load import extra_hf_tensors
 
@@ -37,15 +38,29 @@ CASES = {  # (family, tiny config of that family)
     "bamba": ("bamba", ModelConfig(pattern="M-*-M-", intermediate_size=40, partial_rotary_factor=0.5,
                                    attention_bias=True, attention_out_bias=True, mlp_bias=True, mamba_proj_bias=True,
                                    tie_word_embeddings=True, **{**LLAMA, "head_dim": 8}, **MAMBA)),
+    # fused gate/up HF tensors (key-map Parts), whole [E, ...] expert tensors, one HF shared_mlp for two of our kinds
+    "granitemoehybrid": ("granitemoehybrid", ModelConfig(pattern="ME*EME", router="softmax", mlp_gated=True,
+                                                         mlp_act="silu", moe_shared_expert_intermediate_size=12,
+                                                         attention_scale=0.25, **BASE, **MAMBA, **MOE)),
+    "granitemoehybrid_dense": ("granitemoehybrid", ModelConfig(pattern="M-*-", intermediate_size=40,
+                                                               attention_bias=True, attention_out_bias=True,
+                                                               mamba_proj_bias=True, tie_word_embeddings=True,
+                                                               attention_scale=0.25, **LLAMA, **MAMBA)),
 }
+
+
+def part(cfg, family, ours, e=None) -> int:
+    """Which part of its HF tensor our tensor is (0 unless that tensor concatenates several of ours)."""
+    return to_hf_part(cfg, family, ours, e).index
 
 
 def test_every_family_is_covered():
     assert set(KEY_MAPS) == set(FAMILIES) == {f for f, _ in CASES.values()}
     for family, cfg in CASES.values():
         check_exportable(cfg, family)
-    for family, m in KEY_MAPS.items():  # one HF name per our name and back: from_hf is a function
-        assert len(set(m.values())) == len(m), family
+    for family, cfg in CASES.values():  # one HF tensor (or part of one) per our name and back: a function
+        rows = [(h, part(cfg, family, o, e), e) for o, h, e in weight_table(cfg, family)]  # of the config
+        assert len(set(rows)) == len(rows), family
     assert {default_family(cfg) for _, cfg in CASES.values()} >= {"nemotron_h", "llama", "qwen3", "mixtral",
                                                                    "qwen2_moe", "qwen3_moe"}
 
@@ -67,12 +82,13 @@ def test_round_trip_every_name(case):
     family, cfg = CASES[case]
     rows = weight_table(cfg, family)
     for ours, shape in shapes(cfg).items():
-        experts = range(shape[0]) if ".experts." in ours and not ours.endswith(".weight") else [None]
+        per_expert = ".experts." in ours and not ours.endswith(".weight") and "{e}" in str(KEY_MAPS[family])
+        experts = range(shape[0]) if per_expert else [None]  # a fused HF tensor [E, ...] (no {e}) is one
         for e in experts:
-            hf = to_hf_name(cfg, family, ours, e)
-            assert from_hf_name(cfg, family, hf) == (ours, e)
-            assert to_hf_name(cfg, family, *from_hf_name(cfg, family, hf)) == hf
-    assert [(o, e) for o, _, e in rows] == [from_hf_name(cfg, family, h) for _, h, _ in rows]
+            hf, k = to_hf_name(cfg, family, ours, e), part(cfg, family, ours, e)
+            assert from_hf_name(cfg, family, hf, k) == (ours, e)
+            assert to_hf_name(cfg, family, *from_hf_name(cfg, family, hf, k)) == hf
+    assert [(o, e) for o, _, e in rows] == [from_hf_name(cfg, family, h, part(cfg, family, o, e)) for o, h, e in rows]
     for hf in extra_hf_tensors(cfg, family):  # placeholders of an absent shared expert: same map
         assert to_hf_name(cfg, family, *from_hf_name(cfg, family, hf)) == hf
 
@@ -80,8 +96,8 @@ def test_round_trip_every_name(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_names_are_what_transformers_saves(case):
     family, cfg = CASES[case]
-    names = [h for _, h, _ in weight_table(cfg, family)] + list(extra_hf_tensors(cfg, family))
-    assert len(names) == len(set(names))  # unique
+    names = [h for o, h, e in weight_table(cfg, family) if part(cfg, family, o, e) == 0] + list(extra_hf_tensors(cfg, family))
+    assert len(names) == len(set(names))  # unique (a tensor concatenating several of ours: named once)
     trunk = {h for h in names if not h.startswith("mtp.")}  # transformers builds no MTP head (vLLM reads it)
     assert trunk == saved_names(cfg, family)
     mtp = [(o, h, e) for o, h, e in weight_table(cfg, family) if h.startswith("mtp.")]

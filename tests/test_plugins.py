@@ -8,6 +8,7 @@ from remodel.compress.baselines import random_scores
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.models.families import FAMILIES
 from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, from_hf_name, weight_table
+from remodel.models.hf_adapter import to_hf_part
 from remodel.models.kinds import KINDS
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
@@ -29,8 +30,8 @@ def test_family_config_and_names_round_trip(family_config):
     check_exportable(cfg, name)
     back = config_from_hf(config_to_hf(cfg, name))
     assert {**back.to_dict(), "extra": {}} == {**cfg.to_dict(), "extra": {}}
-    for ours, hf, e in weight_table(cfg, name):
-        assert from_hf_name(cfg, name, hf) == (ours, e)
+    for ours, hf, e in weight_table(cfg, name):  # a part of an HF tensor that concatenates several of ours
+        assert from_hf_name(cfg, name, hf, to_hf_part(cfg, name, ours, e).index) == (ours, e)
 
 
 def test_kind_counts_and_prunes_by_its_spec(kind_config):

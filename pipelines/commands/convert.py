@@ -10,7 +10,7 @@ from tqdm import tqdm
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from remodel.models.errors import RemodelError
 from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
-from remodel.models.load import extra_hf_tensors, source_plan
+from remodel.models.load import extra_hf_tensors, join_parts, source_plan
 
 from .report import write_report
 
@@ -94,12 +94,16 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
         progress = tqdm(zip(plan, rows, strict=True), total=len(rows), desc="convert", unit="tensor")
-        for (ours, e, read), (ours2, hf, e2) in progress:
-            if (ours, e) != (ours2, e2):
-                raise RemodelError(f"internal: tensor order mismatch ({ours} != {ours2})")
-            t = read()
-            w.add(hf, t.to(dtype) if dtype is not None and t.is_floating_point()
-                  and not ours.endswith("e_score_correction_bias") else t)
+
+        def stream():
+            for (ours, e, read), (ours2, hf, e2) in progress:
+                if (ours, e) != (ours2, e2):
+                    raise RemodelError(f"internal: tensor order mismatch ({ours} != {ours2})")
+                t = read()
+                yield ours, hf, e, (t.to(dtype) if dtype is not None and t.is_floating_point()
+                                    and not ours.endswith("e_score_correction_bias") else t)
+        for hf, t in join_parts(cfg, family, stream()):  # a family tensor made of several of ours: once, whole
+            w.add(hf, t)
         for hf, shape in extra_hf_tensors(cfg, family).items():
             w.add(hf, torch.zeros(shape, dtype=dtype or torch.float32))
         n = len(rows)

@@ -1,0 +1,195 @@
+"""IBM Granite 4.0-H (transformers' `granitemoehybrid`): decoder layer j is our pair of layers 2j (a Mamba-2
+'M' or attention '*' mixer, its norm HF's input_layernorm) and 2j+1 (its post_attention_layernorm, then the
+MoE 'E' whose shared expert is HF's shared_mlp, or with num_local_experts 0 the SwiGLU MLP '-' that is the
+shared_mlp alone): patterns such as "ME*E" or "M-*-". Its Mamba mixer is Bamba's; its attention has RoPE
+(on every channel) only with position_embedding_type "rope" and scores scaled by attention_multiplier; the
+router takes the top-k logits and softmaxes over them (our softmax router renormalised: the same weights).
+The scalar multipliers are ModelConfig's (embedding, residual, attention scale, logits scaling). HF fuses
+gate and up: shared_mlp.input_linear [2S, H] and the experts' input_linear [E, 2F, H] concatenate our
+gate_proj and up_proj, in that order (key-map Parts); the experts are stored as whole [E, ...] tensors."""
+from __future__ import annotations
+
+import math
+
+from remodel.models.attention import ATTENTION
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.kinds import routed, used
+from remodel.models.layout import BLOCK_NORM
+from remodel.models.mamba import MAMBA
+from remodel.models.mlp import MLP_KIND
+from remodel.models.moe import MOE
+
+from .family import Family, Part
+
+BLOCK_TYPES = {"linear_attention": MAMBA.char, "full_attention": ATTENTION.char}  # HF layer type -> our mixer
+_TYPE = {v: k for k, v in BLOCK_TYPES.items()}
+_ROPE = "rope"  # position_embedding_type that turns RoPE on (anything else: no positional encoding)
+_HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the HF decoder layer's module
+
+
+def _time_step_limit(h) -> tuple[float, float]:
+    """(lower, upper) clamp of dt; None means no clamp (dt = softplus(.) >= 0 already)."""
+    lim = h.time_step_limit
+    if lim is None:
+        return 0.0, float("inf")
+    if len(lim) != 2:
+        raise RemodelError(f"time_step_limit must be [min, max], got {list(lim)!r}")
+    return float(lim[0]), float(lim[1])
+
+
+def _rope_theta(h) -> float | None:
+    """rope_theta when the config turns RoPE on (default type only), else None."""
+    if h.position_embedding_type != _ROPE:
+        return None
+    rp = dict(getattr(h, "rope_parameters", None) or {})
+    if rp.get("rope_type", "default") != "default":
+        raise RemodelError(f"granitemoehybrid with rope_type {rp.get('rope_type')!r} is not supported (only default)")
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def _ffn(h) -> dict:
+    """The FFN half's fields: MoE with the shared MLP as its shared expert, or the shared MLP alone."""
+    S = h.shared_intermediate_size
+    if not h.num_local_experts:
+        return dict(intermediate_size=S)
+    return dict(n_routed_experts=h.num_local_experts, num_experts_per_tok=h.num_experts_per_tok,
+                moe_intermediate_size=h.intermediate_size, moe_shared_expert_intermediate_size=S,
+                router="softmax", norm_topk_prob=True)
+
+
+def _scalars(h, hd: int | None) -> dict:
+    """The multipliers as ModelConfig fields (attention_scale None where it is 1/sqrt(head_dim) anyway, or
+    where no layer attends: hd None)."""
+    got = {k: getattr(h, k) for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                      "logits_scaling")}
+    for k, v in got.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RemodelError(f"{k} must be a number, got {v!r}")
+    att = got["attention_multiplier"]
+    return dict(embedding_multiplier=float(got["embedding_multiplier"]),
+                residual_multiplier=float(got["residual_multiplier"]), logits_scaling=float(got["logits_scaling"]),
+                attention_scale=None if hd is None or att == 1 / math.sqrt(hd) else float(att))
+
+
+def _gate_up(hf: str, dim: int) -> dict:
+    """Our gate_proj and up_proj leaves as the two halves (gate first) of the HF tensor `hf` along `dim`."""
+    return {"gate_proj": Part(hf, dim, 0, 2), "up_proj": Part(hf, dim, 1, 2)}
+
+
+class Granite(Family):
+    def required(self, h):
+        need = [("num_hidden_layers",), ("layer_types", "layers_block_type"), ("shared_intermediate_size",)]
+        types = set(h.layers_block_type)
+        if "full_attention" in types:
+            need += [("num_attention_heads",)]
+        if "linear_attention" in types:
+            need += [("mamba_n_heads",), ("mamba_d_state",), ("mamba_expand", "mamba_d_head")]
+        if h.num_local_experts:
+            need += [("num_local_experts",), ("intermediate_size",)]
+        return need
+
+    def from_hf(self, h, extra):
+        if h.hidden_act != "silu":
+            raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for granitemoehybrid (only silu)")
+        bad = set(h.layers_block_type) - set(BLOCK_TYPES)
+        if bad:
+            raise RemodelError(f"unknown layer types {sorted(bad)} (known: {', '.join(BLOCK_TYPES)})")
+        lo, hi = _time_step_limit(h)
+        ffn = (MOE if h.num_local_experts else MLP_KIND).char
+        hd = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
+        return ModelConfig(
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
+            pattern="".join(BLOCK_TYPES[t] + ffn for t in h.layers_block_type),
+            tie_word_embeddings=bool(h.tie_word_embeddings),
+            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads, head_dim=hd,
+            rope_theta=_rope_theta(h), attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
+            mlp_act="silu", mlp_gated=True, **_ffn(h),
+            mamba_num_heads=h.mamba_n_heads, mamba_head_dim=h.mamba_d_head, n_groups=h.mamba_n_groups,
+            ssm_state_size=h.mamba_d_state, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
+            use_conv_bias=bool(h.mamba_conv_bias), mamba_proj_bias=bool(h.mamba_proj_bias),
+            time_step_min=lo, time_step_max=hi, extra=extra,
+            **_scalars(h, hd if "full_attention" in h.layers_block_type else None))
+
+    def check(self, cfg, need):
+        need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
+        mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values())
+             and set(ffns) in ({MOE.char}, {MLP_KIND.char}),
+             f"needs the layer pattern of (Mamba 'M' or attention '*') + (every one MoE 'E' or every one MLP '-') "
+             f"pairs, got {cfg.pattern!r}")
+        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
+        if routed(cfg):
+            need(cfg.router == "softmax" and cfg.norm_topk_prob and cfg.n_group == 1,
+                 "granitemoehybrid routes by softmax over the top-k logits (a renormalised softmax router)")
+            need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+            need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+            need(cfg.moe_shared_expert_intermediate_size > 0 and not cfg.shared_expert_gate,
+                 "granitemoehybrid MoE layers always hold an ungated shared expert (its shared_mlp)")
+        if ATTENTION in used(cfg):
+            need(cfg.rope_scaling is None and cfg.partial_rotary_factor == 1.0,
+                 "granitemoehybrid attention has default RoPE on whole heads, or none")
+            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(not cfg.qk_norm, "granitemoehybrid attention has no q/k norm")
+            need(cfg.sliding_window is None, "granitemoehybrid has no sliding-window attention")
+        if MAMBA in used(cfg):
+            need(cfg.mamba_inner % cfg.hidden_size == 0, f"granitemoehybrid's Mamba width is mamba_expand * "
+                 f"hidden_size: mamba_num_heads * mamba_head_dim = {cfg.mamba_inner} is not a multiple of "
+                 f"{cfg.hidden_size}")
+
+    def to_hf(self, cfg):
+        mamba, moe, H = MAMBA in used(cfg), routed(cfg), cfg.hidden_size
+        scale = cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim or 1)
+        d = dict(
+            num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+            layer_types=[_TYPE[c] for c in cfg.pattern[0::2]],
+            num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
+            attention_bias=cfg.attention_bias, position_embedding_type=_ROPE if cfg.rope_theta is not None else None,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0},
+            num_local_experts=cfg.n_routed_experts if moe else 0, num_experts_per_tok=cfg.num_experts_per_tok or 1,
+            intermediate_size=cfg.moe_intermediate_size if moe else cfg.intermediate_size,
+            shared_intermediate_size=cfg.moe_shared_expert_intermediate_size if moe else cfg.intermediate_size,
+            # without Mamba layers any consistent widths do: one head of the whole hidden size
+            mamba_n_heads=cfg.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba_head_dim if mamba else H,
+            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.n_groups if mamba else 1,
+            mamba_d_state=cfg.ssm_state_size or 1, mamba_d_conv=cfg.conv_kernel, mamba_chunk_size=cfg.chunk_size,
+            mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
+            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)],
+            embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
+            attention_multiplier=scale, logits_scaling=cfg.logits_scaling)
+        if cfg.head_dim:
+            d["head_dim"] = cfg.head_dim  # transformers' default hidden // heads need not hold (pruning)
+        return d
+
+    def key_map(self):
+        """Our layer 2j's mixer is HF layer j's `mamba` or `self_attn`, 2j+1's MoE its `block_sparse_moe`
+        (router, fused experts) with `shared_mlp` as the shared expert, or a dense MLP that is `shared_mlp`:
+        both of our names of a shared_mlp tensor map to it (the config says which one a model has)."""
+        out = {"embeddings.weight": "model.embed_tokens.weight",
+               "layers.{a}." + BLOCK_NORM.leaf: "model.layers.{a}.input_layernorm.weight",
+               "layers.{m}." + BLOCK_NORM.leaf: "model.layers.{m}.post_attention_layernorm.weight"}
+        for k, module in _HF_MIXER:
+            out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}"
+                        for p in k.params if "qk_norm" not in p.when})
+        shared, moe = "model.layers.{m}.shared_mlp.", "model.layers.{m}.block_sparse_moe."
+        for ours in ("layers.{m}.mixer.", "layers.{m}.mixer.shared_experts."):  # dense MLP, MoE's shared expert
+            out.update({f"{ours}{p}.weight": v for p, v in _gate_up(shared + "input_linear.weight", 0).items()})
+            out[ours + "down_proj.weight"] = shared + "output_linear.weight"
+        out["layers.{m}.mixer.gate.weight"] = moe + "router.layer.weight"
+        out.update({f"layers.{{m}}.mixer.experts.{p}": v for p, v in _gate_up(moe + "input_linear.weight", 1).items()})
+        out["layers.{m}.mixer.experts.down_proj"] = moe + "output_linear.weight"
+        out.update({"norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"})
+        return out
+
+    def claims(self, cfg):
+        """The default export of every model granitemoehybrid holds exactly (asked after bamba)."""
+        problems = []
+        self.check(cfg, lambda ok, why: ok or problems.append(why))
+        return not problems
+
+    def upcycle_into(self, cfg, router, shared):
+        raise RemodelError("granitemoehybrid has no upcycling target yet (upcycling into it is not supported)")
+
+
+GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, block_types=BLOCK_TYPES,
+                  multipliers=True, upcycle_help="none (not supported yet)")

@@ -1,0 +1,336 @@
+"""IBM Granite 4.0-H (models/families/granite.py) against transformers' `granitemoehybrid` (the oracle): tiny
+random GraniteMoeHybridForCausalLMs (MoE + shared MLP, dense, RoPE; scalar multipliers away from 1) are saved,
+loaded by remodel, compared logit for logit and gradient for gradient, exported back bit for bit (the fused
+gate/up tensors rebuilt from our separate ones), loaded again by transformers, evaluated, and pruned on
+every axis."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from remodel import cli
+from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES, default_family
+from remodel.models.hf import check_exportable, config_from_hf, weight_table
+from remodel.models.load import save_model
+from remodel.models.model import HybridLM
+from remodel.models.params import count_params
+from tests.conftest import hf_pair, tensors
+
+FAMILY = "granitemoehybrid"
+V, B, L = 128, 2, 37
+BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
+            mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
+SCALED = dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
+CASES = {
+    "moe": dict(BASE, **SCALED),  # MoE + shared MLP, no positional encoding, every multiplier away from 1
+    "dense": dict(BASE, num_local_experts=0, **SCALED),  # the shared MLP alone
+    # RoPE, every bias, tied embeddings, an explicit head_dim, attention first and last, a dt clamp that bites
+    "rope_biased_tied": dict(BASE, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                "full_attention"], position_embedding_type="rope",
+                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, attention_bias=True,
+                             mamba_proj_bias=True, mamba_conv_bias=False, tie_word_embeddings=True, head_dim=24,
+                             time_step_limit=(0.01, 5.0), embedding_multiplier=1.5, logits_scaling=0.5),
+}
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("granite")
+
+
+def build(case, root):
+    """-> (transformers model, our model, checkpoint dir), built once per case (tests/conftest.hf_pair)."""
+    return hf_pair(FAMILY, root, case, len(case), **CASES[case])
+
+
+def ids(seed=0, n=B):
+    return torch.randint(0, V, (n, L), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_maps_to_pairs(case, root):
+    _, ours, _ = build(case, root)
+    c = CASES[case]
+    ffn = "E" if c["num_local_experts"] else "-"
+    assert ours.cfg.pattern == "".join(("M" if t == "linear_attention" else "*") + ffn for t in c["layer_types"])
+    assert FAMILIES[FAMILY].depth_units(ours.cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert default_family(ours.cfg) == FAMILY
+    cfg = ours.cfg
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == \
+        (c.get("embedding_multiplier", 1.0), c.get("residual_multiplier", 1.0), c.get("logits_scaling", 1.0))
+    assert cfg.attention_scale == c.get("attention_multiplier", 1.0)
+    assert (cfg.rope_theta is not None) == (c.get("position_embedding_type") == "rope")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_gradients(case, root):
+    hf, ours, _ = build(case, root)
+    x, labels = ids(0), ids(1)
+    for m in (hf, ours):
+        m.zero_grad(set_to_none=True)
+    ref, out = hf(x).logits, ours(x)
+    assert out.shape == ref.shape == (B, L, V)
+    assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert ref.std().item() > 0.3  # not a comparison of near-constant outputs
+    F.cross_entropy(ref.reshape(-1, V), labels.reshape(-1)).backward()
+    F.cross_entropy(out.reshape(-1, V), labels.reshape(-1)).backward()
+    hf_params, ours_params = dict(hf.named_parameters()), dict(ours.named_parameters())
+    for our_name, hf_name, _ in weight_table(ours.cfg, FAMILY):
+        g_ours = ours_params[our_name].grad
+        g_ref = _hf_grad(hf, our_name, ours.cfg)
+        pad = hf.config.pad_token_id  # transformers' padding_idx row gets no gradient from the input side
+        if our_name == "embeddings.weight" and pad is not None:
+            g_ours, g_ref = (torch.cat([g[:pad], g[pad + 1:]]) for g in (g_ours, g_ref))
+        scale = g_ref.abs().max().item()
+        assert (g_ours - g_ref).abs().max().item() <= 1e-5 + 1e-4 * scale, our_name
+    assert {o for o, _, _ in weight_table(ours.cfg, FAMILY)} == set(ours_params)
+    assert len(hf_params) == len({h for _, h, _ in weight_table(ours.cfg, FAMILY)})
+
+
+def _hf_grad(hf, our_name, cfg):
+    """The gradient transformers' in-memory model holds for our tensor `our_name` (its experts are
+    `experts.gate_up_proj` / `experts.down_proj`, its router `router.weight`: the load-time renaming)."""
+    from remodel.models.hf_adapter import to_hf_part
+
+    part = to_hf_part(cfg, FAMILY, our_name)
+    name = part.name.replace("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")
+    name = name.replace("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj")
+    name = name.replace("router.layer.weight", "router.weight")
+    return part.narrow(dict(hf.named_parameters())[name].grad)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_left_padding(case, root):
+    hf, ours, _ = build(case, root)
+    x = ids(2)
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, :7] = 0  # row 1 is left-padded by 7 tokens
+    with torch.no_grad():
+        ref, out, plain = hf(x, attention_mask=mask).logits, ours(x, attention_mask=mask), ours(x)
+    keep = mask.bool()
+    assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
+    assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3  # the mask changes something
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_identical(case, root):
+    hf, ours, d = build(case, root)
+    out = save_model(ours, root / f"{case}_out", family=FAMILY)
+    a, b = tensors(d), tensors(out)
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    src, dst = (json.loads((p / "config.json").read_text()) for p in (d, out))
+    for k in ("layer_types", "num_hidden_layers", "num_local_experts", "shared_intermediate_size",
+              "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups", "mamba_d_state", "mamba_conv_bias",
+              "mamba_proj_bias", "time_step_limit", "attention_bias", "tie_word_embeddings", "rms_norm_eps",
+              "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        assert dst[k] == src[k], k
+    assert (dst["position_embedding_type"] == "rope") == (src.get("position_embedding_type") == "rope")
+    if src["num_local_experts"]:  # the expert FFN and top-k (unused without experts)
+        assert (dst["intermediate_size"], dst["num_experts_per_tok"]) == (src["intermediate_size"], src["num_experts_per_tok"])
+    back = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        assert torch.equal(back(ids(3)).logits, hf(ids(3)).logits)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameter_count_and_inspect(case, root, capsys):
+    hf, ours, d = build(case, root)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert count_params(ours.cfg, family=FAMILY)["hf_total"] == n_hf == sum(p.numel() for p in ours.parameters())
+    assert cli.main(["inspect", str(d)]) == 0
+    shown = capsys.readouterr().out
+    assert ours.cfg.pattern in shown and f"{n_hf:,}" in shown
+
+
+def _hf_loss(hf, blocks):
+    """transformers' own mean next-token loss (its labels path) over equal-sized batches of blocks."""
+    with torch.no_grad():
+        return sum(hf(b, labels=b).loss.item() for b in blocks.split(B)) / math.ceil(len(blocks) / B)
+
+
+def test_eval_loss_parity(root):
+    from remodel.pipelines.training.evaluate import evaluate
+
+    hf, _, d = build("moe", root)
+    blocks = ids(7, n=2 * B)
+    ours = evaluate(d, blocks, batch=B)["loss"]
+    assert abs(ours - _hf_loss(hf, blocks)) <= 5e-5
+
+
+@pytest.mark.parametrize("field", ["embedding_multiplier", "residual_multiplier", "attention_scale",
+                                   "logits_scaling"])
+def test_each_multiplier_is_used(field, root):
+    """The same weights with one multiplier 10% off no longer give transformers' loss: every one is used."""
+    from remodel.pipelines.training.evaluate import evaluate
+
+    hf, ours, _ = build("moe", root)
+    blocks = ids(7, n=2 * B)
+    cfg = ours.cfg.replace(**{field: getattr(ours.cfg, field) * 1.1})
+    off = HybridLM(cfg)
+    off.load_state_dict(ours.state_dict())
+    ref, same, changed = _hf_loss(hf, blocks), evaluate(ours, blocks, batch=B)["loss"], evaluate(off.eval(), blocks, batch=B)["loss"]
+    assert abs(same - ref) <= 5e-5 and abs(changed - ref) > 1e-3 and abs(changed - same) > 1e-3
+
+
+def test_multipliers_refused_by_other_families(root):
+    _, ours, _ = build("moe", root)
+    with pytest.raises(RemodelError, match="no scalar multipliers"):
+        check_exportable(ours.cfg.replace(pattern="*E*E"), "qwen2_moe")
+    _, dense, _ = build("dense", root)
+    with pytest.raises(RemodelError, match="no scalar multipliers"):
+        check_exportable(dense.cfg, "bamba")
+    # plain multipliers (attention_multiplier the default 1/sqrt(head_dim)): a Llama in granitemoehybrid's clothes
+    plain = config_from_hf({"model_type": FAMILY, **BASE, "layer_types": ["full_attention"] * 4, "num_local_experts": 0,
+                            "position_embedding_type": "rope", "attention_multiplier": 1 / math.sqrt(16)})
+    assert plain.attention_scale is None and plain.pattern == "*-" * 4 and default_family(plain) == "llama"
+
+
+def test_refusals(root):
+    _, ours, _ = build("moe", root)
+    cfg = ours.cfg
+    with pytest.raises(RemodelError, match="pattern"):
+        check_exportable(cfg.replace(pattern="ME*-", intermediate_size=40), FAMILY)  # MoE and MLP halves mixed
+    with pytest.raises(RemodelError, match="shared expert"):
+        check_exportable(cfg.replace(moe_shared_expert_intermediate_size=0), FAMILY)
+    with pytest.raises(RemodelError, match="renormalised softmax"):
+        check_exportable(cfg.replace(router="sigmoid"), FAMILY)
+    with pytest.raises(RemodelError, match="whole heads"):
+        check_exportable(cfg.replace(rope_theta=1e4, partial_rotary_factor=0.5), FAMILY)
+    with pytest.raises(RemodelError, match="mamba_expand"):
+        check_exportable(cfg.replace(mamba_num_heads=6), FAMILY)
+    with pytest.raises(RemodelError, match="logits_scaling"):
+        config_from_hf({"model_type": FAMILY, **CASES["moe"], "logits_scaling": 0})
+    with pytest.raises(RemodelError, match="residual_multiplier must be a number"):
+        config_from_hf({"model_type": FAMILY, **CASES["moe"], "residual_multiplier": None})
+
+
+@pytest.mark.parametrize("case,targets", [
+    ("moe", dict(hidden_size=32, shared_expert_size=24, expert_ffn_size=16, experts=3, attn_heads=2, mamba_heads=4,
+                 mamba_head_dim=8, num_layers=3)),
+    ("dense", dict(hidden_size=32, ffn_size=24, attn_heads=2, mamba_heads=4, mamba_head_dim=8, num_layers=3)),
+])
+def test_prune_every_axis_then_transformers_reloads(case, targets, root):
+    """Through the generic planner: hidden, query heads, Mamba heads and head size, the shared MLP, the
+    experts and their FFN, and one decoder layer (mixer + FFN) pruned; the result exports as granitemoehybrid,
+    transformers loads it with our logits and our parameter count."""
+    from remodel.compress.baselines import random_scores
+    from remodel.compress.prune import plan_keep, prune_model
+
+    _, ours, _ = build(case, root)
+    cfg = ours.cfg
+    keep = plan_keep(cfg, random_scores(cfg, seed=1), targets, family=FAMILY)
+    assert len(keep["layers"]) == 6 and all(keep["layers"][1::2] == keep["layers"][0::2] + 1)  # whole pairs
+    small = prune_model(ours, keep)
+    assert small.cfg.pattern[1::2] == cfg.pattern[1] * 3 and small.cfg.hidden_size == 32
+    out = save_model(small, root / f"{case}_pruned", family=FAMILY)
+    hf = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert sum(p.numel() for p in hf.parameters()) == count_params(small.cfg, family=FAMILY)["hf_total"]
+    with torch.no_grad():
+        a, b = hf(ids(5)).logits, small(ids(5))
+    assert (a - b).abs().max().item() < 1e-4
+    assert (small.cfg.embedding_multiplier, small.cfg.logits_scaling) == (cfg.embedding_multiplier, cfg.logits_scaling)
+
+
+def test_streaming_prune_equals_in_memory(root):
+    """`remodel prune` streams the checkpoint (each fused gate/up tensor read as our two parts, written back
+    joined): its output equals the in-memory prune's export tensor for tensor."""
+    from remodel.compress.baselines import random_scores
+    from remodel.compress.prune import plan_keep, prune_model
+    from remodel.compress.scores import save_scores
+    from remodel.pipelines.commands.prune import prune
+
+    _, ours, d = build("moe", root)
+    cfg, scores = ours.cfg, random_scores(ours.cfg, seed=2)
+    targets = dict(hidden_size=32, shared_expert_size=32, expert_ffn_size=24, experts=3, attn_heads=2, mamba_heads=4,
+                   mamba_head_dim=8, num_layers=3)
+    meta = {"config": cfg.to_dict(), "source": "test", "samples": 0, "seq_len": 0, "tokens": 0,
+            "baseline_loss": 0.0, "mode": "whole"}
+    prune(d, root / "cli_pruned", save_scores(root / "moe_scores", scores, meta), **targets)
+    ref = save_model(prune_model(ours, plan_keep(cfg, scores, targets, family=FAMILY)), root / "mem_pruned",
+                     family=FAMILY)
+    a, b = tensors(root / "cli_pruned"), tensors(ref)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_region_reads(root):
+    """Sharded loading reads any rows / columns / experts of our gate and up tensors out of the fused HF ones."""
+    from remodel.models.regions import RegionReader
+
+    _, ours, d = build("moe", root)
+    g = torch.Generator().manual_seed(3)
+    reader = RegionReader(d)
+    try:
+        for name, full in ours.state_dict().items():
+            if name not in reader.shapes:
+                continue
+            idx = [None if torch.rand((), generator=g) < 0.3 else torch.randperm(n, generator=g)[:max(1, n // 2)].sort()[0]
+                   for n in full.shape]
+            want = full
+            for dim, i in enumerate(idx):
+                want = want if i is None else want.index_select(dim, i)
+            assert torch.equal(reader.read(name, idx), want), name
+    finally:
+        reader.close()
+
+
+def test_export_sharded_single_process(root):
+    """The sharded export path (one process: nothing to gather) writes the checkpoint transformers saved."""
+    from remodel.pipelines.distributed.sharded import export_sharded
+
+    _, ours, d = build("moe", root)
+    out = export_sharded(ours, root / "sharded_out", family=FAMILY)
+    a, b = tensors(d), tensors(out)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_loss_sees_the_multipliers(root):
+    """The trainer's fused loss (hidden states and the lm_head weight, pipelines.training.fused_loss) gives
+    transformers' loss and gradients: the multipliers stay in the model, trained through, not in the weights."""
+    from remodel.pipelines.training.fused_loss import fused_lm_loss, lm_head_weight
+
+    hf, ours, _ = build("moe", root)
+    x = ids(9)
+    for m in (hf, ours):
+        m.zero_grad(set_to_none=True)
+    h = ours(x, return_hidden=True)
+    loss = fused_lm_loss(h[:, :-1].reshape(-1, h.shape[-1]), lm_head_weight(ours), x[:, 1:].reshape(-1))
+    ref = hf(x, labels=x).loss
+    assert abs(loss.item() - ref.item()) <= 5e-5
+    loss.backward()
+    ref.backward()
+    for ours_name, hf_name in (("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight"),
+                               ("layers.3.mixer.gate.weight", "model.layers.1.block_sparse_moe.router.weight")):
+        g, g_ref = dict(ours.named_parameters())[ours_name].grad, dict(hf.named_parameters())[hf_name].grad
+        assert (g - g_ref).abs().max().item() <= 1e-5 + 1e-4 * g_ref.abs().max().item(), ours_name
+
+
+def test_convert_into_granite_writes_each_fused_tensor_once(root):
+    """`remodel convert` streams our tensors into the family's: gate and up join into one input_linear."""
+    for case in ("moe", "dense"):
+        _, _, d = build(case, root)
+        out = root / f"{case}_converted"
+        assert cli.main(["convert", str(d), str(out), "--to", FAMILY]) == 0
+        a, b = tensors(d), tensors(out)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+
+
+def test_streaming_scores_equal_whole_model_scores(root, tmp_path):
+    """Layer-streaming scoring (models larger than memory) applies the embedding multiplier and the
+    logits scaling as the whole model does: the same scores and baseline loss."""
+    from remodel.compress.importance import score_model, score_streaming
+    _, ours, d = build("moe", root)
+    batches = [ids(50 + s) for s in range(3)]
+    whole, wi = score_model(ours, batches, loss_batches=2)
+    got, gi = score_streaming(d, batches, loss_batches=2, spill_dir=tmp_path)
+    assert got.keys() == whole.keys() and "loss_increase" in got
+    for k in whole:
+        assert torch.allclose(got[k], whole[k], rtol=1e-5, atol=1e-7), k
+    assert abs(gi["baseline_loss"] - wi["baseline_loss"]) <= 1e-6 * wi["baseline_loss"]
