@@ -3,9 +3,11 @@ train() on a tiny Nemotron-H with M, *, -, E layers (MoE with a shared expert): 
 with EP 2 (folded over dp), TP 2 x EP 2 (folded over tp), DP 2 x TP 2 and DP 2 x TP 2 x EP 2; distillation
 (KL + CE + hidden-state cosine through projections + MoE load balancing, grad_accum 2) with TP 2 through
 cli.main, top-k distillation with TP 2; --fused-loss distillation under TP 2, DP 2 (FSDP) and DP 2 x TP 2,
-each equal to one process with --fused-loss and to the logits path; exact resume of a TP 2 checkpoint, the
-same checkpoint continued by one process; a SIGKILLed or SIGSTOPped rank of `torchrun cli.py distill` ends
-the job within 60 s.
+each equal to one process with --fused-loss and to the logits path; --recompute selective and full under
+DP 2 and in one process; exact resume of a TP 2 checkpoint, the same checkpoint continued by one process; a
+DP 2 x TP 2 run one of whose ranks is SIGKILLed at step 3, its step-2 checkpoint continued under DP 4 and by
+one process; what each rank holds of the student and the teacher (bytes of its local shards, about 1/n);
+a SIGKILLed or SIGSTOPped rank of `torchrun cli.py distill` ends the job within 60 s.
 
 This file is also the torchrun worker: `torchrun --nproc-per-node N tests/test_train_parallel.py DIR CASE...`
 calls pipelines.training.train.train(..., tp=, ep=) once per case (the process group outlives the calls).
@@ -41,14 +43,15 @@ CASES = {  # name: (processes, tp, ep, reference)
     "lm_ep2": (2, 1, 2, "lm"), "lm_tp2_ep2": (2, 2, 2, "lm"), "kd_tp2": (2, 2, 1, "kd"),
     "kd_topk_tp2": (2, 2, 1, "kd_topk"), "lm_dp2_tp2": (4, 2, 1, "lm"), "kd_dp2_tp2_ep2": (4, 2, 2, "kd"),
     "kd_tp2_fused": (2, 2, 1, "kd_fused"), "kd_dp2_fused": (2, 1, 1, "kd_fused"),
-    "kd_dp2_tp2_fused": (4, 2, 1, "kd_fused"),
+    "kd_dp2_tp2_fused": (4, 2, 1, "kd_fused"), "lm_dp2_selective": (2, 1, 1, "lm"), "lm_dp2_full": (2, 1, 1, "lm"),
 }
+RECOMPUTE = {"lm_dp2_selective": "selective", "lm_dp2_full": "full"}  # --recompute through the trainer
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
 LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "lm_ep2": (1, 2, 2, "dp"), "lm_tp2_ep2": (2, 2, 1, "tp"), "kd_tp2": (2, 1, 1, None),
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
     "kd_tp2_fused": (2, 1, 1, None), "kd_dp2_fused": (1, 1, 2, None),
-    "kd_dp2_tp2_fused": (2, 1, 2, None),
+    "kd_dp2_tp2_fused": (2, 1, 2, None), "lm_dp2_selective": (1, 1, 2, None), "lm_dp2_full": (1, 1, 2, None),
 }
 CLI_FLAGS = ["--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4", "--warmup", "1", "--checkpoint-every",
              "2", "--grad-accum", "2", "--hidden-loss-weight", "0.5", "--lm-loss-weight", "0.1"]
@@ -75,9 +78,19 @@ def worker(d: Path, cases):
             rc = cli.main(["distill", "--teacher", str(d / "teacher"), "--student", str(d / "student"), str(d / name),
                            "--data", str(d / "train.txt"), *CLI_FLAGS, "--tp", "2"])
             assert rc == 0
-        elif name == "lm_dp4_resumed":  # lm_dp2_tp2's step-2 checkpoint (DCP) continued under DP 4
+        elif name == "lm_dp2_tp2_killed":  # lm_dp2_tp2 whose rank 1 is SIGKILLed as step 3 begins
+            from remodel.pipelines.training import trainer as TR
+            step = TR._Training.step
+
+            def dying(self, k, *a, **kw):
+                if k == 2 and dist.get_rank() == 1:  # 0-based: the third step, after checkpoint 2
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return step(self, k, *a, **kw)
+            TR._Training.step = dying  # in this test worker only
+            train(**kwargs(d, name, "lm", tp=2))
+        elif name == "lm_dp4_resumed":  # the killed run's step-2 checkpoint (DCP) continued under DP 4
             if dist.get_rank() == 0:
-                shutil.copytree(d / "lm_dp2_tp2.run" / "step-000002", d / "lm_dp4_resumed.run" / "step-000002")
+                shutil.copytree(d / "lm_dp2_tp2_killed.run" / "step-000002", d / "lm_dp4_resumed.run" / "step-000002")
             dist.barrier()
             train(**kwargs(d, name, "lm", tp=1, resume=True))
         elif name == "kd_tp2_resumed":  # continue kd_tp2's step-2 checkpoint: must repeat its step 3 exactly
@@ -88,7 +101,7 @@ def worker(d: Path, cases):
         else:
             n, tp, ep, ref = CASES[name]
             train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC,
-                           fused_loss=name.endswith("fused")))
+                           fused_loss=name.endswith("fused"), recompute=RECOMPUTE.get(name, "none")))
         if dist.get_rank() == 0:
             print(f"CASE {name} {time.time() - t0:.1f} s", flush=True)
     sys.stdout.flush()
@@ -203,23 +216,29 @@ def runs(tmp_path_factory):
     tiny(d / "student", 32, seed=0, tied=False)
     tiny(d / "teacher", 48, seed=1, tied=True, sharpen=10.0)
     res = {}
+
+    def four():  # a rank of DP 2 x TP 2 really killed, then its checkpoint resumed under DP 4 (lm_dp4_resumed)
+        return launch(d, 4, ["lm_dp2_tp2_killed"]), launch(d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2",
+                                                                  "kd_dp2_tp2_fused"])
     with ThreadPoolExecutor(4) as ex:  # everything at once: the launches spend much of their time waiting
         jobs = {how: ex.submit(failing_run, d, how) for how in ("die", "stall")}
         jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2",
-                                          "kd_tp2_fused", "kd_dp2_fused"])
-        jobs[4] = ex.submit(launch, d, 4, ["lm_dp2_tp2", "lm_dp4_resumed", "kd_dp2_tp2_ep2", "kd_dp2_tp2_fused"])
+                                          "kd_tp2_fused", "kd_dp2_fused", "lm_dp2_selective", "lm_dp2_full"])
+        jobs[4] = ex.submit(four)
         n = torch.get_num_threads()
         torch.set_num_threads(1)
-        try:  # the one-process references, meanwhile
+        try:  # the one-process references, meanwhile, and --recompute through the one-process trainer
             res["ref"] = {r: T.train(**kwargs(d, f"ref_{r}", r)) for r in REFS}
+            res["recompute"] = {m: T.train(**kwargs(d, f"ref_lm_{m}", "lm", recompute=m)) for m in ("selective", "full")}
         finally:
             torch.set_num_threads(n)
         res.update({k: f.result() for k, f in jobs.items()})
+    res["killed"], res[4] = res[4]
     if res[2][0] == 0:  # kd_tp2's (gathered) step-2 checkpoint continued by one process
         shutil.copytree(d / "kd_tp2.run" / "step-000002", d / "kd_1proc.run" / "step-000002")
         res["kd_1proc"] = T.train(**kwargs(d, "kd_1proc", "kd", resume=True))
-    if res[4][0] == 0:  # lm_dp2_tp2's step-2 checkpoint continued by one process
-        shutil.copytree(d / "lm_dp2_tp2.run" / "step-000002", d / "lm_1proc.run" / "step-000002")
+    if (d / "lm_dp2_tp2_killed.run" / "step-000002").is_dir():  # the killed run's checkpoint, by one process
+        shutil.copytree(d / "lm_dp2_tp2_killed.run" / "step-000002", d / "lm_1proc.run" / "step-000002")
         res["lm_1proc"] = T.train(**kwargs(d, "lm_1proc", "lm", resume=True))
     res["dir"] = d
     return res
@@ -252,6 +271,16 @@ def compare(d: Path, name: str, ref: str):
     return rep, want, loss_rel, weights_rel(w, w_ref), moved
 
 
+def _fp32_bytes(model_dir, replicated_by_tp: bool | None = None) -> int:
+    """fp32 bytes of a checkpoint's parameters (the routers' correction bias is a buffer); with
+    replicated_by_tp, only those tensor parallelism leaves whole: 1-D tensors (counted whole, a bound),
+    the router, and the routed experts when no expert parallelism splits them."""
+    def whole(k, t):
+        return t.dim() == 1 or k.endswith("gate.weight") or (replicated_by_tp and ".experts." in k)
+    return sum(t.numel() * 4 for k, t in load_file(model_dir / "model.safetensors").items()
+               if not k.endswith("e_score_correction_bias") and (replicated_by_tp is None or whole(k, t)))
+
+
 def test_launches_succeed(runs):
     for n in (2, 4):
         rc, log = runs[n]
@@ -273,7 +302,13 @@ def test_matches_one_process(runs, name):
     if ref != "lm":  # the teacher really taught: a large KL that the student reduced
         assert min(r["kl"] for r in rep["history"]) > 0.5  # a confident teacher: KL far from 0
         assert p["teacher"] == {"tp": tp, "ep": ep}  # the teacher is TP (and EP) sharded too
-        assert p["teacher_fsdp"] == (n // tp > 1)
+    for who in ("student", "teacher") if ref != "lm" else ("student",):  # what each rank holds, measured
+        held, full = p["held_bytes"][who], _fp32_bytes(runs["dir"] / who)
+        whole = _fp32_bytes(runs["dir"] / who, replicated_by_tp=ep == 1)  # left whole on every tp rank
+        bound = (full - whole) / n + whole / (n // tp)  # the rest split over all n ranks (TP / EP x FSDP)
+        print(f"{name} {who}: bytes per rank {held}, whole model {full}, bound {bound:.0f}")
+        assert len(held) == n and sum(held) >= full  # together the ranks hold all of it
+        assert max(held) <= bound + 1024 and max(held) < 0.6 * full  # no rank holds the whole model
     if name.endswith("fused"):  # the fused loss equals the logits path too, whatever the layout
         loss_rel, (w_rel, worst) = compare(runs["dir"], name, "kd")[2:4]
         print(f"{name} vs the unfused one process: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e}")
@@ -313,10 +348,23 @@ def test_dead_or_stalled_rank_ends_the_job(runs, how):
     assert not out.exists()
 
 
+def test_recompute_through_the_trainer_changes_nothing(runs):
+    """--recompute selective | full in one process: the same losses as none, to the bit (DP 2: CASES)."""
+    ref = [r["loss"] for r in runs["ref"]["lm"]["history"]]
+    for mode, rep in runs["recompute"].items():
+        assert rep["args"]["recompute"] == mode and [r["loss"] for r in rep["history"]] == ref, mode
+
+
 def test_dcp_checkpoint_resumes_under_other_layouts(runs):
-    """DP 2 x TP 2 wrote step 2 (each rank its own chunks); DP 4 and one process continue it: every
-    step's loss and the final weights equal the uninterrupted one-process run."""
+    """DP 2 x TP 2 wrote step 2 (each rank its own chunks), then one of its ranks was SIGKILLed as step 3
+    began; DP 4 and one process continue that checkpoint: every step's loss and the final weights equal
+    the uninterrupted one-process run."""
     d = runs["dir"]
+    rc, log = runs["killed"]
+    assert rc != 0 and "SIGKILL" in log, log  # torchrun saw the rank die
+    killed = d / "lm_dp2_tp2_killed.run"
+    assert sorted(x.name for x in killed.iterdir() if x.name.startswith("step")) == ["step-000002"]
+    assert not (d / "lm_dp2_tp2_killed").exists()  # no OUT from the killed run
     assert runs[4][0] == 0, runs[4][1]
     ref = json.loads((d / "ref_lm" / "remodel_report.json").read_text())
     dp4 = json.loads((d / "lm_dp4_resumed" / "remodel_report.json").read_text())

@@ -34,7 +34,7 @@ from . import metrics
 from . import train_state as state
 from .evaluate import evaluate
 from .objective import compute_losses
-from ..distributed.parallel import check_layout, clip_grad_norm_, parallel_info
+from ..distributed.parallel import check_layout, clip_grad_norm_, local_tensor, parallel_info
 from ..distributed.runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
                       source_dtype, wait, wait_group, world_size)
 from ..distributed.sharded import export_sharded, load_sharded
@@ -175,6 +175,19 @@ def _load_models(p: Plan, mesh, ep_dim):
     return student, teacher, projections, layout_t
 
 
+def held_bytes(model, group) -> list[int] | None:
+    """Bytes of `model`'s parameters that each rank holds (its local TP / EP / FSDP shards), rank by rank:
+    sharding shown by what the ranks hold, not inferred from the layout. Collective over `group`."""
+    if model is None:
+        return None
+    n = torch.tensor([sum(local_tensor(q).numel() * q.element_size() for q in model.parameters())], dtype=torch.int64)
+    if group is None:
+        return [int(n)]
+    out = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, n, group=group)
+    return [int(x) for x in out]
+
+
 @dataclass
 class _Procs:
     """This process's place in the run: device, mesh and layout, whether it leads (rank 0), its wait group."""
@@ -237,6 +250,7 @@ class _Training:
         c = self.c = p.cfg
         self.p, self.procs, self.data, self.eval_blocks = p, procs, data, eval_blocks
         self.student, self.teacher, self.projections, self.teacher_layout = _load_models(p, procs.mesh, procs.ep_dim)
+        self.held = {"student": held_bytes(self.student, procs.group), "teacher": held_bytes(self.teacher, procs.group)}
         self.rss = metrics.PeakRSS()
         self.rss.mark("load")
         self.info = parallel_info(self.student)
@@ -398,7 +412,7 @@ class _Training:
                                 self.peak, p.t_start)
         report["parallel"] = {"world": procs.world, "tp": c.tp, "ep": self.info.ep, "dp": procs.dp,
                               "ep_over": self.info.ep_over, "teacher": self.teacher_layout,
-                              "teacher_fsdp": bool(p.distill and procs.dp > 1),
+                              "held_bytes": self.held,  # per rank, measured from the local tensors
                               "backend": dist.get_backend() if procs.mesh is not None else None}
         if procs.world > 1:
             report["mfu_note"] += f", times {procs.world} processes"
