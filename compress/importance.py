@@ -463,7 +463,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         try:
             for b, ids in enumerate(batches):
                 scorer.update(mask_of[b])
-                h = norm_f(store["main", b].to(dev)) / cfg.logits_scaling  # as HybridLM.hidden
+                h = norm_f(store["main", b].to(dev)) * cfg.lm_head_multiplier / cfg.logits_scaling  # as HybridLM.hidden
                 store.pop(("main", b))
                 sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
                 if cfg.mtp_layers:
@@ -476,7 +476,8 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         if k:
             base = _mean(sums[:k])
             scores["loss_increase"] = torch.tensor(
-                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)) / cfg.logits_scaling, W, batches[b], mask_of[b])
+                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)) * cfg.lm_head_multiplier / cfg.logits_scaling, W,
+                                     batches[b], mask_of[b])
                         for b in range(k)]) - base
                  for j in range(L)], dtype=torch.float32)
         info = {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k,

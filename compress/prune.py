@@ -122,7 +122,7 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
     if key == "num_layers":
         return
     kind, field = AXES[key]
-    if kind is not None and KINDS[kind] not in used(cfg, mtp=False):
+    if kind is not None and not any(key in k.widths for k in used(cfg, mtp=False)):  # no kind present has the width
         raise RemodelError(f"{flag(key)}: the model has no {KINDS[kind].name} layers (pattern {cfg.pattern})")
     src = getattr(cfg, field)
     if not src:
@@ -262,8 +262,8 @@ def new_config(cfg: ModelConfig, keep: dict) -> ModelConfig:
     layers = kept_layers(cfg, keep)
     if not layers:
         raise RemodelError("pruning would remove every layer")
-    sizes = {field: _size(cfg, keep, layers, c, unit, getattr(cfg, field))  # every kind's units (its spec)
-             for c, k in KINDS.items() for unit, field in k.units.items()}
+    sizes = {field: _size(cfg, keep, layers, c, unit, getattr(cfg, field))  # every present kind's units (its spec)
+             for c, k in KINDS.items() if k in used(cfg) for unit, field in k.units.items()}
     return cfg.replace(pattern="".join(cfg.pattern[i] for i in layers),
                        hidden_size=len(keep["hidden"]) if "hidden" in keep else cfg.hidden_size,
                        **sizes, extra=copy.deepcopy(cfg.extra))

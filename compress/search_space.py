@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remodel.models.config import ModelConfig
-from remodel.models.kinds import KINDS, routed
+from remodel.models.kinds import KINDS, routed, used
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units, family as family_of
 from remodel.models.hf import default_family
@@ -102,7 +102,7 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
     kind, field, default = WIDTHS[axis]
     divisor = divisor or default
     size = getattr(cfg, field)
-    if not size or (kind is not None and kind not in cfg.pattern):
+    if not size or (kind is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
     family = family or default_family(cfg)
     if axis == "mamba_heads":
@@ -136,7 +136,8 @@ class Space:
 
     def type_axes(self, t: str) -> list[str]:
         """The searched width axes one unit type depends on (hidden apart)."""
-        return [a for a, (kind, _, _) in WIDTHS.items() if kind is not None and kind in t and len(self.values[a]) > 1]
+        return [a for a, (kind, _, _) in WIDTHS.items()  # the widths of the kinds in t (their specs)
+                if kind is not None and any(a in KINDS[c].widths for c in t) and len(self.values[a]) > 1]
 
     def size(self) -> int:
         """Number of grid points (before the depth total cap)."""

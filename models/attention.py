@@ -77,6 +77,8 @@ class Attention(nn.Module):
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         q, k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        if cfg.key_multiplier != 1:  # Falcon-H1
+            k = k * cfg.key_multiplier
         return self.o_proj(maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids))
 
     def _core(self, q, k, v, attention_mask, position_ids):

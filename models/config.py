@@ -3,6 +3,7 @@
 A model is a stack of pre-norm residual layers, one character each in `pattern`:
   M  Mamba-2 mixer            *  GQA self-attention (RoPE or none)
   -  dense MLP (relu2/SwiGLU)  E  mixture of experts (+ optional shared expert)
+  P  attention and Mamba-2 in parallel on the same input, their outputs summed (Falcon-H1)
 A Llama decoder layer is the pair "*-" (its two norms are the two layers' norms), so Llama,
 Mistral and Qwen2 are the pattern "*-" * L, and Mixtral / Qwen-MoE are "*E" * L.
 Widths are homogeneous across layers of one type (what Minitron / MiniPuzzle prune to).
@@ -33,6 +34,10 @@ INT_BOUNDS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inte
               "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "n_routed_experts": (0, MAX_SMALL),
               "num_experts_per_tok": (0, MAX_SMALL), "n_group": (1, MAX_SMALL), "topk_group": (1, MAX_SMALL),
               "mtp_layers": (0, MAX_MTP), "sliding_window": (1, 2**40)}
+# Falcon-H1's multipliers (ModelConfig fields): the scalar ones, and the vectors with their lengths
+SCALARS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
+           "ssm_out_multiplier", "lm_head_multiplier")
+VECTORS = {"ssm_multipliers": 5, "mlp_multipliers": 2}
 
 
 @dataclass
@@ -69,6 +74,8 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     time_step_min: float = 0.001  # lower clamp of dt (transformers' nemotron_h)
     time_step_max: float = float("inf")  # upper clamp of dt
+    mamba_rms_norm: bool = True  # the gated group RMSNorm before out_proj (False: y * silu(z) alone, Falcon-H1)
+    mamba_norm_before_gate: bool = False  # normalise y, then gate (Falcon-H1's option); False: gate first
     # MoE ('E')
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -93,10 +100,26 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None
     logits_scaling: float = 1.0
+    # Falcon-H1's per-projection multipliers (plain elsewhere), applied in forward like the scalars above:
+    # keys times key_multiplier (Attention), the Mamba in_proj output segments (in the spec's order) times
+    # ssm_multipliers (Mamba2Mixer), the gate_proj and down_proj outputs times mlp_multipliers (MLP), the
+    # parallel mixer's attention / Mamba input and output times attention_in/out and ssm_in/out
+    # (models/parallel_mixer.py), the logits times lm_head_multiplier.
+    key_multiplier: float = 1.0
+    ssm_multipliers: tuple = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_multipliers: tuple = (1.0, 1.0)
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
     # HF fields carried through untouched (bos/eos ids, max positions, ...)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        for name in VECTORS:  # a list from JSON is the same vector
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, tuple(getattr(self, name)))
         self.validate()
 
     # ---- derived sizes -------------------------------------------------------------
@@ -154,9 +177,9 @@ class ModelConfig:
              "MTP needs both mtp_layers > 0 and a non-empty mtp_pattern (or neither)")
         need(set(self.mtp_pattern) <= set(self.pattern),
              f"MTP layer types {self.mtp_pattern!r} must also occur in the trunk (they share its widths)")
-        need(not self.mtp_layers or (self.logits_scaling, self.embedding_multiplier) == (1.0, 1.0),
-             "MTP layers read the trunk's final hidden states and embeddings unscaled: logits_scaling and "
-             "embedding_multiplier must be 1")
+        need(not self.mtp_layers or (self.logits_scaling, self.embedding_multiplier, self.lm_head_multiplier) == (1, 1, 1),
+             "MTP layers read the trunk's final hidden states and embeddings unscaled: logits_scaling, "
+             "embedding_multiplier and lm_head_multiplier must be 1")
         for k in used(self):
             k.validate(self, need)
 
@@ -177,7 +200,7 @@ class ModelConfig:
         floats = {"norm_eps": (0, 1), "rope_theta": (0, None), "routed_scaling_factor": (0, None),
                   "partial_rotary_factor": (0, None), "time_step_min": (None, None), "time_step_max": (0, "inf"),
                   **dict.fromkeys(("embedding_multiplier", "residual_multiplier", "attention_scale",
-                                   "logits_scaling"), (0, None))}
+                                   "logits_scaling", *SCALARS), (0, None))}
         for name, (lo, hi) in floats.items():
             v = getattr(self, name)
             if v is None and name in ("rope_theta", "attention_scale"):
@@ -187,3 +210,8 @@ class ModelConfig:
             ok = ok and (hi in (None, "inf") or v < hi) and (name != "time_step_min" or v >= 0)
             need(ok, f"{name} must be a finite number{f' > {lo}' if lo is not None else ' >= 0'}"
                      f"{f' and < {hi}' if hi not in (None, 'inf') else ''}, got {v!r}")
+        for name, n in VECTORS.items():
+            v = getattr(self, name)
+            ok = isinstance(v, tuple) and len(v) == n and all(
+                not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x) and x > 0 for x in v)
+            need(ok, f"{name} must be {n} finite numbers > 0, got {v!r}")

@@ -14,7 +14,7 @@ import math
 from .config import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
-from .families.family import scaled
+from .families.family import projected, scaled
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
 
@@ -38,11 +38,13 @@ _RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "inter
                              (1, MAX_SMALL)), "mamba_d_conv": (1, 1024), "mamba_chunk_size": (1, MAX_WIDTH),
              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
              "decoder_sparse_step": (1, MAX_LAYERS), "num_nextn_predict_layers": (0, MAX_MTP),
-             "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40)}
+             "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40), "mamba_d_ssm": (1, MAX_WIDTH)}
 # key -> smallest value (excluded); every one finite (time_step_max may be inf)
 _RAW_FLOATS = {"rms_norm_eps": 0, "layer_norm_epsilon": 0, "rope_theta": 0, "routed_scaling_factor": 0,
                "time_step_min": -1e-300, "time_step_max": 0, "embedding_multiplier": 0, "residual_multiplier": 0,
-               "attention_multiplier": 0, "logits_scaling": 0}
+               "attention_multiplier": 0, "logits_scaling": 0,
+               **dict.fromkeys(("key_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+                                "ssm_in_multiplier", "ssm_out_multiplier", "lm_head_multiplier"), 0)}
 _RAW_LISTS = {"layers_block_type": MAX_LAYERS, "hybrid_override_pattern": MAX_LAYERS,
               "mtp_layers_block_type": MAX_LAYERS}
 
@@ -149,6 +151,9 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
     off = scaled(cfg)
     need(FAMILIES[family].multipliers or not off, f"{family} has no scalar multipliers ({', '.join(off)}; "
          f"supported by {', '.join(n for n, f in FAMILIES.items() if f.multipliers)})")
+    odd = projected(cfg)
+    need(FAMILIES[family].projections or not odd, f"{family} has no per-projection multipliers or Mamba norm "
+         f"variants ({', '.join(odd)}; supported by {', '.join(n for n, f in FAMILIES.items() if f.projections)})")
     FAMILIES[family].check(cfg, need)
 
 

@@ -28,6 +28,7 @@ from .mamba_kernels import Spans, compute_dtype, gated_rms_norm, mamba_core, ssd
 from .recompute import maybe_checkpoint
 from .spec import LayerKind, Param, Site, sq, top, top_per_group
 
+PLAIN_SSM = (1.0, 1.0, 1.0, 1.0, 1.0)  # ssm_multipliers of every family but Falcon-H1
 USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
 
 
@@ -124,6 +125,31 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(y, z, self.weight, self.groups, self.eps)
 
 
+class RMSNormThenGate(GatedRMSNorm):
+    """Falcon-H1's mamba_norm_before_gate: y RMS-normalised within each group, times weight, then times
+    silu(z); in fp32, rounded to y's dtype (transformers' FalconH1RMSNormGated)."""
+
+    def forward(self, y, z):
+        h = y.float().unflatten(-1, (self.groups, self.group_size))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.view(self.groups, self.group_size) * h
+        return (h.flatten(-2) * F.silu(z.float())).to(y.dtype)
+
+
+class Gate(nn.Module):
+    """No norm (Falcon-H1 without mamba_rms_norm): y * silu(z)."""
+
+    def forward(self, y, z):
+        return y * F.silu(z)
+
+
+def mamba_norm(cfg) -> nn.Module:
+    """The module between the scan and out_proj, as cfg's Mamba variant says."""
+    if not cfg.mamba_rms_norm:
+        return Gate()
+    return (RMSNormThenGate if cfg.mamba_norm_before_gate else GatedRMSNorm)(cfg.mamba_inner, cfg.n_groups, cfg.norm_eps)
+
+
 class Mamba2Mixer(nn.Module):
     """The Mamba-2 mixer of a hybrid layer: u [b, l, hidden] -> [b, l, hidden]. attention_mask [b, l]
     (0: padding) zeroes the input and the conv output of padded steps."""
@@ -141,7 +167,7 @@ class Mamba2Mixer(nn.Module):
             with torch.no_grad():
                 init_a_log(self.A_log)
         self.D = nn.Parameter(torch.ones(cfg.mamba_num_heads))
-        self.norm = GatedRMSNorm(cfg.mamba_inner, cfg.n_groups, cfg.norm_eps)
+        self.norm = mamba_norm(cfg)
         self.out_proj = nn.Linear(cfg.mamba_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
     def forward(self, u, attention_mask=None):
@@ -149,11 +175,20 @@ class Mamba2Mixer(nn.Module):
         if attention_mask is not None:
             u = u * attention_mask[:, :, None].to(u.dtype)
         proj = self.in_proj(u)
+        if self.cfg.ssm_multipliers != PLAIN_SSM:  # Falcon-H1: each in_proj segment z|x|B|C|dt times its own
+            proj = proj * self._mup(proj)
         if b == 0 or l == 0:  # nothing to scan (the blocked kernels cannot view an empty tensor)
-            return self.out_proj(proj.new_zeros(b, l, self.norm.weight.shape[0]))
+            return self.out_proj(proj.new_zeros(b, l, self.out_proj.weight.shape[1]))
         A = -torch.exp(self.A_log.float())
         core = self._core if _on_gpu(u) else self._fused_core
         return self.out_proj(maybe_checkpoint(self, core, proj, A, attention_mask).to(u.dtype))
+
+    def _mup(self, proj):
+        """The in_proj output's per-segment multipliers (cfg.ssm_multipliers, in the spec's segment order) as one
+        vector over its columns (transformers' mup_vector), under this mixer's local widths."""
+        sizes = MAMBA.segment_sizes(self._local()[0], "mamba_in_proj").values()
+        return torch.cat([torch.full((n,), m, dtype=torch.float32, device=proj.device)
+                          for n, m in zip(sizes, self.cfg.ssm_multipliers)]).to(proj.dtype)
 
     def _local(self):
         """(cfg with the head and group counts this mixer's parameters hold, the spec's column slices of its
@@ -191,10 +226,11 @@ class Mamba2Mixer(nn.Module):
             dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
             y = ssd_scan(x, dt, A, B, C, cfg.chunk_size, D=self.D)
         y = y.flatten(2)
-        if k.norm is None:
+        if k.norm is None or not cfg.mamba_rms_norm:
             return self.norm(y, z)
-        n = self.norm  # gate before the norm (norm_before_gate=False), one norm per group of channels
-        return k.norm(y, n.weight, None, z=z, eps=n.eps, group_size=y.shape[-1] // n.groups, norm_before_gate=False)
+        n = self.norm  # one norm per group of channels, the gate before it unless the config says after
+        return k.norm(y, n.weight, None, z=z, eps=n.eps, group_size=y.shape[-1] // n.groups,
+                      norm_before_gate=cfg.mamba_norm_before_gate)
 
 
 class MambaKind(LayerKind):
@@ -257,7 +293,7 @@ MAMBA = MambaKind(
      Param("conv1d.weight", ("mamba_conv", "one", "conv_kernel")),
      Param("conv1d.bias", ("mamba_conv",), ("use_conv_bias",)),
      Param("dt_bias", ("mamba_heads",)), Param("A_log", ("mamba_heads",)), Param("D", ("mamba_heads",)),
-     Param("norm.weight", ("mamba_inner",)),
+     Param("norm.weight", ("mamba_inner",), ("mamba_rms_norm",)),
      Param("out_proj.weight", ("hidden", "mamba_inner")),
      Param("out_proj.bias", ("hidden",), ("mamba_proj_bias",))),
     # the in_proj output is [z | x | B | C | dt] (gate, scan input, SSM B and C, per-head dt); the conv runs over x, B, C

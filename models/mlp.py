@@ -49,9 +49,10 @@ def ffn(x, up, gate, down, act, linear=F.linear):
 class MLP(nn.Module):
     recompute_core = False  # models.recompute "selective": activation + down_proj recomputed in backward
 
-    def __init__(self, hidden: int, ffn: int, act: str, gated: bool, bias: bool = False):
+    def __init__(self, hidden: int, ffn: int, act: str, gated: bool, bias: bool = False, multipliers=(1.0, 1.0)):
         super().__init__()
         self.act = ACT[act]
+        self.gate_multiplier, self.down_multiplier = multipliers  # Falcon-H1's mlp_multipliers (1 elsewhere)
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
@@ -60,11 +61,13 @@ class MLP(nn.Module):
         h = self.up_proj(x)
         if self.gate_proj is None:
             return maybe_checkpoint(self, self._act_down, h)
-        return maybe_checkpoint(self, self._act_down, h, self.gate_proj(x))
+        gate = self.gate_proj(x)
+        return maybe_checkpoint(self, self._act_down, h, gate if self.gate_multiplier == 1 else gate * self.gate_multiplier)
 
     def _act_down(self, h, gate=None):
-        """down(act(gate) * h), or down(act(h)): what selective recomputation replays."""
-        return self.down_proj(gated_act(self.act, h, gate))
+        """down(act(gate) * h), or down(act(h)) (times the down multiplier): what selective recomputation replays."""
+        y = self.down_proj(gated_act(self.act, h, gate))
+        return y if self.down_multiplier == 1 else y * self.down_multiplier
 
 
 
@@ -80,7 +83,7 @@ def ffn_magnitude(site: str, local: str, t: torch.Tensor) -> list:
 
 class MLPKind(LayerKind):
     def build(self, cfg):
-        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias, cfg.mlp_multipliers)
 
     def validate(self, cfg, need):
         need(cfg.intermediate_size > 0, "MLP layers need intermediate_size > 0")

@@ -41,8 +41,8 @@ class HybridLM(nn.Module):
         return init_buffers(self, device)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
-        """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling, so that any output
-        projection of them gives the model's logits; the residual stream after every layer, or None)."""
+        """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling (times cfg.lm_head_multiplier),
+        so that any output projection of them gives the model's logits; the residual stream after every layer, or None)."""
         cfg = self.cfg
         x = self.embeddings(input_ids)
         if cfg.embedding_multiplier != 1:
@@ -53,6 +53,8 @@ class HybridLM(nn.Module):
             if output_hidden_states:
                 states.append(x)
         h = self.norm_f(x)
+        if cfg.lm_head_multiplier != 1:
+            h = h * cfg.lm_head_multiplier
         return (h if cfg.logits_scaling == 1 else h / cfg.logits_scaling), states
 
     def logits(self, h):

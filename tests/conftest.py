@@ -32,6 +32,7 @@ KIND_CONFIGS = {
     "attention": ModelConfig(pattern="**", **_BASE, **_ATTN),
     "mlp": ModelConfig(pattern="--", intermediate_size=40, **_BASE),
     "moe": ModelConfig(pattern="EE", moe_shared_expert_intermediate_size=12, **_BASE, **_MOE),
+    "parallel": ModelConfig(pattern="PP", **_BASE, **_ATTN, **_MAMBA),
 }
 FAMILY_CONFIGS = {
     "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,
@@ -49,6 +50,11 @@ FAMILY_CONFIGS = {
     "granitemoehybrid": ModelConfig(pattern="ME*E", router="softmax", moe_shared_expert_intermediate_size=12,
                                     mlp_gated=True, mlp_act="silu", embedding_multiplier=3.0, residual_multiplier=0.4,
                                     attention_scale=0.2, logits_scaling=2.5, **_BASE, **_ATTN, **_MAMBA, **_MOE),
+    "falcon_h1": ModelConfig(pattern="P-" * 2, intermediate_size=40, embedding_multiplier=3.0, lm_head_multiplier=0.4,
+                             key_multiplier=0.6, attention_in_multiplier=1.3, attention_out_multiplier=0.7,
+                             ssm_in_multiplier=1.4, ssm_out_multiplier=0.8, ssm_multipliers=(0.5, 1.5, 0.7, 1.2, 0.9),
+                             mlp_multipliers=(1.6, 0.6), mamba_norm_before_gate=True,
+                             **_BASE, **_ATTN, **_MAMBA, **_SWIGLU),
 }
 
 

@@ -46,6 +46,12 @@ CASES = {  # (family, tiny config of that family)
                                                                attention_bias=True, attention_out_bias=True,
                                                                mamba_proj_bias=True, tie_word_embeddings=True,
                                                                attention_scale=0.25, **LLAMA, **MAMBA)),
+    # the parallel mixer (attention and Mamba under one layer), with and without the Mamba norm
+    "falcon_h1": ("falcon_h1", ModelConfig(pattern="P-" * 3, intermediate_size=40, attention_bias=True,
+                                           attention_out_bias=True, mlp_bias=True, mamba_proj_bias=True,
+                                           tie_word_embeddings=True, key_multiplier=0.5, **LLAMA, **MAMBA)),
+    "falcon_h1_no_mamba_norm": ("falcon_h1", ModelConfig(pattern="P-" * 2, intermediate_size=40, mamba_rms_norm=False,
+                                                         **LLAMA, **MAMBA)),
 }
 
 

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf, config_to_hf, default_family
+from remodel.models.kinds import KINDS
 from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import AXES, closed_form, count_params, layer_params, memory_bytes
@@ -72,8 +73,8 @@ def test_counts_match_our_model_and_transformers_export(name):
     assert c["buffers"] == numel(b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     groups = {"embeddings": [model.embeddings], "lm_head": [model.lm_head] if model.lm_head is not None else [],
               "norms": [model.norm_f] + [blk.norm for blk in model.layers]}
-    for t, ch in (("mamba", "M"), ("attention", "*"), ("mlp", "-"), ("moe", "E")):
-        groups[t] = [blk.mixer for blk in model.layers if blk.kind == ch]
+    for ch, k in KINDS.items():  # every registered kind
+        groups[k.name] = [blk.mixer for blk in model.layers if blk.kind == ch]
     assert c["by_type"] == {t: sum(numel(mod.parameters()) for mod in groups[t]) for t in c["by_type"]}
     cf = closed_form(cfg)
     assert {t: cf[t] for t in c["by_type"]} == c["by_type"] and cf["routed"] == c["routed"]

@@ -42,7 +42,7 @@ def test_kind_counts_and_prunes_by_its_spec(kind_config):
     assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     kind = next(k for k in KINDS.values() if k.name == name)
     targets = {w.name: getattr(cfg, w.field) // 2 for w in WIDTHS.values()
-               if w.layer == kind.char and w.unit in kind.units and getattr(cfg, w.field)}
+               if w.name in kind.widths and w.unit in kind.units and getattr(cfg, w.field)}
     if "mamba_heads" in targets:
         targets["mamba_heads"] = cfg.n_groups * (cfg.mamba_num_heads // cfg.n_groups // 2)
     if "attn_heads" in targets:

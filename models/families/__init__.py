@@ -8,15 +8,16 @@ from __future__ import annotations
 from remodel.models.errors import RemodelError
 
 from .bamba import BAMBA
-from .family import Family, scaled
+from .falcon_h1 import FALCON_H1
+from .family import Family, projected, scaled
 from .granite import GRANITE
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .llama_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from .nemotron_h import NEMOTRON_H
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON_H, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE,
-                                                   QWEN3_MOE, BAMBA, GRANITE)}
-DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, BAMBA, GRANITE, NEMOTRON_H)  # the first that claims a config
+                                                   QWEN3_MOE, BAMBA, GRANITE, FALCON_H1)}
+DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, BAMBA, GRANITE, FALCON_H1, NEMOTRON_H)  # the first that claims a config
 UPCYCLE_TARGETS = tuple(name for name, f in FAMILIES.items() if f.moe)
 
 
@@ -43,6 +44,6 @@ def depth_units(cfg, name: str | None = None) -> list:
 
 def default_family(cfg) -> str:
     """The family a model exports to when none is named (one holding its multipliers, when it has any)."""
-    plain = not scaled(cfg)
-    held = (f.name for f in DEFAULT_ORDER if (plain or f.multipliers) and f.claims(cfg))
+    plain, straight = not scaled(cfg), not projected(cfg)
+    held = (f.name for f in DEFAULT_ORDER if (plain or f.multipliers) and (straight or f.projections) and f.claims(cfg))
     return next(held, DEFAULT_ORDER[-1].name)  # the last claims all: its export check says what it lacks

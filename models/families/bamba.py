@@ -9,25 +9,14 @@ from remodel.models.attention import ATTENTION
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import used
-from remodel.models.layout import BLOCK_NORM
 from remodel.models.mamba import MAMBA
 
-from .family import Family
+from .family import Family, feed_forward_keys, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": "M", "full_attention": "*"}  # HF layer type -> our mixer layer
 ROTARY = 0.5  # transformers' BambaConfig sets partial_rotary_factor=0.5 whatever config.json says
 _MLP = "-"
 _HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the HF decoder layer's module
-
-
-def _time_step_limit(h) -> tuple[float, float]:
-    """(lower, upper) clamp of dt; None means no clamp (dt = softplus(.) >= 0 already)."""
-    lim = h.time_step_limit
-    if lim is None:
-        return 0.0, float("inf")
-    if len(lim) != 2:
-        raise RemodelError(f"time_step_limit must be [min, max], got {list(lim)!r}")
-    return float(lim[0]), float(lim[1])
 
 
 def _rope(h) -> tuple[float, float]:
@@ -52,7 +41,7 @@ class Bamba(Family):
         if h.hidden_act != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for bamba (only silu)")
         theta, rotary = _rope(h)
-        lo, hi = _time_step_limit(h)
+        lo, hi = time_step_limit(h)
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
             pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layers_block_type),
@@ -104,27 +93,20 @@ class Bamba(Family):
     def key_map(self):
         """Our layer 2j's mixer is HF layer j's `mamba` or `self_attn` (their tensor names differ), 2j+1's
         MLP its `feed_forward`; every tensor the two kinds can hold in bamba (no q/k norm)."""
-        out = {"embeddings.weight": "model.embed_tokens.weight",
-               "layers.{a}." + BLOCK_NORM.leaf: "model.layers.{a}.input_layernorm.weight",
-               "layers.{m}." + BLOCK_NORM.leaf: "model.layers.{m}.pre_ff_layernorm.weight"}
+        out = feed_forward_keys()
         for k, module in _HF_MIXER:
             out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}"
                         for p in k.params if "qk_norm" not in p.when})
-        out.update({f"layers.{{m}}.mixer.{p}.{t}": f"model.layers.{{m}}.feed_forward.{p}.{t}"
-                    for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "bias")})
-        out.update({"norm_f.weight": "model.final_layernorm.weight", "lm_head.weight": "lm_head.weight"})
         return out
 
     def claims(self, cfg):
         """The default export of every model bamba holds exactly (asked before nemotron_h)."""
-        problems = []
-        self.check(cfg, lambda ok, why: ok or problems.append(why))
-        return not problems
+        return self.holds(cfg)
 
     def upcycle_into(self, cfg, router, shared):
-        raise RemodelError("bamba has no upcycling target: no supported MoE family holds Mamba layers with "
-                           "SwiGLU experts exactly (nemotron_h's experts are not gated)")
+        raise RemodelError("bamba has no upcycling target: granitemoehybrid holds Mamba layers with SwiGLU experts "
+                           "but its RoPE spans whole heads, bamba's half (nemotron_h's experts are not gated)")
 
 
 BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, block_types=BLOCK_TYPES,
-              upcycle_help="none (no MoE family holds Mamba layers with SwiGLU experts)")
+              upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)")

@@ -17,6 +17,19 @@ MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attenti
                "logits_scaling": 1.0}
 
 
+# Falcon-H1's per-projection multipliers and Mamba norm variants at their plain values (a family without
+# `projections` needs these)
+PROJECTIONS = {"key_multiplier": 1.0, "ssm_multipliers": (1.0,) * 5, "mlp_multipliers": (1.0, 1.0),
+               "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0,
+               "ssm_out_multiplier": 1.0, "lm_head_multiplier": 1.0, "mamba_rms_norm": True,
+               "mamba_norm_before_gate": False}
+
+
+def projected(cfg) -> list[str]:
+    """The PROJECTIONS fields of `cfg` away from their plain values, as 'name=value'."""
+    return [f"{k}={getattr(cfg, k)}" for k, plain in PROJECTIONS.items() if getattr(cfg, k) != plain]
+
+
 def plain_attention_scale(cfg) -> float | None:
     """cfg.attention_scale, None where it is the default 1/sqrt(head_dim) anyway or no layer attends."""
     s = cfg.attention_scale
@@ -29,6 +42,31 @@ def scaled(cfg) -> list[str]:
     return [f"{k}={getattr(cfg, k)}" for k, plain in MULTIPLIERS.items() if got[k] != plain]
 
 
+def feed_forward_keys(final_norm: str = "model.final_layernorm.weight") -> dict:
+    """Key map of a mixer + SwiGLU `feed_forward` decoder layer (bamba, falcon_h1) but for the mixer's own
+    tensors: the embeddings, our layer 2j's norm (HF input_layernorm), 2j+1's norm (pre_ff_layernorm) and
+    MLP (any bias), the final norm and the lm_head."""
+    from remodel.models.layout import BLOCK_NORM
+    out = {"embeddings.weight": "model.embed_tokens.weight",
+           "layers.{a}." + BLOCK_NORM.leaf: "model.layers.{a}.input_layernorm.weight",
+           "layers.{m}." + BLOCK_NORM.leaf: "model.layers.{m}.pre_ff_layernorm.weight"}
+    out.update({f"layers.{{m}}.mixer.{p}.{t}": f"model.layers.{{m}}.feed_forward.{p}.{t}"
+                for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "bias")})
+    out.update({"norm_f.weight": final_norm, "lm_head.weight": "lm_head.weight"})
+    return out
+
+
+def time_step_limit(h) -> tuple[float, float]:
+    """(lower, upper) clamp of Mamba's dt from a HF config; None means no clamp (softplus(.) >= 0 already)."""
+    from remodel.models.errors import RemodelError
+    lim = h.time_step_limit
+    if lim is None:
+        return 0.0, float("inf")
+    if len(lim) != 2:
+        raise RemodelError(f"time_step_limit must be [min, max], got {list(lim)!r}")
+    return float(lim[0]), float(lim[1])
+
+
 @dataclass(frozen=True)
 class Family:
     """name: transformers' model_type; arch: its CausalLM class; depth: our layers per HF decoder layer
@@ -37,7 +75,7 @@ class Family:
     shared expert is scaled by sigmoid(w.x); hidden_divides_heads: transformers' config requires hidden
     to be a multiple of the query heads; block_types: its config's per-layer type names, as our layer kinds;
     multipliers: it holds embedding_multiplier, residual_multiplier, attention_scale and logits_scaling
-    (every other family needs them at their defaults)."""
+    (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields."""
     name: str
     arch: str
     depth: int = 1
@@ -48,6 +86,7 @@ class Family:
     hidden_divides_heads: bool = False
     block_types: dict = field(default_factory=dict)
     multipliers: bool = False  # its config holds ModelConfig's scalar multipliers (embedding, residual, ...)
+    projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)
     upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words  # HF per-layer type names -> our pattern characters
 
     # ---- HF config ---------------------------------------------------------------------
@@ -84,6 +123,12 @@ class Family:
     def claims(self, cfg) -> bool:
         """Whether this family is the default export of `cfg` (asked in models.families.DEFAULT_ORDER)."""
         return False
+
+    def holds(self, cfg) -> bool:
+        """Whether `check` finds nothing of `cfg` that this family cannot represent exactly."""
+        problems = []
+        self.check(cfg, lambda ok, why: ok or problems.append(why))
+        return not problems
 
     def upcycle_router(self) -> str:
         """The router upcycling uses by default for a source of this family."""

@@ -52,6 +52,8 @@ class NemotronH(Family):
             mtp_layers=mtp, mtp_pattern=mtp_pattern, extra=extra)
 
     def check(self, cfg, need):
+        odd = sorted(set(cfg.pattern + cfg.mtp_pattern) - set(_TYPE))
+        need(not odd, f"nemotron_h has no layers of kind {', '.join(odd)} (it holds {' '.join(_TYPE)})")
         need(cfg.rope_theta is None or ATTENTION not in used(cfg), "nemotron_h attention has no RoPE")
         need(not (cfg.attention_bias or cfg.attention_out_bias or cfg.qk_norm), "nemotron_h attention has no bias or q/k norm")
         need(not cfg.mlp_gated, "nemotron_h MLPs and experts are not gated (SwiGLU models go to llama/mixtral/qwen)")

@@ -1,0 +1,128 @@
+"""TII Falcon-H1 (transformers' `falcon_h1`): decoder layer j is our pair of layers 2j (the parallel mixer 'P':
+attention and Mamba-2 on the same normalised input, their outputs summed; its norm HF's input_layernorm) and
+2j+1 (a SwiGLU MLP '-', its norm HF's pre_ff_layernorm), so the pattern is "P-" * L. The Mamba width is
+mamba_d_ssm (= mamba_n_heads * mamba_d_head, not tied to the hidden size); the Mamba norm is optional
+(mamba_rms_norm; without it y * silu(z)) and may normalise before the gate (mamba_norm_before_gate). Its
+multipliers are ModelConfig fields applied in forward: embedding_multiplier, lm_head_multiplier, key_multiplier,
+attention_in/out_multiplier, ssm_in/out_multiplier, ssm_multipliers (one per in_proj segment, in the Mamba
+spec's order: transformers' mup_vector) and mlp_multipliers (gate_proj and down_proj outputs). RoPE on whole
+heads."""
+from __future__ import annotations
+
+import math
+import numbers
+
+from remodel.models.attention import ATTENTION
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.mamba import MAMBA
+from remodel.models.mlp import MLP_KIND
+from remodel.models.parallel_mixer import PARALLEL
+
+from .family import Family, feed_forward_keys, time_step_limit
+
+BLOCK_TYPES = {"hybrid": PARALLEL.char}  # HF layer type -> our mixer layer
+_PAIR = PARALLEL.char + MLP_KIND.char
+_HF_MIXER = (("attn.", ATTENTION, "self_attn"), ("mamba.", MAMBA, "mamba"))  # our submodule, its kind, HF's module
+_SCALARS = ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+            "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
+
+
+def _rope_theta(h) -> float:
+    rp = dict(getattr(h, "rope_parameters", None) or {})
+    if rp.get("rope_type", "default") != "default":
+        raise RemodelError(f"falcon_h1 with rope_type {rp.get('rope_type')!r} is not supported (only default)")
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def _multipliers(h) -> dict:
+    """The multipliers as ModelConfig fields (one-line error for a non-number)."""
+    out = {}
+    for k in _SCALARS:
+        v = getattr(h, k)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise RemodelError(f"{k} must be a number, got {v!r}")
+        out[k] = float(v)
+    for k in ("ssm_multipliers", "mlp_multipliers"):
+        v = getattr(h, k)
+        if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in v):
+            raise RemodelError(f"{k} must be a list of numbers, got {v!r}")
+        out[k] = tuple(float(x) for x in v)
+    return out
+
+
+class FalconH1(Family):
+    def required(self, h):
+        return [("num_hidden_layers",), ("intermediate_size",), ("num_attention_heads",), ("mamba_n_heads",),
+                ("mamba_d_state",), ("mamba_d_ssm", "mamba_expand")]
+
+    def from_hf(self, h, extra):
+        if h.hidden_act != "silu":
+            raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for falcon_h1 (only silu)")
+        if bool(h.mamba_proj_bias) != bool(h.projectors_bias):
+            raise RemodelError("falcon_h1 with mamba_proj_bias != projectors_bias is not supported (one bias flag "
+                               "serves the Mamba in_proj and out_proj)")
+        lo, hi = time_step_limit(h)
+        return ModelConfig(
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
+            pattern=_PAIR * h.num_hidden_layers, tie_word_embeddings=bool(h.tie_word_embeddings),
+            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+            head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, rope_theta=_rope_theta(h),
+            attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
+            intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True, mlp_bias=bool(h.mlp_bias),
+            mamba_num_heads=h.mamba_n_heads, mamba_head_dim=h.mamba_d_head, n_groups=h.mamba_n_groups,
+            ssm_state_size=h.mamba_d_state, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
+            use_conv_bias=bool(h.mamba_conv_bias), mamba_proj_bias=bool(h.mamba_proj_bias),
+            mamba_rms_norm=bool(h.mamba_rms_norm), mamba_norm_before_gate=bool(h.mamba_norm_before_gate),
+            time_step_min=lo, time_step_max=hi, extra=extra, **_multipliers(h))
+
+    def check(self, cfg, need):
+        need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
+        need(cfg.num_layers % 2 == 0 and cfg.pattern == _PAIR * (cfg.num_layers // 2),
+             f"needs the layer pattern {_PAIR!r} * N (parallel attention + Mamba mixer, then an MLP), got {cfg.pattern!r}")
+        need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
+        need(cfg.residual_multiplier == 1 and cfg.logits_scaling == 1,
+             "falcon_h1 has no residual_multiplier or logits_scaling (its lm_head_multiplier scales the logits)")
+        need(cfg.attention_scale is None or cfg.attention_scale == 1 / math.sqrt(cfg.head_dim),
+             "falcon_h1 scales attention scores by 1/sqrt(head_dim) (its key_multiplier scales the keys)")
+        need(cfg.rope_theta is not None and cfg.rope_scaling is None and cfg.partial_rotary_factor == 1.0,
+             "falcon_h1 attention has default RoPE on whole heads")
+        need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
+        need(not cfg.qk_norm, "falcon_h1 attention has no q/k norm")
+        need(cfg.sliding_window is None, "falcon_h1 has no sliding-window attention")
+
+    def to_hf(self, cfg):
+        return dict(
+            num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, attention_bias=cfg.attention_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            intermediate_size=cfg.intermediate_size, mlp_bias=cfg.mlp_bias,
+            mamba_d_ssm=cfg.mamba_inner, mamba_n_heads=cfg.mamba_num_heads, mamba_d_head=cfg.mamba_head_dim,
+            mamba_n_groups=cfg.n_groups, mamba_d_state=cfg.ssm_state_size, mamba_d_conv=cfg.conv_kernel,
+            mamba_chunk_size=cfg.chunk_size, mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
+            projectors_bias=cfg.mamba_proj_bias, mamba_rms_norm=cfg.mamba_rms_norm,
+            mamba_norm_before_gate=cfg.mamba_norm_before_gate,
+            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)],
+            **{k: getattr(cfg, k) for k in _SCALARS},
+            ssm_multipliers=list(cfg.ssm_multipliers), mlp_multipliers=list(cfg.mlp_multipliers))
+
+    def key_map(self):
+        """Our layer 2j's parallel mixer is HF layer j's `self_attn` and `mamba`, 2j+1's MLP its `feed_forward`."""
+        out = feed_forward_keys()
+        for ours, k, module in _HF_MIXER:
+            out.update({f"layers.{{a}}.mixer.{ours}{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}"
+                        for p in k.params if "qk_norm" not in p.when})
+        return out
+
+    def claims(self, cfg):
+        """The default export of every model falcon_h1 holds exactly (the only family of parallel mixers)."""
+        return self.holds(cfg)
+
+    def upcycle_into(self, cfg, router, shared):
+        raise RemodelError("falcon_h1 has no upcycling target: no supported MoE family holds parallel "
+                           "attention + Mamba mixers")
+
+
+FALCON_H1 = FalconH1("falcon_h1", "FalconH1ForCausalLM", depth=2, block_types=BLOCK_TYPES, multipliers=True,
+                     projections=True, upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)")
