@@ -204,6 +204,8 @@ def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family
             if ours != cur_name:
                 cur_name, cur = ours, get(ours)
             t = cur if e is None else cur[e]
+            if not isinstance(t, torch.Tensor):  # a lazy [E, ...] sequence (upcycling's experts), stored whole
+                t = torch.stack([t[i] for i in range(len(t))])
             if dtype is not None and t.is_floating_point() and not ours.endswith("e_score_correction_bias"):
                 t = t.to(dtype)
             yield ours, hf, e, t

@@ -20,22 +20,12 @@ from remodel.models.mamba import MAMBA
 from remodel.models.mlp import MLP_KIND
 from remodel.models.moe import MOE
 
-from .family import Family, Part
+from .family import Family, Part, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": MAMBA.char, "full_attention": ATTENTION.char}  # HF layer type -> our mixer
 _TYPE = {v: k for k, v in BLOCK_TYPES.items()}
 _ROPE = "rope"  # position_embedding_type that turns RoPE on (anything else: no positional encoding)
 _HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the HF decoder layer's module
-
-
-def _time_step_limit(h) -> tuple[float, float]:
-    """(lower, upper) clamp of dt; None means no clamp (dt = softplus(.) >= 0 already)."""
-    lim = h.time_step_limit
-    if lim is None:
-        return 0.0, float("inf")
-    if len(lim) != 2:
-        raise RemodelError(f"time_step_limit must be [min, max], got {list(lim)!r}")
-    return float(lim[0]), float(lim[1])
 
 
 def _rope_theta(h) -> float | None:
@@ -95,7 +85,7 @@ class Granite(Family):
         bad = set(h.layers_block_type) - set(BLOCK_TYPES)
         if bad:
             raise RemodelError(f"unknown layer types {sorted(bad)} (known: {', '.join(BLOCK_TYPES)})")
-        lo, hi = _time_step_limit(h)
+        lo, hi = time_step_limit(h)
         ffn = (MOE if h.num_local_experts else MLP_KIND).char
         hd = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
         return ModelConfig(
@@ -183,13 +173,14 @@ class Granite(Family):
 
     def claims(self, cfg):
         """The default export of every model granitemoehybrid holds exactly (asked after bamba)."""
-        problems = []
-        self.check(cfg, lambda ok, why: ok or problems.append(why))
-        return not problems
+        return self.holds(cfg)
 
     def upcycle_into(self, cfg, router, shared):
-        raise RemodelError("granitemoehybrid has no upcycling target yet (upcycling into it is not supported)")
+        """A dense granite (the shared MLP alone) upcycles into granite MoE: the experts come from the dense
+        MLP's neurons beyond --shared-expert-size, which stay the shared MLP (its MoE layers always have one)."""
+        return self.name
 
 
 GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, block_types=BLOCK_TYPES,
-                  multipliers=True, upcycle_help="none (not supported yet)")
+                  multipliers=True, moe=True, routers=("topk-softmax",),
+                  upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)")
