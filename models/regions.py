@@ -21,7 +21,7 @@ import torch
 from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index
 from .files import check_weight_dtype, read_json
 from .errors import RemodelError
-from .hf import config_from_hf, our_shapes, weight_table, without_absent_mtp
+from .hf import config_from_hf, our_shapes, weight_table
 from .hf_adapter import to_hf_part
 
 
