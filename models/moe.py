@@ -157,13 +157,13 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         token = order // k
         counts = torch.bincount(flat, minlength=self.up_proj.shape[0] if ex is None else ex.n_experts)
-        rows = x[token]
+        rows = x.index_select(0, token)  # backward: index_add, 3x faster than x[token]'s index_put
         if ex is None:
             y = self._run(rows, counts, every=False)
         else:
             rows, local, back = ex.dispatch(rows, counts)
             y = ex.combine(self._run(rows, local, every=True), back)
-        w = weights.reshape(-1)[order]
+        w = weights.reshape(-1).index_select(0, order)
         out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
         out = out.index_add(0, token, (y * w[:, None]).float()).to(x.dtype)
         return out if ex is None else ex.leave(out, T_all)
