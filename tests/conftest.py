@@ -176,6 +176,27 @@ def tensors(d):
     return out
 
 
+def assert_same_tensors(a_dir, b_dir, what=""):
+    """Two checkpoint directories hold the same tensor names, dtypes and values, bit for bit."""
+    a, b = tensors(a_dir), tensors(b_dir)
+    assert set(a) == set(b), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+def assert_left_padding(hf, ours, x):
+    """Row 1 of `x` [2, L] left-padded by 7 tokens: our logits on the kept tokens equal transformers' (1e-4),
+    and the mask changes something (they differ from an unmasked run). -> our masked logits."""
+    mask = torch.ones_like(x)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        ref, out, plain = hf(x, attention_mask=mask).logits, ours(x, attention_mask=mask), ours(x)
+    keep = mask.bool()
+    assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
+    assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3
+    return out
+
+
 # the recomputation tests' models (also run in a child process by test_recompute's FSDP2 script)
 RV, RB, RL = 128, 2, 96
 _RBASE = dict(vocab_size=RV, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -14,7 +14,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.hf import check_exportable, weight_table
 from remodel.models.load import save_model
-from tests.conftest import hf_pair, tensors
+from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair
 
 V, B, L = 128, 2, 37
 BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
@@ -79,24 +79,14 @@ def test_logits_and_gradients(case, root):
 @pytest.mark.parametrize("case", list(CASES))
 def test_left_padding(case, root):
     hf, ours, _ = build(case, root)
-    x = ids(2)
-    mask = torch.ones(B, L, dtype=torch.long)
-    mask[1, :7] = 0  # row 1 is left-padded by 7 tokens
-    with torch.no_grad():
-        ref, out, plain = hf(x, attention_mask=mask).logits, ours(x, attention_mask=mask), ours(x)
-    keep = mask.bool()
-    assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
-    assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3  # the mask changes something
+    assert_left_padding(hf, ours, ids(2))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_round_trip_identical(case, root):
     hf, ours, d = build(case, root)
     out = save_model(ours, root / f"{case}_out", family="bamba")
-    a, b = tensors(d), tensors(out)
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_same_tensors(d, out)
     src, dst = (json.loads((p / "config.json").read_text()) for p in (d, out))
     for k in ("attn_layer_indices", "num_hidden_layers", "mamba_n_heads", "mamba_d_head", "mamba_expand",
               "mamba_n_groups", "mamba_d_state", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from remodel.models.checkpoint import CheckpointWriter
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_to_hf
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM, init_weights
+from tests.conftest import assert_same_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,14 +25,6 @@ def cli(*args, check=True):
     if check and r.returncode != 0:
         raise AssertionError(r.stderr)
     return r
-
-
-def tensors(d):
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
 
 
 def tiny_hybrid(**kw):
@@ -57,9 +49,7 @@ def test_roundtrip_identical_and_loads_in_transformers(hybrid_dir, tmp_path):
 
     out = tmp_path / "out"
     cli("convert", hybrid_dir, out)
-    a, b = tensors(hybrid_dir), tensors(out)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(hybrid_dir, out)
     assert (out / "tokenizer.json").exists() and (out / "remodel_report.json").exists()
     assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded like the input
     ids = torch.randint(0, 96, (2, 21))
@@ -86,8 +76,7 @@ def test_llama_family_roundtrip(family, tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     m.save_pretrained(src)
     cli("convert", src, out)
-    a, b = tensors(src), tensors(out)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(src, out)
     m2 = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 64, (1, 17))
     with torch.no_grad():
@@ -197,5 +186,4 @@ def test_conversion_memory_bounded(tmp_path):
     growth = int(r.stdout.strip().splitlines()[-1])
     print(f"checkpoint {size / 2**20:.0f} MiB, cap {cap / 2**20:.0f} MiB, peak growth {growth / 2**20:.0f} MiB")
     assert size >= 4 * cap and growth < cap
-    a, b = tensors(src), tensors(tmp_path / "out")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(src, tmp_path / "out")

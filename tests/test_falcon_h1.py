@@ -17,7 +17,7 @@ from remodel.models.hf import check_exportable, config_from_hf, weight_table
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params
-from tests.conftest import hf_pair, tensors
+from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair
 
 FAMILY = "falcon_h1"
 V, B, L = 128, 2, 37
@@ -100,24 +100,14 @@ def test_logits_and_gradients(case, root):
 @pytest.mark.parametrize("case", ["scaled", "rms_norm"])
 def test_left_padding(case, root):
     hf, ours, _ = build(case, root)
-    x = ids(2)
-    mask = torch.ones(B, L, dtype=torch.long)
-    mask[1, :7] = 0  # row 1 is left-padded by 7 tokens
-    with torch.no_grad():
-        ref, out, plain = hf(x, attention_mask=mask).logits, ours(x, attention_mask=mask), ours(x)
-    keep = mask.bool()
-    assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
-    assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3  # the mask changes something
+    assert_left_padding(hf, ours, ids(2))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_round_trip_identical(case, root):
     hf, ours, d = build(case, root)
     out = save_model(ours, root / f"{case}_out", family=FAMILY)
-    a, b = tensors(d), tensors(out)
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_same_tensors(d, out)
     src, dst = (json.loads((p / "config.json").read_text()) for p in (d, out))
     for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_conv_bias",
@@ -289,8 +279,7 @@ def test_convert_round_trip_identical(root):
         _, _, d = build(case, root)
         out = root / f"{case}_converted"
         assert cli.main(["convert", str(d), str(out), "--to", FAMILY]) == 0
-        a, b = tensors(d), tensors(out)
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+        assert_same_tensors(d, out, case)
 
 
 def test_streaming_prune_equals_in_memory(root):
@@ -308,8 +297,7 @@ def test_streaming_prune_equals_in_memory(root):
     prune(d, root / "cli_pruned", save_scores(root / "rms_norm_scores", scores, meta), **targets)
     ref = save_model(prune_model(ours, plan_keep(cfg, scores, targets, family=FAMILY)), root / "mem_pruned",
                      family=FAMILY)
-    a, b = tensors(root / "cli_pruned"), tensors(ref)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(root / "cli_pruned", ref)
 
 
 def test_training_loss_sees_the_multipliers(root):

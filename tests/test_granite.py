@@ -18,7 +18,7 @@ from remodel.models.hf import check_exportable, config_from_hf, weight_table
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params
-from tests.conftest import hf_pair, tensors
+from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair
 
 FAMILY = "granitemoehybrid"
 V, B, L = 128, 2, 37
@@ -107,24 +107,14 @@ def _hf_grad(hf, our_name, cfg):
 @pytest.mark.parametrize("case", list(CASES))
 def test_left_padding(case, root):
     hf, ours, _ = build(case, root)
-    x = ids(2)
-    mask = torch.ones(B, L, dtype=torch.long)
-    mask[1, :7] = 0  # row 1 is left-padded by 7 tokens
-    with torch.no_grad():
-        ref, out, plain = hf(x, attention_mask=mask).logits, ours(x, attention_mask=mask), ours(x)
-    keep = mask.bool()
-    assert (out[keep] - ref[keep]).abs().max().item() <= 1e-4
-    assert (plain[1, 7:] - out[1, 7:]).abs().max().item() > 1e-3  # the mask changes something
+    assert_left_padding(hf, ours, ids(2))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_round_trip_identical(case, root):
     hf, ours, d = build(case, root)
     out = save_model(ours, root / f"{case}_out", family=FAMILY)
-    a, b = tensors(d), tensors(out)
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_same_tensors(d, out)
     src, dst = (json.loads((p / "config.json").read_text()) for p in (d, out))
     for k in ("layer_types", "num_hidden_layers", "num_local_experts", "shared_intermediate_size",
               "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups", "mamba_d_state", "mamba_conv_bias",
@@ -256,8 +246,7 @@ def test_streaming_prune_equals_in_memory(root):
     prune(d, root / "cli_pruned", save_scores(root / "moe_scores", scores, meta), **targets)
     ref = save_model(prune_model(ours, plan_keep(cfg, scores, targets, family=FAMILY)), root / "mem_pruned",
                      family=FAMILY)
-    a, b = tensors(root / "cli_pruned"), tensors(ref)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(root / "cli_pruned", ref)
 
 
 def test_region_reads(root):
@@ -287,8 +276,7 @@ def test_export_sharded_single_process(root):
 
     _, ours, d = build("moe", root)
     out = export_sharded(ours, root / "sharded_out", family=FAMILY)
-    a, b = tensors(d), tensors(out)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(d, out)
 
 
 def test_training_loss_sees_the_multipliers(root):
@@ -318,8 +306,7 @@ def test_convert_into_granite_writes_each_fused_tensor_once(root):
         _, _, d = build(case, root)
         out = root / f"{case}_converted"
         assert cli.main(["convert", str(d), str(out), "--to", FAMILY]) == 0
-        a, b = tensors(d), tensors(out)
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+        assert_same_tensors(d, out, case)
 
 
 def test_streaming_scores_equal_whole_model_scores(root, tmp_path):

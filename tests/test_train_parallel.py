@@ -143,36 +143,27 @@ from remodel.pipelines.training import train as T  # noqa: E402
 from remodel.pipelines.data.data import embedded_corpus  # noqa: E402
 
 
-def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
-    """M*-E Nemotron-H, every width divisible by 2 (Mamba groups, KV heads, FFN, experts, vocab)."""
-    cfg = ModelConfig(vocab_size=2048, hidden_size=H, pattern="M*-E", tie_word_embeddings=tied,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=2 * H,
-                      mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,
-                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=H,
-                      moe_shared_expert_intermediate_size=H)
+def _fields(family: str, H: int) -> dict:
+    """The tiny config's fields beyond the common ones: nemotron_h's M*-E (MoE with a shared expert), or
+    HYBRIDS' (SwiGLU, Mamba width 2H as Granite and Bamba require, the family's own fields)."""
+    if family == "nemotron_h":
+        return dict(pattern="M*-E", mamba_num_heads=4, n_routed_experts=4, num_experts_per_tok=2)
+    return dict(mlp_gated=True, mlp_act="silu", mamba_num_heads=H // 4, **HYBRIDS[family][1])
+
+
+def tiny(path: Path, family: str, H: int, seed: int, tied: bool, sharpen: float = 1.0):
+    """A tiny `family` checkpoint with every width divisible by 2 (Mamba groups, KV heads, FFN, experts,
+    vocab), so TP 2 x DP 2 runs compare with one process through the family's layer kinds and multipliers."""
+    cfg = ModelConfig(vocab_size=2048, hidden_size=H, tie_word_embeddings=tied, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=2 * H, mamba_head_dim=8, n_groups=2,
+                      ssm_state_size=8, chunk_size=16, moe_intermediate_size=H, moe_shared_expert_intermediate_size=H,
+                      **_fields(family, H))
     model = init_weights(HybridLM(cfg), seed=seed)
     if sharpen != 1.0:  # a teacher with confident predictions (logits std ~3 instead of ~0.003)
         with torch.no_grad():
             model.embeddings.weight.mul_(sharpen)
             model.norm_f.weight.fill_(1.0)
     from tests.conftest import write_checkpoint  # here: the torchrun workers (this file) never import the test config
-    write_checkpoint(model, path)
-
-
-def tiny_hybrid(path: Path, family: str, H: int, seed: int, tied: bool, sharpen: float = 1.0):
-    """A tiny `family` model (HYBRIDS: Granite 4.0-H MoE with its shared MLP, Falcon-H1's parallel mixers,
-    Bamba), widths divisible by 2, so TP 2 x DP 2 training is compared with one process through the
-    family's multipliers and layer kinds."""
-    cfg = ModelConfig(vocab_size=2048, hidden_size=H, tie_word_embeddings=tied, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, mlp_gated=True, mlp_act="silu", intermediate_size=2 * H,
-                      mamba_num_heads=H // 4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,
-                      moe_intermediate_size=H, moe_shared_expert_intermediate_size=H, **HYBRIDS[family][1])
-    model = init_weights(HybridLM(cfg), seed=seed)
-    if sharpen != 1.0:
-        with torch.no_grad():
-            model.embeddings.weight.mul_(sharpen)
-            model.norm_f.weight.fill_(1.0)
-    from tests.conftest import write_checkpoint
     write_checkpoint(model, path, family=family)
 
 
@@ -249,11 +240,11 @@ def runs(tmp_path_factory):
     with __import__("gzip").open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
         lines = [x for x in f.read().splitlines() if x.strip()]
     (d / "train.txt").write_text("\n".join(lines[:400]) + "\n")
-    tiny(d / "student", 32, seed=0, tied=False)
-    tiny(d / "teacher", 48, seed=1, tied=True, sharpen=10.0)
+    tiny(d / "student", "nemotron_h", 32, seed=0, tied=False)
+    tiny(d / "teacher", "nemotron_h", 48, seed=1, tied=True, sharpen=10.0)
     for family, (ref, _) in HYBRIDS.items():
-        tiny_hybrid(d / f"{MODELS[ref]}student", family, 32, seed=2, tied=False)
-        tiny_hybrid(d / f"{MODELS[ref]}teacher", family, 48, seed=3, tied=True, sharpen=10.0)
+        tiny(d / f"{MODELS[ref]}student", family, 32, seed=2, tied=False)
+        tiny(d / f"{MODELS[ref]}teacher", family, 48, seed=3, tied=True, sharpen=10.0)
     res = {}
 
     def four():  # a rank of DP 2 x TP 2 really killed, then its checkpoint resumed under DP 4 (lm_dp4_resumed)

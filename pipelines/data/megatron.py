@@ -22,6 +22,8 @@ import numpy as np
 from remodel.models.errors import RemodelError
 from remodel.models.files import open_regular
 
+from .token_file import TokenFile
+
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents: 34 bytes
 CODES = {8: np.dtype(np.uint16), 4: np.dtype(np.int32)}  # Megatron's codes of the token dtypes read here
@@ -107,23 +109,23 @@ def _check_arrays(fd, S: int, D: int, itemsize: int, where, h) -> int:
     return total // itemsize
 
 
-class MegatronSet:
+class MegatronSet(TokenFile):
     """A Megatron .bin/.idx pair with pipelines.data.tokens.TokenSet's interface (its `path` is the prefix).
     `vocab_size` is the dtype's range: the dataset records none, so `check_vocab` scans ids (negatives
     too) against the model's."""
 
     def __init__(self, path):
         prefix = prefix_of(path)
-        self._fd, self._tokens = None, None
         if prefix is None:
             raise RemodelError(f"{path}: not a Megatron dataset (no PREFIX.bin and PREFIX.idx)")
-        self.path = Path(prefix)
-        idx, binp = Path(prefix + ".idx"), Path(prefix + ".bin")
+        self.path, self.bin_path = Path(prefix), Path(prefix + ".bin")
+        idx, binp = Path(prefix + ".idx"), self.bin_path
         fd = open_regular(idx, "Megatron .idx")
         try:
             size = os.fstat(fd).st_size
-            self.dtype, S, D = _header(os.pread(fd, HEADER.size, 0), idx, size)
-            h = hashlib.blake2b(os.pread(fd, HEADER.size, 0), digest_size=16)
+            head = os.pread(fd, HEADER.size, 0)
+            self.dtype, S, D = _header(head, idx, size)
+            h = hashlib.blake2b(head, digest_size=16)
             self.n_tokens = _check_arrays(fd, S, D, self.dtype.itemsize, idx, h)
         finally:
             os.close(fd)
@@ -136,31 +138,6 @@ class MegatronSet:
         self.fingerprint = f"megatron-{h.hexdigest()}-{actual}"
         self.meta = {"format": "megatron", "dtype": self.dtype.name, "n_tokens": self.n_tokens, "n_docs": self.n_docs,
                      "vocab_size": self.vocab_size, "tokenizer": {"name": "", "hash": None}}
-
-    def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Tokens [start, start + count) of the .bin by one positioned read."""
-        out = np.empty(count, self.dtype) if out is None else out
-        if start < 0 or count < 0 or start + count > self.n_tokens:
-            raise IndexError(f"tokens {start}..{start + count} outside 0..{self.n_tokens}")
-        got = os.preadv(self._fd, [memoryview(out).cast("B")], start * self.dtype.itemsize)
-        if got != count * self.dtype.itemsize:
-            raise RemodelError(f"{self.path}.bin ended early (read {got} of {count * self.dtype.itemsize} bytes)")
-        return out
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """Read-only np.memmap of the .bin."""
-        if self._tokens is None:
-            self._tokens = np.memmap(f"{self.path}.bin", dtype=self.dtype, mode="r")
-        return self._tokens
-
-    def num_sequences(self, seq_len: int) -> int:
-        return self.n_tokens // seq_len
-
-    def __del__(self):
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
 
     def _offset(self, seq: int) -> int:
         """Token offset where sequence `seq` starts (n_tokens for seq == S)."""

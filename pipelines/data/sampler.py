@@ -12,7 +12,8 @@ import torch
 
 from remodel.models.errors import RemodelError
 
-from .tokens import SETS, Blend, open_set, open_tokens
+from .token_file import TokenFile
+from .tokens import Blend, open_set, open_tokens
 
 
 # -- sampling --------------------------------------------------------------------------------------
@@ -37,7 +38,7 @@ class SequenceSampler:
         if not 0 <= dp_rank < dp_size:
             raise RemodelError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
         self.blend = data if isinstance(data, Blend) else None
-        self.sets = data.sets if self.blend else [data if isinstance(data, SETS) else open_set(data)]
+        self.sets = data.sets if self.blend else [data if isinstance(data, TokenFile) else open_set(data)]
         self.n = [s.num_sequences(seq_len) for s in self.sets]
         for s, n in zip(self.sets, self.n):
             if n == 0 or (not self.blend and n < batch_size):
@@ -87,8 +88,9 @@ class SequenceSampler:
         buf = {s.dtype: np.empty(L, s.dtype) for s in self.sets}
         for r, (k, s) in enumerate(rows):
             row = self.sets[k].read(s * L, L, buf[self.sets[k].dtype])
-            if int(row.max()) >= self.limits[k] or int(row.min()) < 0:  # negatives: Megatron's int32 sets
-                bad = int(row.argmax()) if int(row.max()) >= self.limits[k] else int(row.argmin())
+            hi, lo = int(row.max()), int(row.min()) if row.dtype.kind == "i" else 0  # signed: Megatron's int32 sets
+            if hi >= self.limits[k] or lo < 0:
+                bad = int(row.argmax()) if hi >= self.limits[k] else int(row.argmin())
                 raise RemodelError(f"{self.sets[k].path}: token id {int(row[bad])} at token {s * L + bad} is outside the "
                                    f"vocabulary ({self.limits[k]}) (corrupt token set?)")
             out[r] = row

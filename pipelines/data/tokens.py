@@ -31,6 +31,7 @@ from remodel.models.files import open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
 from . import megatron, shards, stream
+from .token_file import TokenFile
 from .data import DOC_SPLITS
 from ..distributed.runtime import load_tokenizer
 
@@ -273,26 +274,25 @@ def _entry_lock(out: Path):
 
 # -- reading ---------------------------------------------------------------------------------------
 
-class TokenSet:
+class TokenSet(TokenFile):
     """A token set folder: `n_tokens`, `n_docs`, `vocab_size`, `fingerprint`, `meta`; `read` for
     positioned reads of token ranges, `tokens` a read-only memory map of tokens.bin (made on first use)."""
 
     def __init__(self, path):
         self.path = Path(path).expanduser()
-        self._fd = None
+        self.bin_path = self.path / "tokens.bin"
         if not is_token_set(self.path):
             raise RemodelError(f"{self.path}: not a token set (no meta.json written by `remodel tokenize`)")
         self.meta = check_meta(read_meta(self.path), self.path)
         self.dtype = np.dtype(self.meta["dtype"])
         self.n_tokens, self.n_docs = self.meta["n_tokens"], self.meta["n_docs"]
         self.vocab_size, self.fingerprint = self.meta["vocab_size"], self.meta["fingerprint"]
-        self._fd = open_regular(self.path / "tokens.bin", "tokens.bin")
+        self._fd = open_regular(self.bin_path, "tokens.bin")
         size, actual = self.n_tokens * self.dtype.itemsize, os.fstat(self._fd).st_size
         if actual != size:
             raise RemodelError(f"{self.path}: tokens.bin holds {actual} bytes, meta.json says {size} "
                                f"({'truncated?' if actual < size else 'not the file meta.json describes'})")
         self._check_docs()
-        self._tokens = None
 
     def _check_docs(self):
         """docs.idx: n_docs + 1 int64 offsets from 0 to n_tokens, never decreasing (read in chunks)."""
@@ -338,32 +338,6 @@ class TokenSet:
             raise RemodelError(f"{self.path}: tokens.bin holds token id {top}, outside the vocabulary "
                                f"({min(vocab_size, self.vocab_size)}) (corrupt token set?)")
 
-    @property
-    def tokens(self) -> np.ndarray:
-        """Read-only np.memmap of all tokens (pages become resident as they are touched)."""
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path / "tokens.bin", dtype=self.dtype, mode="r")
-        return self._tokens
-
-    def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Tokens [start, start + count) by one positioned read (thread-safe, nothing stays mapped)."""
-        out = np.empty(count, self.dtype) if out is None else out
-        if start < 0 or count < 0 or start + count > self.n_tokens:
-            raise IndexError(f"tokens {start}..{start + count} outside 0..{self.n_tokens}")
-        got = os.preadv(self._fd, [memoryview(out).cast("B")], start * self.dtype.itemsize)
-        if got != count * self.dtype.itemsize:
-            raise RemodelError(f"{self.path}: tokens.bin ended early (read {got} of {count * self.dtype.itemsize} bytes)")
-        return out
-
-    def __del__(self):
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
-
-    def num_sequences(self, seq_len: int) -> int:
-        """Full sequences of seq_len tokens (the remainder is never read)."""
-        return self.n_tokens // seq_len
-
     def document(self, i: int) -> np.ndarray:
         """Tokens of document i (eos included when the set was made with eos)."""
         if not 0 <= i < self.n_docs:
@@ -403,9 +377,6 @@ def _weight(w: str, path: str) -> float:
     return weight
 
 
-SETS = (TokenSet, megatron.MegatronSet)  # what samplers and blends read
-
-
 def open_set(path):
     """The token source at `path`: a token set folder (remodel tokenize), else a Megatron prefix."""
     return TokenSet(path) if is_token_set(path) or not megatron.is_megatron(path) else megatron.MegatronSet(path)
@@ -418,7 +389,7 @@ class Blend:
     order and epochs; `counts(i)` is closed-form, so resuming never replays the stream."""
 
     def __init__(self, parts):
-        parts = [(float(w), s if isinstance(s, SETS) else open_set(s)) for w, s in parts]
+        parts = [(float(w), s if isinstance(s, TokenFile) else open_set(s)) for w, s in parts]
         if not parts or len(parts) > MAX_BLEND or any(not 0 < w < float("inf") for w, _ in parts):
             raise RemodelError(f"a blend needs 1 to {MAX_BLEND} token sets, each with a positive finite weight")
         hashes = {s.meta["tokenizer"]["hash"] for _, s in parts} - {None}  # Megatron sets record none
