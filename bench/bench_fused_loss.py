@@ -1,7 +1,7 @@
-"""Fused vocabulary losses (pipelines.training.fused_loss) against the unfused losses on materialised logits (CPU).
+"""Fused vocabulary losses (pipelines.training.fused_loss) against the unfused losses on materialised logits.
 
     python bench/bench_fused_loss.py [--tokens 4096] [--hidden 512] [--teacher-hidden 768] [--vocab 32768]
-                                     [--reps 3] [--chunk ROWS] [--only ce|kl]
+                                     [--reps 3] [--chunk ROWS] [--only ce|kl] [--device cpu|cuda]
 
 Forward + backward of the LM cross-entropy and of KL(teacher || student), fused and unfused, alternating
 in one process; prints the median time and the median peak-RSS growth of each, and the ratios.
@@ -36,8 +36,15 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def measure(fn):
-    """-> (seconds, peak RSS growth in bytes) of fn() (forward + backward)."""
+def measure(fn, device="cpu"):
+    """-> (seconds, peak growth in bytes: RSS on CPU, allocated GPU memory on CUDA) of fn() (forward + backward)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base, t = torch.cuda.memory_allocated(), time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, torch.cuda.max_memory_allocated() - base
     base = _reset_peak()
     t = time.perf_counter()
     fn()
@@ -47,10 +54,11 @@ def measure(fn):
 def cases(a):
     g = torch.Generator().manual_seed(0)
     N, H, Ht, V = a.tokens, a.hidden, a.teacher_hidden, a.vocab
-    h = torch.randn(N, H, generator=g).requires_grad_()
-    w = (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_()
-    labels = torch.randint(0, V, (N,), generator=g)
-    h_t, w_t = torch.randn(N, Ht, generator=g), torch.randn(V, Ht, generator=g) / Ht ** 0.5
+    dev = dict(device=a.device, dtype=torch.bfloat16 if a.device == "cuda" else torch.float32)
+    h = torch.randn(N, H, generator=g).to(**dev).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(**dev).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g).to(a.device)
+    h_t, w_t = torch.randn(N, Ht, generator=g).to(**dev), (torch.randn(V, Ht, generator=g) / Ht ** 0.5).to(**dev)
 
     def run(loss_fn):
         def go():
@@ -80,16 +88,18 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: pipelines.training.fused_loss's)")
     p.add_argument("--only", choices=["ce", "kl"], default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16, peak = allocated GPU memory")
     a = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, N={a.tokens} H={a.hidden} "
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, N={a.tokens} H={a.hidden} "
           f"H_t={a.teacher_hidden} V={a.vocab}; [N, V] fp32 logits = {a.tokens * a.vocab * 4 / 2**20:.0f} MiB")
     for name, (fused, unfused) in cases(a).items():
         fused(), unfused()  # warm-up
         res = {"fused": [], "unfused": []}
         for _ in range(a.reps):
-            res["fused"].append(measure(fused))
-            res["unfused"].append(measure(unfused))
+            res["fused"].append(measure(fused, a.device))
+            res["unfused"].append(measure(unfused, a.device))
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
         (tf, mf), (tu, mu) = med["fused"], med["unfused"]
         print(f"{name}: fused {tf:.2f} s, peak +{mf / 2**20:.0f} MiB | unfused {tu:.2f} s, peak +{mu / 2**20:.0f} MiB"

@@ -143,7 +143,8 @@ def hf_and_ours(kw):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **kw)).float()
+    with torch.device(DEV):  # initialised on the device (the 1.3B comparison); saved and loaded through the host
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron_h", **kw)).float()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         ours = load_model(tmp).to(DEV)
@@ -216,7 +217,8 @@ def step_time(model, teacher, ids, reps, opt, fused=False):
 def throughput(big, seq_len, batch, reps, peak):
     res = {}
     torch.manual_seed(0)
-    model = init_weights(HybridLM(ModelConfig(**big)), seed=0).to(DEV)
+    with torch.device(DEV):  # built and initialised on the device: seconds for 1.3B, not a minute of host init
+        model = init_weights(HybridLM(ModelConfig(**big)))
     n = sum(p.numel() for p in model.parameters())
     opt = build_optimizer(dict(model.named_parameters()), 1e-5, 0.1)
     ids = torch.randint(0, big["vocab_size"], (batch, seq_len), device=DEV)
@@ -238,7 +240,9 @@ def throughput(big, seq_len, batch, reps, peak):
         print(name, res[name], flush=True)
     mamba.USE_KERNEL = True
     # distillation: the same model as a frozen teacher, student = a copy being trained
-    teacher = init_weights(HybridLM(ModelConfig(**big)), seed=1).to(DEV).eval().requires_grad_(False)
+    torch.manual_seed(1)
+    with torch.device(DEV):
+        teacher = init_weights(HybridLM(ModelConfig(**big))).eval().requires_grad_(False)
     try:
         plain = step_time(model, None, ids, reps, opt)
         kd = step_time(model, teacher, ids, reps, opt)
@@ -515,7 +519,9 @@ def parse_args(argv=None):
     return a
 
 
-def run_parts(a, report):
+def run_parts(a, report, save=lambda: None):
+    """The requested parts in order; `save()` after each piece, so a device call cut off by its time limit
+    still returns what finished."""
     big = {**BIG, **SMOKE_WIDTHS} if SMOKE else BIG
     if DEV.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the timings' setting (as in the earlier runs)
@@ -526,9 +532,16 @@ def run_parts(a, report):
         report["bf16_matmul_tflops_measured"] = peak / 1e12
         print("bf16 matmul", peak / 1e12, "TFLOP/s", flush=True)
         report["train_step_bf16"] = throughput(big, a.seq_len, a.batch, a.reps, peak)
-        report["fwd_bwd_vs_transformers_bf16"] = {str(n): vs_transformers(big, n, 1, a.reps) for n in a.cmp_lengths}
+        save()
+        report["fwd_bwd_vs_transformers_bf16"] = cmp = {}
+        for n in a.cmp_lengths:
+            cmp[str(n)] = vs_transformers(big, n, 1, a.reps)
+            save()
     if "windows" in a.parts:
-        report["windows"] = {w: window(w, a.seq_len, a.batch, a.reps, a.layers_8b, a.layers_nano) for w in a.windows}
+        report["windows"] = done = {}
+        for w in a.windows:
+            done[w] = window(w, a.seq_len, a.batch, a.reps, a.layers_8b, a.layers_nano)
+            save()
     if "gap" in a.parts:
         report["fp8_loss_gap"] = fp8_loss_gap(a.gap_window, a.gap_steps, a.gap_seq_len, a.gap_batch, a.layers_8b,
                                               a.layers_nano, a.gap_lr)
@@ -544,18 +557,22 @@ def main(argv=None):
     report = dict(device=name, torch=torch.__version__, transformers=transformers.__version__,
                   command=" ".join(sys.argv), smoke=SMOKE, gpu_kernels=kernels_present())
     print(report, flush=True)
-    if "parity" in a.parts or a.parity_only:
-        report["parity_fp32"] = parity()
-        print(report["parity_fp32"], flush=True)
-    if not a.parity_only:
-        run_parts(a, report)
-    print(json.dumps({k: v for k, v in report.items() if k != "profile_2048"}, indent=1))
     out = a.json
     if out is None and DEV.type == "cuda":
         kind = "h200" if "H200" in name else "h100" if "H100" in name else "cuda"
         out = ROOT / "bench" / f"gpu_{kind}_{'-'.join(a.parts)}.json"
-    if out:
-        Path(out).write_text(json.dumps(report, indent=1))
+
+    def save():
+        if out:
+            Path(out).write_text(json.dumps(report, indent=1))
+    if "parity" in a.parts or a.parity_only:
+        report["parity_fp32"] = parity()
+        print(report["parity_fp32"], flush=True)
+        save()
+    if not a.parity_only:
+        run_parts(a, report, save)
+    print(json.dumps({k: v for k, v in report.items() if k != "profile_2048"}, indent=1))
+    save()
 
 
 if __name__ == "__main__":

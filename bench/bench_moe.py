@@ -7,7 +7,12 @@ hidden 256), the Nemotron 3 Nano window (128 experts, top-6, a shared expert) an
 on every window, and the Nano window at >= 2/3 the tokens/s of a dense MLP of the same active width
 (k expert widths + the shared expert; a layer-level stand-in for the issue's training figure).
 
-    python bench/bench_moe.py [--tokens 2048] [--rounds 5]
+`--model`: the issue's training figure itself: one train step (the trainer's compute_losses: CE + the
+router's load-balancing loss, backward, clipping, AdamW) of a Nano-shaped hybrid (`MEMEM*EME`, 128
+experts, top-6, a shared expert, hidden 256) against its dense twin (each E an MLP of the same active width),
+alternating, best of --rounds.
+
+    python bench/bench_moe.py [--tokens 2048] [--rounds 5] [--model]
 """
 from __future__ import annotations
 
@@ -78,11 +83,56 @@ def measure(window: str, tokens: int, rounds: int, device, dtype) -> dict:
             "grouped_over_dense": round(best["dense"] / best["grouped"], 2)}
 
 
+NANO_MODEL = dict(vocab_size=2048, hidden_size=256, pattern="MEMEM*EME", num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                  ssm_state_size=64, chunk_size=128, **{k: v for k, v in WINDOWS["nano"].items() if k != "hidden_size"})
+
+
+def train_models(tokens: int, rounds: int) -> dict:
+    """Train-step tokens/s of the Nano-shaped MoE model and its dense twin (same batches, alternating)."""
+    from remodel.models.model import HybridLM, init_weights
+    from remodel.pipelines.training.objective import compute_losses
+    from remodel.pipelines.training.trainer import build_optimizer
+
+    moe_cfg = ModelConfig(router="sigmoid", **NANO_MODEL)
+    width = moe_cfg.num_experts_per_tok * moe_cfg.moe_intermediate_size + moe_cfg.moe_shared_expert_intermediate_size
+    dense_cfg = ModelConfig(**{**NANO_MODEL, "pattern": NANO_MODEL["pattern"].replace("E", "-"),
+                               "intermediate_size": width, "n_routed_experts": 0, "num_experts_per_tok": 0,
+                               "moe_intermediate_size": 0, "moe_shared_expert_intermediate_size": 0})
+    models = {name: init_weights(HybridLM(cfg), seed=0) for name, cfg in (("moe", moe_cfg), ("dense", dense_cfg))}
+    opts = {name: build_optimizer(dict(m.named_parameters()), 1e-4, 0.1) for name, m in models.items()}
+    w = dict(kl=0.0, lm=1.0, hidden=0.0, lb=1e-3, z=0.0, temperature=1.0, topk=None, fused=False)
+    ids = torch.randint(0, moe_cfg.vocab_size, (max(1, tokens // 512), 512), generator=torch.Generator().manual_seed(0))
+    times = {"moe": [], "dense": []}
+    for r in range(rounds + 1):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            loss, _ = compute_losses(m, None, ids, w)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in times.items()}
+    n_tok = ids.numel()
+    return {"model": "nano-shaped " + moe_cfg.pattern, "tokens": n_tok, "dense_active_width": width,
+            **{f"{k}_tok_s": round(n_tok / v) for k, v in best.items()},
+            "moe_over_dense": round(best["dense"] / best["moe"], 3)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", action="store_true", help="train steps of a Nano-shaped model vs its dense twin")
     a = ap.parse_args()
+    if a.model:
+        r = train_models(a.tokens, a.rounds)
+        print(f"{r['model']}: MoE {r['moe_tok_s']:,} tok/s  dense {r['dense_tok_s']:,} tok/s  "
+              f"MoE/dense {r['moe_over_dense']:.3f}x  ({torch.get_num_threads()} threads)")
+        print(json.dumps({"device": platform.processor() or "cpu", "threads": torch.get_num_threads(), **r}))
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [measure(w, a.tokens, a.rounds, device, dtype) for w in WINDOWS]

@@ -58,7 +58,9 @@ class Router(nn.Module):
         return logits, w * cfg.routed_scaling_factor, idx
 
 
-GROUPED = hasattr(F, "grouped_mm")  # the grouped expert path (the loop where it is off or the shapes refuse)
+# F.grouped_mm (torch >= 2.10; CPU and CUDA), else the private op it wraps (CUDA bf16 since torch 2.8)
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED = GROUPED_MM is not None  # the grouped expert path (the loop where it is off or the shapes refuse)
 
 
 def grouped_ok(rows, ffn: int) -> bool:
@@ -66,7 +68,22 @@ def grouped_ok(rows, ffn: int) -> bool:
     the experts (the kernel's stride rule), fp32 / bf16 on CPU, bf16 on CUDA."""
     size = rows.element_size()
     dtypes = (torch.bfloat16,) if rows.is_cuda else (torch.float32, torch.bfloat16)
-    return GROUPED and rows.dtype in dtypes and (rows.shape[-1] * size) % 16 == 0 and (ffn * size) % 16 == 0
+    kernel = GROUPED and (rows.is_cuda or hasattr(F, "grouped_mm"))  # torch._grouped_mm is CUDA-only
+    return kernel and rows.dtype in dtypes and (rows.shape[-1] * size) % 16 == 0 and (ffn * size) % 16 == 0
+
+
+def autocast_rows(rows):
+    """Rows in the autocast dtype when autocast is on (as F.linear would cast them): a bf16 training step with
+    fp32 master weights then takes the grouped kernel too, not the loop."""
+    dev = rows.device.type
+    if torch.is_autocast_enabled(dev) and rows.is_floating_point():
+        return rows.to(torch.get_autocast_dtype(dev))
+    return rows
+
+
+def expert_counts(flat, n: int):
+    """Rows per expert [n] (int64) without a host sync: CUDA's bincount reads the max id back to size its output."""
+    return flat.new_zeros(n).index_add_(0, flat, torch.ones_like(flat))
 
 
 class Experts(nn.Module):
@@ -113,8 +130,8 @@ class Experts(nn.Module):
         order: one grouped matmul per projection where the shapes allow it (GROUPED), else a loop over the
         experts (every: also the ones with no rows, so that each rank's backward meets the same collectives).
         Scoring's expert hooks get each expert's activation and output from either path."""
-        if grouped_ok(rows, self.up_proj.shape[1]):
-            return self._grouped(rows, counts)
+        if grouped_ok(autocast_rows(rows), self.up_proj.shape[1]):
+            return self._grouped(autocast_rows(rows), counts)
         w, ys = self.weights(), []
         for e, xi in enumerate(rows.split(counts.tolist())):  # split, not slices: one cat in backward, no zero-filled grads
             if len(xi) or every:
@@ -129,14 +146,14 @@ class Experts(nn.Module):
 
     def _grouped(self, rows, counts):
         """The experts as grouped matmuls over the sorted rows (no host sync, no Python loop over experts)."""
-        up, gate, down = self.weights()
+        up, gate, down = (None if t is None else t.to(rows.dtype) for t in self.weights())
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.grouped_mm(rows, up.transpose(-2, -1), offs=offs)
-        g = None if gate is None else F.grouped_mm(rows, gate.transpose(-2, -1), offs=offs)
+        h = GROUPED_MM(rows, up.transpose(-2, -1), offs=offs)
+        g = None if gate is None else GROUPED_MM(rows, gate.transpose(-2, -1), offs=offs)
         if not self._expert_hooks:
             return maybe_checkpoint(self, self._act_down_grouped, down, offs, h, g)
         a = gated_act(self.act, h, g)  # scoring: the same arithmetic, each expert's part recorded
-        y = F.grouped_mm(a, down.transpose(-2, -1), offs=offs)
+        y = GROUPED_MM(a, down.transpose(-2, -1), offs=offs)
         sizes = counts.tolist()
         for e, (ae, ye) in enumerate(zip(a.split(sizes), y.split(sizes))):
             for hook in list(self._expert_hooks.values()) if len(ae) else ():
@@ -144,7 +161,7 @@ class Experts(nn.Module):
         return y
 
     def _act_down_grouped(self, down, offs, h, gate=None):
-        return F.grouped_mm(gated_act(self.act, h, gate), down.transpose(-2, -1), offs=offs)
+        return GROUPED_MM(gated_act(self.act, h, gate), down.transpose(-2, -1), offs=offs)
 
     def forward(self, x, weights, idx):
         """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless; each token's terms are
@@ -156,7 +173,7 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0] if ex is None else ex.n_experts)
+        counts = expert_counts(flat, self.up_proj.shape[0] if ex is None else ex.n_experts)
         rows = x.index_select(0, token)  # backward: index_add, 3x faster than x[token]'s index_put
         if ex is None:
             y = self._run(rows, counts, every=False)

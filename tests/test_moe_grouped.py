@@ -60,3 +60,57 @@ def test_shapes_the_kernel_refuses_take_the_loop():
     """Rows or expert widths that are not 16-byte multiples (fp32: 4 elements) go to the loop, and CUDA takes bf16 only."""
     assert M.grouped_ok(torch.zeros(3, 32), 16) and not M.grouped_ok(torch.zeros(3, 30), 16)
     assert not M.grouped_ok(torch.zeros(3, 32), 10) and not M.grouped_ok(torch.zeros(3, 32, dtype=torch.float64), 16)
+
+
+def test_autocast_takes_the_grouped_path(monkeypatch):
+    """A bf16 autocast step over fp32 weights (the trainer's mixed precision) runs the grouped kernel, not the
+    loop, and matches the loop under the same autocast within bf16 rounding."""
+    cfg = ModelConfig(**{**BASE, **VARIANTS["softmax_swiglu"]})
+    model = init_weights(HybridLM(cfg), std=0.2, seed=0)
+    ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
+    seen, kernel = [], M.GROUPED_MM
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loop, g_loop = run(model, ids, False, monkeypatch)
+        monkeypatch.setattr(M.Experts, "expert", lambda *a, **k: pytest.fail("per-expert loop ran"))
+        monkeypatch.setattr(M, "GROUPED_MM", lambda a, b, **k: seen.append((a.dtype, b.dtype)) or kernel(a, b, **k))
+        grouped, g_grouped = run(model, ids, True, monkeypatch)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}  # CUDA's kernel takes bf16 only
+    assert (grouped.float() - loop.float()).abs().max().item() <= 2e-2 * loop.float().abs().max().item()
+    for n in g_loop:
+        ref = g_loop[n].float()
+        assert (g_grouped[n].float() - ref).abs().max().item() <= 5e-2 * max(ref.abs().max().item(), 1e-6), n
+
+
+def test_expert_counts_equal_bincount():
+    flat = torch.randint(0, 8, (57,), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(M.expert_counts(flat, 12), torch.bincount(flat, minlength=12))
+
+
+CUDA_GROUPED = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.skipif(not CUDA_GROUPED, reason="needs a Hopper-class CUDA GPU (bf16 grouped GEMM)")
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_cuda_grouped_has_no_host_sync_and_equals_the_loop(name, monkeypatch):
+    """On CUDA the MoE forward and backward run under sync debug mode 'error' (a .tolist(), .item() or
+    CUDA bincount raises), and the bf16 grouped path equals the bf16 loop within bf16 rounding."""
+    latent = {"moe_latent_size": 32} if VARIANTS[name].get("moe_latent_size") else {}
+    cfg = ModelConfig(**{**BASE, **VARIANTS[name], "hidden_size": 64, "moe_intermediate_size": 32, **latent})
+    model = init_weights(HybridLM(cfg), std=0.2, seed=0).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    moe = next(iter(model.moe_layers()))
+    x = torch.randn(80, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x[None])  # warm-up: lazy CUDA init syncs once
+    monkeypatch.setattr(M, "GROUPED", True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x[None]).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    loop, g_loop = run(model, ids, False, monkeypatch)
+    grouped, g_grouped = run(model, ids, True, monkeypatch)
+    scale = loop.float().abs().max().item()
+    assert (grouped.float() - loop.float()).abs().max().item() <= 2e-2 * scale
+    for n in g_loop:
+        ref = g_loop[n].float()
+        assert (g_grouped[n].float() - ref).abs().max().item() <= 3e-2 * max(ref.abs().max().item(), 1e-6), n
