@@ -20,8 +20,10 @@ The default maximum width cut is 0.45, not the reference's "~40%": the published
 attention heads (Minitron-SSM: pruning heads beats pruning head_dim; NVIDIA leaves attention heads
 alone in hybrids); name them in `axes` (or use the preset "all") to search them too.
 
-Every metric is additive over layers at a fixed hidden size, so the search runs per hidden size over
-per-type option arrays (numpy outer sums, pruned by the budget as it goes): exact total and active
+Every metric is additive over layers at fixed *outer* widths, so the search runs per outer point over
+per-type option arrays. The outer widths are the hidden size and every axis two unit types share (Bamba's
+'M-' and '*-' decoder layers share the FFN, Granite's 'ME' and '*E' the experts): one value for all
+layers, never one per type; (numpy outer sums, pruned by the budget as it goes): exact total and active
 parameters (models.params' per-layer formulas; pipelines.commands.plan re-checks every candidate it returns
 with count_params) and memory as models.params.memory_bytes counts it (weights at `dtype_bytes`,
 router correction bias fp32, KV cache of `batch` x `seq_len` tokens in bf16, Mamba conv state bf16 +
@@ -89,10 +91,19 @@ def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
     return True
 
 
-def _joint_ok(sp: "Space", d: dict) -> bool:
-    """Constraints between axes: hidden a multiple of the heads where the family demands it (its config
-    derives head_dim from hidden / heads; compress.prune.validate_targets refuses the rest)."""
-    return not (family_of(sp.family).hidden_divides_heads and d["attn_heads"] and d["hidden_size"] % d["attn_heads"])
+def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:
+    """Constraints between axes, for the layers of unit type t (None: every layer): hidden a multiple of the
+    heads where the family demands it (its config derives head_dim from hidden / heads;
+    compress.prune.validate_targets refuses the rest), and the Mamba width a multiple of hidden where its
+    config derives that width as mamba_expand * hidden (Bamba, Granite)."""
+    fam = family_of(sp.family)
+
+    def has(axis):
+        return any(axis in KINDS[c].widths for c in (t if t is not None else sp.cfg.pattern))
+    if fam.hidden_divides_heads and has("attn_heads") and d["attn_heads"] and d["hidden_size"] % d["attn_heads"]:
+        return False
+    mamba = fam.mamba_width_from_hidden and has("mamba_heads") and d["mamba_heads"]
+    return not (mamba and d["mamba_heads"] * d["mamba_head_dim"] % d["hidden_size"])
 
 
 def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None,
@@ -134,14 +145,28 @@ class Space:
     seq_len: int
     dtype_bytes: int
 
-    def type_axes(self, t: str) -> list[str]:
-        """The searched width axes one unit type depends on (hidden apart)."""
+    def _axes_of(self, t: str) -> list[str]:
         return [a for a, (kind, _, _) in WIDTHS.items()  # the widths of the kinds in t (their specs)
                 if kind is not None and any(a in KINDS[c].widths for c in t) and len(self.values[a]) > 1]
 
+    def outer_axes(self) -> list[str]:
+        """Axes every layer shares: hidden, and each searched axis that two or more unit types use."""
+        shared = [a for a in WIDTHS if sum(a in self._axes_of(t) for t in self.types) > 1]
+        return ["hidden_size"] + shared
+
+    def type_axes(self, t: str) -> list[str]:
+        """The searched width axes only unit type t depends on (the outer axes apart)."""
+        outer = self.outer_axes()
+        return [a for a in self._axes_of(t) if a not in outer]
+
+    def outer_points(self) -> list[dict]:
+        """Every combination of the outer axes' values, the source's first (each axis' values in order)."""
+        axes = self.outer_axes()
+        return [dict(zip(axes, w)) for w in itertools.product(*(self.values[a] for a in axes))]
+
     def size(self) -> int:
         """Number of grid points (before the depth total cap)."""
-        n = len(self.values["hidden_size"])
+        n = math.prod(len(self.values[a]) for a in self.outer_axes())
         for t in self.types:
             n *= math.prod(len(self.values[a]) for a in self.type_axes(t)) * (self.removable[t] + 1)
         return n
@@ -222,14 +247,14 @@ def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
     return out
 
 
-def _options(sp: Space, t: str, H: int):
-    """Every (widths, removed) option of unit type t at hidden H: metrics [n, 3], removed [n], rows."""
+def _options(sp: Space, t: str, G: dict):
+    """Every (widths, removed) option of unit type t at outer widths G: metrics [n, 3], removed [n], rows."""
     axes, n = sp.type_axes(t), len(sp.units[t])
-    base = {**cfg_widths(sp.cfg), "hidden_size": H}
+    base = {**cfg_widths(sp.cfg), **G}
     rows, mets = [], []
     for w in itertools.product(*(sp.values[a] for a in axes)):
         d = {**base, **dict(zip(axes, w))}
-        one = unit_metrics(sp, t, d) if _joint_ok(sp, d) else np.full(3, INVALID, dtype=np.int64)
+        one = unit_metrics(sp, t, d) if _joint_ok(sp, d, t) else np.full(3, INVALID, dtype=np.int64)
         for r in range(sp.removable[t] + 1):
             rows.append((dict(zip(axes, w)), r))
             mets.append((n - r) * one if one[0] != INVALID else one)
@@ -240,10 +265,10 @@ def extremes(sp: Space) -> dict:
     """{metric: (smallest reachable, largest reachable below the source, source)} over the grid."""
     src = evaluate(sp, {}, {})
     smallest = np.full(3, INVALID, dtype=np.int64)
-    for H in sp.values["hidden_size"]:  # per type and units removed the smallest option, then a
-        dp = {0: base_metrics(sp, H)}  # knapsack over the total-removal cap (per metric)
+    for G in sp.outer_points():  # per type and units removed the smallest option, then a
+        dp = {0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap (per metric)
         for t in sp.types:
-            mets, rem, _ = _options(sp, t, H)
+            mets, rem, _ = _options(sp, t, G)
             best = {r: mets[rem == r].min(axis=0) for r in range(sp.removable[t] + 1)}
             new = {}
             for R, v in dp.items():
@@ -300,29 +325,29 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
     if not on.any():
         raise RemodelError("give at least one budget (params, active params or memory)")
     lim = np.array([float(budgets.get(m, 0)) for m in METRICS])
-    Hs = sp.values["hidden_size"]
-    opts = {H: [_options(sp, t, H) for t in sp.types] for H in Hs}
-    ups = [_step_ups(sp, rows) for _, _, rows in opts[Hs[0]]]
-    radix = [len(o[1]) for o in opts[Hs[0]]]
+    Gs = sp.outer_points()
+    opts = [[_options(sp, t, G) for t in sp.types] for G in Gs]
+    ups = [_step_ups(sp, rows) for _, _, rows in opts[0]]
+    radix = [len(o[1]) for o in opts[0]]
 
     def fits(m):  # [n, 3] metrics -> meets every budget
         return np.all(~on | (m <= lim), axis=1)
 
     found, stats = [], {"window": 0, "maximal": 0}
-    for hi, H in enumerate(Hs):
-        acc, rem, idx = _feasible(sp, opts[H], H, fits, on, lim, tol if window_only else None)
+    for gi, G in enumerate(Gs):
+        acc, rem, idx = _feasible(sp, opts[gi], G["hidden_size"], fits, on, lim, tol if window_only else None)
         slack = (lim[on] - acc[:, on]) / lim[on]
         dist, win = slack.mean(axis=1), slack.min(axis=1) <= tol
         stats["window"] += int(win.sum())
         o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
             if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
-        keep = ~_can_grow(sp, opts, Hs, hi, acc, o, ups, fits)
+        keep = ~_can_grow(sp, opts, Gs, gi, acc, o, ups, fits)
         stats["maximal"] += int((keep & win).sum())
         sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
-        found.append((H, acc[sel], rem[sel], o[sel], dist[sel]))
+        found.append((gi, acc[sel], rem[sel], o[sel], dist[sel]))
     if not any(len(f[1]) for f in found):
         return [], stats
-    return _ranked(sp, opts[Hs[0]], found, top, resolution), stats
+    return _ranked(sp, opts[0], Gs, found, top, resolution), stats
 
 
 def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
@@ -346,29 +371,32 @@ def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
     return acc, rem, idx
 
 
-def _can_grow(sp: Space, opts: dict, Hs: list, hi: int, acc, o, ups, fits):
-    """Per candidate: can a single knob (one type's width or layer count, or the hidden size) grow by one
+def _can_grow(sp: Space, opts: list, Gs: list, gi: int, acc, o, ups, fits):
+    """Per candidate: can a single knob (one type's width or layer count, or an outer width) grow by one
     step within every budget? Those are not maximal."""
     grow = np.zeros(len(acc), dtype=bool)
-    for k, (mets, _, _) in enumerate(opts[Hs[hi]]):
+    for k, (mets, _, _) in enumerate(opts[gi]):
         for up in ups[k]:
             u = up[o[:, k]]
             grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
-    if hi:
-        Hup = Hs[hi - 1]
-        grown = base_metrics(sp, Hup)[None, :] + sum(opts[Hup][k][0][o[:, k]] for k in range(o.shape[1]))
-        grow |= fits(grown)
+    at = {tuple(G.values()): j for j, G in enumerate(Gs)}
+    for a, v in Gs[gi].items():  # an outer width one step larger, every type's option unchanged
+        i = sp.values[a].index(v)
+        if i:
+            j = at[tuple({**Gs[gi], a: sp.values[a][i - 1]}.values())]
+            grown = base_metrics(sp, Gs[j]["hidden_size"])[None, :] + sum(opts[j][k][0][o[:, k]] for k in range(o.shape[1]))
+            grow |= fits(grown)
     return grow
 
 
-def _ranked(sp: Space, opts: list, found: list, top: int, resolution: float) -> list:
-    """The best `top` rows over every hidden size, in the order the search docstring gives."""
+def _ranked(sp: Space, opts: list, Gs: list, found: list, top: int, resolution: float) -> list:
+    """The best `top` rows over every outer point, in the order the search docstring gives."""
     A, R, O, D = (np.concatenate([f[j] for f in found]) for j in (1, 2, 3, 4))
-    Hj = np.concatenate([np.full(len(f[1]), f[0]) for f in found])
+    Gj = np.concatenate([np.full(len(f[1]), f[0]) for f in found])
     order = np.lexsort((R, D, -A[:, 0], np.floor(D / resolution) if resolution > 0 else D))[:top]
     rows = []
     for j in order:
-        widths, removed = {"hidden_size": int(Hj[j])}, {}
+        widths, removed = {a: int(v) for a, v in Gs[Gj[j]].items()}, {}
         for k, t in enumerate(sp.types):
             w, r = opts[k][2][O[j, k]]
             widths.update(w)

@@ -108,5 +108,5 @@ class Bamba(Family):
                            "but its RoPE spans whole heads, bamba's half (nemotron_h's experts are not gated)")
 
 
-BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, block_types=BLOCK_TYPES,
+BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, mamba_width_from_hidden=True, block_types=BLOCK_TYPES,
               upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)")

@@ -73,7 +73,8 @@ class Family:
     (depth pruning removes them together); moe: its layers hold routed experts (an upcycling target);
     mtp: it stores MTP layers; routers: the upcycling routers it can hold exactly; shared_expert_gate: its
     shared expert is scaled by sigmoid(w.x); hidden_divides_heads: transformers' config requires hidden
-    to be a multiple of the query heads; block_types: its config's per-layer type names, as our layer kinds;
+    to be a multiple of the query heads; mamba_width_from_hidden: its config derives the Mamba width as
+    mamba_expand * hidden_size (heads x head size a multiple of hidden); block_types: its config's per-layer type names, as our layer kinds;
     multipliers: it holds embedding_multiplier, residual_multiplier, attention_scale and logits_scaling
     (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields."""
     name: str
@@ -84,6 +85,7 @@ class Family:
     routers: tuple = ()
     shared_expert_gate: bool = False
     hidden_divides_heads: bool = False
+    mamba_width_from_hidden: bool = False
     block_types: dict = field(default_factory=dict)
     multipliers: bool = False  # its config holds ModelConfig's scalar multipliers (embedding, residual, ...)
     projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)

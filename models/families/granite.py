@@ -181,6 +181,7 @@ class Granite(Family):
         return self.name
 
 
-GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, block_types=BLOCK_TYPES,
+GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, mamba_width_from_hidden=True,
+                  block_types=BLOCK_TYPES,
                   multipliers=True, moe=True, routers=("topk-softmax",),
                   upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)")
