@@ -301,6 +301,9 @@ MARKS = {
         "test_vocab_parallel_losses": "multiprocess",
         "test_dead_or_stalled_rank_does_not_hang": "multiprocess",
     },
+    "test_released_configs.py": {
+        "test_search_over_a_released_config_miniature": "slow",
+    },
     "test_plan.py": {
         "test_search_matches_brute_force": "slow",
         "test_extremes_are_the_grid_extremes": "slow",

@@ -1,0 +1,99 @@
+"""The released Granite 4.0-H, Bamba and Falcon-H1 configs (models/configs, provenance in its README): our
+counts equal transformers' own models built from each file and the model cards' published sizes at the
+cards' rounding, and `plan` over them (Granite 4.0-H-Small 32B -> 20B, Falcon-H1-34B -> 24B, Bamba-9B -> 7B)
+returns candidates whose exported configs transformers counts exactly as plan does."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from remodel.models.hf import config_from_hf, config_to_hf
+from remodel.models.params import count_params
+from remodel.pipelines.commands.plan import candidate_config, plan
+
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+# name -> (total as the card rounds it: (value, digits of 1e9)), active per token likewise or None)
+CARDS = {"bamba-9b": ((9.78, 2), None), "falcon-h1-0.5b": ((0.5, 1), None), "falcon-h1-7b": ((7.59, 2), None),
+         "falcon-h1-34b": ((34, 0), None), "granite-4.0-h-micro": ((3, 0), None),
+         "granite-4.0-h-tiny": ((7, 0), (1, 0)), "granite-4.0-h-small": ((32, 0), (9, 0))}
+
+
+def load(name) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def meta_model(d: dict):
+    d = PretrainedConfig._decode_special_floats(d)  # config_to_hf writes inf as {"__float__": "Infinity"}
+    h = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(h)
+
+
+def hf_counts(d: dict) -> tuple[int, int]:
+    """(total, active per token) of transformers' model: routed expert tensors count k/E of their size."""
+    m = meta_model(d)
+    total = sum(p.numel() for p in m.parameters())
+    routed = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    E, k = d.get("num_local_experts") or 0, d.get("num_experts_per_tok") or 0
+    return total, total - routed + (routed * k // E if E else 0)
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_counts_equal_transformers_and_the_card(name):
+    d = load(name)
+    c = count_params(config_from_hf(d))
+    total, active = hf_counts(d)
+    print(f"{name}: {c['total']:,} params, {c['active']:,} active")
+    assert (c["total"], c["active"]) == (total, active) and c["total"] == c["hf_total"]
+    (card, digits), card_active = CARDS[name]
+    assert round(c["total"] / 1e9, digits) == card
+    if card_active:
+        assert round(c["active"] / 1e9, card_active[1]) == card_active[0]
+
+
+@pytest.mark.parametrize("name, budget", [("granite-4.0-h-small", 20e9), ("falcon-h1-34b", 24e9), ("bamba-9b", 7e9)])
+def test_plan_candidates_count_exactly_in_transformers(name, budget):
+    """Plan's candidates sit within 2% under the budget, and the first ones, exported as the family's
+    config.json, build transformers models of exactly plan's total and active counts."""
+    d = plan(name, params=budget, top=3, verbose=False)
+    cands, src = d["candidates"], config_from_hf(load(name))
+    assert d["family"] == load(name)["model_type"] and len(cands) == 3
+    assert all(0.98 * budget <= c["params"] <= budget for c in cands)
+    assert any(c["prune_targets"].get("drop_layers") for c in cands)  # depth by the family's decoder layer
+    for c in cands:
+        hf = config_to_hf(candidate_config(src, c, d["family"]), d["family"])
+        assert hf_counts(hf) == (c["params"], c["active_params"]), c["widths"]
+
+
+def test_search_over_a_released_config_miniature(tmp_path):
+    """`search` at full depth over Granite 4.0-H-Tiny's structure with widths / 32 (bench/dry_run_family.py's
+    miniature, random weights): the pick meets the job's budget (4.5B of 6.94B, scaled alike) within plan's
+    2%, is written as a granitemoehybrid checkpoint and transformers builds it with exactly the pick's count."""
+    import gzip
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dry_run_family import build, scaled
+
+    from remodel.pipelines.commands.search import search_job
+    from remodel.pipelines.data.data import embedded_corpus
+
+    src, cfg, family = scaled("granite-4.0-h-tiny", 32)
+    assert family == "granitemoehybrid" and cfg.pattern == src.pattern and cfg.n_routed_experts == 64
+    budget = count_params(cfg)["total"] * 4.5e9 / count_params(src)["total"]
+    build(cfg, family, tmp_path / "mini")
+    text = tmp_path / "train.txt"  # a slice of the embedded corpus: tokenized in seconds
+    text.write_text(gzip.open(embedded_corpus()[0], "rt").read()[:400_000])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 80 tiny layers: with OMP_WAIT_POLICY=PASSIVE (conftest) 2 threads take 10x longer
+    try:
+        rep = search_job(tmp_path / "mini", tmp_path / "out", text, params=budget, top=2, candidates=1,
+                         plan_options={"divisors": {"hidden_size": 8, "expert_ffn_size": 16, "shared_expert_size": 16}},
+                         seq_len=64, batch=2, score_samples=4, eval_tokens=256, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    pick = rep["pick"]
+    assert 0.98 * budget <= pick["params"] <= budget
+    d = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert d["model_type"] == "granitemoehybrid" and hf_counts(d)[0] == pick["params"]
