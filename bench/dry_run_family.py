@@ -13,7 +13,6 @@ the source's family, which transformers loads (parameter count and logits checke
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dry_run_56b import check_export, cpu_seconds, peak_rss_mb, reference, scale_widths  # noqa: E402
+from dry_run_super import search_parser  # noqa: E402
 from remodel.models.hf import default_family  # noqa: E402
 from remodel.models.load import save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
@@ -48,16 +48,9 @@ def build(cfg, family: str, path: Path, seed: int = 0):
 
 
 def _args():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = search_parser(__doc__.split("\n")[0])  # dry_run_super's options
     ap.add_argument("--name", required=True, help="a shipped config (remodel inspect NAME)")
     ap.add_argument("--params-b", type=float, required=True, help="the full-scale budget in billions")
-    ap.add_argument("--scale", type=int, default=32)
-    ap.add_argument("--top", type=int, default=3, help="plan candidates pruned and ranked by loss")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=4, help="calibration sequences for scoring")
-    ap.add_argument("--eval-tokens", type=int, default=1024)
-    ap.add_argument("--out", default=None, help="keep the outputs here (default: a temporary folder)")
     return ap.parse_args()
 
 
@@ -76,9 +69,9 @@ def main():
                          "expert_ffn_size": max(1, 512 // a.scale), "shared_expert_size": max(1, 512 // a.scale)}}
     build(cfg, family, ckpt)
     train_txt, _ = embedded_corpus()
-    rep = search_job(ckpt, out, train_txt, params=budget, plan_options=opts, top=a.top, candidates=1, score_samples=a.samples,
-                     distill_tokens=0, seq_len=a.seq_len, batch=a.batch, eval_tokens=a.eval_tokens,
-                     overwrite=True, progress=False)
+    rep = search_job(ckpt, out, train_txt, params=budget, plan_options=opts, top=a.top, candidates=a.candidates,
+                     distill_tokens=a.distill_tokens, score_samples=a.samples, seq_len=a.seq_len, batch=a.batch,
+                     eval_tokens=a.eval_tokens, overwrite=True, progress=False)
     pick = rep["pick"]
     res = {"name": a.name, "family": family, "scale": a.scale,
            "source_full": {"params": full["total"], "active_params": full["active"]},

@@ -128,8 +128,9 @@ def summary(scale: int, cfg, b: dict, d: dict, rep: dict, checks: dict) -> dict:
         **checks}
 
 
-def _args():
-    ap = argparse.ArgumentParser()
+def search_parser(description=None) -> argparse.ArgumentParser:
+    """The dry runs' common options (bench/dry_run_family.py adds its own to these)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--scale", type=int, default=32)
     ap.add_argument("--top", type=int, default=3, help="plan candidates pruned and ranked by loss")
     ap.add_argument("--candidates", type=int, default=1, help="of those, distilled")
@@ -139,11 +140,11 @@ def _args():
     ap.add_argument("--samples", type=int, default=4, help="calibration sequences for scoring")
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--out", default=None, help="keep the outputs here (default: a temporary folder)")
-    return ap.parse_args()
+    return ap
 
 
 def main():
-    a = _args()
+    a = search_parser().parse_args()
     from remodel.pipelines.commands.score import score
     from remodel.pipelines.commands.search import search_job
 
