@@ -74,6 +74,14 @@ SMOKE = False
 WARMUP = 2  # untimed calls before the timed ones (--smoke: none)
 
 
+T0 = time.perf_counter()
+
+
+def say(*parts):
+    """A progress line with the seconds since start (device calls are cut at a limit: the log shows where)."""
+    print(f"[{time.perf_counter() - T0:7.1f} s]", *parts, flush=True)
+
+
 def sync():
     if DEV.type == "cuda":
         torch.cuda.synchronize()
@@ -216,6 +224,7 @@ def step_time(model, teacher, ids, reps, opt, fused=False):
 
 def throughput(big, seq_len, batch, reps, peak):
     res = {}
+    say("1.3B train step: building the model")
     torch.manual_seed(0)
     with torch.device(DEV):  # built and initialised on the device: seconds for 1.3B, not a minute of host init
         model = init_weights(HybridLM(ModelConfig(**big)))
@@ -225,6 +234,7 @@ def throughput(big, seq_len, batch, reps, peak):
     f_tok = 3 * forward_flops_per_token(model, seq_len)
     tok = batch * seq_len
     for name, kern in (("ours + mamba-ssm scan", True), ("ours, pure-PyTorch scan", False)):
+        say("timing", name)
         mamba.USE_KERNEL = kern
         if kern and not any(mamba._kernels()):
             continue
@@ -237,7 +247,7 @@ def throughput(big, seq_len, batch, reps, peak):
         res[name] = dict(params=n, seq_len=seq_len, batch=batch, step_s=s, tok_s=tok / s,
                          mfu_measured=f_tok * tok / s / peak, mfu_spec=f_tok * tok / s / H100_BF16_DENSE,
                          peak_mem_gb=peak_gb())
-        print(name, res[name], flush=True)
+        say(name, res[name])
     mamba.USE_KERNEL = True
     # distillation: the same model as a frozen teacher, student = a copy being trained
     torch.manual_seed(1)
@@ -249,7 +259,7 @@ def throughput(big, seq_len, batch, reps, peak):
         res["distill"] = dict(plain_s=plain, distill_s=kd, ratio=kd / plain, distill_tok_s=tok / kd)
     except torch.OutOfMemoryError:
         res["distill"] = "out of memory"
-    print("distill", res["distill"], flush=True)
+    say("distill", res["distill"])
     del teacher, opt, model
     free()
     return res
@@ -257,6 +267,7 @@ def throughput(big, seq_len, batch, reps, peak):
 
 def vs_transformers(big, seq_len, batch, reps):
     """bf16 autocast forward + CE + backward (no optimizer) of ours and transformers, same weights."""
+    say("vs transformers at", seq_len, ": building both models")
     kw = hf_kw(big)
     hf, ours = hf_and_ours(kw)
     ids = torch.randint(0, kw["vocab_size"], (batch, seq_len), device=DEV)
@@ -284,7 +295,7 @@ def vs_transformers(big, seq_len, batch, reps):
         except torch.OutOfMemoryError:
             res[name] = "out of memory"
         free()
-        print(name, seq_len, res[name], flush=True)
+        say(name, seq_len, res[name])
     mamba.USE_KERNEL = True
     return res
 
@@ -438,6 +449,7 @@ def window(name, seq_len, batch, reps, layers_8b, layers_nano):
         f_tok = forward_flops_per_token(HybridLM(config_from_hf({"model_type": "nemotron_h", **kw})), seq_len)
     res = dict(pattern=kw["hybrid_override_pattern"], seq_len=seq_len, batch=batch, fwd_flops_per_token=f_tok)
     for prec in ("bf16", "fp8"):
+        say("window", name, prec)
         rows = ours_rows(kw, ids, reps, prec == "fp8")
         res["params"] = rows.pop("params")
         rows["transformers"] = transformers_row(kw, ids, reps, prec == "fp8", f_tok)
@@ -445,7 +457,7 @@ def window(name, seq_len, batch, reps, layers_8b, layers_nano):
         if isinstance(plain, dict) and isinstance(hf, dict):
             rows["plain"]["over_transformers"] = hf["step_s"] / plain["step_s"]
         res[prec] = rows
-        print(name, prec, rows, flush=True)
+        say(name, prec, rows)
     if isinstance(res["bf16"]["plain"], dict) and isinstance(res["fp8"]["plain"], dict):
         res["fp8_speedup_plain"] = res["bf16"]["plain"]["step_s"] / res["fp8"]["plain"]["step_s"]
     return res
@@ -469,6 +481,7 @@ def markov_batch(step, vocab, batch, seq_len, jump=0.1):
 
 
 def loss_curve(kw, fp8, steps, seq_len, batch, lr):
+    say("loss curve", "fp8" if fp8 else "bf16", steps, "steps")
     model = ours_model(kw, 0, fp8)
     opt = build_optimizer(dict(model.named_parameters()), lr, 0.1)
     losses = [train_step(model, None, markov_batch(i, kw["vocab_size"], batch, seq_len), opt, fused=True)
@@ -485,7 +498,7 @@ def fp8_loss_gap(name, steps, seq_len, batch, layers_8b, layers_nano, lr=3e-4):
     res = dict(window=name, steps=steps, seq_len=seq_len, batch=batch, lr=lr, loss_bf16=tail["bf16"],
                loss_fp8=tail["fp8"], rel_gap=(tail["fp8"] - tail["bf16"]) / tail["bf16"],
                curve_every_10={prec: c[::10] for prec, c in curves.items()})
-    print("fp8 loss gap", {k: v for k, v in res.items() if k != "curve_every_10"}, flush=True)
+    say("fp8 loss gap", {k: v for k, v in res.items() if k != "curve_every_10"})
     return res
 
 
@@ -530,7 +543,7 @@ def run_parts(a, report, save=lambda: None):
             report["profile_2048"] = profile(big, 2048)
         peak = matmul_rate(torch.bfloat16, n=256 if SMOKE else 8192)
         report["bf16_matmul_tflops_measured"] = peak / 1e12
-        print("bf16 matmul", peak / 1e12, "TFLOP/s", flush=True)
+        say("bf16 matmul", peak / 1e12, "TFLOP/s")
         report["train_step_bf16"] = throughput(big, a.seq_len, a.batch, a.reps, peak)
         save()
         report["fwd_bwd_vs_transformers_bf16"] = cmp = {}
@@ -567,7 +580,7 @@ def main(argv=None):
             Path(out).write_text(json.dumps(report, indent=1))
     if "parity" in a.parts or a.parity_only:
         report["parity_fp32"] = parity()
-        print(report["parity_fp32"], flush=True)
+        say(report["parity_fp32"])
         save()
     if not a.parity_only:
         run_parts(a, report, save)
