@@ -21,9 +21,9 @@ attention heads (Minitron-SSM: pruning heads beats pruning head_dim; NVIDIA leav
 alone in hybrids); name them in `axes` (or use the preset "all") to search them too.
 
 Every metric is additive over layers at fixed *outer* widths, so the search runs per outer point over
-per-type option arrays. The outer widths are the hidden size and every axis two unit types share (Bamba's
-'M-' and '*-' decoder layers share the FFN, Granite's 'ME' and '*E' the experts): one value for all
-layers, never one per type; (numpy outer sums, pruned by the budget as it goes): exact total and active
+per-type option arrays (numpy outer sums, pruned by the budget as it goes). The outer widths are the
+hidden size and every axis two unit types share (Bamba's 'M-' and '*-' decoder layers share the FFN,
+Granite's 'ME' and '*E' the experts): one value for all layers, never one per type. Exact total and active
 parameters (models.params' per-layer formulas; pipelines.commands.plan re-checks every candidate it returns
 with count_params) and memory as models.params.memory_bytes counts it (weights at `dtype_bytes`,
 router correction bias fp32, KV cache of `batch` x `seq_len` tokens in bf16, Mamba conv state bf16 +
@@ -326,6 +326,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
         raise RemodelError("give at least one budget (params, active params or memory)")
     lim = np.array([float(budgets.get(m, 0)) for m in METRICS])
     Gs = sp.outer_points()
+    at = {tuple(G.values()): j for j, G in enumerate(Gs)}  # outer point -> its index
     opts = [[_options(sp, t, G) for t in sp.types] for G in Gs]
     ups = [_step_ups(sp, rows) for _, _, rows in opts[0]]
     radix = [len(o[1]) for o in opts[0]]
@@ -341,7 +342,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
         stats["window"] += int(win.sum())
         o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
             if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
-        keep = ~_can_grow(sp, opts, Gs, gi, acc, o, ups, fits)
+        keep = ~_can_grow(sp, opts, Gs, at, gi, acc, o, ups, fits)
         stats["maximal"] += int((keep & win).sum())
         sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
         found.append((gi, acc[sel], rem[sel], o[sel], dist[sel]))
@@ -371,7 +372,7 @@ def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
     return acc, rem, idx
 
 
-def _can_grow(sp: Space, opts: list, Gs: list, gi: int, acc, o, ups, fits):
+def _can_grow(sp: Space, opts: list, Gs: list, at: dict, gi: int, acc, o, ups, fits):
     """Per candidate: can a single knob (one type's width or layer count, or an outer width) grow by one
     step within every budget? Those are not maximal."""
     grow = np.zeros(len(acc), dtype=bool)
@@ -379,7 +380,6 @@ def _can_grow(sp: Space, opts: list, Gs: list, gi: int, acc, o, ups, fits):
         for up in ups[k]:
             u = up[o[:, k]]
             grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
-    at = {tuple(G.values()): j for j, G in enumerate(Gs)}
     for a, v in Gs[gi].items():  # an outer width one step larger, every type's option unchanged
         i = sp.values[a].index(v)
         if i:

@@ -130,8 +130,9 @@ class Experts(nn.Module):
         order: one grouped matmul per projection where the shapes allow it (GROUPED), else a loop over the
         experts (every: also the ones with no rows, so that each rank's backward meets the same collectives).
         Scoring's expert hooks get each expert's activation and output from either path."""
-        if grouped_ok(autocast_rows(rows), self.up_proj.shape[1]):
-            return self._grouped(autocast_rows(rows), counts)
+        cast = autocast_rows(rows)
+        if grouped_ok(cast, self.up_proj.shape[1]):
+            return self._grouped(cast, counts)
         w, ys = self.weights(), []
         for e, xi in enumerate(rows.split(counts.tolist())):  # split, not slices: one cat in backward, no zero-filled grads
             if len(xi) or every:

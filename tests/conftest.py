@@ -176,6 +176,15 @@ def tensors(d):
     return out
 
 
+def hf_meta_model(d: dict):
+    """transformers' CausalLM of an HF config.json dict, on the meta device (parameter counts and names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    d = PretrainedConfig._decode_special_floats(d)  # config_to_hf writes inf as {"__float__": "Infinity"}
+    h = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(h)
+
+
 def assert_same_tensors(a_dir, b_dir, what=""):
     """Two checkpoint directories hold the same tensor names, dtypes and values, bit for bit."""
     a, b = tensors(a_dir), tensors(b_dir)

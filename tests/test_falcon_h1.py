@@ -17,7 +17,7 @@ from remodel.models.hf import check_exportable, config_from_hf, weight_table
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params
-from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair
+from tests.conftest import assert_left_padding, assert_same_tensors, hf_meta_model, hf_pair
 
 FAMILY = "falcon_h1"
 V, B, L = 128, 2, 37
@@ -248,7 +248,7 @@ def test_streaming_scores_equal_whole_model_scores(root, tmp_path):
 def test_plan_searches_the_parallel_mixers_widths(tmp_path, capsys):
     """`remodel plan` searches the parallel mixer's query heads, Mamba heads and head size (its spec's widths)
     beside hidden, FFN and depth; each candidate's count is the parameter count of transformers' model of it."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
 
     from remodel.models.hf import config_to_hf
 
@@ -266,10 +266,7 @@ def test_plan_searches_the_parallel_mixers_widths(tmp_path, capsys):
               "mamba_head_dim": "mamba_head_dim", "attn_heads": "num_attention_heads"}
     for c in plan["candidates"]:
         small = cfg.replace(pattern=c["pattern"], **{f: c["widths"][a] for a, f in fields.items()})
-        d = PretrainedConfig._decode_special_floats(config_to_hf(small, FAMILY))
-        with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(FAMILY, **{k: v for k, v in d.items()
-                                                                                 if k not in ("model_type", "architectures")}))
+        hf = hf_meta_model(config_to_hf(small, FAMILY))
         assert c["params"] == sum(p.numel() for p in hf.parameters()), c["widths"]
 
 

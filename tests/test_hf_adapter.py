@@ -1,8 +1,6 @@
 """The HF key maps (models.hf_adapter), for every family: export is the exact inverse of import, and
 the names are exactly the tensors transformers saves for the exported config (its oracle)."""
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -13,6 +11,7 @@ from remodel.models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf
 from remodel.models.hf_adapter import to_hf_part
 from remodel.models.layout import shapes
 from remodel.models.load import extra_hf_tensors
+from tests.conftest import hf_meta_model
 
 BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, head_dim=6)
 MAMBA = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
@@ -75,10 +74,7 @@ def saved_names(cfg: ModelConfig, family: str) -> set[str]:
     """The tensor names transformers' save_pretrained writes for `config_to_hf(cfg, family)`: the meta
     model's state dict (persistent buffers included) less tied weights, in the checkpoint's original
     format (per-expert tensors, backbone. prefix), as save_pretrained reverts its load-time conversions."""
-    d = PretrainedConfig._decode_special_floats(config_to_hf(cfg, family))
-    h = AutoConfig.for_model(family, **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(h)
+    m = hf_meta_model(config_to_hf(cfg, family))
     sd = {k: v for k, v in m.state_dict().items() if k not in (m._keys_to_ignore_on_save or ())}
     return set(revert_weight_conversion(m, remove_tied_weights_from_state_dict(sd, m)))
 

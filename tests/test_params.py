@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf, config_to_hf, default_family
@@ -13,18 +13,11 @@ from remodel.models.load import load_model, save_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import AXES, closed_form, count_params, layer_params, memory_bytes
 from remodel.pipelines.commands.inspection import format_inspect, inspect
-from tests.conftest import tiny_configs
+from tests.conftest import hf_meta_model, tiny_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 PUBLISHED = {"nemotron-h-56b": 56.324, "nemotron-h-47b": 46.792, "nemotron-h-8b": 8.101,
              "nemotron-h-4b": 4.489, "nemotron-3-nano-30b-a3b": 31.578}
-
-
-def hf_meta_model(d: dict):
-    d = PretrainedConfig._decode_special_floats(d)  # config_to_hf writes inf as {"__float__": "Infinity"}
-    h = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(h)
 
 
 def numel(params) -> int:

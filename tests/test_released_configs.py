@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from remodel.models.hf import config_from_hf, config_to_hf
 from remodel.models.params import count_params
 from remodel.pipelines.commands.plan import candidate_config, plan
+from tests.conftest import hf_meta_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 # name -> (total as the card rounds it: (value, digits of 1e9)), active per token likewise or None)
@@ -24,16 +24,9 @@ def load(name) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def meta_model(d: dict):
-    d = PretrainedConfig._decode_special_floats(d)  # config_to_hf writes inf as {"__float__": "Infinity"}
-    h = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(h)
-
-
 def hf_counts(d: dict) -> tuple[int, int]:
     """(total, active per token) of transformers' model: routed expert tensors count k/E of their size."""
-    m = meta_model(d)
+    m = hf_meta_model(d)
     total = sum(p.numel() for p in m.parameters())
     routed = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
     E, k = d.get("num_local_experts") or 0, d.get("num_experts_per_tok") or 0
