@@ -173,5 +173,5 @@ ATTENTION = AttentionKind(
     units={"attn_heads": "num_attention_heads"}, products={"attn_q": ("attn_heads", "head_dim")},
     scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
     tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
-    tp_row=("o_proj",), tp_entry="",
-    tp_shared_norms=("q_norm", "k_norm"))
+    tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+             "q_norm": "shared_norm", "k_norm": "shared_norm"})

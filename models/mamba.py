@@ -178,7 +178,7 @@ class Mamba2Mixer(nn.Module):
         if self.cfg.ssm_multipliers != PLAIN_SSM:  # Falcon-H1: each in_proj segment z|x|B|C|dt times its own
             proj = proj * self._mup(proj)
         if b == 0 or l == 0:  # nothing to scan (the blocked kernels cannot view an empty tensor)
-            return self.out_proj(proj.new_zeros(b, l, self.out_proj.weight.shape[1]))
+            return self.out_proj(proj.new_zeros(b, l, self.dt_bias.shape[0] * self.cfg.mamba_head_dim))
         A = -torch.exp(self.A_log.float())
         core = self._core if _on_gpu(u) else self._fused_core
         return self.out_proj(maybe_checkpoint(self, core, proj, A, attention_mask).to(u.dtype))
@@ -307,7 +307,7 @@ MAMBA = MambaKind(
     products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
     widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
-    tp_row=("out_proj",), tp_entry="")
+    tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"})
 
 
 def layout_spans(cfg) -> Spans:

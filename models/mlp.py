@@ -111,4 +111,4 @@ class MLPKind(LayerKind):
 MLP_KIND = MLPKind("-", "mlp", mlp_params("", "ffn", ("mlp_bias",)), units={"ffn": "intermediate_size"},
                    sizes={"ffn": lambda cfg, w: w["ffn_size"]},
                    scored={"ffn": ("ffn",)}, widths=("ffn_size",), tp_axes=("ffn",), color="tab:green",
-                   tp_row=("down_proj",), tp_entry="", upcycles_to="E")
+                   tp_plan={"up_proj": "colwise", "gate_proj": "colwise", "down_proj": "rowwise"}, upcycles_to="E")

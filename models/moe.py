@@ -298,4 +298,5 @@ MOE = MoEKind(
     scored={"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),
             "latent": ("latent",)},
     widths=("experts", "expert_ffn_size", "shared_expert_size", "latent_size"), tp_axes=("shared_ffn",), routed=True,
-    color="tab:purple", tp_row=("shared_experts.down_proj",), tp_entry="shared_experts")
+    color="tab:purple", tp_plan={"shared_experts.up_proj": "colwise", "shared_experts.gate_proj": "colwise",
+                                 "shared_experts.down_proj": "rowwise"})

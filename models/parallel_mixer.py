@@ -87,10 +87,10 @@ class ParallelKind(LayerKind):
 def _merged(attr: str):
     """One spec field of the two kinds merged (dicts updated, tuples joined, module paths prefixed)."""
     vals = [(p, getattr(k, attr)) for p, k in _PARTS]
+    if attr == "tp_plan":  # module paths prefixed ('' : the part's own module)
+        return {(p + x).rstrip("."): w for p, d in vals for x, w in d.items()}
     if isinstance(vals[0][1], dict):
         return {key: v for _, d in vals for key, v in d.items()}
-    if attr in ("tp_row", "tp_shared_norms"):
-        return tuple(p + x for p, xs in vals for x in xs)
     return tuple(dict.fromkeys(x for _, xs in vals for x in xs))
 
 
@@ -98,5 +98,5 @@ PARALLEL = ParallelKind(
     "P", "parallel",
     tuple(Param(p + q.leaf, q.axes, q.when) for p, k in _PARTS for q in k.params),
     **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "tp_axes", "inputs",
-                               "tp_row", "tp_shared_norms")},
-    color="tab:cyan", tp_entry="")
+                               "tp_plan")},
+    color="tab:cyan")

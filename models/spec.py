@@ -105,7 +105,7 @@ def sq(t: torch.Tensor, dim: int) -> torch.Tensor:
 class LayerKind:
     """One layer kind. char: its pattern character; name: its word ('mamba'); params: its layout (every
     parameter with named axes); units: the keep-dict axes it prunes, each with the ModelConfig field it
-    sets; the tp_* fields: its tensor-parallel plan (pipelines.distributed.parallel applies it); sizes: {axis: size(cfg, widths)} of the axes it owns; segments: {axis: ((segment, axis), ...)}
+    sets; tp_plan: its tensor-parallel plan (pipelines.distributed.styles applies it); sizes: {axis: size(cfg, widths)} of the axes it owns; segments: {axis: ((segment, axis), ...)}
     of its concatenated axes, in storage order; products: composite axes indexed as outer unit x inner axis ('attn_q' = heads x head_dim);
     scored: {score site: its axes}, the scores an activation run writes for one layer; widths: the
     WIDTHS it reads; tp_axes: the axes tensor parallelism splits; inputs: what its mixer
@@ -123,12 +123,11 @@ class LayerKind:
     inputs: tuple = ()
     routed: bool = False
     upcycles_to: str | None = None  # the kind (pattern character) its layers become when upcycled to MoE
-    # tensor parallelism: submodules whose output is a partial sum (row-parallel), the submodule whose
-    # input enters the parallel region ('': the mixer), config fields that become this rank's share,
-    # {submodule.attr: field} set to the rank's share too, norms whose weight is shared by the ranks
-    tp_row: tuple = ()
-    tp_entry: str | None = None
-    tp_shared_norms: tuple = ()
+    # tensor parallelism, as data: {submodule path ('' the mixer): style}; styles: 'colwise' / 'rowwise'
+    # (DTensor's stock Linear styles), 'shard' (its own parameters cut segment by segment as the layout
+    # table says), 'shard_entry' (that, and its input enters the parallel region), 'shared_norm' (one
+    # replicated weight serving this rank's heads). Every TP-split parameter's module must have an entry.
+    tp_plan: dict = field(default_factory=dict)
     color: str = "tab:gray"  # in the per-layer figures
 
     # ---- axes ---------------------------------------------------------------------------

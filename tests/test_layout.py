@@ -14,7 +14,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params, per_layer
-from remodel.pipelines.distributed.parallel import tp_shard_layer
+from remodel.pipelines.distributed.styles import layer_plan
 from tests.conftest import tiny_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -54,13 +54,12 @@ def test_params_pruning_and_tp_plan_derive_from_the_segments(monkeypatch):
     keep = {"layers.0.mamba_heads": torch.tensor([0, 2])}
     base_total, base_idx = count_params(cfg)["total"], axis_index(cfg, keep, "mamba_in_proj", 0)
     mixer = HybridLM(cfg).layers[0].mixer
-    specs = {}
-    tp_shard_layer(mixer, "M", cfg, "layers.0.mixer.", specs, 0, 2)
-    assert specs["layers.0.mixer.in_proj.weight"] == ("tp", 0, (Im, Im, GN, GN, nh))
-    assert specs["layers.0.mixer.conv1d.weight"] == ("tp", 0, (Im, GN, GN))
+    from remodel.models.mamba import MAMBA
+    plan = layer_plan(cfg, "M", "mamba", MAMBA.tp_plan, "layers.0.mixer.", {}, mixer)
+    assert plan["in_proj"].splits["weight"] == (0, [Im, Im, GN, GN, nh]) and plan["in_proj"].entry
+    assert plan["conv1d"].splits["weight"] == (0, [Im, GN, GN])
 
     # one more in_proj segment in the table: every consumer follows
-    from remodel.models.mamba import MAMBA
     extra = MAMBA.segments["mamba_in_proj"] + (("w", "mamba_heads"),)
     monkeypatch.setitem(MAMBA.segments, "mamba_in_proj", extra)
     assert count_params(cfg)["total"] == base_total + nh * H

@@ -25,7 +25,10 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.model import HybridLM, init_weights
 
-from remodel.pipelines.distributed.parallel import parallel_info, parallelize, shard_tensor, unshard_tensor
+from torch.distributed.tensor import DTensor
+
+from remodel.pipelines.distributed.parallel import (local_tensor, parallel_info, parallelize, shard_tensor, sharded_dims,
+                                                   unshard_tensor)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 TRAIN_CASES = {2: ["tp", "tp_llama", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}
@@ -151,11 +154,12 @@ def test_sharding_plan_world8():
                     got[i] = got[i] + model.layers[i].mixer(u)
         fsd, local = full.state_dict(), model.state_dict()
         assert set(local) == set(fsd)
-        for name, t in local.items():
+        for name, t in local.items():  # the plain shards' specs, the stock styles' DTensor placements
             shape = list(fsd[name].shape)
-            if name in info.specs:
-                shape[info.specs[name][1]] //= 8
-            assert list(t.shape) == shape, name
+            for d in [info.specs[name][1]] if name in info.specs else [d for _, d in sharded_dims(t)]:
+                shape[d] //= 8
+            assert list(local_tensor(t).shape) == shape, name
+        assert isinstance(model.layers[1].mixer.q_proj.weight, DTensor)  # stock ColwiseParallel
         # group r's heads: rows z, x (heads of group r), B, C (group r), dt (heads of group r)
         hd, N = Im // 8, GN // 8
         rows = torch.cat([torch.arange(r * hd, (r + 1) * hd), Im + torch.arange(r * hd, (r + 1) * hd),
@@ -164,7 +168,7 @@ def test_sharding_plan_world8():
         assert torch.equal(local["layers.0.mixer.in_proj.weight"], fsd["layers.0.mixer.in_proj.weight"][rows])
         # the mixers read one group / one KV head from their shards' shapes; their config is the full one
         assert model.layers[0].mixer._local()[0].n_groups == 1 and model.layers[0].mixer.norm.groups == 1
-        assert model.layers[1].mixer.k_proj.weight.shape[0] == cfg.head_dim
+        assert local_tensor(model.layers[1].mixer.k_proj.weight).shape[0] == cfg.head_dim
         assert all(getattr(layer.mixer, "cfg", cfg) == cfg for layer in model.layers)
         assert local["layers.3.mixer.experts.up_proj"].shape[0] == 1
     for g, w in zip(got, want):
@@ -177,3 +181,39 @@ def test_shard_unshard_roundtrip():
     parts = [shard_tensor(t, 0, sizes, r, 2) for r in range(2)]
     assert torch.equal(parts[1][:4], t[4:8]) and torch.equal(parts[1][-3:], t[27:30])
     assert torch.equal(unshard_tensor(parts, 0, sizes), t)
+
+
+def _plans(cfg):
+    """Every layer's styles under cfg (built, not applied: no process group needed)."""
+    from remodel.pipelines.distributed.styles import _present, layer_plan
+    model = HybridLM(cfg)
+    return [layer_plan(cfg, layer.kind, layer.spec.name, {p: w for p, w in layer.spec.tp_plan.items()
+                                                          if _present(layer.mixer, p)}, f"layers.{i}.mixer.", {}, layer.mixer)
+            for i, layer in enumerate(model.layers)]
+
+
+def test_every_kind_plan_covers_the_layout_table():
+    """Each kind's tp_plan names a style for every parameter the layout table splits, and the stock styles'
+    fixed dims agree with the table, for every tiny config (Mamba, attention with biases and qk-norm, MLP,
+    MoE with shared expert and latent, Falcon-H1's parallel mixer)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from tests.conftest import FAMILY_CONFIGS, KIND_CONFIGS, tiny_configs
+    seen = set()
+    for cfg in [*KIND_CONFIGS.values(), *FAMILY_CONFIGS.values(), *tiny_configs().values()]:
+        for plan in _plans(cfg):
+            seen |= {type(s).__name__ for s in plan.values()}
+            assert all(isinstance(s, ColwiseParallel) for p, s in plan.items() if p.endswith(("q_proj", "up_proj")))
+            assert all(isinstance(s, RowwiseParallel) for p, s in plan.items() if p.endswith(("o_proj", "out_proj")))
+    assert {"ColwiseParallel", "RowwiseParallel", "SegmentShard", "SharedNorm"} <= seen
+
+
+def test_a_plan_that_disagrees_with_the_layout_table_is_refused(monkeypatch):
+    from remodel.models.attention import ATTENTION
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48)
+    monkeypatch.setitem(ATTENTION.tp_plan, "o_proj", "colwise")  # the table splits o_proj's input dim
+    with pytest.raises(RemodelError, match="colwise plan of 'attention.o_proj' disagrees with the layout table"):
+        _plans(cfg)
+    monkeypatch.delitem(ATTENTION.tp_plan, "o_proj")
+    with pytest.raises(RemodelError, match=r"parameters under \['o_proj'\] are split by the layout table"):
+        _plans(cfg)

@@ -1,33 +1,32 @@
 """Tensor, expert and data parallelism applied to a HybridLM from outside, over a DeviceMesh.
 
-The model definition (models/*.py) knows nothing of ranks (torchtitan's principle): `parallelize`
-replaces parameters by this rank's shards (the mixers read their local head counts from the shapes),
-puts modules with autograd-aware collectives in place of a few (RowParallelLinear,
-VocabParallelEmbedding, ...), all as each layer kind's spec says (its tp_* fields), and hands data
-parallelism to FSDP2. No method is rebound on an instance and no module's config changes. The same
-code runs on gloo/CPU and NCCL/GPU.
+The model definition (models/*.py) knows nothing of ranks (torchtitan's principle): `parallelize` applies
+each layer kind's `tp_plan` (its spec: {submodule: style}) as DTensor ParallelStyles with torch's
+`parallelize_module` (pipelines.distributed.styles), an `ExpertParallel` style to the routed experts, and
+FSDP2 for data parallelism. No method is rebound on an instance and no module's config changes (the mixers
+read their local head counts from their shards' or their activations' shapes). Same code on gloo/CPU and
+NCCL/GPU.
 
-Tensor parallelism (Megatron layout, plain local shards; every activation between layers is
-replicated over 'tp'): each parameter is split along its first tensor-parallel axis of the layout
-table (the kinds' tp_axes / models.layout.tp_split), a concatenated axis piece by piece (its segments), so:
-  attention  q/k/v column-parallel by KV groups (whole KV heads with their query heads), o_proj row
-  MLP        up/gate column, down row (also the MoE shared expert)
-  Mamba-2    split by group: each in_proj and conv1d segment in rank pieces, heads, inner channels,
-             out_proj row
+Tensor parallelism (Megatron layout; every activation between layers is replicated over 'tp'):
+  attention  q/k/v ColwiseParallel (contiguous rows = whole KV groups with their query heads), o_proj
+             RowwiseParallel, q_norm/k_norm one shared weight
+  MLP        up/gate ColwiseParallel, down RowwiseParallel (also the MoE shared expert)
+  Mamba-2    in_proj and conv1d cut segment by segment (a custom style: a concatenation cannot be one DTensor
+             placement), heads, norm, plain shards by group; out_proj RowwiseParallel
   vocab      embedding rows (out-of-shard ids masked, all-reduced); lm_head rows, so the model returns
              this rank's vocab shard of the logits: use pipelines.training.vocab_parallel for the losses
-  norms, router, latent projections: replicated
-A column block's input passes `copy_to_group` (identity forward, all-reduce backward), a row block's
-output `reduce_from_group` (all-reduce forward, identity backward). The DTensor plans cannot express
-the piecewise Mamba in_proj split, so one mechanism (plain shards) serves every layer.
+  routers, latent projections, block norms: replicated
+The stock styles' parameters are DTensors; the custom styles' plain shards are listed in ParallelInfo.specs.
+Checkpoints, clipping and export read both (pipelines.distributed.sharded.local_index).
 
 Expert parallelism: E/ep experts per rank, tokens exchanged with uneven `all_to_all_single` (autograd
 version), dropless; router replicated. The dispatch is models.moe.Experts' own; an ExpertExchange set
 as its `exchange` moves the rows. Folded over 'dp' (each rank routes its own micro-batch) or
 over 'tp' (the replicated tokens are split over the ranks first and gathered after).
 
-Data parallelism: FSDP2 `fully_shard` over 'dp' (per block, then the root); experts sharded by an
-EP folded over 'dp' are left out of FSDP and their gradients scaled by 1/dp, matching FSDP's mean.
+Data parallelism: FSDP2 `fully_shard` over 'dp' (per block, then the root; over TP's DTensors it makes 2-D
+ones); experts sharded by an EP folded over 'dp' are left out of FSDP and their gradients scaled by 1/dp,
+matching FSDP's mean.
 
 Training contract: every tp rank computes the same (replicated) loss from its logits shard with
 pipelines.training.vocab_parallel; each dp rank uses the mean over its own micro-batch; FSDP averages. Then
@@ -45,23 +44,14 @@ from torch import nn
 
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed, used
-from remodel.models.layout import layer_params, tp_split
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .collectives import (chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
                           reduce_from_group, scale_grad, split_rows)
+from .styles import shard_tensor, tp_layer
 
 
 # ---- sharding layouts ------------------------------------------------------------------------
-
-def shard_tensor(t, dim: int, sizes, rank: int, n: int):
-    """This rank's part: the rank-th of n equal chunks of every segment `sizes` along dim, concatenated
-    (one segment = a plain block split; Mamba's in_proj has five)."""
-    parts = []
-    for seg in t.split(list(sizes), dim):
-        c = seg.shape[dim] // n
-        parts.append(seg.narrow(dim, rank * c, c))
-    return torch.cat(parts, dim)
-
 
 def unshard_tensor(parts, dim: int, sizes):
     """Inverse of `shard_tensor` given every rank's part, in rank order."""
@@ -72,7 +62,8 @@ def unshard_tensor(parts, dim: int, sizes):
 
 @dataclass
 class ParallelInfo:
-    """What `parallelize` did; `specs[name] = (group_kind 'tp'|'ep', dim, segment sizes)`."""
+    """What `parallelize` did. Parameters of the stock styles (and FSDP2's) are DTensors that carry their own
+    placements; the plain shards are listed in `specs[name] = (group_kind 'tp'|'ep', dim, segment sizes)`."""
     mesh: object = None
     tp_group: object = None
     ep_group: object = None
@@ -82,7 +73,8 @@ class ParallelInfo:
     dp: int = 1
     ep_over: str | None = None  # 'tp' or 'dp'
     fsdp: bool = False
-    specs: dict = field(default_factory=dict)
+    specs: dict = field(default_factory=dict)  # the plain shards (Mamba segments, vocab, experts)
+    dims: dict = field(default_factory=dict)  # {mesh dimension name: 'tp' | 'dp'}
 
     @property
     def dp_rank(self) -> int:
@@ -104,33 +96,6 @@ def parallel_info(model) -> ParallelInfo:
 
 
 # ---- the modules tensor parallelism puts in place, and the experts' exchange ------------------------
-
-class RowParallelLinear(nn.Module):
-    """A Linear over this rank's share of the input features: the partial products are summed over the
-    group (all-reduce forward, identity backward), then the bias is added once."""
-
-    def __init__(self, linear: nn.Module, group):
-        super().__init__()
-        self.weight, self.bias, self.group = linear.weight, linear.bias, group
-
-    def forward(self, x):
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
-
-
-class SharedWeightRMSNorm(nn.Module):
-    """An RMSNorm whose weight serves only this rank's heads (q_norm / k_norm): its gradient is summed."""
-
-    def __init__(self, norm: nn.Module, group):
-        super().__init__()
-        self.weight, self.eps, self.group = norm.weight, norm.eps, group
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (copy_to_group(self.weight, self.group).float() * x).to(dtype)
-
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [start, start + n) of the embedding: out-of-shard ids give zeros, then all-reduce."""
@@ -156,12 +121,6 @@ class CopyToGroup(nn.Module):
 
     def forward(self, x):
         return copy_to_group(x, self.group)
-
-
-def _copy_input_hook(group):
-    def hook(module, args):
-        return (copy_to_group(args[0], group),) + tuple(args[1:])
-    return hook
 
 
 class ExpertExchange:
@@ -248,60 +207,22 @@ def _shard_param(module, attr, prefix, specs, dim, sizes, rank, n, kind="tp"):
     specs[f"{prefix}{attr}"] = (kind, dim, tuple(sizes))
 
 
-def tp_shard_layer(mixer, kind, cfg, prefix, specs, rank, n):
-    """Shard every parameter of one layer's mixer as the layout table says: the dimension of its first
-    tensor-parallel axis, cut piece by piece (models.layout.tp_split); the rest stays replicated."""
-    for p in layer_params(cfg, kind):
-        split = tp_split(cfg, p.axes)
-        if split is not None:
-            path, _, attr = p.leaf.rpartition(".")
-            module = mixer.get_submodule(path) if path else mixer
-            _shard_param(module, attr, prefix + (path + "." if path else ""), specs, *split, rank, n)
+class ExpertParallel(ParallelStyle):
+    """The routed experts split by expert over the group (plain [E/ep, ...] shards, recorded in `specs`), the
+    tokens moved by an ExpertExchange plugged into the one dispatch of models.moe.Experts."""
 
+    def __init__(self, prefix, specs, n_experts, tokens_replicated, grad_scale):
+        super().__init__()
+        self.prefix, self.specs, self.n_experts = prefix, specs, n_experts
+        self.replicated, self.grad_scale = tokens_replicated, grad_scale
 
-def _swap(mixer, path: str, make):
-    """Put make(old) in place of the submodule at `path` (parameter names unchanged); None: absent."""
-    owner, _, leaf = path.rpartition(".")
-    parent = _sub(mixer, owner)
-    old = None if parent is None else getattr(parent, leaf, None)
-    if old is not None:
-        setattr(parent, leaf, make(old))
-
-
-def _sub(mixer, path: str):
-    """The submodule at `path` under the mixer ('' : the mixer itself), None when the layer has none."""
-    m = mixer
-    for part in filter(None, path.split(".")):
-        m = getattr(m, part, None)
-        if m is None:
-            return None
-    return m
-
-
-def tp_forward(mixer, kind, group, n):
-    """The kind's tensor-parallel plan (its spec's tp_* fields) on one layer's sharded mixer: row-parallel
-    outputs all-reduced, norms of shared weight, the parallel region's entry. The mixers read their local
-    head counts from their shards' shapes; nothing of their config changes."""
-    for path in kind.tp_row:
-        _swap(mixer, path, lambda m: RowParallelLinear(m, group))
-    for path in kind.tp_shared_norms:
-        _swap(mixer, path, lambda m: SharedWeightRMSNorm(m, group))
-    if kind.tp_entry is not None and (m := _sub(mixer, kind.tp_entry)) is not None:
-        m.register_forward_pre_hook(_copy_input_hook(group))
-
-
-def _tp_layers(model, cfg, specs, group, r, tp):
-    """Tensor-parallel plan of every trunk layer: shards from the layout table, then the forwards."""
-    for i, layer in enumerate(model.layers):
-        tp_shard_layer(layer.mixer, layer.kind, cfg, f"layers.{i}.mixer.", specs, r, tp)
-        tp_forward(layer.mixer, layer.spec, group, tp)
-
-
-def _ep_experts(experts, prefix, specs, group, n_experts, tokens_replicated, grad_scale):
-    rank, n = group_rank(group), group_size(group)
-    for attr in ("up_proj", "gate_proj", "down_proj"):
-        _shard_param(experts, attr, prefix, specs, 0, [n_experts], rank, n, kind="ep")
-    experts.exchange = ExpertExchange(group, n_experts, tokens_replicated, grad_scale)
+    def _apply(self, experts, mesh):
+        group = mesh.get_group()
+        rank, n = group_rank(group), group_size(group)
+        for attr in ("up_proj", "gate_proj", "down_proj"):
+            _shard_param(experts, attr, self.prefix, self.specs, 0, [self.n_experts], rank, n, kind="ep")
+        experts.exchange = ExpertExchange(group, self.n_experts, self.replicated, self.grad_scale)
+        return experts
 
 
 def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = None, dp_dim: str | None = None):
@@ -317,7 +238,8 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
     tp, ep, dp = group_size(tp_group), group_size(ep_group), group_size(dp_group)
     check_layout(cfg, tp, ep, ep_dim, tp_dim, dp_dim, mesh)
     info = ParallelInfo(mesh=mesh, tp_group=tp_group if tp > 1 else None, ep_group=ep_group if ep > 1 else None,
-                        dp_group=dp_group if dp > 1 else None, tp=tp, ep=ep, dp=dp)
+                        dp_group=dp_group if dp > 1 else None, tp=tp, ep=ep, dp=dp,
+                        dims={d: role for d, role in ((tp_dim, "tp"), (dp_dim, "dp")) if d is not None})
     specs = info.specs
 
     if tp > 1:
@@ -328,7 +250,9 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         if model.lm_head is not None:
             _shard_param(model.lm_head, "weight", "lm_head.", specs, 0, [V], r, tp)
         model.logit_input = CopyToGroup(tp_group)
-        _tp_layers(model, cfg, specs, tp_group, r, tp)
+        tp_mesh = mesh[tp_dim]
+        for i, layer in enumerate(model.layers):  # each kind's plan of DTensor parallel styles (models/*.py)
+            tp_layer(layer.mixer, layer.kind, layer.spec, cfg, f"layers.{i}.mixer.", specs, tp_mesh)
 
     expert_params = set()
     if ep > 1:
@@ -336,8 +260,9 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         scale = 1.0 / dp if info.ep_over == "dp" else 1.0
         for i, layer in enumerate(model.layers):
             if layer.spec.routed:
-                _ep_experts(layer.mixer.experts, f"layers.{i}.mixer.experts.", specs, ep_group,
-                            cfg.n_routed_experts, info.ep_over == "tp", scale)
+                style = ExpertParallel(f"layers.{i}.mixer.experts.", specs, cfg.n_routed_experts,
+                                       info.ep_over == "tp", scale)
+                parallelize_module(layer.mixer.experts, mesh[ep_dim], style)
                 if info.ep_over == "dp":
                     expert_params |= set(layer.mixer.experts.parameters())
 
@@ -360,6 +285,22 @@ def local_tensor(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def sharded_dims(t) -> list:
+    """[(mesh dimension index, tensor dim)] that a DTensor's placements split (Shard, FSDP2's _StridedShard)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return []
+    return [(i, p.dim) for i, p in enumerate(t.placements) if hasattr(p, "dim")]
+
+
+def dtensor_shards(t) -> int:
+    """Into how many pieces a DTensor's placements cut it (1: a plain tensor or replicated)."""
+    n = 1
+    for i, _ in sharded_dims(t):
+        n *= t.device_mesh.size(i)
+    return n
+
+
 def _mesh_sum(x, info):
     """Sum of x over every rank of the mesh (one all-reduce per mesh dimension)."""
     if info.mesh is None:
@@ -380,9 +321,8 @@ def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        g, fsdp = local_tensor(p.grad), local_tensor(p.grad) is not p.grad
-        shards = (info.dp if fsdp else 1) * {"tp": info.tp, "ep": info.ep}.get(info.specs.get(name, ("",))[0], 1)
-        s = g.double().pow(2).sum() * (shards / world)  # each element is held by world/shards ranks
+        shards = dtensor_shards(p.grad) * {"tp": info.tp, "ep": info.ep}.get(info.specs.get(name, ("",))[0], 1)
+        s = local_tensor(p.grad).double().pow(2).sum() * (shards / world)  # each element: on world/shards ranks
         total = s if total is None else total + s
         grads.append(p.grad)
     if total is None:

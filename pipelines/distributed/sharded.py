@@ -4,8 +4,8 @@
 mesh) while it is still empty, allocates only this rank's shards and fills each from the safetensors
 files with `models.regions.RegionReader` (safe_open(...).get_slice of exactly the rows, columns and
 experts this rank owns). `local_index` says which region of the full tensor a rank's shard is: the
-TP / EP split of its spec (segments split separately, e.g. Mamba's in_proj) composed with FSDP2's
-dim-0 chunk over dp. `export_sharded` writes the HF checkpoint from a sharded model tensor by tensor:
+plain split of its spec (segments split separately, e.g. Mamba's in_proj) or its DTensor placements (TP's
+stock styles), composed with FSDP2's dim-0 chunk over dp. `export_sharded` writes the HF checkpoint from a sharded model tensor by tensor:
 each is gathered to rank 0, written, dropped (peak about one tensor above a rank's shard).
 """
 from __future__ import annotations
@@ -21,20 +21,15 @@ from remodel.models.model import HybridLM
 from remodel.models.regions import RegionReader
 
 from .collectives import group_rank, group_size
-from .parallel import local_tensor, parallel_info, parallelize, shard_tensor, unshard_all
-
-
-def _dtensor_chunk(t) -> tuple[int, int] | None:
-    """(this rank, number of ranks) of FSDP2's dim-0 sharding of a DTensor parameter, else None."""
-    from torch.distributed.tensor import DTensor
-    if not isinstance(t, DTensor):
-        return None
-    return t.device_mesh.get_local_rank(), t.device_mesh.size()
+from .parallel import local_tensor, parallel_info, parallelize, sharded_dims, unshard_all
+from .styles import shard_tensor
 
 
 def local_index(model, name: str, t, full_shape) -> list:
     """Per dimension, None (all) or the LongTensor of full-tensor indices that this rank's shard of
-    parameter `name` holds (its local tensor is full[idx0][:, idx1]...)."""
+    parameter `name` holds (its local tensor is full[idx0][:, idx1]...): a plain shard's split (ParallelInfo.specs,
+    segments cut separately), then a DTensor's placements from the innermost mesh dimension out (TP's
+    Shard, then FSDP2's dim-0 chunk of what TP left, Shard or _StridedShard alike)."""
     info = parallel_info(model)
     idx = [None] * len(full_shape)
     spec = info.specs.get(name)
@@ -42,12 +37,12 @@ def local_index(model, name: str, t, full_shape) -> list:
         kind, dim, sizes = spec
         g = info.tp_group if kind == "tp" else info.ep_group
         idx[dim] = shard_tensor(torch.arange(full_shape[dim]), 0, sizes, group_rank(g), group_size(g))
-    chunk = _dtensor_chunk(t)
-    if chunk is not None:
-        r, n = chunk
-        i0 = idx[0] if idx[0] is not None else torch.arange(full_shape[0])
-        parts = torch.chunk(i0, n)
-        idx[0] = parts[r] if r < len(parts) else i0[:0]
+    dims = sharded_dims(t)
+    coord = t.device_mesh.get_coordinate() if dims else None
+    for i, d in reversed(dims):
+        cur = idx[d] if idx[d] is not None else torch.arange(full_shape[d])
+        parts = torch.chunk(cur, t.device_mesh.size(i))
+        idx[d] = parts[coord[i]] if coord[i] < len(parts) else cur[:0]
     return idx
 
 

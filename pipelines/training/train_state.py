@@ -31,7 +31,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.regions import runs
 
 from .dcp_storage import METADATA, RawReader, RawWriter, check_against, plain_errors
-from ..distributed.parallel import local_tensor, parallel_info
+from ..distributed.parallel import local_tensor, parallel_info, sharded_dims
 from ..distributed.sharded import local_index
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -121,16 +121,13 @@ def chunks_of(local: torch.Tensor, idx: list, full_shape) -> Chunks:
 def _owner(model, name: str, t) -> bool:
     """Whether this rank writes its copy of `name`: replicas over a mesh dimension that does not split
     the tensor are written by the rank at coordinate 0 of that dimension."""
-    from torch.distributed.tensor import DTensor
     info = parallel_info(model)
     if info.mesh is None:
         return True
-    uses = set()
+    uses = {info.dims.get(t.device_mesh.mesh_dim_names[i]) for i, _ in sharded_dims(t)}
     spec = info.specs.get(name)
     if spec is not None:
         uses.add("tp" if spec[0] == "tp" else info.ep_over)
-    if isinstance(t, DTensor):
-        uses.add("dp")
     coords = {"dp": info.dp_rank, "tp": info.tp_rank}
     return all(coords[d] == 0 for d in coords if d not in uses)
 

@@ -62,10 +62,16 @@ def build_projections(student, teacher, layer_map) -> nn.ModuleList | None:
 
 
 def build_optimizer(params: dict[str, nn.Parameter], lr: float, weight_decay: float, betas=(0.9, 0.95)):
-    """AdamW; weight decay on matrices (ndim >= 2) only, not on norms, biases, A_log, D, dt_bias."""
-    decay = [p for p in params.values() if p.ndim >= 2]
-    other = [p for p in params.values() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    """AdamW; weight decay on matrices (ndim >= 2) only, not on norms, biases, A_log, D, dt_bias. DTensors
+    (tensor parallelism's stock styles, FSDP2) and plain tensors (the custom styles' shards) in separate
+    groups: the foreach kernels take no list that mixes them."""
+    from torch.distributed.tensor import DTensor
+    groups = []
+    for decay in (True, False):
+        for dt in (True, False):
+            ps = [p for p in params.values() if (p.ndim >= 2) == decay and isinstance(p, DTensor) == dt]
+            if ps:
+                groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0})
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
 
 

@@ -1,0 +1,162 @@
+"""Tensor parallelism as data: each layer kind's `tp_plan` ({submodule path: style word}) turned into DTensor
+`ParallelStyle`s and applied from outside with torch's `parallelize_module` (torchtitan's route).
+
+Stock styles where they express the layout: `ColwiseParallel` (q/k/v, MLP up/gate; DTensor weight Shard(0),
+input replicated, output this rank's columns) and `RowwiseParallel` (o_proj, down_proj, Mamba out_proj;
+Shard(1), partial sums all-reduced); torchao's Float8 versions for FP8 Linears. Custom styles where they
+cannot: `SegmentShard` (Mamba's concatenated in_proj and conv1d are cut segment by segment, and
+the mixer reads its local head counts from these plain shards), `SharedNorm` (q_norm / k_norm: one
+replicated weight serving this rank's heads, gradient summed over the group).
+
+Every style's split is checked against the layout table (models.layout.tp_split): a plan and a table that
+disagree raise before any weight moves.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from remodel.models.errors import RemodelError
+from remodel.models.layout import layer_params, tp_split
+
+from .collectives import copy_to_group, group_rank, group_size
+
+
+def shard_tensor(t, dim: int, sizes, rank: int, n: int):
+    """This rank's part: the rank-th of n equal chunks of every segment `sizes` along dim, concatenated
+    (one segment = a plain block split; Mamba's in_proj has five)."""
+    parts = []
+    for seg in t.split(list(sizes), dim):
+        c = seg.shape[dim] // n
+        parts.append(seg.narrow(dim, rank * c, c))
+    return torch.cat(parts, dim)
+
+
+def _copy_input_hook(group):
+    def hook(module, args):
+        return (copy_to_group(args[0], group),) + tuple(args[1:])
+    return hook
+
+
+class SegmentShard(ParallelStyle):
+    """The module's own parameters replaced by this rank's plain shards, each segment of the split dimension
+    cut separately ({attr: (dim, segment sizes)}; `specs` records them for checkpoints and clipping); entry:
+    its input enters the parallel region (identity forward, gradient all-reduced in backward)."""
+
+    def __init__(self, splits: dict, prefix: str, specs: dict, entry: bool = False):
+        super().__init__()
+        self.splits, self.prefix, self.specs, self.entry = splits, prefix, specs, entry
+
+    def _apply(self, module, mesh):
+        group = mesh.get_group()
+        r, n = group_rank(group), group_size(group)
+        for attr, (dim, sizes) in self.splits.items():
+            p = getattr(module, attr)
+            local = shard_tensor(p.detach(), dim, sizes, r, n).clone()
+            setattr(module, attr, nn.Parameter(local, requires_grad=p.requires_grad))
+            self.specs[self.prefix + attr] = ("tp", dim, tuple(sizes))
+        if self.entry:
+            module.register_forward_pre_hook(_copy_input_hook(group))
+        return module
+
+
+class SharedWeightRMSNorm(nn.Module):
+    """An RMSNorm whose weight serves only this rank's heads (q_norm / k_norm): its gradient is summed."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (copy_to_group(self.weight, self.group).float() * x).to(dtype)
+
+
+class SharedNorm(ParallelStyle):
+    """A replicated norm weight applied to this rank's heads only: the module becomes SharedWeightRMSNorm."""
+
+    def _apply(self, module, mesh):
+        return SharedWeightRMSNorm(module, mesh.get_group())
+
+
+def _stock(word: str, module):
+    """ColwiseParallel / RowwiseParallel, or torchao's Float8 versions for a Float8Linear."""
+    if type(module).__name__ == "Float8Linear":
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+        return Float8ColwiseParallel() if word == "colwise" else Float8RowwiseParallel()
+    return ColwiseParallel() if word == "colwise" else RowwiseParallel()
+
+
+STOCK_DIM = {"colwise": {"weight": 0, "bias": 0}, "rowwise": {"weight": 1}}  # the dims the stock styles split
+
+
+def _check_stock(word: str, path: str, splits: dict):
+    """The stock style must cut what the layout table says: its fixed dims, one segment, replicated row bias."""
+    want = STOCK_DIM[word]
+    got = {attr: dim for attr, (dim, sizes) in splits.items() if len(sizes) == 1}
+    if got != {a: d for a, d in want.items() if a in splits} or set(splits) - set(want):
+        raise RemodelError(f"tensor parallelism: the {word} plan of {path!r} disagrees with the layout table {splits}")
+
+
+def _splits_by_module(cfg, kind_char: str) -> dict:
+    """{module path: {attr: (dim, segment sizes)}} of one layer kind's tensor-parallel parameters."""
+    out = {}
+    for p in layer_params(cfg, kind_char):
+        split = tp_split(cfg, p.axes)
+        if split is not None:
+            path, _, attr = p.leaf.rpartition(".")
+            out.setdefault(path, {})[attr] = split
+    return out
+
+
+def layer_plan(cfg, kind_char: str, name: str, tp_plan: dict, prefix: str, specs: dict, mixer) -> dict:
+    """{submodule path: ParallelStyle} of one layer's mixer, from its kind's tp_plan (restricted to the
+    submodules the layer has) and the layout table."""
+    splits = _splits_by_module(cfg, kind_char)
+    uncovered = set(splits) - set(tp_plan)
+    if uncovered:
+        raise RemodelError(f"tensor parallelism: {name} parameters under {sorted(uncovered)} are split by the "
+                           "layout table but have no entry in the kind's tp_plan")
+    plan = {}
+    for path, word in tp_plan.items():
+        module = mixer.get_submodule(path) if path else mixer
+        here = splits.get(path, {})
+        if word in STOCK_DIM:
+            _check_stock(word, name + "." + path, here)
+            plan[path] = _stock(word, module)
+        elif word in ("shard", "shard_entry"):
+            plan[path] = SegmentShard(here, prefix + (path + "." if path else ""), specs, entry=word == "shard_entry")
+        elif word == "shared_norm":
+            plan[path] = SharedNorm()
+        else:
+            raise RemodelError(f"tensor parallelism: unknown style {word!r} in the {name} tp_plan")
+    return plan
+
+
+def _present(mixer, path: str) -> bool:
+    m = mixer
+    for part in filter(None, path.split(".")):
+        m = getattr(m, part, None)
+        if m is None:
+            return False
+    return True
+
+
+def apply_plan(mixer, plan: dict, mesh):
+    """Each style on its submodule (parallelize_module); a style that returns a new module replaces it. Every
+    rank holds the same full weights (or the meta device): each takes its own shard, nothing is scattered."""
+    for path, style in plan.items():
+        old = mixer.get_submodule(path) if path else mixer
+        new = parallelize_module(old, mesh, style, src_data_rank=None)
+        if new is not old:
+            owner, _, leaf = path.rpartition(".")
+            setattr(mixer.get_submodule(owner) if owner else mixer, leaf, new)
+
+
+def tp_layer(mixer, kind_char: str, spec, cfg, prefix: str, specs: dict, mesh):
+    """The kind's tensor-parallel plan on one layer's mixer (absent optional submodules skipped)."""
+    present = {p: w for p, w in spec.tp_plan.items() if _present(mixer, p)}
+    apply_plan(mixer, layer_plan(cfg, kind_char, spec.name, present, prefix, specs, mixer), mesh)
