@@ -27,8 +27,8 @@ from remodel.models.model import HybridLM, init_weights
 
 from torch.distributed.tensor import DTensor
 
-from remodel.pipelines.distributed.parallel import (local_tensor, parallel_info, parallelize, shard_tensor, sharded_dims,
-                                                   unshard_tensor)
+from remodel.pipelines.distributed.parallel import local_tensor, parallel_info, parallelize, sharded_dims, unshard_tensor
+from remodel.pipelines.distributed.styles import shard_tensor
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 TRAIN_CASES = {2: ["tp", "tp_llama", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}

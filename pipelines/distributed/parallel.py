@@ -39,16 +39,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed, used
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .collectives import (chunk_bounds, copy_to_group, gather_rows, group_rank, group_size,
-                          reduce_from_group, scale_grad, split_rows)
-from .styles import shard_tensor, tp_layer
+from .collectives import chunk_bounds, gather_rows, group_rank, group_size, scale_grad, split_rows
+from .styles import SegmentShard, apply_plan, tp_layer, vocab_plan
 
 
 # ---- sharding layouts ------------------------------------------------------------------------
@@ -95,33 +93,7 @@ def parallel_info(model) -> ParallelInfo:
     return getattr(model, "_parallel", None) or ParallelInfo()
 
 
-# ---- the modules tensor parallelism puts in place, and the experts' exchange ------------------------
-
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows [start, start + n) of the embedding: out-of-shard ids give zeros, then all-reduce."""
-
-    def __init__(self, emb: nn.Module, group, start: int):
-        super().__init__()
-        self.weight, self.group, self.start = emb.weight, group, start
-
-    def forward(self, ids):
-        n = self.weight.shape[0]
-        local = ids - self.start
-        inside = (local >= 0) & (local < n)
-        e = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
-        return reduce_from_group(e.masked_fill(~inside[..., None], 0.0), self.group)
-
-
-class CopyToGroup(nn.Module):
-    """Enters the tensor-parallel region: identity forward, gradient all-reduced in backward."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
-    def forward(self, x):
-        return copy_to_group(x, self.group)
-
+# ---- expert parallelism: the experts' exchange and its style ----------------------------------------
 
 class ExpertExchange:
     """Expert parallelism as the exchange of models.moe.Experts' one dispatch (the arithmetic stays
@@ -198,15 +170,6 @@ def check_layout(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
              f"divisible by ep={ep}")
 
 
-def _shard_param(module, attr, prefix, specs, dim, sizes, rank, n, kind="tp"):
-    p = getattr(module, attr)
-    if p is None:
-        return
-    local = shard_tensor(p.detach(), dim, sizes, rank, n).clone()
-    setattr(module, attr, nn.Parameter(local, requires_grad=p.requires_grad))
-    specs[f"{prefix}{attr}"] = (kind, dim, tuple(sizes))
-
-
 class ExpertParallel(ParallelStyle):
     """The routed experts split by expert over the group (plain [E/ep, ...] shards, recorded in `specs`), the
     tokens moved by an ExpertExchange plugged into the one dispatch of models.moe.Experts."""
@@ -217,11 +180,9 @@ class ExpertParallel(ParallelStyle):
         self.replicated, self.grad_scale = tokens_replicated, grad_scale
 
     def _apply(self, experts, mesh):
-        group = mesh.get_group()
-        rank, n = group_rank(group), group_size(group)
-        for attr in ("up_proj", "gate_proj", "down_proj"):
-            _shard_param(experts, attr, self.prefix, self.specs, 0, [self.n_experts], rank, n, kind="ep")
-        experts.exchange = ExpertExchange(group, self.n_experts, self.replicated, self.grad_scale)
+        splits = {a: (0, [self.n_experts]) for a in ("up_proj", "gate_proj", "down_proj") if getattr(experts, a) is not None}
+        SegmentShard(splits, self.prefix, self.specs, kind="ep")._apply(experts, mesh)
+        experts.exchange = ExpertExchange(mesh.get_group(), self.n_experts, self.replicated, self.grad_scale)
         return experts
 
 
@@ -243,14 +204,8 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
     specs = info.specs
 
     if tp > 1:
-        r = group_rank(tp_group)
-        V = cfg.vocab_size
-        _shard_param(model.embeddings, "weight", "embeddings.", specs, 0, [V], r, tp)
-        model.embeddings = VocabParallelEmbedding(model.embeddings, tp_group, r * V // tp)
-        if model.lm_head is not None:
-            _shard_param(model.lm_head, "weight", "lm_head.", specs, 0, [V], r, tp)
-        model.logit_input = CopyToGroup(tp_group)
         tp_mesh = mesh[tp_dim]
+        apply_plan(model, vocab_plan(model, specs), tp_mesh)
         for i, layer in enumerate(model.layers):  # each kind's plan of DTensor parallel styles (models/*.py)
             tp_layer(layer.mixer, layer.kind, layer.spec, cfg, f"layers.{i}.mixer.", specs, tp_mesh)
 

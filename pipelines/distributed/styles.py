@@ -6,7 +6,8 @@ input replicated, output this rank's columns) and `RowwiseParallel` (o_proj, dow
 Shard(1), partial sums all-reduced); torchao's Float8 versions for FP8 Linears. Custom styles where they
 cannot: `SegmentShard` (Mamba's concatenated in_proj and conv1d are cut segment by segment, and
 the mixer reads its local head counts from these plain shards), `SharedNorm` (q_norm / k_norm: one
-replicated weight serving this rank's heads, gradient summed over the group).
+replicated weight serving this rank's heads, gradient summed over the group), `VocabParallel` and
+`ParallelEntry` (the embedding's and lm_head's rows, the output projection's input; tied or not).
 
 Every style's split is checked against the layout table (models.layout.tp_split): a plan and a table that
 disagree raise before any weight moves.
@@ -14,13 +15,14 @@ disagree raise before any weight moves.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from remodel.models.errors import RemodelError
 from remodel.models.layout import layer_params, tp_split
 
-from .collectives import copy_to_group, group_rank, group_size
+from .collectives import copy_to_group, group_rank, group_size, reduce_from_group
 
 
 def shard_tensor(t, dim: int, sizes, rank: int, n: int):
@@ -42,11 +44,12 @@ def _copy_input_hook(group):
 class SegmentShard(ParallelStyle):
     """The module's own parameters replaced by this rank's plain shards, each segment of the split dimension
     cut separately ({attr: (dim, segment sizes)}; `specs` records them for checkpoints and clipping); entry:
-    its input enters the parallel region (identity forward, gradient all-reduced in backward)."""
+    its input enters the parallel region (identity forward, gradient all-reduced in backward); kind: the
+    group recorded ('tp', or 'ep' for the experts)."""
 
-    def __init__(self, splits: dict, prefix: str, specs: dict, entry: bool = False):
+    def __init__(self, splits: dict, prefix: str, specs: dict, entry: bool = False, kind: str = "tp"):
         super().__init__()
-        self.splits, self.prefix, self.specs, self.entry = splits, prefix, specs, entry
+        self.splits, self.prefix, self.specs, self.entry, self.kind = splits, prefix, specs, entry, kind
 
     def _apply(self, module, mesh):
         group = mesh.get_group()
@@ -55,7 +58,7 @@ class SegmentShard(ParallelStyle):
             p = getattr(module, attr)
             local = shard_tensor(p.detach(), dim, sizes, r, n).clone()
             setattr(module, attr, nn.Parameter(local, requires_grad=p.requires_grad))
-            self.specs[self.prefix + attr] = ("tp", dim, tuple(sizes))
+            self.specs[self.prefix + attr] = (self.kind, dim, tuple(sizes))
         if self.entry:
             module.register_forward_pre_hook(_copy_input_hook(group))
         return module
@@ -80,6 +83,63 @@ class SharedNorm(ParallelStyle):
 
     def _apply(self, module, mesh):
         return SharedWeightRMSNorm(module, mesh.get_group())
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + n) of the embedding: out-of-shard ids give zeros, then all-reduce."""
+
+    def __init__(self, emb: nn.Module, group, start: int):
+        super().__init__()
+        self.weight, self.group, self.start = emb.weight, group, start
+
+    def forward(self, ids):
+        n = self.weight.shape[0]
+        local = ids - self.start
+        inside = (local >= 0) & (local < n)
+        e = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        return reduce_from_group(e.masked_fill(~inside[..., None], 0.0), self.group)
+
+
+class CopyToGroup(nn.Module):
+    """Enters the tensor-parallel region: identity forward, gradient all-reduced in backward."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return copy_to_group(x, self.group)
+
+
+class VocabParallel(ParallelStyle):
+    """The embedding's rows split over the group (plain shards): it becomes VocabParallelEmbedding."""
+
+    def __init__(self, specs: dict):
+        super().__init__()
+        self.specs = specs
+
+    def _apply(self, module, mesh):
+        group = mesh.get_group()
+        r, n = group_rank(group), group_size(group)
+        V = module.weight.shape[0]
+        SegmentShard({"weight": (0, [V])}, "embeddings.", self.specs)._apply(module, mesh)
+        return VocabParallelEmbedding(module, group, r * V // n)
+
+
+class ParallelEntry(ParallelStyle):
+    """A placeholder module (the model's logit_input) becomes the parallel region's entry."""
+
+    def _apply(self, module, mesh):
+        return CopyToGroup(mesh.get_group())
+
+
+def vocab_plan(model, specs: dict) -> dict:
+    """The vocabulary's plan: embedding rows, lm_head rows (the model returns this rank's vocab shard of the
+    logits), the output projection's input entering the region (tied or not)."""
+    plan = {"embeddings": VocabParallel(specs), "logit_input": ParallelEntry()}
+    if model.lm_head is not None:
+        plan["lm_head"] = SegmentShard({"weight": (0, [model.cfg.vocab_size])}, "lm_head.", specs)
+    return plan
 
 
 def _stock(word: str, module):
