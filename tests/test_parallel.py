@@ -185,11 +185,10 @@ def test_shard_unshard_roundtrip():
 
 def _plans(cfg):
     """Every layer's styles under cfg (built, not applied: no process group needed)."""
-    from remodel.pipelines.distributed.styles import _present, layer_plan
+    from remodel.pipelines.distributed.styles import layer_plan, present_plan
     model = HybridLM(cfg)
-    return [layer_plan(cfg, layer.kind, layer.spec.name, {p: w for p, w in layer.spec.tp_plan.items()
-                                                          if _present(layer.mixer, p)}, f"layers.{i}.mixer.", {}, layer.mixer)
-            for i, layer in enumerate(model.layers)]
+    return [layer_plan(cfg, layer.kind, layer.spec.name, present_plan(layer.mixer, layer.spec.tp_plan),
+                       f"layers.{i}.mixer.", {}, layer.mixer) for i, layer in enumerate(model.layers)]
 
 
 def test_every_kind_plan_covers_the_layout_table():

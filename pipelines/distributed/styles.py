@@ -205,6 +205,11 @@ def _present(mixer, path: str) -> bool:
     return True
 
 
+def present_plan(mixer, tp_plan: dict) -> dict:
+    """A kind's tp_plan restricted to the submodules this layer has (q_norm, gate_proj, ... are optional)."""
+    return {p: w for p, w in tp_plan.items() if _present(mixer, p)}
+
+
 def apply_plan(mixer, plan: dict, mesh):
     """Each style on its submodule (parallelize_module); a style that returns a new module replaces it. Every
     rank holds the same full weights (or the meta device): each takes its own shard, nothing is scattered."""
@@ -218,5 +223,5 @@ def apply_plan(mixer, plan: dict, mesh):
 
 def tp_layer(mixer, kind_char: str, spec, cfg, prefix: str, specs: dict, mesh):
     """The kind's tensor-parallel plan on one layer's mixer (absent optional submodules skipped)."""
-    present = {p: w for p, w in spec.tp_plan.items() if _present(mixer, p)}
-    apply_plan(mixer, layer_plan(cfg, kind_char, spec.name, present, prefix, specs, mixer), mesh)
+    plan = layer_plan(cfg, kind_char, spec.name, present_plan(mixer, spec.tp_plan), prefix, specs, mixer)
+    apply_plan(mixer, plan, mesh)
