@@ -259,6 +259,7 @@ def _fsdp_worker(rank, world, init_file, out_dir):
         res[tied] = (mean / world, full_grads(student))
     if rank == 0:
         torch.save(res, Path(out_dir) / "fsdp.pt")
+    dist.barrier()  # both ranks leave together: a rank tearing gloo down while its peer still works can abort
     dist.destroy_process_group()
 
 
