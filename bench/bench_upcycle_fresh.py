@@ -12,7 +12,7 @@ model it came from when both keep training on tokens neither has seen?
    interval gained < 1% of the first).
 4. Arms on --arm-tokens of the fresh split only, same batches and order: dense continued; for each shape
    (coarse: N=8 experts of the full FFN, top-2; fine-grained: N=32 in virtual groups of G=4, top-8, the same
-   active width) naive upcycling (R=0, exact) and Drop-Upcycling at each --drop-ratios. The paper's recipe
+   active width; fine-top4: N=32, G=4, top-4, one group per token, the dense model's active width and FLOPs) naive upcycling (R=0, exact) and Drop-Upcycling at each --drop-ratios. The paper's recipe
    (arXiv 2410.07524): learning rate reset to the pretraining peak, cosine decay, load-balancing loss 1e-2.
    Held-out loss at every checkpoint; training FLOPs per arm (3 x the trainer's forward count x tokens);
    the trainer's MoE figures (load balance, router entropy, same-shard expert cosine) at the end.
@@ -50,7 +50,8 @@ from remodel.pipelines.training.metrics import forward_flops_per_token  # noqa: 
 from remodel.pipelines.training.train import train  # noqa: E402
 
 OUT_JSON, OUT_PNG = ROOT / "bench" / "upcycle_fresh.json", ROOT / "bench" / "upcycle_fresh.png"
-SHAPES = {"coarse": dict(experts=8, granularity=1, top_k=2), "fine": dict(experts=32, granularity=4, top_k=8)}
+SHAPES = {"coarse": dict(experts=8, granularity=1, top_k=2), "fine": dict(experts=32, granularity=4, top_k=8),
+          "fine-top4": dict(experts=32, granularity=4, top_k=4)}  # one virtual group per token: ~1x dense FLOPs
 MAX_FILE = 512 * 1024
 
 
