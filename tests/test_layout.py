@@ -55,7 +55,7 @@ def test_params_pruning_and_tp_plan_derive_from_the_segments(monkeypatch):
     base_total, base_idx = count_params(cfg)["total"], axis_index(cfg, keep, "mamba_in_proj", 0)
     mixer = HybridLM(cfg).layers[0].mixer
     from remodel.models.mamba import MAMBA
-    plan = layer_plan(cfg, "M", "mamba", MAMBA.tp_plan, "layers.0.mixer.", {}, mixer)
+    plan = layer_plan(cfg, MAMBA, mixer, "layers.0.mixer.", {})
     assert plan["in_proj"].splits["weight"] == (0, [Im, Im, GN, GN, nh]) and plan["in_proj"].entry
     assert plan["conv1d"].splits["weight"] == (0, [Im, GN, GN])
 

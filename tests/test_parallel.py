@@ -185,10 +185,9 @@ def test_shard_unshard_roundtrip():
 
 def _plans(cfg):
     """Every layer's styles under cfg (built, not applied: no process group needed)."""
-    from remodel.pipelines.distributed.styles import layer_plan, present_plan
+    from remodel.pipelines.distributed.styles import layer_plan
     model = HybridLM(cfg)
-    return [layer_plan(cfg, layer.kind, layer.spec.name, present_plan(layer.mixer, layer.spec.tp_plan),
-                       f"layers.{i}.mixer.", {}, layer.mixer) for i, layer in enumerate(model.layers)]
+    return [layer_plan(cfg, layer.spec, layer.mixer, f"layers.{i}.mixer.", {}) for i, layer in enumerate(model.layers)]
 
 
 def test_every_kind_plan_covers_the_layout_table():

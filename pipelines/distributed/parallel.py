@@ -207,7 +207,7 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         tp_mesh = mesh[tp_dim]
         apply_plan(model, vocab_plan(model, specs), tp_mesh)
         for i, layer in enumerate(model.layers):  # each kind's plan of DTensor parallel styles (models/*.py)
-            tp_layer(layer.mixer, layer.kind, layer.spec, cfg, f"layers.{i}.mixer.", specs, tp_mesh)
+            tp_layer(layer.mixer, layer.spec, cfg, f"layers.{i}.mixer.", specs, tp_mesh)
 
     expert_params = set()
     if ep > 1:

@@ -172,17 +172,18 @@ def _splits_by_module(cfg, kind_char: str) -> dict:
     return out
 
 
-def layer_plan(cfg, kind_char: str, name: str, tp_plan: dict, prefix: str, specs: dict, mixer) -> dict:
-    """{submodule path: ParallelStyle} of one layer's mixer, from its kind's tp_plan (restricted to the
-    submodules the layer has) and the layout table."""
-    splits = _splits_by_module(cfg, kind_char)
+def layer_plan(cfg, spec, mixer, prefix: str, specs: dict) -> dict:
+    """{submodule path: ParallelStyle} of one layer's mixer, from its kind's spec (the tp_plan restricted to
+    the submodules the layer has: q_norm, gate_proj, ... are optional) and the layout table."""
+    name, tp_plan = spec.name, _present_plan(mixer, spec.tp_plan)
+    splits = _splits_by_module(cfg, spec.char)
     uncovered = set(splits) - set(tp_plan)
     if uncovered:
         raise RemodelError(f"tensor parallelism: {name} parameters under {sorted(uncovered)} are split by the "
                            "layout table but have no entry in the kind's tp_plan")
     plan = {}
     for path, word in tp_plan.items():
-        module = mixer.get_submodule(path) if path else mixer
+        module = mixer.get_submodule(path)  # '': the mixer itself
         here = splits.get(path, {})
         if word in STOCK_DIM:
             _check_stock(word, name + "." + path, here)
@@ -205,8 +206,7 @@ def _present(mixer, path: str) -> bool:
     return True
 
 
-def present_plan(mixer, tp_plan: dict) -> dict:
-    """A kind's tp_plan restricted to the submodules this layer has (q_norm, gate_proj, ... are optional)."""
+def _present_plan(mixer, tp_plan: dict) -> dict:
     return {p: w for p, w in tp_plan.items() if _present(mixer, p)}
 
 
@@ -214,14 +214,13 @@ def apply_plan(mixer, plan: dict, mesh):
     """Each style on its submodule (parallelize_module); a style that returns a new module replaces it. Every
     rank holds the same full weights (or the meta device): each takes its own shard, nothing is scattered."""
     for path, style in plan.items():
-        old = mixer.get_submodule(path) if path else mixer
+        old = mixer.get_submodule(path)
         new = parallelize_module(old, mesh, style, src_data_rank=None)
         if new is not old:
             owner, _, leaf = path.rpartition(".")
-            setattr(mixer.get_submodule(owner) if owner else mixer, leaf, new)
+            setattr(mixer.get_submodule(owner), leaf, new)
 
 
-def tp_layer(mixer, kind_char: str, spec, cfg, prefix: str, specs: dict, mesh):
+def tp_layer(mixer, spec, cfg, prefix: str, specs: dict, mesh):
     """The kind's tensor-parallel plan on one layer's mixer (absent optional submodules skipped)."""
-    plan = layer_plan(cfg, kind_char, spec.name, present_plan(mixer, spec.tp_plan), prefix, specs, mixer)
-    apply_plan(mixer, plan, mesh)
+    apply_plan(mixer, layer_plan(cfg, spec, mixer, prefix, specs), mesh)
