@@ -220,8 +220,10 @@ def _add_upcycle(sub):
                    help="T, experts per token; a multiple of G keeps the dense model's output")
     p.add_argument("--shared-expert-size", type=int, default=0,
                    help="dense neurons kept as an always-on shared expert (0: none)")
-    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid"],
-                   help=f"router scoring; default (None): {upcycle_defaults('router')}")
+    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid", "sigmoid-raw"],
+                   help="router scoring: topk-softmax and sigmoid renormalise the chosen scores (exact), "
+                        "softmax-topk and sigmoid-raw gate by the raw scores (close, not exact; with top-k = G "
+                        f"only these learn which group to pick); default (None): {upcycle_defaults('router')}")
     p.add_argument("--to", choices=list(UPCYCLE_TARGETS), help=f"output family; default (None): {upcycle_defaults('to')}")
     p.add_argument("--exact", action="store_true",
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")

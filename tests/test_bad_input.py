@@ -349,7 +349,9 @@ def test_help_teaches_upcycle_and_convert_progress(work, capsys):
     text = _subparsers()["upcycle"].format_help()
     assert "N = E x G" in " ".join(text.split())
     flat = " ".join(text.split())  # the defaults per source family, from the family registry
-    assert "router scoring; default (None): sigmoid for nemotron_h sources; topk-softmax for llama," in flat
+    router = next(x.help for x in _subparsers()["upcycle"]._actions if x.dest == "router")
+    assert "default (None): sigmoid for nemotron_h sources; topk-softmax for llama," in router
+    assert "router scoring: topk-softmax and sigmoid renormalise" in flat
     assert "output family; default (None): nemotron_h for nemotron_h sources; qwen3_moe with q/k norm" in flat
     assert cli.main(["convert", str(work / "model"), str(work / "o")]) == 0
     assert "convert: 100%" in capsys.readouterr().err  # a progress bar over the tensors

@@ -128,6 +128,55 @@ def test_nemotron_export_exact_in_transformers(nemo, tmp_path, G):
         assert json.loads((out / "remodel_report.json").read_text())["experts"] == 4 * G
 
 
+def _group_router_grads(moe, G: int, ids) -> list[tuple[float, float]]:
+    """Per MoE layer: (|LM-loss gradient summed over each virtual group's router rows|, |row gradients|)."""
+    moe.zero_grad()
+    logits = moe(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    out = []
+    for m in moe.moe_layers():
+        g = m.gate.weight.grad
+        out.append((g.view(-1, G, g.shape[-1]).sum(1).norm().item(), g.norm().item()))
+    return out
+
+
+def test_sigmoid_raw_router_learns_which_group(nemo):
+    """Why sigmoid-raw exists (issue 29): with top-k = G a renormalising router picks one whole group and
+    normalises its members' weights to 1/G, so the LM loss gives the group's rows no net gradient (only a
+    share-out among members) and the choice of group never learns. Raw sigmoid gates carry that gradient;
+    it stays within ~1% of the dense model at step 0 (gates ~ 1/2, router std 0.02/sqrt(H), a = 2G/T)."""
+    dense = nemo[0]
+    ids = _ids()
+    with torch.no_grad():
+        ref = dense(ids)
+    norm, _ = upcycle_model(dense, experts=16, granularity=4, top_k=4, router="sigmoid")
+    raw, p = upcycle_model(dense, experts=16, granularity=4, top_k=4, router="sigmoid-raw")
+    assert not p.exact and p.a == 2.0 and p.why_not_exact
+    for group, rows in _group_router_grads(norm.train(), 4, ids):
+        assert rows > 1e-6 and group < 1e-4 * rows  # members share out, the group as a whole gets nothing
+    for group, rows in _group_router_grads(raw.train(), 4, ids):
+        assert group > 0.1 * rows
+    with torch.no_grad():
+        dev = (raw.eval()(ids) - ref).abs().max().item()
+    assert 1e-6 < dev < 0.02 * ref.abs().max().item()
+
+
+def test_sigmoid_raw_exports_to_nemotron_h(nemo, tmp_path):
+    """sigmoid-raw is nemotron_h's router with norm_topk_prob false: transformers reads it and agrees with
+    our model of the written checkpoint; --exact refuses it."""
+    rep = upcycle(nemo[1], tmp_path / "raw", experts=8, granularity=4, top_k=4, router="sigmoid-raw", seed=2)
+    c = json.loads((tmp_path / "raw" / "config.json").read_text())
+    assert c["norm_topk_prob"] is False and rep["router"]["norm_topk_prob"] is False
+    assert rep["router"]["init_std"] == pytest.approx(0.02 / 32 ** 0.5) and rep["scaling"]["a"] == 2.0
+    with torch.no_grad():
+        ours = load_model(tmp_path / "raw").eval()(_ids())
+    assert (_hf_logits(tmp_path / "raw", _ids()) - ours).abs().max().item() < TOL
+    assert 0 < rep["deviation"]["max_abs_logit_diff"] < 0.05
+    with pytest.raises(RemodelError, match="sigmoid-raw"):
+        upcycle(nemo[1], tmp_path / "ex", experts=8, granularity=4, top_k=4, router="sigmoid-raw", exact=True)
+    assert not (tmp_path / "ex").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
     """The streamed checkpoint is bit for bit the in-memory upcycle (bf16: scaled once, rounded once)."""
@@ -327,7 +376,7 @@ def test_exact_refusals(nemo, llama, tmp_path):
 def test_other_refusals(nemo, llama, tmp_path):
     _, nsrc, _ = nemo
     _, lsrc, _ = llama
-    _refused(tmp_path, nsrc, "only has the normalised sigmoid router", experts=8, granularity=2, top_k=2,
+    _refused(tmp_path, nsrc, "only has the sigmoid router, renormalised or not", experts=8, granularity=2, top_k=2,
              router="topk-softmax")
     _refused(tmp_path, lsrc, "no q/k norm", experts=4, granularity=1, top_k=2, to="qwen3_moe")
     _refused(tmp_path, lsrc, "no shared expert", experts=4, granularity=1, top_k=2, shared_expert_size=16, to="mixtral")

@@ -8,7 +8,8 @@ N = E*G experts, T top-k, S shared-expert neurons.
   * Router row R[e] = R0[e // G], R0 ~ N(0, 0.02): the G experts of a virtual group have identical
     logits, so with G | T whole groups are chosen together.
   * Every routed expert's W1 (gate and up) and W2 is multiplied by s = a^(1/d): a = G for top-k then
-    softmax and for the renormalised sigmoid router, a = E*G^2/T for softmax then top-k; d is the
+    softmax and for the renormalised sigmoid router, a = E*G^2/T for softmax then top-k, a = 2G/T for the
+    unnormalised sigmoid (sigmoid-raw: gates ~ sigmoid(0) = 1/2, router std 0.02/sqrt(H)); d is the
     degree of the expert in its weights, 1 + deg(act) + gated, with deg(relu2) = 2 and deg 1 for
     relu/silu/gelu (the paper's a^(1/3) for relu2 or gated, a^(1/2) for plain GeLU/SiLU).
 Exactness at step 0: with a renormalising router and G | T, a chosen group g carries total weight
@@ -44,6 +45,7 @@ ROUTER_MODES = {  # CLI name -> (ModelConfig.router, norm_topk_prob)
     "topk-softmax": ("softmax", True),
     "softmax-topk": ("softmax", False),
     "sigmoid": ("sigmoid", True),
+    "sigmoid-raw": ("sigmoid", False),  # gates are the sigmoid scores themselves (no renormalisation)
 }
 HOMOGENEOUS = {"relu2": 2, "relu": 1}  # act(c x) = c^d act(x) for every c > 0
 ROUTER_STD = 0.02
@@ -108,11 +110,13 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
         raise RemodelError(f"--shared-expert-size S={S} must be in 0..{F - 1} (dense intermediate size {F})")
     if (F - S) % G:
         raise RemodelError(f"intermediate size F={F} minus shared size S={S} is not divisible by G={G}")
-    a = float(G) if router != "softmax-topk" else (N // G) * G * G / T
+    a = {"softmax-topk": (N // G) * G * G / T, "sigmoid-raw": 2 * G / T}.get(router, float(G))
     s = a ** (1.0 / output_degree(cfg.mlp_act, cfg.mlp_gated))
     why = []
     if router == "softmax-topk":
         why.append("the softmax-topk router never reproduces the dense model (kept weights sum to < 1)")
+    if router == "sigmoid-raw":
+        why.append("the sigmoid-raw router's gates are sigmoid(logit) ~ 0.5, never exactly (close, not exact)")
     if T % G:
         why.append(f"top-k T={T} is not a multiple of granularity G={G}, so virtual groups are split")
     if G > 1 and cfg.mlp_act not in HOMOGENEOUS and placement == "balanced":
@@ -139,10 +143,16 @@ def moe_config(cfg: ModelConfig, p: Plan, family: str) -> ModelConfig:
         n_group=1, topk_group=1, shared_expert_gate=gated_shared(family) and p.shared > 0)
 
 
+def router_std(router: str, hidden: int) -> float:
+    """Init std of the router rows: 0.02 (the paper's); 0.02 / sqrt(H) for sigmoid-raw, whose gates are the
+    scores themselves, so its logits stay ~0.02 and the gates within ~1% of the 0.5 the scaling assumes."""
+    return ROUTER_STD / hidden ** 0.5 if router == "sigmoid-raw" else ROUTER_STD
+
+
 def router_weight(p: Plan, hidden: int, seed: int, dtype=torch.float32) -> torch.Tensor:
-    """[N, H]: one N(0, 0.02) row per virtual group, repeated for its G members."""
+    """[N, H]: one N(0, router_std) row per virtual group, repeated for its G members."""
     g = torch.Generator().manual_seed(seed)
-    r0 = torch.randn(p.experts // p.granularity, hidden, generator=g) * ROUTER_STD
+    r0 = torch.randn(p.experts // p.granularity, hidden, generator=g) * router_std(p.router, hidden)
     return r0.repeat_interleave(p.granularity, dim=0).to(dtype)
 
 

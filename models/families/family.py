@@ -71,7 +71,7 @@ def time_step_limit(h) -> tuple[float, float]:
 class Family:
     """name: transformers' model_type; arch: its CausalLM class; depth: our layers per HF decoder layer
     (depth pruning removes them together); moe: its layers hold routed experts (an upcycling target);
-    mtp: it stores MTP layers; routers: the upcycling routers it can hold exactly; shared_expert_gate: its
+    mtp: it stores MTP layers; routers: the upcycling routers it can hold; shared_expert_gate: its
     shared expert is scaled by sigmoid(w.x); hidden_divides_heads: transformers' config requires hidden
     to be a multiple of the query heads; mamba_width_from_hidden: its config derives the Mamba width as
     mamba_expand * hidden_size (heads x head size a multiple of hidden); block_types: its config's per-layer type names, as our layer kinds;

@@ -115,11 +115,11 @@ class NemotronH(Family):
         return self.name
 
     def upcycle_check(self, cfg, router):
-        if router != "sigmoid":
+        if router not in self.routers:
             return (f"router {router} cannot be exported to nemotron_h: transformers' nemotron_h MoE only "
-                    f"has the normalised sigmoid router (use --router sigmoid)")
+                    f"has the sigmoid router, renormalised or not (use --router sigmoid or sigmoid-raw)")
         return None
 
 
-NEMOTRON_H = NemotronH("nemotron_h", "NemotronHForCausalLM", depth=1, moe=True, mtp=True, routers=("sigmoid",),
+NEMOTRON_H = NemotronH("nemotron_h", "NemotronHForCausalLM", depth=1, moe=True, mtp=True, routers=("sigmoid", "sigmoid-raw"),
                        block_types=BLOCK_TYPES, upcycle_help="nemotron_h")

@@ -32,8 +32,8 @@ from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tens
 from remodel.upcycle.deviation import StreamCheck
 from remodel.upcycle.drop import drop_count, drop_report
 from remodel.upcycle.similarity import UPCYCLE_KEY, expert_similarity
-from remodel.upcycle.virtual_groups import (ROUTER_MODES, ROUTER_STD, drop_upcycle, layer_seed, make_plan, moe_config,
-                                            router_weight, upcycle_mlp)
+from remodel.upcycle.virtual_groups import (ROUTER_MODES, drop_upcycle, layer_seed, make_plan, moe_config,
+                                            router_std, router_weight, upcycle_mlp)
 
 from .report import write_report
 
@@ -204,8 +204,9 @@ class _LayerStream:
     def _upcycle_layer(self, key: str, tensors: dict) -> dict:
         """Replaces the dense MLP of `tensors` (layer `key`) by router + experts, in place; -> the MoE tensors."""
         p, m = self.p, f"{key}.mixer."
-        # router logit std at init ~ 0.02 * |norm weight| (the MoE input is RMS-normalised)
-        self.logit_std = max(self.logit_std, ROUTER_STD * tensors[f"{key}.norm.weight"].float().norm().item())
+        # router logit std at init ~ init std * |norm weight| (the MoE input is RMS-normalised)
+        std = router_std(p.router, self.cfg.hidden_size)
+        self.logit_std = max(self.logit_std, std * tensors[f"{key}.norm.weight"].float().norm().item())
         self.mlp_dtypes.add(str(tensors[m + "up_proj.weight"].dtype).replace("torch.", ""))
         layer = int(key.split(".")[1])
         r = router_weight(p, self.cfg.hidden_size, layer_seed(self.seed, layer))
@@ -246,12 +247,12 @@ def _notes(p, kind: str, mlp_dtypes: set, dtype, logit_std: float) -> list[str]:
     return notes
 
 
-def _method_report(p, router: str, family: str, seed: int, logit_std: float) -> dict:
+def _method_report(p, router: str, family: str, seed: int, logit_std: float, init_std: float) -> dict:
     """The report's description of the router and the expert scaling."""
     kind, norm = ROUTER_MODES[router]
     return {
         "router": {"mode": router, "type": kind, "norm_topk_prob": norm, "routed_scaling_factor": 1.0,
-                   "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": ROUTER_STD, "seed": seed,
+                   "correction_bias": "zero" if kind == "sigmoid" else None, "init_std": init_std, "seed": seed,
                    "logit_std_estimate": round(logit_std, 6)},
         "scaling": {"a": p.a, "s": p.s, "placement": p.placement, "w1_scale": p.scales[0],
                     "w2_scale": p.scales[1],
@@ -316,7 +317,7 @@ def _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, e
         "shared_expert_size": p.shared, "expert_size": p.expert_size, "dense_intermediate_size": p.ffn,
         "activation": ("gated " if p.gated else "") + p.act, "dtype": sorted(layers.mlp_dtypes),
         "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
-        **_method_report(p, router, family, seed, layers.logit_std),
+        **_method_report(p, router, family, seed, layers.logit_std, router_std(router, cfg.hidden_size)),
         "drop_upcycling": drop_report(drop_ratio, p.expert_size, seed),
         "exact_expected": p.exact and not dropped, "why_not_exact": why, "exact_requested": exact,
         "layers_upcycled": [i for i, k in enumerate(layer_kinds(cfg)) if k.upcycles_to],
