@@ -20,18 +20,23 @@ Writes bench/upcycle_fresh.json and .png and prints the table. Not in CI: sized 
 VM at the defaults; --smoke runs every step at toy sizes in a few minutes.
 
     python bench/bench_upcycle_fresh.py [--corpus-mb 80] [--hidden 256] [--pretrain-tokens 6M] [--arm-tokens 2M]
-                                        [--drop-ratios 0.5 0.25] [--shapes coarse fine] [--smoke]
+                                        [--drop-ratios 0.5 0.25] [--shapes coarse fine] [--routers sigmoid ...]
+                                        [--jobs 2] [--work DIR [--reuse [--no-dense]]] [--smoke]
+--jobs trains arms side by side (the cores split between them); --reuse keeps --work's corpus, tokenizer and
+pretrained model; --no-dense adds arms to --work's earlier run, reusing its dense arms.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import sysconfig
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +53,7 @@ from remodel.models.model import HybridLM, init_weights  # noqa: E402
 from remodel.pipelines.commands.upcycle import upcycle  # noqa: E402
 from remodel.pipelines.training.metrics import forward_flops_per_token  # noqa: E402
 from remodel.pipelines.training.train import train  # noqa: E402
+from remodel.upcycle.virtual_groups import ROUTER_MODES  # noqa: E402
 
 OUT_JSON, OUT_PNG = ROOT / "bench" / "upcycle_fresh.json", ROOT / "bench" / "upcycle_fresh.png"
 SHAPES = {"coarse": dict(experts=8, granularity=1, top_k=2), "fine": dict(experts=32, granularity=4, top_k=8),
@@ -142,25 +148,90 @@ def eval_loss(model_dir: Path, blocks, a) -> float:
     return evaluate(load_model(model_dir), blocks, batch=a.batch)["loss"]
 
 
+def arm_name(shape: str, router: str, r: float) -> str:
+    """An arm's name: shape, router (when not the sigmoid default) and drop ratio."""
+    return f"{shape}-R{r:g}" if router == "sigmoid" else f"{shape}-{router}-R{r:g}"
+
+
 def arms(a, dense: Path) -> dict:
-    """Dense continued, then each shape x drop ratio upcycled from the pretrained dense model, same tokens."""
-    fresh, res = a.work / "fresh.txt", {}
-    res["dense"] = run_arm(dense, a.work / "arm-dense", fresh, a.arm_tokens, a, a.evals)
-    for shape in a.shapes:
-        for r in [0.0] + list(a.drop_ratios):
-            name = f"{shape}-R{r:g}"
-            up = upcycle(dense, a.work / name, **SHAPES[shape], router="sigmoid", exact=r == 0, drop_ratio=r)
-            res[name] = run_arm(a.work / name, a.work / f"arm-{name}", fresh, a.arm_tokens, a, a.evals)
-            res[name]["init_deviation"] = up.get("deviation")
-            (a.work / "arms_partial.json").write_text(json.dumps(res))  # a run cut short keeps what finished
-            print(f"{name}: final held-out {res[name]['final_loss']:.4f} (dense {res['dense']['final_loss']:.4f})",
-                  flush=True)
-    ratio = max(r["train_flops"] for r in res.values()) / res["dense"]["train_flops"]
+    """Dense continued, then each shape x router x drop ratio upcycled from the pretrained dense model, same
+    tokens; the dense model again at the costliest arm's FLOPs. --jobs workers train arms side by side;
+    --no-dense takes the dense arms from --work's earlier arms_partial.json."""
+    fresh, jobs, dev = a.work / "fresh.txt", {"dense": (dense, a.arm_tokens)}, {}
+    moe = [(s, rt, r) for s in a.shapes for rt in a.routers for r in [0.0] + list(a.drop_ratios)]
+    done = json.loads((a.work / "arms_partial.json").read_text()) if a.no_dense else {}
+    if a.no_dense and "dense" not in done:
+        raise SystemExit(f"--no-dense: {a.work / 'arms_partial.json'} holds no dense arm")
+    stale = [str(p) for n in [arm_name(*m) for m in moe] for p in (a.work / n, a.work / f"arm-{n}") if p.exists()]
+    if stale:
+        raise SystemExit(f"--work holds an earlier run's arms ({', '.join(stale)}): use a fresh --work or remove them")
+    for shape, router, r in moe:
+        name = arm_name(shape, router, r)
+        exact = r == 0 and ROUTER_MODES[router][1]  # the unnormalised softmax-topk is close, never exact
+        up = upcycle(dense, a.work / name, **SHAPES[shape], router=router, exact=exact, drop_ratio=r)
+        jobs[name], dev[name] = (a.work / name, a.arm_tokens), up.get("deviation")
+    fl = {k: forward_flops_per_token(load_model(p), a.seq_len) for k, (p, _) in jobs.items()}
+    ratio = max(fl.values()) / fl["dense"]
     if ratio > 1:  # the dense model trained on as many FLOPs as the costliest arm: losses at equal FLOPs
-        res["dense-equal-flops"] = run_arm(dense, a.work / "arm-dense-flops", fresh, int(a.arm_tokens * ratio), a,
-                                           a.evals)
+        jobs["dense-equal-flops"] = (dense, int(a.arm_tokens * ratio))
+    step = a.batch * a.seq_len
+    for k in [k for k in ("dense", "dense-equal-flops") if k in done and k in jobs]:
+        if done[k]["curve"][-1][0] == max(1, jobs[k][1] // step) * step:  # the same token count as this run's
+            jobs.pop(k)
+    res = {k: v for k, v in done.items() if k not in jobs}
+    stale = [str(out_dir(a, k, n)) for k, (_, n) in jobs.items() if out_dir(a, k, n).exists()]
+    if stale:
+        raise SystemExit(f"--work holds an earlier run's arms ({', '.join(stale)}): use a fresh --work or remove them")
+    with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent) as pool:
+        futs = {pool.submit(_arm_job, start, out_dir(a, k, n), fresh, n, a): k for k, (start, n) in jobs.items()}
+        for f in as_completed(futs):
+            k = futs[f]
+            res[k] = f.result()
+            if k in dev:
+                res[k]["init_deviation"] = dev[k]
+            (a.work / "arms_partial.json").write_text(json.dumps(res))  # a run cut short keeps what finished
+            print(f"{k}: final held-out {res[k]['final_loss']:.4f} ({res[k]['wall_s']:.0f} s)", flush=True)
     return res
 
+
+def out_dir(a, name: str, tokens: int) -> Path:
+    """An arm's output folder; the equal-FLOPs dense arm's names its token count (runs differ in it)."""
+    return a.work / (f"arm-{name}-{tokens}" if name == "dense-equal-flops" else f"arm-{name}")
+
+
+def _die_with_parent():
+    """A worker ends with the bench (Linux prctl PR_SET_PDEATHSIG): a killed run leaves no arm training."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _arm_job(start: Path, out: Path, data: Path, tokens: int, a) -> dict:
+    """One arm in a worker process, with its share of the cores."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.jobs))
+    return run_arm(start, out, data, tokens, a, a.evals)
+
+
+def pretrain(a) -> tuple[dict, dict, int]:
+    """Corpus, tokenizer and the pretrained dense model under a.work (-> manifest, pretraining run, vocab);
+    with --reuse, a folder's earlier ones (its corpus.json and pretrain.json)."""
+    if a.reuse and (a.work / "pretrain.json").is_file():
+        man = json.loads((a.work / "corpus.json").read_text())
+        man["rows"] = json.loads((a.work / "manifest.json").read_text())
+        pre = json.loads((a.work / "pretrain.json").read_text())
+        return man, pre, pre["vocab"]
+    man = corpus(a.work, a.corpus_mb, a.valid_pct)
+    vocab = tokenizer(a.work / "pretrain.txt", a.work / "tokenizer", a.vocab)
+    dense_model(a.work / "init", vocab, a.work / "tokenizer", a.hidden)
+    pre = run_arm(a.work / "init", a.work / "dense", a.work / "pretrain.txt", a.pretrain_tokens, a, a.evals)
+    pre["vocab"] = vocab
+    (a.work / "corpus.json").write_text(json.dumps({k: v for k, v in man.items() if k != "rows"}))
+    (a.work / "manifest.json").write_text(json.dumps(man["rows"]))
+    (a.work / "pretrain.json").write_text(json.dumps(pre))
+    return man, pre, vocab
 
 
 def plot(res: dict, path: Path):
@@ -169,8 +240,9 @@ def plot(res: dict, path: Path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, r in res["arms"].items():
-        t, l = zip(*r["curve"])
-        ax.plot([x / 1e6 for x in t], l, marker="o", ms=3, label=name, lw=2.2 if name == "dense" else 1.2)
+        t, l = zip(*(r["curve"][-1:] if r.get("note") else r["curve"]))  # a noted arm: its final point only
+        ax.plot([x / 1e6 for x in t], l, marker="X" if r.get("note") else "o", ms=8 if r.get("note") else 3,
+                label=name + (" (final)" if r.get("note") else ""), lw=2.2 if name == "dense" else 1.2)
     ax.set_xlabel("fresh tokens trained after pretraining (M)")
     ax.set_ylabel("held-out loss (nats/token)")
     ax.set_title("Upcycled MoE arms vs continued dense, fresh code tokens")
@@ -209,6 +281,11 @@ def _args(argv=None):
     ap.add_argument("--evals", type=int, default=8, help="held-out points per run")
     ap.add_argument("--valid-blocks", type=int, default=128, help="held-out blocks of --seq-len")
     ap.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
+    ap.add_argument("--routers", nargs="+", default=["sigmoid"], choices=list(ROUTER_MODES),
+                    help="upcycle routers (sigmoid: renormalised, exact; softmax-topk: the paper's, close)")
+    ap.add_argument("--no-dense", action="store_true", help="reuse --work's dense arms (arms_partial.json)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms trained side by side (the cores are split)")
+    ap.add_argument("--reuse", action="store_true", help="reuse --work's corpus, tokenizer and pretrained model")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: every step in a few minutes")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -222,10 +299,7 @@ def main(argv=None):
     t0 = time.time()
     a.work = a.work or Path(tempfile.mkdtemp(prefix="upcycle-fresh-"))
     a.work.mkdir(parents=True, exist_ok=True)
-    man = corpus(a.work, a.corpus_mb, a.valid_pct)
-    vocab = tokenizer(a.work / "pretrain.txt", a.work / "tokenizer", a.vocab)
-    dense_model(a.work / "init", vocab, a.work / "tokenizer", a.hidden)
-    pre = run_arm(a.work / "init", a.work / "dense", a.work / "pretrain.txt", a.pretrain_tokens, a, a.evals)
+    man, pre, vocab = pretrain(a)
     gains = [x[1] - y[1] for x, y in zip(pre["curve"], pre["curve"][1:])]
     res = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "corpus": {k: v for k, v in man.items() if k != "rows"}, "vocab": vocab, "pretrain": pre,
@@ -233,7 +307,6 @@ def main(argv=None):
            "wall_s": round(time.time() - t0, 1)}
     out_json, out_png = (a.work / OUT_JSON.name, a.work / OUT_PNG.name) if a.smoke else (OUT_JSON, OUT_PNG)
     out_json.write_text(json.dumps(res, indent=1))
-    (a.work / "manifest.json").write_text(json.dumps(man["rows"]))
     plot(res, out_png)
     print(table(res))
     print(f"wrote {out_json} and {out_png}; manifest {a.work / 'manifest.json'}; {res['wall_s']:.0f} s")
