@@ -209,6 +209,7 @@ def _add_train(sub):
 
 def _add_upcycle(sub):
     from remodel.models.families import UPCYCLE_TARGETS, upcycle_defaults
+    from remodel.upcycle.virtual_groups import ROUTER_MODES
 
     p = _job(sub, "upcycle", "dense -> MoE upcycling (virtual groups, weight scaling)",
              "dense checkpoint directory (its MLP layers become MoE layers)")
@@ -220,7 +221,7 @@ def _add_upcycle(sub):
                    help="T, experts per token; a multiple of G keeps the dense model's output")
     p.add_argument("--shared-expert-size", type=int, default=0,
                    help="dense neurons kept as an always-on shared expert (0: none)")
-    p.add_argument("--router", choices=["topk-softmax", "softmax-topk", "sigmoid", "sigmoid-raw"],
+    p.add_argument("--router", choices=list(ROUTER_MODES),
                    help="router scoring: topk-softmax and sigmoid renormalise the chosen scores (exact), "
                         "softmax-topk and sigmoid-raw gate by the raw scores (close, not exact; with top-k = G "
                         f"only these learn which group to pick); default (None): {upcycle_defaults('router')}")

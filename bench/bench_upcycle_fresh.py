@@ -162,12 +162,10 @@ def arms(a, dense: Path) -> dict:
     done = json.loads((a.work / "arms_partial.json").read_text()) if a.no_dense else {}
     if a.no_dense and "dense" not in done:
         raise SystemExit(f"--no-dense: {a.work / 'arms_partial.json'} holds no dense arm")
-    stale = [str(p) for n in [arm_name(*m) for m in moe] for p in (a.work / n, a.work / f"arm-{n}") if p.exists()]
-    if stale:
-        raise SystemExit(f"--work holds an earlier run's arms ({', '.join(stale)}): use a fresh --work or remove them")
+    _refuse_stale([p for n in (arm_name(*m) for m in moe) for p in (a.work / n, a.work / f"arm-{n}")])
     for shape, router, r in moe:
         name = arm_name(shape, router, r)
-        exact = r == 0 and ROUTER_MODES[router][1]  # the unnormalised softmax-topk is close, never exact
+        exact = r == 0 and ROUTER_MODES[router][1]  # the unnormalised routers are close, never exact
         up = upcycle(dense, a.work / name, **SHAPES[shape], router=router, exact=exact, drop_ratio=r)
         jobs[name], dev[name] = (a.work / name, a.arm_tokens), up.get("deviation")
     fl = {k: forward_flops_per_token(load_model(p), a.seq_len) for k, (p, _) in jobs.items()}
@@ -179,9 +177,7 @@ def arms(a, dense: Path) -> dict:
         if done[k]["curve"][-1][0] == max(1, jobs[k][1] // step) * step:  # the same token count as this run's
             jobs.pop(k)
     res = {k: v for k, v in done.items() if k not in jobs}
-    stale = [str(out_dir(a, k, n)) for k, (_, n) in jobs.items() if out_dir(a, k, n).exists()]
-    if stale:
-        raise SystemExit(f"--work holds an earlier run's arms ({', '.join(stale)}): use a fresh --work or remove them")
+    _refuse_stale([out_dir(a, k, n) for k, (_, n) in jobs.items()])
     with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent) as pool:
         futs = {pool.submit(_arm_job, start, out_dir(a, k, n), fresh, n, a): k for k, (start, n) in jobs.items()}
         for f in as_completed(futs):
@@ -192,6 +188,13 @@ def arms(a, dense: Path) -> dict:
             (a.work / "arms_partial.json").write_text(json.dumps(res))  # a run cut short keeps what finished
             print(f"{k}: final held-out {res[k]['final_loss']:.4f} ({res[k]['wall_s']:.0f} s)", flush=True)
     return res
+
+
+def _refuse_stale(paths: list[Path]):
+    """Stop before any work when an earlier run left these outputs in --work."""
+    stale = [str(p) for p in paths if p.exists()]
+    if stale:
+        raise SystemExit(f"--work holds an earlier run's arms ({', '.join(stale)}): use a fresh --work or remove them")
 
 
 def out_dir(a, name: str, tokens: int) -> Path:
@@ -281,8 +284,9 @@ def _args(argv=None):
     ap.add_argument("--evals", type=int, default=8, help="held-out points per run")
     ap.add_argument("--valid-blocks", type=int, default=128, help="held-out blocks of --seq-len")
     ap.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
-    ap.add_argument("--routers", nargs="+", default=["sigmoid"], choices=list(ROUTER_MODES),
-                    help="upcycle routers (sigmoid: renormalised, exact; softmax-topk: the paper's, close)")
+    ap.add_argument("--routers", nargs="+", default=["sigmoid"], choices=["sigmoid", "sigmoid-raw"],
+                    help="upcycle routers the nemotron_h dense model can take (sigmoid: renormalised, exact; "
+                         "sigmoid-raw: the raw scores, close)")
     ap.add_argument("--no-dense", action="store_true", help="reuse --work's dense arms (arms_partial.json)")
     ap.add_argument("--jobs", type=int, default=1, help="arms trained side by side (the cores are split)")
     ap.add_argument("--reuse", action="store_true", help="reuse --work's corpus, tokenizer and pretrained model")
