@@ -12,8 +12,10 @@ model it came from when both keep training on tokens neither has seen?
    interval gained < 1% of the first).
 4. Arms on --arm-tokens of the fresh split only, same batches and order: dense continued; for each shape
    (coarse: N=8 experts of the full FFN, top-2; fine-grained: N=32 in virtual groups of G=4, top-8, the same
-   active width; fine-top4: N=32, G=4, top-4, one group per token, the dense model's active width and FLOPs) naive upcycling (R=0, exact) and Drop-Upcycling at each --drop-ratios. The paper's recipe
-   (arXiv 2410.07524): learning rate reset to the pretraining peak, cosine decay, load-balancing loss 1e-2.
+   active width; fine-top4: N=32, G=4, top-4, one group per token, the dense model's active width and FLOPs;
+   fine-e16: fine with twice the copies, N=64) naive upcycling (R=0, exact) and Drop-Upcycling at each
+   --drop-ratios. The paper's recipe (arXiv 2410.07524): learning rate reset to the pretraining peak, cosine
+   decay, load-balancing loss 1e-2.
    Held-out loss at every checkpoint; training FLOPs per arm (3 x the trainer's forward count x tokens);
    the trainer's MoE figures (load balance, router entropy, same-shard expert cosine) at the end.
 Writes bench/upcycle_fresh.json and .png and prints the table. Not in CI: sized for < 90 min on the 2-core
@@ -23,7 +25,8 @@ VM at the defaults; --smoke runs every step at toy sizes in a few minutes.
                                         [--drop-ratios 0.5 0.25] [--shapes coarse fine] [--routers sigmoid ...]
                                         [--jobs 2] [--work DIR [--reuse [--no-dense]]] [--smoke]
 --jobs trains arms side by side (the cores split between them); --reuse keeps --work's corpus, tokenizer and
-pretrained model; --no-dense adds arms to --work's earlier run, reusing its dense arms.
+pretrained model; --no-dense adds arms to --work's earlier run, reusing its dense arms; --only picks arms by
+name; --seed changes the data order.
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ from remodel.upcycle.virtual_groups import ROUTER_MODES  # noqa: E402
 
 OUT_JSON, OUT_PNG = ROOT / "bench" / "upcycle_fresh.json", ROOT / "bench" / "upcycle_fresh.png"
 SHAPES = {"coarse": dict(experts=8, granularity=1, top_k=2), "fine": dict(experts=32, granularity=4, top_k=8),
-          "fine-top4": dict(experts=32, granularity=4, top_k=4)}  # one virtual group per token: ~1x dense FLOPs
+          "fine-top4": dict(experts=32, granularity=4, top_k=4),  # one virtual group per token: ~1x dense FLOPs
+          "fine-e16": dict(experts=64, granularity=4, top_k=8)}  # fine's active width, twice the copies (E=16)
 MAX_FILE = 512 * 1024
 
 
@@ -115,7 +119,7 @@ def run_arm(start: Path, out: Path, data: Path, tokens: int, a, evals: int) -> d
     """Train `start` on `data` into `out`, a checkpoint every tokens/evals; -> report + held-out curve."""
     steps = max(1, tokens // (a.batch * a.seq_len))
     t = time.time()
-    rep = train(start, out, data=str(data), tokens=tokens, seq_len=a.seq_len, batch=a.batch, lr=a.lr, seed=0,
+    rep = train(start, out, data=str(data), tokens=tokens, seq_len=a.seq_len, batch=a.batch, lr=a.lr, seed=a.seed,
                 lb_coeff=1e-2, checkpoint_every=max(1, steps // evals), keep_last=0, log_every=0)
     wall = time.time() - t
     blocks = valid_blocks(start, a)
@@ -159,6 +163,10 @@ def arms(a, dense: Path) -> dict:
     --no-dense takes the dense arms from --work's earlier arms_partial.json."""
     fresh, jobs, dev = a.work / "fresh.txt", {"dense": (dense, a.arm_tokens)}, {}
     moe = [(s, rt, r) for s in a.shapes for rt in a.routers for r in [0.0] + list(a.drop_ratios)]
+    if set(a.only) - {arm_name(*m) for m in moe}:
+        raise SystemExit(f"--only: no such arm {sorted(set(a.only) - {arm_name(*m) for m in moe})} in --shapes x "
+                         f"--routers x --drop-ratios")
+    moe = [m for m in moe if not a.only or arm_name(*m) in a.only]
     done = json.loads((a.work / "arms_partial.json").read_text()) if a.no_dense else {}
     if a.no_dense and "dense" not in done:
         raise SystemExit(f"--no-dense: {a.work / 'arms_partial.json'} holds no dense arm")
@@ -174,7 +182,8 @@ def arms(a, dense: Path) -> dict:
         jobs["dense-equal-flops"] = (dense, int(a.arm_tokens * ratio))
     step = a.batch * a.seq_len
     for k in [k for k in ("dense", "dense-equal-flops") if k in done and k in jobs]:
-        if done[k]["curve"][-1][0] == max(1, jobs[k][1] // step) * step:  # the same token count as this run's
+        had, need = done[k]["curve"][-1][0], max(1, jobs[k][1] // step) * step
+        if had == need or (k != "dense" and had > need):  # dense: the same tokens; at least the FLOPs: as many or more
             jobs.pop(k)
     res = {k: v for k, v in done.items() if k not in jobs}
     _refuse_stale([out_dir(a, k, n) for k, (_, n) in jobs.items()])
@@ -287,9 +296,13 @@ def _args(argv=None):
     ap.add_argument("--routers", nargs="+", default=["sigmoid"], choices=["sigmoid", "sigmoid-raw"],
                     help="upcycle routers the nemotron_h dense model can take (sigmoid: renormalised, exact; "
                          "sigmoid-raw: the raw scores, close)")
+    ap.add_argument("--only", nargs="*", default=[], help="of the shape x router x ratio arms, train only these "
+                    "names (e.g. fine-sigmoid-raw-R0.5); default: all")
     ap.add_argument("--no-dense", action="store_true", help="reuse --work's dense arms (arms_partial.json)")
     ap.add_argument("--jobs", type=int, default=1, help="arms trained side by side (the cores are split)")
     ap.add_argument("--reuse", action="store_true", help="reuse --work's corpus, tokenizer and pretrained model")
+    ap.add_argument("--seed", type=int, default=0, help="training seed (data order); a nonzero one writes "
+                    "upcycle_fresh_seedN.json/.png")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: every step in a few minutes")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -310,6 +323,8 @@ def main(argv=None):
            "flattened": bool(gains) and gains[-1] < 0.01 * gains[0], "arms": arms(a, a.work / "dense"),
            "wall_s": round(time.time() - t0, 1)}
     out_json, out_png = (a.work / OUT_JSON.name, a.work / OUT_PNG.name) if a.smoke else (OUT_JSON, OUT_PNG)
+    if a.seed:
+        out_json, out_png = (p.with_name(f"{p.stem}_seed{a.seed}{p.suffix}") for p in (out_json, out_png))
     out_json.write_text(json.dumps(res, indent=1))
     plot(res, out_png)
     print(table(res))
