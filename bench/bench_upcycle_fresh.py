@@ -163,9 +163,9 @@ def arms(a, dense: Path) -> dict:
     --no-dense takes the dense arms from --work's earlier arms_partial.json."""
     fresh, jobs, dev = a.work / "fresh.txt", {"dense": (dense, a.arm_tokens)}, {}
     moe = [(s, rt, r) for s in a.shapes for rt in a.routers for r in [0.0] + list(a.drop_ratios)]
-    if set(a.only) - {arm_name(*m) for m in moe}:
-        raise SystemExit(f"--only: no such arm {sorted(set(a.only) - {arm_name(*m) for m in moe})} in --shapes x "
-                         f"--routers x --drop-ratios")
+    unknown = sorted(set(a.only) - {arm_name(*m) for m in moe})
+    if unknown:
+        raise SystemExit(f"--only: no such arm {unknown} in --shapes x --routers x --drop-ratios")
     moe = [m for m in moe if not a.only or arm_name(*m) in a.only]
     done = json.loads((a.work / "arms_partial.json").read_text()) if a.no_dense else {}
     if a.no_dense and "dense" not in done:
