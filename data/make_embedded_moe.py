@@ -64,7 +64,7 @@ def ship(trained: Path, out: Path, record: dict) -> dict:
     valid = embedded_corpus()[1]
     ours = evaluate(out, valid, seq_len=record["seq_len"], batch=8)
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=False).eval()
     hf_eval = evaluate(_HFWrap(hf, load_config(out)), valid, seq_len=record["seq_len"], batch=8,
                        tokenizer=_tokenizer())
     if abs(hf_eval["loss"] - ours["loss"]) > 1e-3:
@@ -93,7 +93,7 @@ class _HFWrap(torch.nn.Module):
 
 def _tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(embedded_tokenizer_path())
+    return AutoTokenizer.from_pretrained(embedded_tokenizer_path(), trust_remote_code=False)
 
 
 def readme(log: dict) -> str:

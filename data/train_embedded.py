@@ -153,7 +153,7 @@ def evaluate_shipped(model, out: Path, valid: torch.Tensor, args) -> dict:
     hf_loss = None
     if not args.no_hf_check:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=False).eval()
         hf_loss = mean_loss(block_losses(hf_forward(hf), valid, desc="valid (transformers)"), args.seq_len)
         print(f"transformers held-out loss {hf_loss:.4f} (diff {abs(hf_loss - valid_loss):.2e})")
         if abs(hf_loss - valid_loss) > 1e-3:
@@ -167,7 +167,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     from transformers import AutoTokenizer
     tok_dir = embedded_tokenizer_path()
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
     train_path, valid_path = embedded_corpus()
     train = pack(load_texts(train_path), tok, args.seq_len)
     valid = pack(load_texts(valid_path), tok, args.seq_len)

@@ -403,6 +403,34 @@ def remove_dirs(dirs: list[Path]):
             d.rmdir()
 
 
+def mark_dir(d: Path, marker: str, **info):
+    """Record in `d` that remodel made it (a work or run directory): the MARKER file, a small JSON. Only
+    a directory that carries it (see check_owned) is ever emptied or removed by remodel."""
+    (Path(d) / marker).write_text(json.dumps({"made_by": "remodel", **info}) + "\n")
+
+
+def check_owned(d: Path, marker: str, what: str, legacy=None):
+    """A work or run directory remodel may write in and later remove: absent, empty (or holding only its
+    lock), carrying MARKER, or `legacy(d)` (an older remodel's). Anything else is a one-line RemodelError
+    and is never removed, --overwrite or not: a symlink (never followed), a file, a folder without it."""
+    d = Path(d)
+    if d.is_symlink():
+        raise RemodelError(f"{d}: {what} is a symbolic link; remodel never follows one to write or delete "
+                           "there: remove the link or choose another output")
+    if not d.exists():
+        return
+    if not d.is_dir():
+        raise RemodelError(f"{d}: {what} exists and is not a directory; move it away or choose another output")
+    try:
+        names = {p.name for p in d.iterdir()}
+    except OSError as e:
+        raise RemodelError(f"{d}: cannot read {what} ({e.strerror or e})") from None
+    if marker in names or names <= {".lock"} or (legacy is not None and legacy(d)):
+        return
+    raise RemodelError(f"{d}: {what} exists and was not made by remodel (no {marker} in it); it is never "
+                       "removed, with or without --overwrite: move it away or choose another output")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out, overwrite: bool = False, inputs=()):
     """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.
@@ -439,7 +467,10 @@ def atomic_output_dir(out, overwrite: bool = False, inputs=()):
             old.rename(out)  # put the previous output back
         remove_dirs(created)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # an OUT that was a link: the link goes, never its target's files
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_checkpoint(src, out, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:

@@ -65,7 +65,8 @@ def _hf_logit_diff(path, ids) -> float:
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "install causal_conv1d / mamba_ssm" notice is about CUDA kernels
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False,
+                                                  local_files_only=True).eval()
         ours = load_model(path).float().eval()
         with torch.no_grad():
             return (hf(ids).logits - ours(ids)).abs().max().item()

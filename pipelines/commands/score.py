@@ -21,6 +21,7 @@ from remodel.models.kinds import routed
 from remodel.models.load import iter_our_tensors, load_model
 
 from ..data.data import batches as make_batches, load_texts, pack
+from ..distributed.runtime import load_tokenizer
 from .plots import plot_importance
 from .report import write_report
 
@@ -42,12 +43,8 @@ def _positive(name, v):
 
 
 def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        msg = f"cannot load the tokenizer in {model_dir} ({type(e).__name__}: {e})"
-        raise RemodelError(msg.splitlines()[0]) from None
+    """MODEL's tokenizer, never code from the folder (runtime.load_tokenizer)."""
+    return load_tokenizer(model_dir, "MODEL")
 
 
 def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = False) -> dict:

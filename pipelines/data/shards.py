@@ -6,7 +6,8 @@ flight, in order) and written as they come to shards in the work folder `.OUT.pa
   shard-NNNNNN.bin   the shard's tokens (the token set's dtype)
   shard-NNNNNN.idx   int64 token count of each document
   shard-NNNNNN.json  documents, tokens, largest id: written last (by rename), it marks the shard finished
-and a key.json naming the run (source, tokenizer, options). A rerun with the same key keeps the finished
+and a key.json naming the run (source, tokenizer, options), and the marker WORK_MARKER: a folder at that
+name without it (a user's) is refused, never emptied or removed. A rerun with the same key keeps the finished
 shards and skips their documents; `assemble` concatenates them into tokens.bin / docs.idx, so the
 result does not depend on where a run was cut. Memory is bounded by the batches in flight.
 """
@@ -18,6 +19,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 from collections import deque
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from remodel.models.checkpoint import check_owned, mark_dir
 from remodel.models.errors import RemodelError
 
 from ..distributed.runtime import ChildrenDieWithUs, die_with_parent
@@ -33,6 +36,16 @@ from ..distributed.runtime import ChildrenDieWithUs, die_with_parent
 BATCH_DOCS, BATCH_CHARS = 512, 1 << 20  # a batch of documents sent to a worker
 SHARD_TOKENS = 1 << 26  # default tokens per shard (128 MiB of uint16): a shard ends after the batch reaching it
 COPY_BYTES = 1 << 24  # bytes copied per step of `assemble`
+
+
+WORK_MARKER = ".remodel-work"  # written into every work folder remodel makes (see check_owned)
+_WORK_FILE = re.compile(r"(\.lock|key\.json|shard-\d{6}\.(bin|idx|json))(\.tmp)?")
+
+
+def _legacy_work(work: Path) -> bool:
+    """A work folder an older remodel left (before WORK_MARKER): its files are all ours by name."""
+    names = [p.name for p in work.iterdir()]
+    return "key.json" in names and all(_WORK_FILE.fullmatch(n) for n in names)
 
 
 def work_dir(out: Path) -> Path:
@@ -46,8 +59,12 @@ def _name(work: Path, i: int, ext: str) -> Path:
 @contextlib.contextmanager
 def locked_work(work: Path, key: str):
     """The work folder, locked (a second run on the same OUT refuses in one line), emptied when its
-    key.json names another run; yields the finished shards' records, in order."""
+    key.json names another run; yields the finished shards' records, in order. A folder at that name that
+    remodel did not make (no WORK_MARKER) or a symlink is refused in one line, untouched."""
+    check_owned(work, WORK_MARKER, "the tokenize work folder", _legacy_work)
     work.mkdir(parents=True, exist_ok=True)
+    if not (work / WORK_MARKER).is_file():
+        mark_dir(work, WORK_MARKER, kind="tokenize work")
     fd = os.open(work / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -256,4 +273,9 @@ def assemble(done: list[dict], work: Path, folder: Path, dtype):
 
 
 def remove_work(work: Path):
+    """Remove the work folder, only when remodel made it (a refused folder, a symlink, stays untouched)."""
+    try:
+        check_owned(work, WORK_MARKER, "the tokenize work folder", _legacy_work)
+    except RemodelError:
+        return
     shutil.rmtree(work, ignore_errors=True)

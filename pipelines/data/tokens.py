@@ -26,14 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from remodel.models.checkpoint import atomic_output_dir
+from remodel.models.checkpoint import atomic_output_dir, check_owned, mark_dir
 from remodel.models.files import open_regular, read_bounded
 from remodel.models.errors import RemodelError
 
 from . import megatron, shards, stream
 from .token_file import TokenFile
 from .data import DOC_SPLITS
-from ..distributed.runtime import load_tokenizer
+from ..distributed.runtime import check_out, load_tokenizer
 
 FORMAT, VERSION = "remodel-tokens", 1
 BLEND_PERIOD = 1 << 16  # blend weights are quantized to 1/65536; the dataset pattern repeats with this period
@@ -82,7 +82,7 @@ def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite, gl
 
 
 def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
-             overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS) -> dict:
+             overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS, _work: bool = False) -> dict:
     """Tokenize DATA (what pipelines.data.data.load_texts reads, or a glob of such files) into the token
     set OUT, atomically, streaming: see pipelines.data.shards. A killed run rerun with the same arguments
     keeps its finished shards of about `shard_tokens` tokens (report["resumed_shards"]); the result is the
@@ -93,7 +93,7 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise RemodelError(f"shard_tokens must be a positive integer (--shard-tokens), got {shard_tokens!r}")
     files, kind = stream.inputs(data)
-    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    tok = load_tokenizer(tokenizer, "--tokenizer") if isinstance(tokenizer, (str, Path)) else tokenizer
     if eos and tok.eos_token_id is None:
         raise RemodelError("the tokenizer has no eos token; tokenize with eos=False (--no-eos)")
     vocab = len(tok)
@@ -128,6 +128,8 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
                                                       "hash": tokenizer_hash(tok)},
                 "source": source, "fingerprint": fingerprint}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if _work:  # a work set of tokenize_megatron: marked as remodel's, so only it is ever removed
+            mark_dir(tmp, shards.WORK_MARKER, kind="megatron work token set")
         report = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc,
                   "shards": len(done), "resumed_shards": resumed}
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -139,23 +141,44 @@ def tokenize_megatron(data, out, tokenizer, *, num_proc: int = 1, doc_split: str
                       overwrite: bool = False, **kw) -> dict:
     """`remodel tokenize --format megatron`: DATA tokenized (resumably, in the work token set `.OUT.tokens`
     beside OUT) and written atomically as OUT/data.bin + OUT/data.idx (the prefix OUT/data, or OUT itself,
-    is what --data and Megatron take)."""
+    is what --data and Megatron take). The work set is removed whatever the outcome; a folder at its name
+    that remodel did not make is refused in one line, untouched."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
     _check_args(data, out, num_proc, doc_split, overwrite, glob=not data.exists() and glob.has_magic(str(data)))
+    check_out(out, overwrite, [data] + ([Path(tokenizer)] if isinstance(tokenizer, (str, Path)) else []))
     work = out.absolute().parent / f".{out.name}.tokens"
+    check_owned(work, shards.WORK_MARKER, "the megatron work token set", _legacy_work_set)
     t0 = time.perf_counter()
-    report = tokenize(data, work, tokenizer, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=True, **kw)
-    src = TokenSet(work)
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[data]) as tmp:
-        megatron.write_megatron(src, tmp / megatron.NAME)
-        got = megatron.MegatronSet(tmp / megatron.NAME)  # what we wrote reads back: every check above holds
-        report = {**{k: report[k] for k in ("n_tokens", "n_docs", "vocab_size", "eos", "doc_split", "tokenizer",
-                                           "source", "num_proc")},
-                  "format": "megatron", "dtype": got.dtype.name, "prefix": str(out.absolute() / megatron.NAME), "output": str(out),
-                  "seconds": round(time.perf_counter() - t0, 3)}
-        (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        report = tokenize(data, work, tokenizer, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=True,
+                          _work=True, **kw)
+        src = TokenSet(work)
+        with atomic_output_dir(out, overwrite=overwrite, inputs=[data]) as tmp:
+            megatron.write_megatron(src, tmp / megatron.NAME)
+            got = megatron.MegatronSet(tmp / megatron.NAME)  # what we wrote reads back: every check above holds
+            report = {**{k: report[k] for k in ("n_tokens", "n_docs", "vocab_size", "eos", "doc_split", "tokenizer",
+                                               "source", "num_proc")},
+                      "format": "megatron", "dtype": got.dtype.name, "prefix": str(out.absolute() / megatron.NAME),
+                      "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
+            (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    finally:
+        _remove_work_set(work)
     return report
+
+
+def _legacy_work_set(folder: Path) -> bool:
+    """A work set an older remodel left (before the marker): a token set written by `tokenize`."""
+    try:
+        return read_meta(folder).get("format") == FORMAT and (folder / "remodel_report.json").is_file()
+    except (RemodelError, OSError):
+        return False
+
+
+def _remove_work_set(work: Path):
+    """Remove tokenize_megatron's work set, only when remodel made it."""
+    with contextlib.suppress(RemodelError):
+        check_owned(work, shards.WORK_MARKER, "the megatron work token set", _legacy_work_set)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def cache_root() -> Path:

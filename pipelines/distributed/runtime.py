@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from remodel.models.checkpoint import make_parents, remove_dirs
 from remodel.models.errors import RemodelError
+from remodel.models.files import read_json
 from remodel.models.load import read_config_dict
 
 
@@ -28,20 +29,37 @@ def pick_device(device="auto") -> torch.device:
     return torch.device(device)
 
 
-def load_tokenizer(model_dir):
-    """The tokenizer of a model or tokenizer folder (AutoTokenizer, local files only); a one-line error
-    otherwise."""
-    from transformers import AutoTokenizer
+def load_tokenizer(model_dir, flag: str = "MODEL"):
+    """The tokenizer of a model or tokenizer folder (AutoTokenizer, local files only, never code from the
+    folder: see refuse_remote_code); a one-line error naming `flag` otherwise."""
     d = Path(model_dir).expanduser()
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise RemodelError(f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory")
     for f in TOKENIZER_FILES:  # a FIFO or device there would block the load forever
         if (d / f).exists() and not (d / f).is_file():
             raise RemodelError(f"{d / f}: not a regular file")
+    refuse_remote_code(d, flag)
+    from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(d))
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is a bad input
         raise RemodelError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+def refuse_remote_code(folder, flag: str = "MODEL"):
+    """Refuse, before transformers sees the folder, a tokenizer_config.json with an `auto_map` (code in the
+    folder to import) or a config.json whose `auto_map` names a tokenizer class. A model config's other
+    auto_map entries (Nemotron-H checkpoints carry them for their modeling code) are left alone: remodel
+    runs its own model code, and every transformers load passes trust_remote_code=False."""
+    d = Path(folder).expanduser()
+    for name in ("tokenizer_config.json", "config.json"):
+        if not (d / name).is_file():
+            continue
+        am = read_json(d / name).get("auto_map")
+        if am is None or (name == "config.json" and isinstance(am, dict) and "AutoTokenizer" not in am):
+            continue
+        raise RemodelError(f"{d / name}: its auto_map names code in the checkpoint to run ({flag}); remodel "
+                           "never runs code from a file: remove auto_map or use a tokenizer without custom code")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",

@@ -53,10 +53,13 @@ class Plan:
     args: dict  # what checkpoints and the report record
     t_start: float
     lock: RunLock | None = None  # rank 0's lock on run_dir, held until release()
+    marked: bool = False  # this run wrote run_dir's RUN_MARKER
 
     def release(self):
-        """Drop the lock on run_dir (rank 0; idempotent)."""
+        """Drop the lock on run_dir (rank 0; idempotent); a marker this run wrote goes when it wrote nothing else."""
         if self.lock is not None:
+            if self.marked:
+                state.unmark_unused(self.run_dir)
             self.lock.release()
 
     @property
@@ -134,6 +137,7 @@ def prepare(c: TrainConfig) -> Plan:
     plan_inputs = [student_dir] + ([teacher_dir] if c.distill else [])
     check_out(out, c.overwrite, plan_inputs)
     run_dir = state.run_dir_for(out)
+    state.check_run_dir(run_dir, out, _run_inputs(c, student_dir, teacher_dir))
     dev = pick_device(c.device)
     use_bf16 = dev.type == "cuda" and (c.bf16 is True or (c.bf16 == "auto" and torch.cuda.is_bf16_supported()))
     p = Plan(c, out, student_dir, teacher_dir, steps, warmup, min_lr, lm_w, kl_w, checkpoint_every, layer_map,
@@ -144,10 +148,20 @@ def prepare(c: TrainConfig) -> Plan:
             raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
                                "or --overwrite to start over")
         p.args = _record(p, moe=routed(s_cfg))
+        p.marked = p.lock is not None and state.mark_run_dir(run_dir)
     except BaseException:
         p.release()
         raise
     return p
+
+
+def _run_inputs(c: TrainConfig, student_dir: Path, teacher_dir: Path | None) -> list[tuple[str, Path]]:
+    """(what, path) of every file input of a run: none may lie inside the run directory."""
+    rows = [("MODEL", student_dir)] + ([("--teacher", teacher_dir)] if teacher_dir is not None else [])
+    for name, v in (("--data", c.data), ("--eval-data", c.eval_data)):
+        if isinstance(v, (str, Path)) and Path(v).expanduser().exists():
+            rows.append((name, Path(v)))
+    return rows
 
 
 def _lock(run_dir: Path, out: Path) -> RunLock | None:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from remodel.models.checkpoint import check_owned, mark_dir
 from remodel.models.errors import RemodelError
 from remodel.models.regions import runs
 
@@ -43,6 +44,45 @@ def run_dir_for(out) -> Path:
     """Where the resumable checkpoints of a run writing OUT live: `<out>.run/`."""
     out = Path(out).absolute()
     return out.parent / (out.name + ".run")
+
+
+RUN_MARKER = ".remodel-run"  # written into every run directory remodel makes (models.checkpoint.check_owned)
+
+
+def _legacy_run(run_dir: Path) -> bool:
+    """A run directory of an older remodel (before RUN_MARKER): it holds a step-* checkpoint with its
+    meta.json, so --resume of an old run still works."""
+    return any(STEP_DIR.match(p.name) and (p / META).is_file() for p in run_dir.iterdir())
+
+
+def check_run_dir(run_dir: Path, out: Path, inputs):
+    """Refuse, in one line and with nothing touched, a run directory remodel may not write in or empty: a
+    symlink, a file, a folder it did not make (no RUN_MARKER, no checkpoint of an older remodel), or one
+    that holds an input of this run (--overwrite would delete it before it is read)."""
+    check_owned(run_dir, RUN_MARKER, f"the run directory of {out}", _legacy_run)
+    real = run_dir.resolve()
+    for name, inp in inputs:
+        p = Path(inp).expanduser().resolve()
+        if p == real or real in p.parents:
+            raise RemodelError(f"{inp}: {name} lies inside the run directory {run_dir}, which this run rewrites; "
+                               "move it out first")
+
+
+def mark_run_dir(run_dir: Path) -> bool:
+    """Write RUN_MARKER into run_dir when it lacks one; True when this call wrote it."""
+    if (run_dir / RUN_MARKER).is_file():
+        return False
+    mark_dir(run_dir, RUN_MARKER, kind="train run")
+    return True
+
+
+def unmark_unused(run_dir: Path):
+    """Remove RUN_MARKER again when the run dir holds nothing else (a refused or checkpoint-less run)."""
+    try:
+        if {p.name for p in run_dir.iterdir()} <= {RUN_MARKER, ".lock"}:
+            (run_dir / RUN_MARKER).unlink()
+    except OSError:
+        pass
 
 
 # ---- a rank's chunks of one tensor, as DCP sees them ---------------------------------------------

@@ -430,7 +430,7 @@ class _Training:
 def _clear(run_dir: Path):
     """Empty run_dir of an earlier run's files, all but the lock this run holds on it."""
     for q in run_dir.iterdir():
-        if q.name == LOCK_NAME:
+        if q.name in (LOCK_NAME, state.RUN_MARKER):
             continue
         if q.is_dir() and not q.is_symlink():
             shutil.rmtree(q)
