@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
 VALID = ROOT / "data" / "corpus" / "valid.txt.gz"
 PKG_PARENT = Path(cli.__file__).parents[1]  # what `import remodel` needs on the path (links not followed)
-EVIL = "from pathlib import Path\nPath({marker!r}).write_text('pwned')\n"
+EVIL = ("from pathlib import Path\nfrom transformers import PreTrainedTokenizerFast\n"
+        "Path({marker!r}).write_text('pwned')\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
 
 
 def _snapshot(d: Path) -> dict:
@@ -42,7 +43,9 @@ def _plant_auto_map(folder: Path, marker: Path, file: str = "tokenizer_config.js
     """auto_map in `file` naming evil.py beside it, which writes `marker` when imported."""
     (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
     cfg = json.loads((folder / file).read_text()) if (folder / file).exists() else {}
-    cfg["auto_map"] = {key: ["evil.EvilTokenizer", "evil.EvilTokenizer"] if key == "AutoTokenizer" else "evil.X"}
+    cfg["auto_map"] = {key: [None, "evil.EvilTokenizer"] if key == "AutoTokenizer" else "evil.X"}
+    if file == "tokenizer_config.json":
+        cfg["tokenizer_class"] = "EvilTokenizer"  # what makes transformers import evil.py
     (folder / file).write_text(json.dumps(cfg))
 
 
