@@ -406,7 +406,7 @@ def _options():
     from remodel.pipelines.training.train_config import CHECKS, Check, count, ints, positive
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
-        "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(1, 2**24), "batch": ints(1, 2**20),
+        "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(2, 2**24), "batch": ints(1, 2**20),
         "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
         "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
         "candidates": ints(1, 1000), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),

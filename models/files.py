@@ -1,21 +1,26 @@
 """Reading files that may be hostile: strict, bounded JSON and regular files only.
 
 open_regular refuses FIFOs and devices before opening (non-blocking) and again after, and bounds the
-size; parse_json refuses duplicate keys, NaN / Infinity and runaway nesting; read_json puts them together
-for config, index and meta files. check_weight_dtype keeps integer relabels out of model weights.
+size; parse_json refuses duplicate keys, NaN / Infinity (written or overflowing, 1e999) and nesting deeper
+than MAX_DEPTH, measured by a scan before parsing so neither the parser nor a later walk of the result
+(transformers' special-float decoder recurses) runs out of stack; read_json puts them together for config,
+index and meta files. check_weight_dtype keeps integer relabels out of model weights.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import RemodelError
 
 MAX_JSON = 64 * 1024 * 1024  # config, index and meta files (a 1T-parameter index is ~10 MB)
+MAX_DEPTH = 64  # nesting of objects and arrays (configs and run state use < 10)
 
 
 def _unique(pairs):
@@ -31,12 +36,51 @@ def _no_constant(name):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"{s[:40]} overflows a float")
+    return v
+
+
+def _real_quotes(x: np.ndarray) -> np.ndarray:
+    """Positions of the quotes in UTF-8 JSON bytes `x` that open or close a string (not escaped by an odd
+    run of backslashes before them)."""
+    quotes = np.flatnonzero(x == ord('"'))
+    bs = np.flatnonzero(x == ord("\\"))
+    if not len(bs) or not len(quotes):
+        return quotes
+    ends = np.flatnonzero(np.diff(bs) != 1)
+    run_end, run_len = bs[np.append(ends, len(bs) - 1)], np.diff(np.concatenate(([-1], ends, [len(bs) - 1])))
+    k = np.minimum(np.searchsorted(run_end, quotes - 1), len(run_end) - 1)
+    return quotes[~((run_end[k] == quotes - 1) & (run_len[k] % 2 == 1))]
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of brackets outside string literals in UTF-8 JSON bytes, without recursion or a
+    Python loop over the text: a bracket is outside a string when an even number of real quotes precede it."""
+    x = np.frombuffer(raw, np.uint8)
+    quotes, deepest, level = _real_quotes(x), 0, 0
+    for i in range(0, len(x), 1 << 23):
+        part = x[i:i + (1 << 23)]
+        opens, closes = (part == ord("[")) | (part == ord("{")), (part == ord("]")) | (part == ord("}"))
+        at = np.flatnonzero(opens | closes)
+        at = at[np.searchsorted(quotes, at + i) % 2 == 0]
+        if len(at):
+            run = level + np.cumsum(np.where(opens[at], 1, -1))
+            deepest, level = max(deepest, int(run.max())), int(run[-1])
+    return deepest
+
+
 def parse_json(raw: bytes, where) -> object:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN / Infinity, nesting within Python's recursion limit."""
+    """Strict JSON: UTF-8, no duplicate keys, no NaN / Infinity, finite numbers, at most MAX_DEPTH deep."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant)
+        text = raw.decode("utf-8")
+        if json_depth(raw) > MAX_DEPTH:
+            raise RecursionError
+        return json.loads(text, object_pairs_hook=_unique, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
-        raise RemodelError(f"{where}: JSON nested too deeply") from None
+        raise RemodelError(f"{where}: JSON nested too deeply (more than {MAX_DEPTH} levels)") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise RemodelError(f"{where}: invalid JSON ({str(e).splitlines()[0][:200]})") from None
 

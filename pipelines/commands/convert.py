@@ -46,9 +46,28 @@ def _open_source(model_dir: Path):
         raise RemodelError(f"{ckpt}: training checkpoint without its model config (written by an older remodel)")
     cfg = config_from_hf(hf)
     rows = [(ours, e, r) for ours, e, r in _dcp_plan_rows(ckpt, cfg, hf["model_type"])]
-    aux = meta["args"].get("student_dir")
-    aux = Path(aux) if isinstance(aux, str) else None
-    return hf, rows, aux if aux is not None and aux.is_dir() else None, cfg
+    return hf, rows, _run_aux(ckpt), cfg
+
+
+def _run_aux(ckpt: Path) -> Path | None:
+    """The tokenizer files a training run copied into its checkpoint (train_state.AUX), or None (a run of
+    an older remodel: no tokenizer is exported). A path recorded in meta.json is never followed: it could
+    name any folder. Each file there must be a regular file, not a link out of the run."""
+    import stat
+
+    from remodel.models.checkpoint import AUX_FILES
+
+    from ..training.train_state import AUX
+    aux = ckpt / AUX
+    if not aux.exists() and not aux.is_symlink():
+        return None
+    if not stat.S_ISDIR(aux.lstat().st_mode):
+        raise RemodelError(f"{aux}: not a directory inside the checkpoint (a link out of the run?)")
+    for name in AUX_FILES:
+        f = aux / name
+        if (f.exists() or f.is_symlink()) and not stat.S_ISREG(f.lstat().st_mode):
+            raise RemodelError(f"{f}: not a regular file inside the checkpoint (a link out of the run?)")
+    return aux
 
 
 def _dcp_plan_rows(ckpt: Path, cfg, family: str):

@@ -7,8 +7,11 @@ offsets of the sequences in .bin), int64 document_indices[D] (the sequence each 
 0, last S). The .bin holds the sequences' tokens back to back. `MegatronSet` reads as a TokenSet whose token
 stream is the .bin and whose documents are Megatron's, so sampling, blends and training take it as they
 take a token set; every header field and array is checked (contiguous pointers, sizes that add up to the
-.bin, document indices from 0 to S) before a token is read, in bounded chunks. A Megatron dataset records
-no tokenizer and no vocabulary: ids are checked against the model's vocabulary instead.
+.bin, document indices from 0 to S) before a token is read, in bounded chunks. The scan's cost is bounded
+by the data first: the header's counts must fit the .idx's size and the .bin's tokens (at most MAX_EMPTY
+sequences more than tokens), and the arrays' first and last entries must match the .bin, all in O(1)
+reads, so a sparse .idx declaring 2^36 sequences is refused before any per-entry work. A Megatron dataset
+records no tokenizer and no vocabulary: ids are checked against the model's vocabulary instead.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ MAX_COUNT = 1 << 40  # sequences or documents in one dataset
 NAME = "data"  # `tokenize --format megatron` writes OUT/data.bin and OUT/data.idx
 CHUNK = 1 << 20  # values read per step of a scan
 SCAN_TOKENS = 1 << 26  # sets up to this many tokens have their ids scanned by check_vocab
+MAX_EMPTY = 1 << 20  # sequences beyond the .bin's token count (empty documents) before the index is refused
 
 
 def prefix_of(path) -> str | None:
@@ -71,6 +75,31 @@ def _header(raw: bytes, where, size: int):
         raise RemodelError(f"{where}: {size} bytes, the header's {S} sequences and {D} documents need {want} "
                            f"({'truncated?' if size < want else 'trailing bytes'})")
     return CODES[code], S, D
+
+
+def _at(fd, offset: int, dtype) -> int:
+    """One value of `dtype` at byte `offset` of fd."""
+    raw = os.pread(fd, np.dtype(dtype).itemsize, offset)
+    if len(raw) != np.dtype(dtype).itemsize:
+        raise RemodelError("Megatron .idx ended early (changed while being read?)")
+    return int(np.frombuffer(raw, dtype)[0])
+
+
+def _check_ends(fd, S: int, D: int, itemsize: int, bin_bytes: int, where):
+    """Before any per-entry work, O(1) reads: S fits the .bin's tokens (at most MAX_EMPTY empty sequences
+    more), the first pointer is 0 and the last sequence ends where the .bin does, the document indices
+    start at 0 and end at S."""
+    tokens = bin_bytes // itemsize
+    if bin_bytes % itemsize or S > tokens + MAX_EMPTY:
+        raise RemodelError(f"{where}: {S} sequences for a .bin of {bin_bytes} bytes ({tokens} tokens): more "
+                           f"sequences than tokens (corrupt, or a sparse file)")
+    at = HEADER.size
+    if S and (_at(fd, at + 4 * S, np.int64) != 0
+              or _at(fd, at + 4 * S + 8 * (S - 1), np.int64) + _at(fd, at + 4 * (S - 1), np.int32) * itemsize != bin_bytes):
+        raise RemodelError(f"{where}: the first and last sequence pointers do not span the {bin_bytes} bytes of "
+                           ".bin (corrupt)")
+    if _at(fd, at + 12 * S, np.int64) != 0 or _at(fd, at + 12 * S + 8 * (D - 1), np.int64) != S:
+        raise RemodelError(f"{where}: document indices do not run from 0 to {S} (corrupt)")
 
 
 def _chunks(fd, offset: int, count: int, dtype, h):
@@ -120,18 +149,20 @@ class MegatronSet(TokenFile):
             raise RemodelError(f"{path}: not a Megatron dataset (no PREFIX.bin and PREFIX.idx)")
         self.path, self.bin_path = Path(prefix), Path(prefix + ".bin")
         idx, binp = Path(prefix + ".idx"), self.bin_path
+        self._fd = open_regular(binp, "Megatron .bin")
+        actual = os.fstat(self._fd).st_size
         fd = open_regular(idx, "Megatron .idx")
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEADER.size, 0)
             self.dtype, S, D = _header(head, idx, size)
+            _check_ends(fd, S, D, self.dtype.itemsize, actual, idx)
             h = hashlib.blake2b(head, digest_size=16)
             self.n_tokens = _check_arrays(fd, S, D, self.dtype.itemsize, idx, h)
         finally:
             os.close(fd)
         self.n_sequences, self.n_docs = S, D - 1
-        self._fd = open_regular(binp, "Megatron .bin")
-        actual, want = os.fstat(self._fd).st_size, self.n_tokens * self.dtype.itemsize
+        want = self.n_tokens * self.dtype.itemsize
         if actual != want:
             raise RemodelError(f"{binp}: {actual} bytes, its .idx describes {want} ({'truncated?' if actual < want else 'another file?'})")
         self.vocab_size = int(np.iinfo(self.dtype).max) + 1

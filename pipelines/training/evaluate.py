@@ -22,6 +22,16 @@ def _check_positive(**kw):
             raise RemodelError(f"{k} must be > 0, got {v}")
 
 
+def _check_block(seq_len: int, max_tokens: int | None):
+    """Rules that make an evaluation pointless, refused before a model is loaded: a block needs two tokens
+    (one predicted), and --max-tokens at least one block."""
+    if seq_len < 2:
+        raise RemodelError(f"seq_len must be >= 2 (--seq-len): a block of {seq_len} token predicts nothing")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise RemodelError(f"max_tokens {max_tokens} (--max-tokens) is less than one block of {seq_len} tokens "
+                           "(--seq-len): nothing to evaluate")
+
+
 @torch.no_grad()
 def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens: int | None = None,
              tokenizer=None, device="auto", bf16="auto", loss_fn=None) -> dict:
@@ -32,6 +42,9 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
     A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
     from ..data.data import load_texts, pack
 
+    _check_positive(seq_len=seq_len, batch=batch, max_tokens=max_tokens)
+    if not torch.is_tensor(data):
+        _check_block(seq_len, max_tokens)
     if isinstance(model_or_dir, (str, Path)):
         dev = pick_device(device)
         load_config(model_or_dir)  # one-line error for a bad dir before anything heavy
@@ -41,7 +54,6 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
     else:
         model = model_or_dir
         dev = next(model.parameters()).device
-    _check_positive(seq_len=seq_len, batch=batch, max_tokens=max_tokens)
     if torch.is_tensor(data):
         blocks = data if max_tokens is None else data[: max(1, max_tokens // data.shape[1])]
     else:
@@ -49,6 +61,9 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
             raise RemodelError("evaluate: text data needs a tokenizer")
         ds = load_texts(data) if isinstance(data, (str, Path)) else data
         blocks = pack(ds, tokenizer, seq_len, max_tokens=max_tokens)
+    if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
+        raise RemodelError(f"evaluate: no full block of {seq_len} tokens (--seq-len) in the data "
+                           f"({blocks.numel()} tokens): nothing to evaluate")
     if int(blocks.max()) >= model.cfg.vocab_size:
         raise RemodelError(f"token id {int(blocks.max())} is outside the model's vocabulary ({model.cfg.vocab_size})")
     use_bf16 = dev.type == "cuda" and (bf16 is True or bf16 == "auto")

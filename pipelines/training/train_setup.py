@@ -20,7 +20,7 @@ from remodel.models.load import load_config, read_config_dict
 
 from . import train_state as state
 from ..distributed.runtime import RunLock, check_out, pick_device
-from .train_config import TrainConfig
+from .train_config import MAX_STEPS, TrainConfig
 
 
 def default_layer_map(n_student: int, n_teacher: int) -> list[tuple[int, int]]:
@@ -86,7 +86,11 @@ def _budget(steps, tokens, tokens_per_step: int) -> int:
         return int(steps)
     if tokens < 1:
         raise RemodelError(f"--tokens must be >= 1, got {tokens}")
-    return max(1, math.ceil(tokens / tokens_per_step))
+    steps = max(1, -(-int(tokens) // tokens_per_step))
+    if steps > MAX_STEPS:  # a run that would never end (and checkpoint every steps // 10): refused up front
+        raise RemodelError(f"--tokens {tokens} at {tokens_per_step} tokens per step (--batch x --grad-accum x "
+                           f"--seq-len) is {steps} steps, more than {MAX_STEPS}")
+    return steps
 
 
 def _layer_map(c: TrainConfig, s_cfg, t_cfg):

@@ -37,6 +37,7 @@ from ..distributed.sharded import local_index
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
+AUX = "aux"  # the student's tokenizer files, copied into every checkpoint (see _write_aux)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -273,6 +274,7 @@ def _write(run_dir: Path, step: int, sd: dict, meta: dict, keep_last: int, group
             dcp.save(sd, storage_writer=RawWriter(tmp), planner=_SavePlanner(), process_group=group,
                      no_dist=not dist.is_initialized())
         if lead:
+            _write_aux(tmp, meta.get("args", {}).get("student_dir"))
             _write_meta(tmp, meta)
     except BaseException:  # a full disk, a failed rank: the partial checkpoint goes, the previous stays
         shutil.rmtree(tmp, ignore_errors=True)
@@ -303,6 +305,18 @@ def _fsync(path: Path):
         os.close(fd)
 
 
+def _write_aux(tmp: Path, student_dir):
+    """The student's tokenizer and generation files (checkpoint.AUX_FILES), copied into the checkpoint's
+    AUX folder, so `remodel convert` of a run exports them from the run itself and never follows a path
+    stored in meta.json (which could name any folder)."""
+    from remodel.models.checkpoint import aux_files
+    files = aux_files(student_dir) if student_dir else []
+    if files:
+        (tmp / AUX).mkdir()
+        for f in files:
+            shutil.copyfile(f, tmp / AUX / f.name)
+
+
 def _write_meta(tmp: Path, meta: dict):
     """meta.json last: its presence marks the DCP files beside it complete."""
     (tmp / META).write_text(json.dumps(meta) + "\n")
@@ -319,28 +333,80 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_meta(ckpt: Path) -> dict:
-    """meta.json of a checkpoint, checked against its directory: a JSON object (bounded, a regular file)
-    whose step is the directory's, counts non-negative integers, AdamW step counts finite in [0, step]."""
-    from remodel.models.files import read_json
-    path = Path(ckpt) / META
-    meta = read_json(path)
-    m = STEP_DIR.match(Path(ckpt).name)
+def _num(v) -> bool:
+    """A JSON number (read_json has refused NaN, Infinity and overflow); never a bool."""
+    return type(v) in (int, float)
+
+
+def _figures(v) -> bool:
+    """{label: {figure: number or null}}: a history row's "moe" and "moe_init"."""
+    return isinstance(v, dict) and all(isinstance(f, dict) and all(x is None or _num(x) for x in f.values())
+                                       for f in v.values())
+
+
+def _plain(v, depth: int = 2) -> bool:
+    """A JSON scalar, or a list of plain values `depth` deep at most (an args value: a path, a count, the
+    layer map's pairs, the data fingerprints)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    return depth > 0 and isinstance(v, list) and all(_plain(x, depth - 1) for x in v)
+
+
+def _check_history(rows: list, step: int, path):
+    """History rows: objects whose "step" runs up strictly within 1..step, a numeric "loss", every other
+    figure a number or null, "moe" MoE figures."""
+    if len(rows) > step:
+        raise RemodelError(f"{path}: 'history' has {len(rows)} rows for step {step}")
+    prev = 0
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or type(r.get("step")) is not int or not prev < r["step"] <= step:
+            raise RemodelError(f"{path}: 'history' row {i} has no step in {prev + 1}..{step} (corrupt)")
+        bad = [k for k, v in r.items() if not (_figures(v) if k == "moe" else v is None or _num(v))]
+        if not _num(r.get("loss")) or bad:
+            raise RemodelError(f"{path}: 'history' row {i} has a bad {bad[0] if bad else 'loss'!r} (corrupt)")
+        prev = r["step"]
+
+
+def _check_eval(ev: dict, path):
+    """"eval": "before" / "after", each {figure: number}."""
+    for k, v in ev.items():
+        if k not in ("before", "after") or not isinstance(v, dict) or not all(_num(x) for x in v.values()):
+            raise RemodelError(f"{path}: 'eval' entry {k!r} is not an evaluation's figures (corrupt)")
+
+
+def check_meta(meta: dict, path, dir_step: int | None) -> dict:
+    """The one schema of a checkpoint's meta.json (every key the trainer and convert read, with its type
+    and shape): step (the directory's), counts non-negative integers, args plain values, history rows,
+    eval figures, MoE figures, AdamW step counts finite in [0, step]; a one-line error otherwise."""
     step = meta.get("step")
-    if type(step) is not int or (m is not None and int(m.group(1)) != step) or step < 0:
-        raise RemodelError(f"{path}: 'step' {step!r} does not match its directory {Path(ckpt).name}")
+    if type(step) is not int or (dir_step is not None and dir_step != step) or step < 0:
+        raise RemodelError(f"{path}: 'step' {step!r} does not match its directory")
     kinds = {"consumed_batches": int, "args": dict, "history": list, "eval": dict, "adam_steps": dict}
     for k, t in kinds.items():
         if type(meta.get(k)) is not t or (t is int and meta[k] < 0):
             raise RemodelError(f"{path}: {k!r} is missing or not a {'non-negative ' if t is int else ''}{t.__name__}")
-    if len(meta["history"]) > step or not all(isinstance(r, dict) for r in meta["history"]):
-        raise RemodelError(f"{path}: 'history' has {len(meta['history'])} rows for step {step}")
+    bad = [k for k, v in meta["args"].items() if not _plain(v)]
+    if bad:
+        raise RemodelError(f"{path}: 'args' entry {bad[0]!r} is not a plain value (corrupt)")
+    _check_history(meta["history"], step, path)
+    _check_eval(meta["eval"], path)
     for name, v in meta["adam_steps"].items():
-        if type(v) not in (int, float) or not 0 <= v <= step:
+        if not _num(v) or not 0 <= v <= step:
             raise RemodelError(f"{path}: AdamW step count of {name!r} is {v!r}, outside [0, {step}]")
     if not isinstance(meta.get("hf_config", {}), dict):
         raise RemodelError(f"{path}: 'hf_config' is not an object")
+    if meta.get("moe_init") is not None and not _figures(meta["moe_init"]):
+        raise RemodelError(f"{path}: 'moe_init' is not MoE figures (corrupt)")
     return meta
+
+
+def read_meta(ckpt: Path) -> dict:
+    """meta.json of a checkpoint (bounded strict JSON, a regular file), checked by check_meta against its
+    directory."""
+    from remodel.models.files import read_json
+    path = Path(ckpt) / META
+    m = STEP_DIR.match(Path(ckpt).name)
+    return check_meta(read_json(path), path, int(m.group(1)) if m else None)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -384,8 +450,36 @@ def load(ckpt: Path, student, projections, opt) -> dict:
     check_against(reader.read_metadata(), sd, ckpt)
     with plain_errors():
         dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
-    torch.set_rng_state(sd["rng.torch"])
+    _check_moments(opt, _named_params(student, projections), ckpt)
+    torch.set_rng_state(_checked_rng(sd["rng.torch"], ckpt))
     return meta
+
+
+def _check_moments(opt, params: dict, ckpt):
+    """AdamW's moments as read (this rank's shards): exp_avg finite, exp_avg_sq finite and >= 0 (its
+    square root divides the update: a negative one writes NaN weights). Checked before any step uses them."""
+    for name, p in params.items():
+        st = opt.state.get(p, {})
+        for k in MOMENTS:
+            t = local_tensor(st[k]) if k in st else None
+            if t is not None and not (bool(torch.isfinite(t).all()) and (k == "exp_avg" or bool((t >= 0).all()))):
+                want = "finite" if k == "exp_avg" else "finite and >= 0"
+                raise RemodelError(f"{ckpt}: AdamW state {k} of {name!r} is not {want} (corrupt checkpoint)")
+
+
+def _checked_rng(state: torch.Tensor, ckpt) -> torch.Tensor:
+    """The CPU generator state as read, tried on a scratch generator first: garbage bytes of the right
+    size are a one-line error, and the global generator is only set from a state that loads."""
+    want = torch.get_rng_state()
+    if state.dtype != want.dtype or state.shape != want.shape:
+        raise RemodelError(f"{ckpt}: RNG state is {state.dtype} {tuple(state.shape)}, not {want.dtype} "
+                           f"{tuple(want.shape)} (corrupt checkpoint)")
+    try:
+        torch.Generator().set_state(state)
+    except (RuntimeError, ValueError) as e:
+        raise RemodelError(f"{ckpt}: RNG state does not load ({str(e).strip().splitlines()[0][:120]}; "
+                           "corrupt checkpoint)") from None
+    return state
 
 
 def read_full(ckpt: Path, prefix: str = "model.") -> dict:
