@@ -20,7 +20,7 @@ from remodel.models.mamba import MAMBA
 from remodel.models.mlp import MLP_KIND
 from remodel.models.moe import MOE
 
-from .family import Family, Part, time_step_limit
+from .family import Family, Part, cfg_choice, read_rope, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": MAMBA.char, "full_attention": ATTENTION.char}  # HF layer type -> our mixer
 _TYPE = {v: k for k, v in BLOCK_TYPES.items()}
@@ -30,12 +30,9 @@ _HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the 
 
 def _rope_theta(h) -> float | None:
     """rope_theta when the config turns RoPE on (default type only), else None."""
-    if h.position_embedding_type != _ROPE:
+    if cfg_choice(h, "position_embedding_type", None, (None, _ROPE, "nope")) != _ROPE:
         return None
-    rp = dict(getattr(h, "rope_parameters", None) or {})
-    if rp.get("rope_type", "default") != "default":
-        raise RemodelError(f"granitemoehybrid with rope_type {rp.get('rope_type')!r} is not supported (only default)")
-    return float(rp.get("rope_theta", 10000.0))
+    return read_rope(h, "granitemoehybrid")[0]
 
 
 def _ffn(h) -> dict:
