@@ -81,7 +81,8 @@ class Granite(Family):
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for granitemoehybrid (only silu)")
         bad = set(h.layers_block_type) - set(BLOCK_TYPES)
         if bad:
-            raise RemodelError(f"unknown layer types {sorted(bad)} (known: {', '.join(BLOCK_TYPES)})")
+            raise RemodelError(f"'layer_types' has unknown layer types {sorted(bad)} "
+                               f"(known: mamba, attention, {', '.join(BLOCK_TYPES)})")
         lo, hi = time_step_limit(h)
         ffn = (MOE if h.num_local_experts else MLP_KIND).char
         hd = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
