@@ -201,6 +201,10 @@ def _score(scores: dict, name: str, shape: tuple, why: str) -> torch.Tensor:
         raise RemodelError(f"the scores have no {name!r} (needed for {why}); re-run `remodel score` on this model")
     if tuple(s.shape) != tuple(shape):
         raise RemodelError(f"scores {name!r} has shape {list(s.shape)}, the model implies {list(shape)}")
+    nan = int(torch.isnan(s).sum())
+    if nan:  # a unit scored NaN would rank anywhere: the kept set would be arbitrary
+        raise RemodelError(f"scores {name!r} hold {nan} NaN value(s) of {s.numel()} (needed for {why}); "
+                           "re-run `remodel score` or give other --scores")
     return s.float()
 
 

@@ -14,8 +14,29 @@ from remodel.models.errors import RemodelError
 FORMAT = "remodel-scores/1"
 
 
+DEPTH = ("block_importance", "loss_increase")  # per-layer: NaN marks a layer scoring never saw
+
+
+def check_score_values(tensors: dict, where: str) -> None:
+    """Refuse scores that would rank nothing: not floating point, any inf, or an axis all NaN (its kept
+    units would then be arbitrary). `where` names the source in the message (a path and its flag)."""
+    for k, t in tensors.items():
+        if not t.is_floating_point() or bool(torch.isinf(t).any()):
+            raise RemodelError(f"{where}: scores {k!r} are not finite floating-point numbers")
+        if t.numel() and bool(torch.isnan(t).all()):
+            raise RemodelError(f"{where}: scores {k!r} are all NaN (nothing to rank); re-run `remodel score`")
+
+
 def write_scores(dir, tensors: dict, meta: dict) -> None:
-    """The two files into an existing (temporary) directory; save_scores is the atomic form."""
+    """The two files into an existing (temporary) directory; save_scores is the atomic form. Scores
+    computed as NaN (an overflow while scoring) are refused here, before anything could prune by them:
+    only the per-layer DEPTH scores may hold a NaN, for a layer scoring never saw."""
+    check_score_values(tensors, "scoring")
+    for k, t in tensors.items():
+        n = int(torch.isnan(t).sum()) if k not in DEPTH else 0
+        if n:
+            raise RemodelError(f"scoring: scores {k!r} came out NaN in {n} of {t.numel()} unit(s) "
+                               "(an overflow in the model's activations?)")
     save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, Path(dir) / "scores.safetensors")
     (Path(dir) / "scores.json").write_text(json.dumps({**meta, "format": FORMAT}, indent=2, default=str) + "\n")
 
@@ -38,7 +59,5 @@ def load_scores(path) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = load_file(p / "scores.safetensors")
     except Exception as e:  # corrupt file
         raise RemodelError(f"{p / 'scores.safetensors'}: cannot read ({type(e).__name__}: {e})".splitlines()[0]) from None
-    for k, t in tensors.items():
-        if not t.is_floating_point() or bool(torch.isinf(t).any()):  # NaN marks a layer scoring never saw
-            raise RemodelError(f"{p / 'scores.safetensors'}: scores {k!r} are not finite floating-point numbers")
+    check_score_values(tensors, f"{p / 'scores.safetensors'} (--scores)")
     return tensors, meta

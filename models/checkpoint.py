@@ -232,6 +232,24 @@ def _entry_len(name: str, t: torch.Tensor) -> int:
     return len(json.dumps({name: e}, separators=(",", ":"))) - 1  # "{...}" -> '"name":{...},'
 
 
+def cast_for_output(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in `dtype` for writing (floating point only; a sigmoid router's correction bias stays as it is).
+    A cast that turns a finite weight into inf (beyond the target's range) is refused naming the tensor,
+    as is a source that already holds NaN / inf: one isfinite pass per tensor, streaming-friendly."""
+    if dtype is None or not t.is_floating_point() or t.dtype == dtype or name.endswith("e_score_correction_bias"):
+        return t
+    out = t.to(dtype)
+    if not out.is_floating_point() or bool(torch.isfinite(out).all()):
+        return out
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise RemodelError(f"tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); nothing written")
+    over = int((~torch.isfinite(out)).sum())
+    raise RemodelError(f"tensor {name!r}: {over} value(s) beyond {str(dtype).replace('torch.', '')}'s range "
+                       f"(max {torch.finfo(dtype).max:g}, largest here {float(t.abs().max()):g}) would become inf; "
+                       "choose a wider --dtype")
+
+
 class CheckpointWriter:
     """Write tensors as transformers-style safetensors shards of at most max_shard_bytes each
     (a single tensor larger than that gets a shard of its own).

@@ -14,7 +14,7 @@ import math
 from .config import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
-from .families.family import projected, scaled
+from .families.family import ROPE_TYPES, cfg_choice, cfg_float, projected, scaled
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
 
@@ -73,6 +73,7 @@ def check_raw_config(d: dict, where: str = "config.json") -> None:
             bad(key, f"expected a number, got {type(v).__name__} {v!r}")
         if math.isnan(v) or v <= lo or (math.isinf(v) and key != "time_step_max"):
             bad(key, f"must be finite and {'>= 0' if lo < 0 else '> 0'}, got {v!r}")
+    _check_raw_rope(d, where)
     for key, most in _RAW_LISTS.items():
         v = d.get(key)
         if v is None:
@@ -85,6 +86,26 @@ def check_raw_config(d: dict, where: str = "config.json") -> None:
             bad(key, f"has {len(v):,} layers, at most {most:,}")
         if isinstance(v, list) and set(v) - _BLOCK_TYPES:
             bad(key, f"has unknown layer types {sorted(set(v) - _BLOCK_TYPES)} (known: {', '.join(sorted(_BLOCK_TYPES))})")
+
+
+def _check_raw_rope(d: dict, where: str) -> None:
+    """RoPE fields as transformers would read them: rope_parameters / rope_scaling an object of a known
+    type, partial_rotary_factor in (0, 1] and factor > 0 (a string there raised ValueError in a reader)."""
+    if d.get("partial_rotary_factor") is not None:
+        cfg_float(d, "partial_rotary_factor", None, lo=0, hi=1, where=f"{where}: ")
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = d.get(key)
+        if rp is None:
+            continue
+        if not isinstance(rp, dict):
+            raise RemodelError(f"{where}: {key!r} must be an object, got {type(rp).__name__} {rp!r}")
+        for t in ("rope_type", "type"):
+            if t in rp:
+                cfg_choice(rp, t, None, ROPE_TYPES, f"{where}: {key} ")
+        if rp.get("partial_rotary_factor") is not None:
+            cfg_float(rp, "partial_rotary_factor", None, lo=0, hi=1, where=f"{where}: {key} ")
+        if rp.get("factor") is not None:
+            cfg_float(rp, "factor", None, lo=0, where=f"{where}: {key} ")
 
 
 def _hf_config(d: dict, where: str = "config.json"):

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, cast_for_output
 from .files import check_weight_dtype, read_json
 from .config import ModelConfig
 from .errors import RemodelError
@@ -206,9 +206,7 @@ def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family
             t = cur if e is None else cur[e]
             if not isinstance(t, torch.Tensor):  # a lazy [E, ...] sequence (upcycling's experts), stored whole
                 t = torch.stack([t[i] for i in range(len(t))])
-            if dtype is not None and t.is_floating_point() and not ours.endswith("e_score_correction_bias"):
-                t = t.to(dtype)
-            yield ours, hf, e, t
+            yield ours, hf, e, cast_for_output(ours, t, dtype)
 
     for hf, t in join_parts(cfg, family, rows()):
         yield hf, t.contiguous()

@@ -11,7 +11,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import used
 from remodel.models.mamba import MAMBA
 
-from .family import Family, feed_forward_keys, time_step_limit
+from .family import Family, feed_forward_keys, read_rope, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": "M", "full_attention": "*"}  # HF layer type -> our mixer layer
 ROTARY = 0.5  # transformers' BambaConfig sets partial_rotary_factor=0.5 whatever config.json says
@@ -21,10 +21,8 @@ _HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the 
 
 def _rope(h) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) of the config; only the default RoPE type."""
-    rp = dict(getattr(h, "rope_parameters", None) or {})
-    if rp.get("rope_type", "default") != "default":
-        raise RemodelError(f"bamba with rope_type {rp.get('rope_type')!r} is not supported (only default)")
-    return float(rp.get("rope_theta", 10000.0)), float(rp.get("partial_rotary_factor", 1.0))
+    theta, _, rotary = read_rope(h, "bamba", partial=True)
+    return theta, rotary
 
 
 class Bamba(Family):

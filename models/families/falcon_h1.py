@@ -19,7 +19,7 @@ from remodel.models.mamba import MAMBA
 from remodel.models.mlp import MLP_KIND
 from remodel.models.parallel_mixer import PARALLEL
 
-from .family import Family, feed_forward_keys, time_step_limit
+from .family import Family, feed_forward_keys, read_rope, time_step_limit
 
 BLOCK_TYPES = {"hybrid": PARALLEL.char}  # HF layer type -> our mixer layer
 _PAIR = PARALLEL.char + MLP_KIND.char
@@ -29,10 +29,7 @@ _SCALARS = ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "att
 
 
 def _rope_theta(h) -> float:
-    rp = dict(getattr(h, "rope_parameters", None) or {})
-    if rp.get("rope_type", "default") != "default":
-        raise RemodelError(f"falcon_h1 with rope_type {rp.get('rope_type')!r} is not supported (only default)")
-    return float(rp.get("rope_theta", 10000.0))
+    return read_rope(h, "falcon_h1")[0]
 
 
 def _multipliers(h) -> dict:
@@ -43,10 +40,11 @@ def _multipliers(h) -> dict:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise RemodelError(f"{k} must be a number, got {v!r}")
         out[k] = float(v)
-    for k in ("ssm_multipliers", "mlp_multipliers"):
+    for k, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):  # (in_proj's 5 parts, gate and down)
         v = getattr(h, k)
-        if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in v):
-            raise RemodelError(f"{k} must be a list of numbers, got {v!r}")
+        if not isinstance(v, (list, tuple)) or len(v) != n or any(
+                isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) for x in v):
+            raise RemodelError(f"{k!r} must be a list of {n} finite numbers, got {v!r}")
         out[k] = tuple(float(x) for x in v)
     return out
 

@@ -56,6 +56,52 @@ def feed_forward_keys(final_norm: str = "model.final_layernorm.weight") -> dict:
     return out
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")  # transformers' own
+
+
+def _get(src, key, default):
+    return src.get(key, default) if isinstance(src, dict) else getattr(src, key, default)
+
+
+def cfg_float(src, key: str, default, lo: float | None = None, hi: float | None = None, where: str = "") -> float:
+    """src[key] (a dict or a transformers config object) as a float in the open-low interval (lo, hi]:
+    a one-line RemodelError naming the field for a string, bool, list, NaN or a value out of range."""
+    from remodel.models.errors import RemodelError
+    v = _get(src, key, default)
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if not ok or (lo is not None and v <= lo) or (hi is not None and v > hi):
+        rng = f" in ({lo}, {hi}]" if hi is not None else (f" > {lo}" if lo is not None else "")
+        raise RemodelError(f"{where}{key!r} must be a finite number{rng}, got {v!r}")
+    return float(v)
+
+
+def cfg_choice(src, key: str, default, choices: tuple, where: str = ""):
+    """src[key] when it is one of `choices` (None allowed only when listed), else a one-line RemodelError."""
+    from remodel.models.errors import RemodelError
+    v = _get(src, key, default)
+    if not any(v == c and type(v) is type(c) for c in choices):
+        raise RemodelError(f"{where}{key!r} must be one of {', '.join(map(repr, choices))}, got {v!r}")
+    return v
+
+
+def read_rope(h, family: str, types=("default",), partial: bool = False) -> tuple[float, dict, float]:
+    """(rope_theta, rope_parameters, partial_rotary_factor) of a HF config, each field checked: the
+    rope_type a known one and one the family reads (`types`), theta > 0, the partial rotary factor in
+    (0, 1] and 1 where the family rotates whole heads (partial False)."""
+    from remodel.models.errors import RemodelError
+    rp = getattr(h, "rope_parameters", None) or {}
+    if not isinstance(rp, dict):
+        raise RemodelError(f"'rope_parameters' must be an object, got {type(rp).__name__}")
+    kind = cfg_choice(rp, "rope_type", "default", ROPE_TYPES, "rope_parameters ")
+    if kind not in types:
+        raise RemodelError(f"{family} with rope_type {kind!r} is not supported (only {', '.join(types)})")
+    theta = cfg_float(rp, "rope_theta", _get(h, "rope_theta", 10000.0), lo=0, where="rope_parameters ")
+    rotary = cfg_float(rp, "partial_rotary_factor", 1.0, lo=0, hi=1, where="rope_parameters ")
+    if not partial and rotary != 1:
+        raise RemodelError(f"{family} rotates whole heads: partial_rotary_factor must be 1, got {rotary}")
+    return theta, dict(rp), rotary
+
+
 def time_step_limit(h) -> tuple[float, float]:
     """(lower, upper) clamp of Mamba's dt from a HF config; None means no clamp (softplus(.) >= 0 already)."""
     from remodel.models.errors import RemodelError

@@ -20,7 +20,7 @@ from remodel.models.mamba import MAMBA
 from remodel.models.mlp import MLP_KIND
 from remodel.models.moe import MOE
 
-from .family import Family, Part, time_step_limit
+from .family import Family, Part, cfg_choice, read_rope, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": MAMBA.char, "full_attention": ATTENTION.char}  # HF layer type -> our mixer
 _TYPE = {v: k for k, v in BLOCK_TYPES.items()}
@@ -30,12 +30,9 @@ _HF_MIXER = ((MAMBA, "mamba"), (ATTENTION, "self_attn"))  # our mixer kind, the 
 
 def _rope_theta(h) -> float | None:
     """rope_theta when the config turns RoPE on (default type only), else None."""
-    if h.position_embedding_type != _ROPE:
+    if cfg_choice(h, "position_embedding_type", None, (None, _ROPE, "nope")) != _ROPE:
         return None
-    rp = dict(getattr(h, "rope_parameters", None) or {})
-    if rp.get("rope_type", "default") != "default":
-        raise RemodelError(f"granitemoehybrid with rope_type {rp.get('rope_type')!r} is not supported (only default)")
-    return float(rp.get("rope_theta", 10000.0))
+    return read_rope(h, "granitemoehybrid")[0]
 
 
 def _ffn(h) -> dict:
@@ -84,7 +81,8 @@ class Granite(Family):
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for granitemoehybrid (only silu)")
         bad = set(h.layers_block_type) - set(BLOCK_TYPES)
         if bad:
-            raise RemodelError(f"unknown layer types {sorted(bad)} (known: {', '.join(BLOCK_TYPES)})")
+            raise RemodelError(f"'layer_types' has unknown layer types {sorted(bad)} "
+                               f"(known: mamba, attention, {', '.join(BLOCK_TYPES)})")
         lo, hi = time_step_limit(h)
         ffn = (MOE if h.num_local_experts else MLP_KIND).char
         hd = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 
-from .family import Family
+from .family import ROPE_TYPES, Family, read_rope
 
 _QKV = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 ATTN = _QKV + ("o_proj.weight", "o_proj.bias")  # attention_bias covers o_proj too
@@ -39,12 +39,11 @@ def key_map(attn: tuple, mlp: str, router: str = "", experts: dict | None = None
     return out
 
 
-def _rope(h) -> tuple[float, dict | None]:
-    rp = dict(getattr(h, "rope_parameters", None) or {})
-    theta = rp.get("rope_theta", getattr(h, "rope_theta", 10000.0))
+def _rope(h, family: str) -> tuple[float, dict | None]:
+    theta, rp, _ = read_rope(h, family, types=ROPE_TYPES)  # a known type, whole heads
     if rp.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), rp  # validated by ModelConfig (only llama3 is supported)
+        return theta, None
+    return theta, rp  # validated by ModelConfig (only llama3 is supported)
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class LlamaFamily(Family):
             raise RemodelError(f"{mt} with use_sliding_window=true is not supported (per-layer windows)")
         if getattr(h, "hidden_act", "silu") != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {mt} (only silu)")
-        theta, scaling = _rope(h)
+        theta, scaling = _rope(h, mt)
         if self.qkv_bias is None:
             bias = out_bias = bool(getattr(h, "attention_bias", False))
         else:

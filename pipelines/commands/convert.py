@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output
 from remodel.models.errors import RemodelError
 from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
 from remodel.models.load import extra_hf_tensors, join_parts, source_plan
@@ -119,8 +119,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
                 if (ours, e) != (ours2, e2):
                     raise RemodelError(f"internal: tensor order mismatch ({ours} != {ours2})")
                 t = read()
-                yield ours, hf, e, (t.to(dtype) if dtype is not None and t.is_floating_point()
-                                    and not ours.endswith("e_score_correction_bias") else t)
+                yield ours, hf, e, cast_for_output(ours, t, dtype)
         for hf, t in join_parts(cfg, family, stream()):  # a family tensor made of several of ours: once, whole
             w.add(hf, t)
         for hf, shape in extra_hf_tensors(cfg, family).items():

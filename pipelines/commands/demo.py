@@ -62,6 +62,8 @@ def _hf_logit_diff(path, ids) -> float:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     from remodel.models.load import load_model
+    from ..training.fp8 import import_torchao_quietly
+    import_torchao_quietly()  # transformers' loading imports torchao, which prints CUDA-library notices
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "install causal_conv1d / mamba_ssm" notice is about CUDA kernels
     try:

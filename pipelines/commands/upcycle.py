@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import KINDS, layer_kinds
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
@@ -64,7 +64,7 @@ def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared:
 
 def _cast(name: str, t: torch.Tensor, dtype) -> torch.Tensor:
     """t in `dtype` when it is floating point (the sigmoid router's correction bias stays fp32)."""
-    return t.to(dtype) if t.is_floating_point() and not name.endswith("e_score_correction_bias") else t
+    return cast_for_output(name, t, dtype)
 
 
 def _check_finite(tensors: dict, model_dir):

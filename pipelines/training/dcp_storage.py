@@ -17,6 +17,7 @@ import math
 import os
 import re
 import stat
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +42,14 @@ MAX_CHUNKS = 4096  # per tensor (a rank writes a few runs of each tensor it hold
 @contextlib.contextmanager
 def plain_errors():
     """DCP wraps every rank's exception in a CheckpointException (a BaseException with tracebacks);
-    re-raise a rank's own RemodelError / OSError (a full disk, a damaged file) so it stays one line."""
+    re-raise a rank's own RemodelError / OSError (a full disk, a damaged file) so it stays one line.
+    DCP's UserWarning that a single process saves / loads without torch.distributed (every such run
+    does, on purpose) is silenced here, its one source; other warnings pass."""
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            yield
     except CheckpointException as e:
         excs = [exc for exc, _ in e.failures.values()]
         for exc in excs:

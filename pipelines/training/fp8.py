@@ -8,9 +8,43 @@ teacher's forward can run in FP8 as well.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import warnings
+
 from torch import nn
 
 from remodel.models.errors import RemodelError
+
+
+# what --fp8 uses and what transformers' quantizers import when a model loads (each registers pytree constants)
+TORCHAO_MODULES = ("torchao", "torchao.float8", "torchao.prototype.safetensors.safetensors_support")
+
+
+@functools.cache
+def import_torchao_quietly() -> bool:
+    """Import torchao once, before anything else does (transformers' model loading imports it), with the
+    notices it prints on a machine without its CUDA extensions ("Failed to load ... _C_mxfp8") and torch's
+    pytree deprecation lines silenced: only those two loggers and the import's own warnings, for the
+    import alone. -> whether torchao is installed and importable."""
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in TORCHAO_MODULES:
+                importlib.import_module(name)
+        return True
+    except Exception:  # noqa: BLE001 - a broken torchao: --fp8 says so itself when asked for
+        return False
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def fp8_modules(model) -> list[str]:
@@ -37,6 +71,7 @@ def apply_fp8(model, device) -> list[str]:
 
 def convert(model) -> list[str]:
     """The module swap itself (device-independent, so CPU tests can check what is converted)."""
+    import_torchao_quietly()
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
