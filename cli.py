@@ -445,7 +445,10 @@ def _one_line(msg: str) -> str:
 
 def _fail(command: str, msg: str) -> int:
     """The one error line (exit 2). Under torchrun (WORLD_SIZE > 1) only rank 0 prints it: every rank
-    meets the same bad input, and N copies of one line bury it. The other ranks exit 2 silently.
+    meets the same bad input, and N copies of one line bury it. The other ranks exit 2 silently, unless
+    the error is theirs alone (raised after the process group formed, and not by rank 0: `_rank_local`),
+    which they print as `remodel CMD: rank R: error: ...`; the ranks whose collective then breaks end
+    quietly (`_peer_lost` in main).
     torchrun itself still reports the failure after that line, and exits 1 rather than 2: a "failed
     (exitcode: 2) local_rank: 0" log line, SIGTERM to the ranks still running, then its own Python
     traceback ending in a ChildFailedError summary (each failed rank, exit code, the root cause)."""
@@ -455,9 +458,29 @@ def _fail(command: str, msg: str) -> int:
             bar.close()
     except Exception:  # noqa: BLE001 - the error line matters more than the bar
         pass
+    local = _rank_local(msg)
     if _lead():
         print(f"remodel {command}: error: {_one_line(msg)}", file=sys.stderr)
+    elif local:  # raised on this rank alone (under torchrun): rank 0 does not have it to print
+        print(f"remodel {command}: rank {os.environ.get('RANK')}: error: {_one_line(msg)}", file=sys.stderr)
     return 2
+
+
+def _rank_local(msg: str) -> bool:
+    """Whether this torchrun rank's error is its own (after the process group formed, rank 0 did not
+    raise the same one); see runtime.rank_local_error. False before torch.distributed is imported."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from remodel.pipelines.distributed.runtime import rank_local_error
+    return rank_local_error(msg)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """Whether `e` is a collective broken by another torchrun rank's end (that rank reports its own error)."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from remodel.pipelines.distributed.runtime import peer_lost
+    return peer_lost(e)
 
 
 def main(argv=None) -> int:
@@ -474,6 +497,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _peer_lost(e):
+            raise
+        return 1  # quietly: the failing rank printed its error, torchrun's summary names that rank
     if isinstance(r, dict) and a.command not in ("demo",):
         print(_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
     return 0

@@ -127,13 +127,14 @@ class GatedRMSNorm(nn.Module):
 
 class RMSNormThenGate(GatedRMSNorm):
     """Falcon-H1's mamba_norm_before_gate: y RMS-normalised within each group, times weight, then times
-    silu(z); in fp32, rounded to y's dtype (transformers' FalconH1RMSNormGated)."""
+    silu(z); in fp32 (float64 stays float64), rounded to y's dtype (transformers' FalconH1RMSNormGated)."""
 
     def forward(self, y, z):
-        h = y.float().unflatten(-1, (self.groups, self.group_size))
+        cd = compute_dtype(y)
+        h = y.to(cd).unflatten(-1, (self.groups, self.group_size))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight.view(self.groups, self.group_size) * h
-        return (h.flatten(-2) * F.silu(z.float())).to(y.dtype)
+        return (h.flatten(-2) * F.silu(z.to(cd))).to(y.dtype)
 
 
 class Gate(nn.Module):

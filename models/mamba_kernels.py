@@ -70,7 +70,9 @@ def mamba_core(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans: Spans):
 
 
 def gated_rms_norm(y, z, w, groups: int, eps: float):
-    """w * group_rms_normalise(y * silu(z)), normalised in fp32 and rounded to y's dtype (as transformers)."""
+    """w * group_rms_normalise(y * silu(z)), normalised in `compute_dtype` (fp32 as transformers, float64
+    for float64 inputs, so a float64 model's result does not depend on the row blocking or the CPU's fp32
+    summation order) and rounded to y's dtype."""
     return _GatedRMSNorm.apply(y, z, w, groups, eps)
 
 
@@ -362,11 +364,12 @@ class _GatedRMSNorm(torch.autograd.Function):
     def forward(ctx, y, z, w, groups, eps):
         shape, Im = y.shape, y.shape[-1]
         y2, z2 = y.reshape(-1, Im), z.reshape(-1, Im)
-        # as transformers: normalise in fp32, round to y's dtype, then times the weight (type promotion)
+        # as transformers: normalise in fp32 (float64 stays float64), round to y's dtype, then times the weight
+        cd = compute_dtype(y)
         out = torch.empty(y2.shape, dtype=torch.promote_types(y.dtype, w.dtype), device=y.device)
-        rs = torch.empty(y2.shape[0], groups, 1, dtype=torch.float32, device=y.device)
+        rs = torch.empty(y2.shape[0], groups, 1, dtype=cd, device=y.device)
         for r0, r1 in _chunk_blocks(y2.shape[0], Im, _elems(y2)):  # rows
-            yz = F.silu(z2[r0:r1].float()).mul_(y2[r0:r1].float()).view(r1 - r0, groups, -1)
+            yz = F.silu(z2[r0:r1].to(cd)).mul_(y2[r0:r1].to(cd)).view(r1 - r0, groups, -1)
             torch.rsqrt(yz.pow(2).mean(-1, keepdim=True).add_(eps), out=rs[r0:r1])
             torch.mul(w, yz.mul_(rs[r0:r1]).view(r1 - r0, Im).to(y.dtype), out=out[r0:r1])
         ctx.save_for_backward(y, z, w, rs)
@@ -381,11 +384,12 @@ class _GatedRMSNorm(torch.autograd.Function):
         dy = torch.empty(y2.shape, dtype=y.dtype, device=y.device)
         dz = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
         need_w = ctx.needs_input_grad[2]
-        dw = torch.zeros(Im, dtype=torch.float32, device=y.device) if need_w else None
-        wf = w.float()
+        cd = rs.dtype  # the forward's compute dtype
+        dw = torch.zeros(Im, dtype=cd, device=y.device) if need_w else None
+        wf = w.to(cd)
         for r0, r1 in _chunk_blocks(y2.shape[0], Im, _elems(y2)):  # rows
             R = r1 - r0
-            yf, zf, do = y2[r0:r1].float(), z2[r0:r1].float(), do2[r0:r1].float()
+            yf, zf, do = y2[r0:r1].to(cd), z2[r0:r1].to(cd), do2[r0:r1].to(cd)
             gz = F.silu(zf)
             nv = (yf * gz).view(R, G, -1).mul_(rs[r0:r1])  # the normalised value before the weight
             if need_w:

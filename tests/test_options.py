@@ -213,6 +213,8 @@ def test_search_space_size_refused():
 
 
 def test_torchrun_rank_nonzero_is_silent(work, capsys, monkeypatch):
+    """An error every rank meets before the process group forms is printed by rank 0 alone (RANK set
+    in-process here); an error of one rank alone, under a real torchrun, is tests/test_rank_errors.py."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     capsys.readouterr()

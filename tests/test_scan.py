@@ -249,3 +249,28 @@ def test_gated_norm_equals_autograd_formula(groups, dtypes, monkeypatch):
         for a, r in zip(grads, ref_grads):
             assert a.dtype == r.dtype
             assert (a.float() - r.float()).abs().max().item() <= tol * r.float().abs().max().item()
+
+
+@pytest.mark.parametrize("norm", ["GatedRMSNorm", "RMSNormThenGate"])
+def test_gated_norms_keep_float64(norm, monkeypatch):
+    """Float64 inputs are normalised in float64, not fp32 (issue 39): the norm, in several row blocks and
+    in one, equals the float64 formula to float64 rounding, values and gradients -- an fp32 detour would
+    be off by ~1e-7 and make blocked != unblocked depend on the CPU's fp32 summation order."""
+    g = torch.Generator().manual_seed(3)
+    y, z = (torch.randn(2, 23, 64, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    w = (1 + 0.3 * torch.randn(64, generator=g, dtype=torch.float64)).requires_grad_()
+    dout = torch.randn(2, 23, 64, generator=g, dtype=torch.float64)
+    gate = F.silu(z).view(2, 23, 4, -1)
+    h = y.view(2, 23, 4, -1) * (gate if norm == "GatedRMSNorm" else 1)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.view(4, -1)
+    ref = (h if norm == "GatedRMSNorm" else h * gate).reshape(2, 23, 64)
+    ref_grads = torch.autograd.grad(ref, (y, z, w), dout)
+    for block in (3 * 64, kernels.BLOCK_ELEMS):
+        monkeypatch.setattr(kernels, "BLOCK_ELEMS", block)
+        mod = getattr(mamba, norm)(64, 4, 1e-5)
+        mod.weight = torch.nn.Parameter(w.detach().clone())
+        o = mod(y, z)
+        assert o.dtype == torch.float64
+        assert (o - ref).abs().max().item() <= 1e-13 * ref.abs().max().item()
+        for a, r in zip(torch.autograd.grad(o, (y, z, mod.weight), dout), ref_grads):
+            assert (a - r).abs().max().item() <= 1e-12 * r.abs().max().item()

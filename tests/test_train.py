@@ -365,20 +365,34 @@ def test_bad_requests_fail_before_writing(work, tmp_path):
 
 def test_distillation_beats_lm_only_at_equal_tokens(work):
     """A small-scale proxy (~25 s): teacher = a 2-layer-pair tiny model trained LM-only for 300 steps;
-    student = a smaller random model given 40 steps either way (same tokens, lr, data order). Pure KD
-    ends at a lower held-out loss than LM-only. (The real experiment is pruned-vs-teacher at scale.)"""
+    students = three smaller random models (seeds 3-5) given 40 steps either way (same tokens, lr, data
+    order). Pure KD ends at a lower held-out loss than LM-only, on average over the seeds. (The real
+    experiment is pruned-vs-teacher at scale.)
+
+    The margin comes from measured spread (issue 39): the gap LM-only - KD per student seed 3..8, under
+    ATEN_CPU_CAPABILITY=default and avx2 (another CPU's summation order trains another teacher), ranged
+    0.047..0.150, mean 0.088, sd 0.03 (an Intel Xeon: 0.049 for seed 3); the mean of three seeds has
+    sd ~0.018, so 0.03 is ~3 sd below its mean, while KD replaced by LM-only gives a gap of exactly 0."""
     common = dict(data=str(work / "train.txt"), seq_len=32, batch=8, warmup=5, lr=2e-2, log_every=0,
                   checkpoint_every=1000)
     tiny(work / "big", 48, "*-*-", seed=2)
-    tiny(work / "small", 24, "*-", seed=3)
     T.train(str(work / "big"), str(work / "big_trained"), steps=300, **common)
-    lm = T.train(str(work / "small"), str(work / "lm_only"), steps=40, **common)
-    kd = T.train(str(work / "small"), str(work / "kd"), teacher_dir=str(work / "big_trained"), steps=40, **common)
-    assert kd["tokens"] == lm["tokens"] == 40 * 8 * 32 and kd["args"]["lm_loss_weight"] == 0.0
-    ev = {name: evaluate(work / name, work / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
-          for name in ("big_trained", "lm_only", "kd")}
-    print(f"held-out loss: teacher {ev['big_trained']:.3f}, LM-only {ev['lm_only']:.3f}, KD {ev['kd']:.3f}")
-    assert ev["big_trained"] < ev["kd"] < ev["lm_only"] - 0.05
+
+    def loss(name):
+        return evaluate(work / name, work / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
+
+    gaps = []
+    for seed in (3, 4, 5):
+        tiny(work / f"small{seed}", 24, "*-", seed=seed)
+        lm = T.train(str(work / f"small{seed}"), str(work / f"lm_only{seed}"), steps=40, **common)
+        kd = T.train(str(work / f"small{seed}"), str(work / f"kd{seed}"), teacher_dir=str(work / "big_trained"),
+                     steps=40, **common)
+        assert kd["tokens"] == lm["tokens"] == 40 * 8 * 32 and kd["args"]["lm_loss_weight"] == 0.0
+        ev = {name: loss(f"{name}{seed}") for name in ("lm_only", "kd")}
+        assert loss("big_trained") < ev["kd"]
+        gaps.append(ev["lm_only"] - ev["kd"])
+    print("held-out loss gaps LM-only - KD per seed:", [f"{g:.3f}" for g in gaps])
+    assert sum(gaps) / len(gaps) > 0.03
 
 
 def test_resume_refuses_changed_data_and_trains_on_a_blend(work, tmp_path, capsys):

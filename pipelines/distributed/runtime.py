@@ -258,6 +258,44 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+# ---- errors under torchrun: the rank that has one tells the user (issue 39) -------------------
+
+_ERROR_KEY = "remodel/error/rank0"
+
+
+def rank_local_error(msg: str, wait_s: float = 3.0) -> bool:
+    """Whether this rank's error `msg` is its own, so that it must print it (rank 0 will not): true on
+    a rank other than 0 when, within wait_s, rank 0 posts no error or another one. Rank 0 posts its
+    error in the process group's store and returns False (it prints anyway). False without a process
+    group: errors raised before the group forms are the same on every rank, and rank 0 prints them."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_rank() == 0:
+            store.set(_ERROR_KEY, msg)
+            return False
+        end = time.monotonic() + wait_s
+        while not store.check([_ERROR_KEY]) and time.monotonic() < end:
+            time.sleep(0.05)
+        return not store.check([_ERROR_KEY]) or store.get(_ERROR_KEY).decode(errors="replace") != msg
+    except Exception:  # noqa: BLE001 - no store to compare with: better one line twice than none
+        return dist.get_rank() != 0
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is this rank's collective failing because another rank ended (gloo's "Connection
+    closed by peer", a collective timeout): that rank printed its own error, and torchrun names it, so
+    this one ends quietly instead of with a traceback of the broken collective."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "Gloo", "NCCL"))
+
+
 # ---- worker processes that die with their parent (tokenize) ----------------------------------
 
 _WORKER_PID = None  # the process die_with_parent last armed (a forked worker has another pid)

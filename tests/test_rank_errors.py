@@ -1,0 +1,46 @@
+"""Errors under torchrun reach the user from the rank that has them (issue 39): a RemodelError raised on
+rank 1 alone, after the process group formed, is printed by rank 1 as one line, and rank 0, whose
+collective breaks when rank 1 ends, exits without a traceback. A real 2-process torchrun (gloo, CPU)."""
+import gzip
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remodel.models.config import ModelConfig
+from remodel.models.model import HybridLM, init_weights
+from remodel.pipelines.data.data import embedded_corpus
+from tests.conftest import write_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+def test_an_error_on_rank_1_alone_is_one_line_from_rank_1(tmp_path):
+    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
+        (tmp_path / "train.txt").write_text("\n".join(f.read().splitlines()[:300]) + "\n")
+    cfg = ModelConfig(vocab_size=2048, hidden_size=16, pattern="*-", tie_word_embeddings=True, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=32)
+    write_checkpoint(init_weights(HybridLM(cfg), seed=0), tmp_path / "model")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=3",
+           str(REPO / "tests" / "rank_error_worker.py"), "train", str(tmp_path / "model"), str(out), "--data",
+           str(tmp_path / "train.txt"), "--steps", "3", "--seq-len", "16", "--batch", "2", "--log-every", "0",
+           "--checkpoint-every", "1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "REMODEL_TEST_BAD_RANK": "1", "REMODEL_DIST_TIMEOUT": "120"}
+    # torchrun looks at its ranks every 3 s: rank 0 meets the closed connection before torchrun's SIGTERM
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    log = p.stdout + p.stderr
+    ours = re.findall(r"remodel train:[^\r\n]*", log)  # rank 0's progress bar may share the line
+    assert p.returncode != 0, log
+    assert len(ours) == 1 and re.fullmatch(r"remodel train: rank 1: error: .*token id \d+ .*outside.*", ours[0]), log
+    # rank 0 ends quietly: no traceback from remodel's code and no gloo error text (torchrun's own
+    # ChildFailedError summary, a traceback through torch/distributed/run.py, is torchrun's and stays)
+    assert "Connection closed by peer" not in log and "DistBackendError" not in log, log
+    assert not re.search(r'File "[^"]*(remodel|cli\.py|rank_error_worker)', log), log
+    assert "exitcode  : 2" in log  # rank 1's exit code in torchrun's summary
+    assert not out.exists()
