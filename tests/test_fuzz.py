@@ -412,3 +412,138 @@ def test_fuzz_train_options(train_data, tmp_path_factory, monkeypatch, flags):
     if rc != 0:
         assert any(f in err[0] for f in named or TRAIN_FLAGS), (named, err)
     shutil.rmtree(d)
+
+
+# ---- bounded time ----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def bounded(seconds: float, what):
+    """Fail the example (TimeoutError naming `what`) if it runs past `seconds`: a hang is a failure too."""
+    import signal
+
+    def over(signum, frame):
+        raise TimeoutError(f"over {seconds} s: {what}")
+
+    old = signal.signal(signal.SIGALRM, over)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+SMALL = settings(FUZZ, max_examples=min(EXAMPLES, 40))
+
+
+# ---- Megatron indexes ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron(token_set, tmp_path_factory):
+    """A real Megatron pair (PREFIX.bin / PREFIX.idx) of the fuzz token set, as `tokenize --format megatron`."""
+    from remodel.pipelines.data.megatron import write_megatron
+    from remodel.pipelines.data.tokens import TokenSet
+    d = tmp_path_factory.mktemp("megatron")
+    write_megatron(TokenSet(token_set), d / "data")
+    assert megatron_expected(d / "data") == TokenSet(token_set).n_tokens  # the oracle takes the real pair
+    return d / "data"
+
+
+IDX_FIELD = {"magic": (0, "9s"), "version": (9, "<Q"), "code": (17, "<B"), "S": (18, "<Q"), "D": (26, "<Q")}
+MEGATRON_EDIT = st.one_of(
+    st.tuples(st.just("field"), st.sampled_from(["version", "code", "S", "D"]),
+              st.one_of(st.integers(0, 8), st.sampled_from([2**32, 2**36, 2**40, 2**63, 2**64 - 1]))),
+    st.tuples(st.just("field"), st.just("magic"), st.binary(min_size=9, max_size=9)),
+    st.tuples(st.just("fit"), st.sampled_from(["S", "D"]), st.sampled_from([0, 1, 2, 39, 41, 1000, 2**33, 2**36])),
+    st.tuples(st.just("sparse"), st.none(), st.sampled_from([1, 2**20 + 1, 2**33, 2**36])),
+    st.tuples(st.just("bytes"), st.integers(34, 2000), st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.sampled_from(["idx", "bin"]), st.integers(0, 2000)),
+    st.tuples(st.just("grow"), st.sampled_from(["idx", "bin"]), st.integers(1, 16)),
+)
+
+
+def _edit_megatron(prefix: Path, edits):
+    """Apply the edits to PREFIX.idx / .bin in place. "fit" sets S or D and resizes the .idx to what the
+    header then declares (a sparse file when it is huge), so only the arrays can tell it is wrong."""
+    idx = Path(f"{prefix}.idx")
+    for kind, key, value in edits:
+        if kind == "field":
+            at, fmt = IDX_FIELD[key]
+            with open(idx, "r+b") as f:
+                f.seek(at)
+                f.write(struct.pack(fmt, value) if fmt != "<B" else bytes([value % 256]))
+        elif kind == "fit":
+            head = idx.read_bytes()[:34].ljust(34, b"\0")
+            _, _, _, S, D = struct.unpack("<9sQBQQ", head)
+            S, D = (value, D) if key == "S" else (S, value)
+            with open(idx, "r+b") as f:
+                f.seek(18)
+                f.write(struct.pack("<QQ", S, D))
+                f.truncate(34 + 12 * S + 8 * D)
+        elif kind == "bytes":
+            with open(idx, "r+b") as f:
+                f.seek(key)
+                f.write(value)
+        elif kind == "sparse":  # S empty sequences in one document: zeros (a hole) but the last index, S
+            with open(idx, "wb") as f:
+                f.write(struct.pack("<9sQBQQ", b"MMIDIDX\0\0", 1, 8, value, 2))
+                f.truncate(34 + 12 * value + 8)
+                f.seek(34 + 12 * value + 8)
+                f.write(struct.pack("<q", value))
+        else:
+            path = Path(f"{prefix}.{key}")
+            with open(path, "r+b") as f:
+                f.truncate(value if kind == "truncate" else path.stat().st_size + value)
+
+
+def megatron_expected(prefix: Path):
+    """The oracle, from the format (see pipelines/data/megatron.py's doc): None when the .idx is too big to
+    judge here (then only a bounded, one-line outcome is asked), else the number of tokens of a valid pair,
+    or False."""
+    idx, binp = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if idx.stat().st_size > 1 << 20:  # only "fit" / "sparse" make one: its pointer array is all zeros (a hole),
+        return False if binp.stat().st_size else None  # so every size must be 0: no tokens can be described
+    raw = idx.read_bytes()
+    if len(raw) < 34:
+        return False
+    magic, version, code, S, D = struct.unpack("<9sQBQQ", raw[:34])
+    item = {8: 2, 4: 4}.get(code)
+    if magic != b"MMIDIDX\0\0" or version != 1 or item is None or len(raw) != 34 + 12 * S + 8 * D or D < 1:
+        return False
+    sizes = np.frombuffer(raw, np.int32, S, 34).astype(np.int64)
+    ptrs = np.frombuffer(raw, np.int64, S, 34 + 4 * S)
+    docs = np.frombuffer(raw, np.int64, D, 34 + 12 * S)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) * item if S else sizes
+    if (sizes < 0).any() or not np.array_equal(ptrs, starts) or docs[0] != 0 or docs[-1] != S \
+            or (np.diff(docs) < 0).any():
+        return False
+    n = int(sizes.sum())
+    return n if binp.stat().st_size == n * item else False
+
+
+@SMALL
+@given(st.lists(MEGATRON_EDIT, min_size=1, max_size=3))
+@example([("field", "version", 1)]).via("unchanged: loads")
+@example([("grow", "idx", 4)]).via("trailing bytes")
+@example([("bytes", 34 + 4 * 40 + 8, b"\1")]).via("a sequence pointer off by one")
+@example([("fit", "S", 2**36)]).via("2^36 sequences: the arrays past the header are a hole")
+@example([("sparse", None, 2**36)]).via("2^36 empty sequences, consistent but for the .bin: refused, not scanned")
+def test_fuzz_megatron_indexes(megatron, tmp_path_factory, edits):
+    """MegatronSet on a mutated .idx/.bin pair: a valid pair loads with the tokens the oracle counts (and its
+    documents read back); anything else is one line; every example within 20 s (a huge sparse index too)."""
+    from remodel.pipelines.data.megatron import MegatronSet
+    d = tmp_path_factory.mktemp("mg", numbered=True)
+    for ext in ("idx", "bin"):
+        shutil.copy(f"{megatron}.{ext}", d / f"data.{ext}")
+    _edit_megatron(d / "data", edits)
+    want = megatron_expected(d / "data")
+    with bounded(20, edits):
+        got = one_line(MegatronSet, d / "data")
+        if got is not None:
+            docs = [got.document(i) for i in range(min(got.n_docs, 3))]
+    if want is not None:
+        assert (got is not None) == (want is not False), (want, edits)
+    if got is not None:
+        assert want is None or got.n_tokens == want
+        assert all(len(x) >= 0 for x in docs)
+    shutil.rmtree(d)
