@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from remodel import cli
@@ -35,8 +35,9 @@ def listing(d) -> set:
     return {str(p.relative_to(d)) for p in Path(d).rglob("*")}
 
 
-def contract(argv, where: Path):
-    """Run the CLI in-process: rc 0, or rc 2 with one error line and nothing new under `where`."""
+def contract(argv, where: Path, errors: list | None = None):
+    """Run the CLI in-process: rc 0, or rc 2 with one error line and nothing new under `where`; the
+    stderr text is appended to `errors` when given."""
     before = listing(where)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -45,6 +46,8 @@ def contract(argv, where: Path):
         except SystemExit as e:  # argparse
             rc = e.code
     text = err.getvalue()
+    if errors is not None:
+        errors.append(text)
     assert "Traceback" not in text, text
     if rc == 0:
         return 0
@@ -83,6 +86,9 @@ MUTATION = st.one_of(
     st.tuples(st.just("length"), st.none(), st.none(), st.integers(0, 2**64 - 1)),
     st.tuples(st.just("data"), st.none(), st.none(), st.integers(-64, 64)),
     st.tuples(st.just("bytes"), st.none(), st.none(), st.binary(max_size=64)),
+    st.tuples(st.just("shift"), st.integers(0, 4), st.none(), st.integers(-16, 16)),  # a span moved whole
+    st.tuples(st.just("swap"), st.integers(0, 4), st.none(), st.integers(0, 4)),  # two entries' spans swapped
+    st.tuples(st.just("meta"), st.none(), st.none(), JSON),  # __metadata__ replaced
 )
 
 
@@ -106,6 +112,13 @@ def _mutated_file(mutations) -> bytes:
             data = max(0, n_data + value)
         elif kind == "bytes":
             return struct.pack("<Q", len(value)) + value
+        elif kind == "shift" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list):
+            entry["data_offsets"] = [x + value if type(x) is int else x for x in entry["data_offsets"]]
+        elif kind == "swap" and isinstance(entry, dict) and isinstance(h.get(keys[value % len(keys)]), dict):
+            other = h[keys[value % len(keys)]]
+            entry["data_offsets"], other["data_offsets"] = other.get("data_offsets"), entry.get("data_offsets")
+        elif kind == "meta" and isinstance(h, dict):
+            h["__metadata__"] = value
     raw = json.dumps(h).encode()
     return struct.pack("<Q", len(raw) if length is None else length) + raw + b"\0" * data
 
@@ -118,13 +131,75 @@ def header_dir(tmp_path_factory):
     return d
 
 
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F16": 2,
+            "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # the safetensors format's dtypes
+
+
+def _nat(x) -> bool:
+    return type(x) is int and 0 <= x < 2**63
+
+
+def header_valid(raw: bytes) -> bool:
+    """The oracle, written from the safetensors format alone: an 8-byte little-endian length N that the file
+    holds; N bytes of strict JSON (UTF-8, unique keys) making an object; __metadata__ (if any) a string
+    map; every other entry {dtype known, shape of naturals, data_offsets [begin, end] of naturals with
+    end - begin = prod(shape) x itemsize}; the spans, in order, contiguous from 0 to the end of the file."""
+    if len(raw) < 8:
+        return False
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > len(raw) - 8:
+        return False
+
+    def unique(pairs):
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise ValueError("duplicate")
+        return dict(pairs)
+
+    try:
+        h = json.loads(raw[8:8 + n].decode("utf-8"), object_pairs_hook=unique,
+                       parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(h, dict):
+        return False
+    meta = h.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return False
+    spans = []
+    for e in h.values():
+        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not isinstance(e.get("shape"), list) \
+                or not isinstance(e.get("data_offsets"), list) or len(e["data_offsets"]) != 2 \
+                or not all(_nat(x) for x in e["shape"] + e["data_offsets"]):
+            return False
+        (b, end), size = e["data_offsets"], int(np.prod(e["shape"], dtype=object)) * ITEMSIZE[e["dtype"]]
+        if end - b != size:
+            return False
+        spans.append((b, end))
+    pos = 0
+    for b, end in sorted(spans):
+        if b != pos:
+            return False
+        pos = end
+    return pos == len(raw) - 8 - n
+
+
 @FUZZ
 @given(st.lists(MUTATION, min_size=1, max_size=3))
+@example([("field", 0, "x", 1)]).via("an unknown field is ignored")
+@example([("meta", None, None, {"a": "b"})]).via("string metadata")
+@example([("swap", 0, None, 0)]).via("a no-op swap")
+@example([("shift", 0, None, 4)]).via("the first span overlaps the second")
+@example([("swap", 0, None, 2)]).via("spans swapped: sizes no longer match")
 def test_fuzz_safetensors_headers(header_dir, mutations):
+    """read_header accepts exactly the files the format allows (header_valid) and refuses the rest in one
+    line; through `convert` still one line (the tensor names are not the model's) and nothing written."""
     from remodel.models.checkpoint import read_header
     f = header_dir / "model" / "model.safetensors"
-    f.write_bytes(_mutated_file(mutations))
-    one_line(read_header, f)
+    raw = _mutated_file(mutations)
+    f.write_bytes(raw)
+    valid = header_valid(raw)
+    got = one_line(read_header, f)
+    assert (got is not None) == valid, ("accepted" if got is not None else "refused", mutations)
     contract(["convert", header_dir / "model", header_dir / "out"], header_dir)
 
 
@@ -247,11 +322,228 @@ def test_fuzz_plan_options(tmp_path_factory, flag, value):
     shutil.rmtree(d)
 
 
+# The rules of `remodel train`'s numeric options, written out from their --help (the oracle): kind and range.
+# A count (--tokens, --eval-tokens) takes a k/M/B/G/T suffix and is truncated to an integer.
+INF = float("inf")
+TRAIN_RULES = {"--steps": (int, 1, 10**12), "--tokens": ("count", 1, 10**18), "--seq-len": (int, 2, 2**24),
+               "--batch": (int, 1, 2**20), "--grad-accum": (int, 1, 2**20), "--lr": ("open", 0, 10),
+               "--min-lr": (float, 0, 10), "--warmup": (int, 0, 10**12), "--weight-decay": (float, 0, 10),
+               "--grad-clip": (float, 0, INF), "--lb-coeff": (float, 0, 1e6), "--z-coeff": (float, 0, 1e6),
+               "--checkpoint-every": (int, 1, 10**12), "--keep-last": (int, 0, 10**6), "--seed": (int, 0, 2**32 - 1),
+               "--num-proc": (int, 1, 1024), "--eval-tokens": ("count", 1, 10**18), "--tp": (int, 1, 1024),
+               "--ep": (int, 1, 1024), "--log-every": (int, 0, 10**12)}
+assert sorted(TRAIN_RULES) == sorted(TRAIN_FLAGS)
+
+
+def option_value(flag: str, text: str):
+    """The value `text` gives `flag` if its rule allows it, else None."""
+    kind, lo, hi = TRAIN_RULES[flag]
+    try:
+        if kind is int:
+            v = int(text)
+        elif kind == "count":
+            t = text.strip().lower()
+            scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(t[-1:], 1)
+            v = float(t[:-1] if scale > 1 else t) * scale
+            v = int(v) if abs(v) <= 10**18 else v  # truncated; beyond the bound (or inf, nan) stays refused
+        else:
+            v = float(text)
+    except (ValueError, OverflowError):
+        return None
+    if v != v or not (lo < v if kind == "open" else lo <= v) or not v <= hi or v == INF:
+        return None
+    return v
+
+
+def train_expected(flags) -> tuple[bool | None, list]:
+    """(accepted? None: either, the flags a refusal may name): each option's rule (the last occurrence counts, as argparse
+    takes it), exactly one of --steps / --tokens, 0 <= --min-lr <= --lr (min-lr's default: lr / 10)."""
+    given = dict(flags)
+    vals = {f: option_value(f, t) for f, t in given.items()}
+    bad = [f for f, v in vals.items() if v is None]
+    if bad:
+        return False, bad
+    if ("--steps" in vals) == ("--tokens" in vals):
+        return False, ["--steps", "--tokens"]
+    lr = vals.get("--lr", 1e-4)
+    if vals.get("--min-lr", lr / 10) > lr:
+        return False, ["--min-lr", "--lr"]
+    if "--tokens" in vals:  # a budget of more than 10^12 steps may be refused up front (issue 39, Deliver 2)
+        per_step = vals.get("--batch", 8) * vals.get("--grad-accum", 1) * vals.get("--seq-len", 256)
+        if -(-vals["--tokens"] // per_step) > 10**12:
+            return None, ["--tokens"]
+    return True, []
+
+
+TRAIN_VALUE = st.one_of(NUMBER, st.integers(-1, 64).map(str), st.integers(1, 64).map(str), st.floats(-0.1, 2).map(repr))
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory):
+    """Real tiny training data (a few lines of the embedded corpus): examples get past DATA to the option rules."""
+    import gzip
+    from remodel.pipelines.data.data import embedded_corpus
+    d = tmp_path_factory.mktemp("train_data")
+    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
+        (d / "train.txt").write_text("\n".join(f.read().splitlines()[:50]) + "\n")
+    return d / "train.txt"
+
+
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(TRAIN_FLAGS), NUMBER), min_size=1, max_size=3))
-def test_fuzz_train_options(tmp_path_factory, flags):
-    """Valid options then meet a missing DATA: still one line, before any heavy work."""
+@given(st.lists(st.tuples(st.sampled_from(TRAIN_FLAGS), TRAIN_VALUE), min_size=1, max_size=3))
+@example([("--grad-clip", "-1")]).via("a negative clip norm")
+@example([("--grad-clip", "0")]).via("no clipping")
+@example([("--min-lr", "0.5"), ("--lr", "0.1")]).via("min-lr above lr")
+def test_fuzz_train_options(train_data, tmp_path_factory, monkeypatch, flags):
+    """`remodel train` on a real model and real data, options fuzzed: accepted exactly when every option keeps
+    its rule (train_expected), else one line naming an offending flag, nothing written. The trainer stops
+    where it would load the models (trainer._run replaced): every option check has run by then."""
+    from remodel.pipelines.training import trainer
+    reached = []
+    monkeypatch.setattr(trainer, "_run", lambda p: reached.append(p) or {})
     d = tmp_path_factory.mktemp("train", numbered=True)
-    argv = ["train", EMBEDDED, d / "out", "--data", d / "missing", "--steps", "1"]
-    assert contract(argv + [f"{f}={v}" for f, v in flags], d) == 2
+    budget = [] if any(f in ("--steps", "--tokens") for f, _ in flags) else [("--steps", "1")]
+    flags = budget + list(flags)
+    err = []
+    rc = contract(["train", EMBEDDED, d / "out", "--data", train_data] + [f"{f}={v}" for f, v in flags], d, err)
+    ok, named = train_expected(flags)
+    if ok is not None:
+        assert (rc == 0) == ok and bool(reached) == ok, (flags, err)
+    if rc != 0:
+        assert any(f in err[0] for f in named or TRAIN_FLAGS), (named, err)
+    shutil.rmtree(d)
+
+
+# ---- bounded time ----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def bounded(seconds: float, what):
+    """Fail the example (TimeoutError naming `what`) if it runs past `seconds`: a hang is a failure too."""
+    import signal
+
+    def over(signum, frame):
+        raise TimeoutError(f"over {seconds} s: {what}")
+
+    old = signal.signal(signal.SIGALRM, over)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+SMALL = settings(FUZZ, max_examples=min(EXAMPLES, 40))
+
+
+# ---- Megatron indexes ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron(token_set, tmp_path_factory):
+    """A real Megatron pair (PREFIX.bin / PREFIX.idx) of the fuzz token set, as `tokenize --format megatron`."""
+    from remodel.pipelines.data.megatron import write_megatron
+    from remodel.pipelines.data.tokens import TokenSet
+    d = tmp_path_factory.mktemp("megatron")
+    write_megatron(TokenSet(token_set), d / "data")
+    assert megatron_expected(d / "data") == TokenSet(token_set).n_tokens  # the oracle takes the real pair
+    return d / "data"
+
+
+IDX_FIELD = {"magic": (0, "9s"), "version": (9, "<Q"), "code": (17, "<B"), "S": (18, "<Q"), "D": (26, "<Q")}
+MEGATRON_EDIT = st.one_of(
+    st.tuples(st.just("field"), st.sampled_from(["version", "code", "S", "D"]),
+              st.one_of(st.integers(0, 8), st.sampled_from([2**32, 2**36, 2**40, 2**63, 2**64 - 1]))),
+    st.tuples(st.just("field"), st.just("magic"), st.binary(min_size=9, max_size=9)),
+    st.tuples(st.just("fit"), st.sampled_from(["S", "D"]), st.sampled_from([0, 1, 2, 39, 41, 1000, 2**33, 2**36])),
+    st.tuples(st.just("sparse"), st.none(), st.sampled_from([1, 2**20 + 1, 2**33, 2**36])),
+    st.tuples(st.just("bytes"), st.integers(34, 2000), st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.sampled_from(["idx", "bin"]), st.integers(0, 2000)),
+    st.tuples(st.just("grow"), st.sampled_from(["idx", "bin"]), st.integers(1, 16)),
+)
+
+
+def _edit_megatron(prefix: Path, edits):
+    """Apply the edits to PREFIX.idx / .bin in place. "fit" sets S or D and resizes the .idx to what the
+    header then declares (a sparse file when it is huge), so only the arrays can tell it is wrong."""
+    idx = Path(f"{prefix}.idx")
+    for kind, key, value in edits:
+        if kind == "field":
+            at, fmt = IDX_FIELD[key]
+            with open(idx, "r+b") as f:
+                f.seek(at)
+                f.write(struct.pack(fmt, value) if fmt != "<B" else bytes([value % 256]))
+        elif kind == "fit":
+            head = idx.read_bytes()[:34].ljust(34, b"\0")
+            _, _, _, S, D = struct.unpack("<9sQBQQ", head)
+            S, D = (value, D) if key == "S" else (S, value)
+            with open(idx, "r+b") as f:
+                f.seek(18)
+                f.write(struct.pack("<QQ", S, D))
+                f.truncate(34 + 12 * S + 8 * D)
+        elif kind == "bytes":
+            with open(idx, "r+b") as f:
+                f.seek(key)
+                f.write(value)
+        elif kind == "sparse":  # S empty sequences in one document: zeros (a hole) but the last index, S
+            with open(idx, "wb") as f:
+                f.write(struct.pack("<9sQBQQ", b"MMIDIDX\0\0", 1, 8, value, 2))
+                f.truncate(34 + 12 * value + 8)
+                f.seek(34 + 12 * value + 8)
+                f.write(struct.pack("<q", value))
+        else:
+            path = Path(f"{prefix}.{key}")
+            with open(path, "r+b") as f:
+                f.truncate(value if kind == "truncate" else path.stat().st_size + value)
+
+
+def megatron_expected(prefix: Path):
+    """The oracle, from the format (see pipelines/data/megatron.py's doc): None when the .idx is too big to
+    judge here (then only a bounded, one-line outcome is asked), else the number of tokens of a valid pair,
+    or False."""
+    idx, binp = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if idx.stat().st_size > 1 << 20:  # only "fit" / "sparse" make one: its pointer array is all zeros (a hole),
+        return False if binp.stat().st_size else None  # so every size must be 0: no tokens can be described
+    raw = idx.read_bytes()
+    if len(raw) < 34:
+        return False
+    magic, version, code, S, D = struct.unpack("<9sQBQQ", raw[:34])
+    item = {8: 2, 4: 4}.get(code)
+    if magic != b"MMIDIDX\0\0" or version != 1 or item is None or len(raw) != 34 + 12 * S + 8 * D or D < 1:
+        return False
+    sizes = np.frombuffer(raw, np.int32, S, 34).astype(np.int64)
+    ptrs = np.frombuffer(raw, np.int64, S, 34 + 4 * S)
+    docs = np.frombuffer(raw, np.int64, D, 34 + 12 * S)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) * item if S else sizes
+    if (sizes < 0).any() or not np.array_equal(ptrs, starts) or docs[0] != 0 or docs[-1] != S \
+            or (np.diff(docs) < 0).any():
+        return False
+    n = int(sizes.sum())
+    return n if binp.stat().st_size == n * item else False
+
+
+@SMALL
+@given(st.lists(MEGATRON_EDIT, min_size=1, max_size=3))
+@example([("field", "version", 1)]).via("unchanged: loads")
+@example([("grow", "idx", 4)]).via("trailing bytes")
+@example([("bytes", 34 + 4 * 40 + 8, b"\1")]).via("a sequence pointer off by one")
+@example([("fit", "S", 2**36)]).via("2^36 sequences: the arrays past the header are a hole")
+@example([("sparse", None, 2**36)]).via("2^36 empty sequences, consistent but for the .bin: refused, not scanned")
+def test_fuzz_megatron_indexes(megatron, tmp_path_factory, edits):
+    """MegatronSet on a mutated .idx/.bin pair: a valid pair loads with the tokens the oracle counts (and its
+    documents read back); anything else is one line; every example within 20 s (a huge sparse index too)."""
+    from remodel.pipelines.data.megatron import MegatronSet
+    d = tmp_path_factory.mktemp("mg", numbered=True)
+    for ext in ("idx", "bin"):
+        shutil.copy(f"{megatron}.{ext}", d / f"data.{ext}")
+    _edit_megatron(d / "data", edits)
+    want = megatron_expected(d / "data")
+    with bounded(20, edits):
+        got = one_line(MegatronSet, d / "data")
+        if got is not None:
+            docs = [got.document(i) for i in range(min(got.n_docs, 3))]
+    if want is not None:
+        assert (got is not None) == (want is not False), (want, edits)
+    if got is not None:
+        assert want is None or got.n_tokens == want
+        assert all(len(x) >= 0 for x in docs)
     shutil.rmtree(d)

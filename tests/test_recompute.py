@@ -126,3 +126,42 @@ def test_composes_with_fsdp2():
     assert r.returncode == 0 and line, r.stderr[-2000:]
     for mode, (dloss, same_names, dgrad) in json.loads(line[0][7:]).items():
         assert dloss <= 1e-6 and same_names and dgrad <= 1e-6, mode
+
+
+def test_trainer_applies_the_flag_by_saved_bytes(tmp_path):
+    """--recompute through `remodel train` (train(), one process, one step): the bytes autograd saves for
+    backward over the whole run fall with the mode, full < selective < none, as set_recompute makes them
+    on the bare model. Equal losses alone would pass a trainer that ignored the flag; these bytes would not."""
+    import gzip
+    from remodel.models.config import ModelConfig
+    from remodel.models.model import HybridLM, init_weights
+    from remodel.pipelines.data.data import embedded_corpus
+    from remodel.pipelines.training.train import train
+    from tests.conftest import write_checkpoint
+    cfg = ModelConfig(vocab_size=2048, hidden_size=32, pattern="M*-E", tie_word_embeddings=True, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
+                      ssm_state_size=8, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    write_checkpoint(init_weights(HybridLM(cfg), seed=0), tmp_path / "student")
+    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
+        (tmp_path / "train.txt").write_text("\n".join(f.read().splitlines()[:300]) + "\n")
+    got = {}
+    for mode in RECOMPUTE_MODES:
+        kept = {}  # storages kept alive, so a freed address cannot be reused and hide a saved tensor
+
+        def pack(t):
+            s = t.untyped_storage()
+            kept[s.data_ptr()] = s
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            train(tmp_path / "student", tmp_path / mode, tmp_path / "train.txt", steps=1, seq_len=64, batch=2,
+                  warmup=1, log_every=0, checkpoint_every=1, recompute=mode)
+        got[mode] = sum(s.nbytes() for s in kept.values())
+    bare = HybridLM(cfg)
+    ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    alone = {mode: saved_bytes(set_recompute(bare, mode), ids) for mode in RECOMPUTE_MODES}
+    print("saved bytes through the trainer:", got, "on the bare model:", alone)
+    assert got["full"] < got["selective"] < got["none"], got
+    for mode in ("selective", "full"):  # the trainer saves what the mode saves on the bare model (the loss's
+        # logits, the same in every mode, are most of the total here, so the savings are compared)
+        assert abs((got["none"] - got[mode]) / (alone["none"] - alone[mode]) - 1) < 0.05, (mode, got, alone)

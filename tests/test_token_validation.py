@@ -229,6 +229,9 @@ def _alive(pids) -> list[int]:
 
 
 def test_tokenize_workers_die_with_a_killed_parent(tmp_path):
+    """SIGKILL of `remodel tokenize` while its workers are stopped mid-batch: the workers are gone within 5 s.
+    Stopped, they cannot exit on their own (a closed pipe, the fallback watch thread), so only the armed
+    PR_SET_PDEATHSIG ends them; without the stop the pool's EOF would end them anyway and prove nothing."""
     import psutil
     words = np.array("in the beginning god created heaven and earth which was without form and void".split())
     rng = np.random.default_rng(0)
@@ -250,11 +253,13 @@ def test_tokenize_workers_die_with_a_killed_parent(tmp_path):
         time.sleep(0.5)  # the workers are at work on their first batches
         kids = sorted(set(kids) | {(c.pid, c.create_time()) for c in psutil.Process(p.pid).children(recursive=True)})
         assert len(kids) >= 2  # the two tokenizing workers (the streaming tokenize starts no Manager)
-        p.send_signal(signal.SIGKILL)
+        for pid, _ in kids:  # stopped, a worker cannot notice its closed pipes and exit by itself: only the
+            os.kill(pid, signal.SIGSTOP)  # kernel's parent-death SIGKILL (which ends a stopped process) can end it
+        p.send_signal(signal.SIGKILL)  # no handler of the parent runs
         p.wait()
         t0 = time.time()
-        while _alive(kids) and time.time() - t0 < 10:
-            time.sleep(0.1)
+        while _alive(kids) and time.time() - t0 < 5:
+            time.sleep(0.05)
         assert not _alive(kids), f"workers outlived their killed parent: {_alive(kids)}"
     finally:
         if p.poll() is None:
