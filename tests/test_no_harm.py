@@ -227,3 +227,15 @@ def test_a_refused_train_leaves_no_marker(tmp_path, capsys):
     argv[4] = tmp_path / "empty.txt"
     fails(capsys, *argv)
     assert listing(tmp_path) == {"empty.txt"}
+
+
+def test_overwrite_of_a_symlinked_out_replaces_the_link_only(tmp_path, capsys):
+    """--overwrite on an OUT that is a symlink: the link is replaced, its target's files stay, and no
+    `.OUT.old-*` sibling is left behind."""
+    kept = _user_folder(tmp_path / "mine")
+    (tmp_path / "out").symlink_to(tmp_path / "mine")
+    assert cli.main([str(a) for a in ("tokenize", VALID, tmp_path / "out", "--tokenizer", EMBEDDED,
+                                      "--overwrite")]) == 0
+    assert _snapshot(tmp_path / "mine") == kept
+    assert not (tmp_path / "out").is_symlink() and (tmp_path / "out" / "tokens.bin").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]

@@ -161,7 +161,8 @@ def prepare(c: TrainConfig) -> Plan:
 
 def _run_inputs(c: TrainConfig, student_dir: Path, teacher_dir: Path | None) -> list[tuple[str, Path]]:
     """(what, path) of every file input of a run: none may lie inside the run directory."""
-    rows = [("MODEL", student_dir)] + ([("--teacher", teacher_dir)] if teacher_dir is not None else [])
+    rows = [("--student" if teacher_dir is not None else "MODEL", student_dir)]
+    rows += [("--teacher", teacher_dir)] if teacher_dir is not None else []
     for name, v in (("--data", c.data), ("--eval-data", c.eval_data)):
         if isinstance(v, (str, Path)) and Path(v).expanduser().exists():
             rows.append((name, Path(v)))
