@@ -44,7 +44,7 @@ def _multipliers(h) -> dict:
         v = getattr(h, k)
         if not isinstance(v, (list, tuple)) or len(v) != n or any(
                 isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) for x in v):
-            raise RemodelError(f"{k!r} must be a list of {n} finite numbers, got {v!r}")
+            raise RemodelError(f"{k} must be {n} finite numbers (a list), got {v!r}")
         out[k] = tuple(float(x) for x in v)
     return out
 
