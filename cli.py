@@ -475,10 +475,10 @@ def _rank_local(msg: str) -> bool:
     return rank_local_error(msg)
 
 
-def _peer_lost(e: BaseException) -> bool:
-    """Whether `e` is a collective broken by another torchrun rank's end (that rank reports its own error)."""
+def _peer_lost(e: BaseException) -> str | None:
+    """`e` as a collective broken under torchrun (see runtime.peer_lost): "" to end quietly, a line, or None."""
     if "torch.distributed" not in sys.modules:
-        return False
+        return None
     from remodel.pipelines.distributed.runtime import peer_lost
     return peer_lost(e)
 
@@ -498,9 +498,12 @@ def main(argv=None) -> int:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if not _peer_lost(e):
+        why = _peer_lost(e)
+        if why is None:
             raise
-        return 1  # quietly: the failing rank printed its error, torchrun's summary names that rank
+        if why and _lead():  # a timeout; a rank that ended printed its own error (why == "")
+            print(f"remodel {a.command}: error: {why}", file=sys.stderr)
+        return 1
     if isinstance(r, dict) and a.command not in ("demo",):
         print(_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
     return 0

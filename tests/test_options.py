@@ -184,20 +184,22 @@ def test_model_config_bounds():
 
 def test_plan_huge_widths_is_fast_or_refused(work, capsys):
     """A config of the largest accepted widths and depth: the grid has a bounded number of values per axis,
-    so plan finishes in seconds (or refuses in one line); a wider one is refused by the config check."""
+    so plan finishes in seconds (or refuses in one line); a wider one is refused by the config check.
+    The time bound is loose (one call took 8.8 s on the 2-core VM under load, issue 39): the bounded
+    axes are asserted directly (<= 33 values), the bound only catches a runaway."""
     w = 2**20
     _edit(work / "model", hidden_size=w, intermediate_size=w, mamba_num_heads=2**16, mamba_head_dim=16, head_dim=1024)
     t = time.time()
     capsys.readouterr()
     assert cli.main(["plan", str(work / "model"), "--params", "15e12", "--axes", "all", "--top", "2", "--json"]) == 0
-    assert time.time() - t < 10
+    assert time.time() - t < 60
     space = json.loads(capsys.readouterr().out)["space"]
     assert max(len(v) for v in space.values()) <= 33
     _edit(work / "model", layers_block_type=["linear_attention", "mlp"] * 4096, hidden_size=256,
           intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, head_dim=64)
     t = time.time()
     assert cli.main(["plan", str(work / "model"), "--params", "2.3e9", "--top", "2", "--json"]) == 0
-    assert time.time() - t < 10
+    assert time.time() - t < 60
     _edit(work / "model", hidden_size=2**30)
     fails(capsys, "plan", work / "model", "--params", "1e15", match="'hidden_size' must be in")
 

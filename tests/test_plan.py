@@ -269,9 +269,30 @@ def test_infeasible_budgets_refused():
     assert "\n" not in str(e.value) and f"{ex2['memory_bytes'][0] / 1e9:.2f} GB" in str(e.value)
 
 
+def _reference_seconds() -> float:
+    """A fixed vectorised numpy workload, timed in this process: the machine's pace right now."""
+    import time
+    import numpy as np
+    x = np.random.default_rng(0).random(2 * 10**6)
+    t = time.perf_counter()
+    for _ in range(5):
+        np.sort(x * 1.5 + 2.0)
+    return time.perf_counter() - t
+
+
 def test_fast_on_56b():
-    d = plan("nemotron-h-56b", params=46.8e9, verbose=False)
-    assert d["grid"] > 10**7 and d["seconds"] < 5, d["seconds"]
+    """The >1e7-point grid is searched vectorised, in seconds: under 5 s, or (on a slow or loaded machine,
+    issue 39) under 15x a reference numpy workload timed just before in this process (measured ~4-5x on
+    the developers' VM, where plan takes ~3 s); best of 3 attempts. A per-candidate Python loop would be
+    minutes, 100x over either bound."""
+    times = []
+    for _ in range(3):
+        ref = _reference_seconds()
+        d = plan("nemotron-h-56b", params=46.8e9, verbose=False)
+        times.append((d["seconds"], ref))
+        if d["seconds"] < max(5.0, 15 * ref):
+            break
+    assert d["grid"] > 10**7 and d["seconds"] < max(5.0, 15 * ref), times
     assert len(d["candidates"]) == 20 and d["candidates"][0]["under_budget"]["params"] >= 0
 
 

@@ -44,3 +44,40 @@ def test_an_error_on_rank_1_alone_is_one_line_from_rank_1(tmp_path):
     assert not re.search(r'File "[^"]*(remodel|cli\.py|rank_error_worker)', log), log
     assert "exitcode  : 2" in log  # rank 1's exit code in torchrun's summary
     assert not out.exists()
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """This process posing as rank R of 2 in a formed group, over an in-memory store (set rank[0])."""
+    import torch.distributed as dist
+    store, rank = dist.HashStore(), [0]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank[0])
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    return rank
+
+
+def test_who_prints_an_error_after_the_group_formed(two_ranks):
+    """Rank 0 posts its error and prints it; rank 1 stays silent on the same error (one line, not two)
+    and prints one of its own (rank 0 posted another, or none within the wait)."""
+    from remodel.pipelines.distributed.runtime import rank_local_error
+    two_ranks[0] = 1
+    assert rank_local_error("bad id in row 7", wait_s=0.2)  # rank 0 raised nothing
+    two_ranks[0] = 0
+    assert not rank_local_error("--data not found")
+    two_ranks[0] = 1
+    assert not rank_local_error("--data not found", wait_s=0.2) and rank_local_error("bad id in row 7", wait_s=0.2)
+
+
+def test_a_broken_collective_ends_quietly_or_in_one_line(two_ranks):
+    """A collective broken by a peer's end: "" (quiet, the peer printed why); a timeout: one line naming
+    REMODEL_DIST_TIMEOUT; anything else (a bug) is not a collective failure and keeps its traceback."""
+    import torch.distributed as dist
+    from remodel.pipelines.distributed.runtime import peer_lost
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:647. GLHF!")
+    assert peer_lost(closed) == ""
+    line = peer_lost(dist.DistBackendError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out\nwaiting 5000ms"))
+    assert "\n" not in line and "Timed out waiting 5000ms" in line and "REMODEL_DIST_TIMEOUT" in line
+    assert peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert peer_lost(KeyError("step")) is None

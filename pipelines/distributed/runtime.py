@@ -283,17 +283,22 @@ def rank_local_error(msg: str, wait_s: float = 3.0) -> bool:
         return dist.get_rank() != 0
 
 
-def peer_lost(e: BaseException) -> bool:
-    """Whether `e` is this rank's collective failing because another rank ended (gloo's "Connection
-    closed by peer", a collective timeout): that rank printed its own error, and torchrun names it, so
-    this one ends quietly instead of with a traceback of the broken collective."""
+def peer_lost(e: BaseException) -> str | None:
+    """`e` as a broken collective under torchrun: "" when another rank ended (gloo's "Connection closed
+    by peer"): that rank printed its own error and torchrun names it, so this one ends quietly instead
+    of with a traceback of the collective; a one-line message for another collective failure (a
+    timeout: a rank stalled); None when `e` is no collective failure (or there is no process group)."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
-        return False
-    if isinstance(e, dist.DistError):
-        return True
+        return None
     text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "Gloo", "NCCL"))
+    if not isinstance(e, dist.DistError) and not (isinstance(e, RuntimeError) and any(
+            s in text for s in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection"))):
+        return None
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return ""
+    first = " ".join(text.split())[:200]
+    return (f"a collective failed ({first}): another rank stalled or ended "
+            f"(REMODEL_DIST_TIMEOUT={os.environ.get('REMODEL_DIST_TIMEOUT', 30)} s)")
 
 
 # ---- worker processes that die with their parent (tokenize) ----------------------------------
