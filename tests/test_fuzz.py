@@ -1,8 +1,11 @@
-"""Fuzzing the untrusted inputs (issue 25; the slow set): malformed safetensors headers, configs, token sets,
-blend strings and numeric options, FUZZ_EXAMPLES (1,000) generated inputs per kind, derandomized so a
-failure reproduces. The contract for each: the command succeeds (the input was valid after all), or it
-exits 2 with exactly one line `remodel CMD: error: ...`, no traceback, and nothing new on disk; below the
-CLI, only a one-line RemodelError is raised."""
+"""Fuzzing the untrusted inputs (issues 25 and 39; the slow set): malformed safetensors headers, configs, token
+sets, blend strings, numeric options, Megatron indexes and run state (meta.json, dcp_metadata.json),
+FUZZ_EXAMPLES (default 40; set 1000 for a deep run) generated inputs per kind, fewer for the costly kinds,
+derandomized so a failure reproduces. The contract for each: the command succeeds (the input was valid after
+all), or it exits 2 with exactly one line `remodel CMD: error: ...`, no traceback, and nothing new on disk;
+below the CLI, only a one-line RemodelError is raised. Where an oracle can tell (headers, train options,
+Megatron indexes, run state), a valid input must be accepted and an invalid one refused, not merely end
+without a traceback; Megatron and run-state examples are bounded in time (a hang fails)."""
 import contextlib
 import io
 import json
@@ -21,7 +24,7 @@ from remodel.models.errors import RemodelError
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
