@@ -587,6 +587,9 @@ def run_state(train_data, tmp_path_factory):
             "--checkpoint-every", "1", "--keep-last", "1", "--eval-data", train_data, "--eval-tokens", "64"]
     train(d / "student", d / "out", train_data, steps=2, seq_len=16, batch=2, log_every=0, checkpoint_every=1,
           keep_last=1, eval_data=str(train_data), eval_tokens=64)
+    shutil.copytree(d / "out.run", d / "check.run")  # the run unchanged resumes (else every refusal is moot)
+    assert contract(["train", d / "student", d / "check"] + argv + ["--resume"], d) == 0
+    assert (d / "check" / "model.safetensors").is_file()
     return d / "out.run", ["train", d / "student"], argv + ["--resume"]
 
 
