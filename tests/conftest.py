@@ -333,6 +333,7 @@ MARKS = {
     },
     "test_recompute.py": {
         "test_composes_with_fsdp2": "slow",
+        "test_trainer_applies_the_flag_by_saved_bytes": "slow",
     },
     "test_scan.py": {
         "test_blocked_scan_equals_recurrence": "slow",

@@ -1,8 +1,11 @@
-"""Fuzzing the untrusted inputs (issue 25; the slow set): malformed safetensors headers, configs, token sets,
-blend strings and numeric options, FUZZ_EXAMPLES (1,000) generated inputs per kind, derandomized so a
-failure reproduces. The contract for each: the command succeeds (the input was valid after all), or it
-exits 2 with exactly one line `remodel CMD: error: ...`, no traceback, and nothing new on disk; below the
-CLI, only a one-line RemodelError is raised."""
+"""Fuzzing the untrusted inputs (issues 25 and 39; the slow set): malformed safetensors headers, configs, token
+sets, blend strings, numeric options, Megatron indexes and run state (meta.json, dcp_metadata.json),
+FUZZ_EXAMPLES (default 40; set 1000 for a deep run) generated inputs per kind, fewer for the costly kinds,
+derandomized so a failure reproduces. The contract for each: the command succeeds (the input was valid after
+all), or it exits 2 with exactly one line `remodel CMD: error: ...`, no traceback, and nothing new on disk;
+below the CLI, only a one-line RemodelError is raised. Where an oracle can tell (headers, train options,
+Megatron indexes, run state), a valid input must be accepted and an invalid one refused, not merely end
+without a traceback; Megatron and run-state examples are bounded in time (a hang fails)."""
 import contextlib
 import io
 import json
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from remodel import cli
@@ -21,7 +24,7 @@ from remodel.models.errors import RemodelError
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -313,12 +316,23 @@ TRAIN_FLAGS = ["--steps", "--tokens", "--seq-len", "--batch", "--grad-accum", "-
                "--seed", "--num-proc", "--eval-tokens", "--tp", "--ep", "--log-every"]
 
 
+PLAN_RULES = {"--params": ("count", 1, 10**18), "--active-params": ("count", 1, 10**18),
+              "--memory-gb": ("open", 0, 1e9), "--tol": ("open_hi", 0, 1), "--top": (int, 1, 10**4),
+              "--batch": (int, 1, 2**20), "--seq-len": (int, 1, 2**24)}  # from `remodel plan --help`
+
+
 @FUZZ
 @given(st.sampled_from(PLAN_FLAGS), NUMBER)
+@example("--tol", "1").via("--tol is a shortfall below 1")
 def test_fuzz_plan_options(tmp_path_factory, flag, value):
+    """An option outside its rule (PLAN_RULES, the oracle) is refused in one line naming it; one inside may
+    still find no candidate, in one line."""
     d = tmp_path_factory.mktemp("plan", numbered=True)
     argv = ["plan", EMBEDDED / "config.json", "--params", "2M", "--top", "3", "--json"]
-    contract(argv + [f"{flag}={value}"], d)
+    err = []
+    rc = contract(argv + [f"{flag}={value}"], d, err)
+    if option_value(flag, value, PLAN_RULES) is None:
+        assert rc == 2 and flag in err[0], (flag, value, err)
     shutil.rmtree(d)
 
 
@@ -335,9 +349,9 @@ TRAIN_RULES = {"--steps": (int, 1, 10**12), "--tokens": ("count", 1, 10**18), "-
 assert sorted(TRAIN_RULES) == sorted(TRAIN_FLAGS)
 
 
-def option_value(flag: str, text: str):
-    """The value `text` gives `flag` if its rule allows it, else None."""
-    kind, lo, hi = TRAIN_RULES[flag]
+def option_value(flag: str, text: str, rules=None):
+    """The value `text` gives `flag` if its rule (TRAIN_RULES unless given) allows it, else None."""
+    kind, lo, hi = (rules or TRAIN_RULES)[flag]
     try:
         if kind is int:
             v = int(text)
@@ -350,7 +364,8 @@ def option_value(flag: str, text: str):
             v = float(text)
     except (ValueError, OverflowError):
         return None
-    if v != v or not (lo < v if kind == "open" else lo <= v) or not v <= hi or v == INF:
+    if v != v or not (lo < v if kind == "open" else lo <= v) or not (v < hi if kind == "open_hi" else v <= hi) \
+            or v == INF:
         return None
     return v
 
@@ -433,7 +448,9 @@ def bounded(seconds: float, what):
         signal.signal(signal.SIGALRM, old)
 
 
-SMALL = settings(FUZZ, max_examples=min(EXAMPLES, 40))
+# the costly kinds (a Megatron pair, a resume): fewer examples, and no shrinking (each try may run to its bound)
+SMALL = settings(FUZZ, max_examples=min(EXAMPLES, 40), phases=[Phase.explicit, Phase.reuse, Phase.generate])
+RESUMES = settings(SMALL, max_examples=min(EXAMPLES, 15))
 
 
 # ---- Megatron indexes ----------------------------------------------------------------------------------
@@ -547,3 +564,137 @@ def test_fuzz_megatron_indexes(megatron, tmp_path_factory, edits):
         assert want is None or got.n_tokens == want
         assert all(len(x) >= 0 for x in docs)
     shutil.rmtree(d)
+
+
+# ---- run state (meta.json, dcp_metadata.json) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_state(train_data, tmp_path_factory):
+    """A real two-step run of a tiny MoE hybrid (OUT.run/step-000002 kept, with history rows, MoE figures and
+    an eval), and the `remodel train --resume` command line that continues it (nothing left to train: it
+    reads the run state, then writes OUT)."""
+    from remodel.models.config import ModelConfig
+    from remodel.models.model import HybridLM, init_weights
+    from remodel.pipelines.training.train import train
+    from tests.conftest import write_checkpoint
+    d = tmp_path_factory.mktemp("run_state")
+    cfg = ModelConfig(vocab_size=2048, hidden_size=16, pattern="M*-E", tie_word_embeddings=True, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=32, mamba_num_heads=4, mamba_head_dim=8,
+                      ssm_state_size=8, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)
+    write_checkpoint(init_weights(HybridLM(cfg), seed=0), d / "student")
+    argv = ["--data", train_data, "--steps", "2", "--seq-len", "16", "--batch", "2", "--log-every", "0",
+            "--checkpoint-every", "1", "--keep-last", "1", "--eval-data", train_data, "--eval-tokens", "64"]
+    train(d / "student", d / "out", train_data, steps=2, seq_len=16, batch=2, log_every=0, checkpoint_every=1,
+          keep_last=1, eval_data=str(train_data), eval_tokens=64)
+    shutil.copytree(d / "out.run", d / "check.run")  # the run unchanged resumes (else every refusal is moot)
+    assert contract(["train", d / "student", d / "check"] + argv + ["--resume"], d) == 0
+    assert (d / "check" / "model.safetensors").is_file()
+    return d / "out.run", ["train", d / "student"], argv + ["--resume"]
+
+
+def json_paths(node, at=()) -> list[tuple]:
+    """Every position in a JSON document down to depth 8 (the root first), as key / index tuples."""
+    out = [at]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items if len(at) < 8 else ():
+        out += json_paths(v, at + (k,))
+    return out
+
+
+def kind_of(v) -> str:
+    return "null" if v is None else "bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) \
+        else type(v).__name__
+
+
+DEEP = "[" * 600 + "]" * 600  # nested 600 deep
+STATE_EDIT = st.tuples(st.sampled_from(["set", "set", "drop", "deep"]), st.integers(0, 10**6), JSON)
+
+
+def _apply(doc, edits):
+    """(edited document, [(path, old value, new value or "drop")]) of the edits, each at a position of the
+    document as it stands (an index taken modulo the positions)."""
+    done = []
+    for kind, i, value in edits:
+        paths = json_paths(doc)
+        path = paths[i % len(paths)]
+        new = json.loads(DEEP if kind == "deep" else json.dumps(value))  # a fresh copy, never shared
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        old = parent[path[-1]] if path else doc
+        if not path:
+            doc = new if kind != "drop" else {}
+        elif kind == "drop":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = new
+        done.append((path, old, "drop" if kind == "drop" else new))
+    return doc, done
+
+
+def meta_must_refuse(path, old, new) -> bool:
+    """The oracle for meta.json: what no run could have written and a resume must refuse. Strict: the step
+    (and its directory), the counts, and the shapes of history rows (their step above all), the MoE figures,
+    the eval and the AdamW step counts; a JSON kind changed there (null on either side excepted) or a
+    required key removed. Elsewhere (args, hf_config, moe_init) either outcome, in one line."""
+    if not path:
+        return True  # the whole document replaced: never a complete meta.json
+    strict = path[0] in ("step", "consumed_batches", "history", "eval", "adam_steps")
+    if new == "drop":
+        return (len(path) == 1 and path[0] in ("step", "consumed_batches", "args", "history", "eval", "adam_steps")) \
+            or (path[0] == "history" and len(path) == 3 and path[2] == "step")
+    if path == ("step",) and new != old:
+        return True
+    if len(path) == 1 and path[0] == "args":
+        return kind_of(new) != "dict"
+    return strict and kind_of(old) != kind_of(new) and "null" not in (kind_of(old), kind_of(new))
+
+
+def dcp_must_refuse(path, old, new) -> bool:
+    """The oracle for dcp_metadata.json: its format, version and every tensor entry and chunk are required,
+    with their JSON kinds (a number may change value: only the load can tell, and it may refuse it)."""
+    if not path or new == "drop":
+        return True
+    if path[0] in ("format", "version"):
+        return new != old
+    return path[0] == "tensors" and kind_of(old) != kind_of(new)
+
+
+def _resume(run_state, tmp_path_factory, name, edits, must_refuse, precheck):
+    """Copy the run, apply the edits to its newest step's `name`, check it (`precheck`, cheap), resume from it
+    when the check passes; the oracle decides which edits must be refused. Bounded to 60 s."""
+    from remodel.pipelines.training import train_state as S
+    run, head, tail = run_state
+    d = tmp_path_factory.mktemp("rs", numbered=True)
+    shutil.copytree(run, d / "out.run")
+    step = S.list_checkpoints(d / "out.run")[-1]
+    doc, done = _apply(json.loads((step / name).read_text()), edits)
+    (step / name).write_text(json.dumps(doc))
+    refuse = any(must_refuse(*x) for x in done)
+    with bounded(60, done):
+        ok = one_line(precheck, step) is not None
+        rc = contract(head + [d / "out"] + tail, d) if ok else 2
+    if refuse:
+        assert rc == 2, ("accepted", done)
+    if rc == 0:
+        assert (d / "out" / "model.safetensors").is_file()
+    shutil.rmtree(d)
+
+
+@RESUMES
+@given(st.lists(STATE_EDIT, min_size=1, max_size=2))
+@example([("set", 0, 0)]).via("the step's own value (index 0 is the root: replaced)")
+def test_fuzz_run_state_meta(run_state, tmp_path_factory, edits):
+    """`train --resume` on a run whose meta.json was mutated: a correct resume, or one line (refused by
+    read_meta or later), never a traceback; what no run could write (meta_must_refuse) is refused."""
+    from remodel.pipelines.training.train_state import read_meta
+    _resume(run_state, tmp_path_factory, "meta.json", edits, meta_must_refuse, read_meta)
+
+
+@RESUMES
+@given(st.lists(STATE_EDIT, min_size=1, max_size=2))
+def test_fuzz_run_state_dcp_index(run_state, tmp_path_factory, edits):
+    """The same for dcp_metadata.json (read_metadata first, then the resume that loads through it)."""
+    from remodel.pipelines.training.dcp_storage import read_metadata
+    _resume(run_state, tmp_path_factory, "dcp_metadata.json", edits, dcp_must_refuse, read_metadata)
