@@ -239,12 +239,13 @@ def cast_for_output(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> to
     if dtype is None or not t.is_floating_point() or t.dtype == dtype or name.endswith("e_score_correction_bias"):
         return t
     out = t.to(dtype)
-    if not out.is_floating_point() or bool(torch.isfinite(out).all()):
+    seen = out.float() if out.element_size() == 1 else out  # float8: no isfinite kernel; e4m3fn overflows to NaN
+    if not out.is_floating_point() or bool(torch.isfinite(seen).all()):
         return out
     bad = int((~torch.isfinite(t)).sum())
     if bad:
         raise RemodelError(f"tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); nothing written")
-    over = int((~torch.isfinite(out)).sum())
+    over = int((~torch.isfinite(seen)).sum())
     raise RemodelError(f"tensor {name!r}: {over} value(s) beyond {str(dtype).replace('torch.', '')}'s range "
                        f"(max {torch.finfo(dtype).max:g}, largest here {float(t.abs().max()):g}) would become inf; "
                        "choose a wider --dtype")
