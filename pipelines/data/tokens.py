@@ -182,7 +182,9 @@ def read_meta(folder) -> dict:
     try:  # the one strict reader of JSON (depth, duplicate keys, finite numbers)
         meta = parse_json(raw, path)
     except RemodelError as e:
-        raise RemodelError(f"{path}: not valid JSON ({str(e).removeprefix(f'{path}: ')})") from None
+        why = str(e).removeprefix(f"{path}: ")
+        why = why[len("invalid JSON ("):-1] if why.startswith("invalid JSON (") else why
+        raise RemodelError(f"{path}: not valid JSON ({why})") from None
     if not isinstance(meta, dict):
         raise RemodelError(f"{path}: meta.json must hold a JSON object, not {type(meta).__name__}")
     return meta
