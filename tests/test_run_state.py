@@ -237,3 +237,15 @@ def test_a_link_out_of_the_run_as_its_tokenizer_is_refused(run, tmp_path, capsys
     os.symlink(secret, tok)
     fails(capsys, "convert", rd, tmp_path / "hf", match="not a regular file inside the checkpoint")
     assert not (tmp_path / "hf").exists()
+
+
+def test_json_depth_counts_brackets_outside_strings_only(tmp_path):
+    """64 levels read, 65 refused; brackets and escaped quotes inside strings do not count."""
+    from remodel.models.files import MAX_DEPTH, read_json
+    f = tmp_path / "c.json"
+    inner = lambda n: "[" * n + "]" * n  # noqa: E731
+    f.write_text('{"a": ' + inner(MAX_DEPTH - 1) + ', "s": "\\"[[[[{{{{' + "[" * 500 + '"}')
+    assert read_json(f)["s"].startswith('"[[[[')
+    f.write_text('{"a": ' + inner(MAX_DEPTH) + "}")
+    with pytest.raises(RemodelError, match="nested too deeply"):
+        read_json(f)

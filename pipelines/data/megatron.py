@@ -93,9 +93,9 @@ def _check_ends(fd, S: int, D: int, itemsize: int, bin_bytes: int, where):
     if bin_bytes % itemsize or S > tokens + MAX_EMPTY:
         raise RemodelError(f"{where}: {S} sequences for a .bin of {bin_bytes} bytes ({tokens} tokens): more "
                            f"sequences than tokens (corrupt, or a sparse file)")
-    at = HEADER.size
-    if S and (_at(fd, at + 4 * S, np.int64) != 0
-              or _at(fd, at + 4 * S + 8 * (S - 1), np.int64) + _at(fd, at + 4 * (S - 1), np.int32) * itemsize != bin_bytes):
+    at, ptr = HEADER.size, HEADER.size + 4 * S
+    if S and (_at(fd, ptr, np.int64) != 0
+              or _at(fd, ptr + 8 * (S - 1), np.int64) + _at(fd, at + 4 * (S - 1), np.int32) * itemsize != bin_bytes):
         raise RemodelError(f"{where}: the first and last sequence pointers do not span the {bin_bytes} bytes of "
                            ".bin (corrupt)")
     if _at(fd, at + 12 * S, np.int64) != 0 or _at(fd, at + 12 * S + 8 * (D - 1), np.int64) != S:

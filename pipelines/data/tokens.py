@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from remodel.models.checkpoint import atomic_output_dir, check_owned, mark_dir
-from remodel.models.files import open_regular, read_bounded
+from remodel.models.files import open_regular, parse_json, read_bounded
 from remodel.models.errors import RemodelError
 
 from . import megatron, shards, stream
@@ -202,10 +202,12 @@ def read_meta(folder) -> dict:
     """The JSON object in FOLDER/meta.json (a regular file of at most META_MAX_BYTES), unvalidated."""
     path = Path(folder).expanduser() / "meta.json"
     raw = read_bounded(path, "meta.json", META_MAX_BYTES)
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise RemodelError(f"{path}: not valid JSON ({type(e).__name__})") from None
+    try:  # the one strict reader of JSON (depth, duplicate keys, finite numbers)
+        meta = parse_json(raw, path)
+    except RemodelError as e:
+        why = str(e).removeprefix(f"{path}: ")
+        why = why[len("invalid JSON ("):-1] if why.startswith("invalid JSON (") else why
+        raise RemodelError(f"{path}: not valid JSON ({why})") from None
     if not isinstance(meta, dict):
         raise RemodelError(f"{path}: meta.json must hold a JSON object, not {type(meta).__name__}")
     return meta
