@@ -446,9 +446,7 @@ def _one_line(msg: str) -> str:
 def _fail(command: str, msg: str) -> int:
     """The one error line (exit 2). Under torchrun (WORLD_SIZE > 1) only rank 0 prints it: every rank
     meets the same bad input, and N copies of one line bury it. The other ranks exit 2 silently, unless
-    the error is theirs alone (raised after the process group formed, and not by rank 0: `_rank_local`),
-    which they print as `remodel CMD: rank R: error: ...`; the ranks whose collective then breaks end
-    quietly (`_peer_lost` in main).
+    the error is theirs alone (runtime.rank_local_error): they print `remodel CMD: rank R: error: ...`.
     torchrun itself still reports the failure after that line, and exits 1 rather than 2: a "failed
     (exitcode: 2) local_rank: 0" log line, SIGTERM to the ranks still running, then its own Python
     traceback ending in a ChildFailedError summary (each failed rank, exit code, the root cause)."""
@@ -458,7 +456,7 @@ def _fail(command: str, msg: str) -> int:
             bar.close()
     except Exception:  # noqa: BLE001 - the error line matters more than the bar
         pass
-    local = _rank_local(msg)
+    local = _ranks("rank_local_error", msg)
     if _lead():
         print(f"remodel {command}: error: {_one_line(msg)}", file=sys.stderr)
     elif local:  # raised on this rank alone (under torchrun): rank 0 does not have it to print
@@ -466,21 +464,12 @@ def _fail(command: str, msg: str) -> int:
     return 2
 
 
-def _rank_local(msg: str) -> bool:
-    """Whether this torchrun rank's error is its own (after the process group formed, rank 0 did not
-    raise the same one); see runtime.rank_local_error. False before torch.distributed is imported."""
-    if "torch.distributed" not in sys.modules:
-        return False
-    from remodel.pipelines.distributed.runtime import rank_local_error
-    return rank_local_error(msg)
-
-
-def _peer_lost(e: BaseException) -> str | None:
-    """`e` as a collective broken under torchrun (see runtime.peer_lost): "" to end quietly, a line, or None."""
-    if "torch.distributed" not in sys.modules:
-        return None
-    from remodel.pipelines.distributed.runtime import peer_lost
-    return peer_lost(e)
+def _ranks(fn: str, arg):
+    """runtime.`fn`(arg) (torchrun error handling) once torch.distributed is loaded, else None."""
+    if "torch.distributed" in sys.modules:  # before that no process group can exist
+        from remodel.pipelines.distributed import runtime
+        return getattr(runtime, fn)(arg)
+    return None
 
 
 def main(argv=None) -> int:
@@ -498,7 +487,7 @@ def main(argv=None) -> int:
         print(f"remodel {a.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        why = _peer_lost(e)
+        why = _ranks("peer_lost", e)
         if why is None:
             raise
         if why and _lead():  # a timeout; a rank that ended printed its own error (why == "")
