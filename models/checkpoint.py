@@ -3,19 +3,17 @@
 CheckpointReader validates a checkpoint directory up front (config.json, safetensors headers,
 index, shard sizes) and then reads single tensors on demand. CheckpointWriter writes tensors
 straight into shards of at most max_shard_bytes and writes the transformers layout at close().
-atomic_output_dir makes an output appear all at once or not at all.
+atomic_output_dir (models/outputs.py) makes an output appear all at once or not at all.
 Peak memory is about the largest tensor (the writer holds no shard buffer). Only safetensors is read:
 pickle checkpoints (*.bin, *.pt) are refused, never unpickled.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import math
 import os
 import re
-import secrets
 import shutil
 import struct
 import sys
@@ -25,6 +23,7 @@ import torch
 
 from .errors import RemodelError
 from .files import open_regular, parse_json, read_json
+from .outputs import atomic_output_dir  # also re-exported: the commands take it from here
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -360,136 +359,6 @@ class CheckpointWriter:
         (self.out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in aux_files(aux_from) if aux_from is not None else []:
             shutil.copyfile(f, self.out_dir / f.name)
-
-
-def _check_output(out: Path, overwrite: bool):
-    if out.exists() and not out.is_dir():
-        raise RemodelError(f"{out}: output exists and is not a directory")
-    if out.is_dir() and not overwrite and any(out.iterdir()):
-        raise RemodelError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
-
-
-_SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0  # another user's live process (or an impossible PID: treat as alive, keep it)
-    return True
-
-
-def remove_stale_siblings(out: Path):
-    """Delete the `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` siblings a killed run left behind (their
-    PID is dead); a stale `.old` holding the previous OUT is renamed back when OUT is missing."""
-    try:
-        entries = list(out.parent.iterdir())
-    except OSError:
-        return
-    for p in sorted(entries, key=lambda q: "tmp" in q.name):  # .old first, so it can be restored
-        m = _SIBLING.fullmatch(p.name)
-        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])):
-            continue
-        if m["kind"] == "old" and not out.exists():
-            with contextlib.suppress(OSError):
-                p.rename(out)
-                continue
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def make_parents(path: Path) -> list[Path]:
-    """Create `path`'s missing parent directories; returns those this call created (deepest last: one a
-    concurrent process made first is not ours to remove again)."""
-    made = []
-    for d in [d for d in reversed(Path(path).parents) if not d.exists()]:
-        try:
-            d.mkdir()
-        except FileExistsError:
-            if not d.is_dir():
-                raise
-            continue
-        made.append(d)
-    return made
-
-
-def remove_dirs(dirs: list[Path]):
-    """Remove the directories make_parents created, deepest first, those still empty only."""
-    for d in reversed(dirs):
-        with contextlib.suppress(OSError):
-            d.rmdir()
-
-
-def mark_dir(d: Path, marker: str, **info):
-    """Record in `d` that remodel made it (a work or run directory): the MARKER file, a small JSON. Only
-    a directory that carries it (see check_owned) is ever emptied or removed by remodel."""
-    (Path(d) / marker).write_text(json.dumps({"made_by": "remodel", **info}) + "\n")
-
-
-def check_owned(d: Path, marker: str, what: str, legacy=None):
-    """A work or run directory remodel may write in and later remove: absent, empty (or holding only its
-    lock), carrying MARKER, or `legacy(d)` (an older remodel's). Anything else is a one-line RemodelError
-    and is never removed, --overwrite or not: a symlink (never followed), a file, a folder without it."""
-    d = Path(d)
-    if d.is_symlink():
-        raise RemodelError(f"{d}: {what} is a symbolic link; remodel never follows one to write or delete "
-                           "there: remove the link or choose another output")
-    if not d.exists():
-        return
-    if not d.is_dir():
-        raise RemodelError(f"{d}: {what} exists and is not a directory; move it away or choose another output")
-    try:
-        names = {p.name for p in d.iterdir()}
-    except OSError as e:
-        raise RemodelError(f"{d}: cannot read {what} ({e.strerror or e})") from None
-    if marker in names or names <= {".lock"} or (legacy is not None and legacy(d)):
-        return
-    raise RemodelError(f"{d}: {what} exists and was not made by remodel (no {marker} in it); it is never "
-                       "removed, with or without --overwrite: move it away or choose another output")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out, overwrite: bool = False, inputs=()):
-    """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.
-    Refuses a non-empty `out` unless overwrite, and any `out` equal to, inside or containing an input.
-    Siblings left by killed runs are removed first; parent directories it creates are removed again
-    on error; an OUT that cannot be created (permissions, a file in the path) is a RemodelError."""
-    out = Path(out).absolute()
-    real = out.resolve()
-    for inp in inputs:
-        inp = Path(inp).resolve()
-        if real == inp or inp in real.parents or real in inp.parents:
-            raise RemodelError(f"{out}: output overlaps input directory {inp}; write the output elsewhere")
-    remove_stale_siblings(out)
-    _check_output(out, overwrite)
-    created = []
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        created = make_parents(out)
-        tmp.mkdir()
-    except OSError as e:
-        remove_dirs(created)
-        raise RemodelError(f"{out}: cannot create the output directory ({e.strerror or e}: "
-                           f"{e.filename or out.parent})") from None
-    try:
-        yield tmp
-        _check_output(out, overwrite)  # something may have appeared meanwhile
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            old.rename(out)  # put the previous output back
-        remove_dirs(created)
-        raise
-    if old.is_symlink():  # an OUT that was a link: the link goes, never its target's files
-        old.unlink()
-    else:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_checkpoint(src, out, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from remodel.models.checkpoint import check_owned, mark_dir
+from remodel.models.outputs import check_owned, mark_dir
 from remodel.models.errors import RemodelError
 
 from ..distributed.runtime import ChildrenDieWithUs, die_with_parent

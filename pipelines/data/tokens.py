@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from remodel.models.checkpoint import atomic_output_dir, check_owned, mark_dir
+from remodel.models.outputs import atomic_output_dir, check_owned, mark_dir
 from remodel.models.files import open_regular, parse_json, read_bounded
 from remodel.models.errors import RemodelError
 

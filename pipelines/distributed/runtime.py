@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from remodel.models.checkpoint import make_parents, remove_dirs
+from remodel.models.outputs import make_parents, remove_dirs
 from remodel.models.errors import RemodelError
 from remodel.models.files import read_json
 from remodel.models.load import read_config_dict
