@@ -118,7 +118,9 @@ def test_round_trip_identical(case, root):
     back = AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(back) is type(hf)
     with torch.no_grad():
-        assert torch.equal(back(ids(3)).logits, hf(ids(3)).logits)
+        got, want = back(ids(3)).logits, hf(ids(3)).logits
+        # weights equal bit for bit (above), logits to fp32 rounding: BLAS sums of a loaded copy may differ
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # (bit-unequal with ATEN_CPU_CAPABILITY=default)
 
 
 @pytest.mark.parametrize("case", list(CASES))

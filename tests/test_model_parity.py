@@ -129,7 +129,9 @@ def test_round_trip_identical(case, root):
     assert type(back) is type(hf)
     ids, _ = inputs(2)
     with torch.no_grad():
-        assert torch.equal(back(ids).logits, hf(ids).logits)
+        got, want = back(ids).logits, hf(ids).logits
+        # weights equal bit for bit (above), logits to fp32 rounding: BLAS sums of a loaded copy may differ
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # (bit-unequal with ATEN_CPU_CAPABILITY=default)
 
 
 def test_export_without_shared_expert(tmp_path):
