@@ -7,7 +7,6 @@ import json
 import math
 import os
 import sys
-import unicodedata
 
 if __package__ in (None, "") and "remodel" not in sys.modules:  # `python cli.py` (also under torchrun)
     import importlib.util
@@ -436,13 +435,6 @@ def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         raise RemodelError(f"top_k must be at most --experts={a.experts} (--top-k), got {a.top_k}")
 
 
-def _one_line(msg: str) -> str:
-    """`msg` with its control characters and line separators escaped as Python writes them (\\n, \\r,
-    \\x1b, \\u2028): a path holding a newline must not split the one error line (or colour a terminal)."""
-    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
-                   else c for c in msg)
-
-
 def _fail(command: str, msg: str) -> int:
     """The one error line (exit 2). Under torchrun (WORLD_SIZE > 1) only rank 0 prints it: every rank
     meets the same bad input, and N copies of one line bury it. The other ranks exit 2 silently, unless
@@ -456,11 +448,12 @@ def _fail(command: str, msg: str) -> int:
             bar.close()
     except Exception:  # noqa: BLE001 - the error line matters more than the bar
         pass
+    from remodel.models.errors import one_line
     local = _ranks("rank_local_error", msg)
     if _lead():
-        print(f"remodel {command}: error: {_one_line(msg)}", file=sys.stderr)
+        print(f"remodel {command}: error: {one_line(msg)}", file=sys.stderr)
     elif local:  # raised on this rank alone (under torchrun): rank 0 does not have it to print
-        print(f"remodel {command}: rank {os.environ.get('RANK')}: error: {_one_line(msg)}", file=sys.stderr)
+        print(f"remodel {command}: rank {os.environ.get('RANK')}: error: {one_line(msg)}", file=sys.stderr)
     return 2
 
 

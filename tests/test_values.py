@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from remodel import cli
 from remodel.compress.scores import FORMAT, load_scores, write_scores
-from remodel.models.errors import RemodelError
+from remodel.models.errors import RemodelError, one_line
 from remodel.models.hf import config_to_hf
 from tests.cli_contract import fails, listing
 from tests.conftest import FAMILY_CONFIGS, random_model, write_checkpoint
@@ -177,7 +177,7 @@ def test_a_path_holding_a_newline_stays_one_line(tmp_path, capsys):
     missing = tmp_path / "no\nsuch\rmodel\u2028x"
     line = fails(capsys, "convert", missing, tmp_path / "out", match="no\\nsuch\\rmodel\\u2028x")
     assert str(tmp_path) in line
-    assert cli._one_line("tab\there é") == "tab\\there é"
+    assert one_line("tab\there é") == "tab\\there é"
 
 
 # ---- Deliver 7: quiet output -----------------------------------------------------------------------
