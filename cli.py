@@ -262,12 +262,16 @@ def _add_tokenize(sub):
 
 
 def _add_eval(sub):
-    p = sub.add_parser("eval", help="perplexity and tokens/s")
+    p = sub.add_parser("eval", help="perplexity and tokens/s, and lm-eval tasks (--tasks)")
     p.add_argument("model", help="checkpoint directory to evaluate")
-    p.add_argument("--data", required=True, help="held-out text")
+    p.add_argument("--data", help="held-out text for loss and perplexity (None: only --tasks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
+    p.add_argument("--tasks", help="comma-separated lm-eval task names, run offline on local data: the shipped "
+                   "remodel_cloze, remodel_nextline, or a task of --task-dir (needs pip install remodel[eval])")
+    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
+    p.add_argument("--limit", type=int, help="items per task (None: every item)")
 
 
 def _dtype(name):
@@ -351,11 +355,22 @@ def _run_upcycle(a):
 def _run_eval(a):
     from remodel.models.errors import RemodelError
     from remodel.pipelines.training.evaluate import evaluate
-    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
+    if not a.data and a.tasks is None:
+        raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
+    checked = None
+    if a.tasks is not None:  # lm-eval present, names and --task-dir checked before any model is loaded
+        from remodel.pipelines.training.tasks import check_tasks, format_tasks, run_tasks
+        checked = check_tasks([t.strip() for t in a.tasks.split(",") if t.strip()], a.task_dir)
+    elif a.task_dir is not None or a.limit is not None:
+        raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
+    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens) if a.data else {}
     loss = r.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):
         raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
                            "hold NaN/inf or overflow")
+    if checked is not None:
+        r["tasks"] = run_tasks(a.model, [], limit=a.limit, batch=a.batch, checked=checked)
+        print(format_tasks(r["tasks"]), file=sys.stderr)
     print(_json(r, a.command))
 
 
@@ -410,7 +425,7 @@ def _options():
         "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(2, 2**24), "batch": ints(1, 2**20),
         "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
         "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
-        "candidates": ints(1, 1000), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
+        "candidates": ints(1, 1000), "limit": ints(1, 2**31), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
         "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
         "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
         "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16), "drop_ratio": Check(float, 0, 1),
