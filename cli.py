@@ -127,12 +127,12 @@ def _add_score(sub):
     p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
                    help="activation importance, or a data-free baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
-    p.add_argument("--expert-method", choices=["reconstruction", "contribution", "frequency", "mean", "random"],
+    p.add_argument("--expert-method", choices=["reconstruction", "contribution", "frequency", "reap", "mean", "random"],
                    default="reconstruction",
                    help="what ranks MoE experts: reconstruction (default: greedy elimination of the experts whose "
                         "removal, tokens re-routed, moves the routed output least), contribution (router weight x "
-                        "output norm summed over tokens), routing frequency, the mean per routed token, or random "
-                        "(--seed)")
+                        "output norm summed over tokens), routing frequency, reap (REAP, arXiv 2510.13999: the mean "
+                        "over routed tokens of router weight x output norm; `mean` is its alias), or random (--seed)")
     p.add_argument("--samples", type=int, default=1024, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences per forward pass")
