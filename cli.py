@@ -154,6 +154,9 @@ def _add_prune(sub):
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks run on the result, in its report (see `eval --tasks`)")
+    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (see `eval --task-dir`)")
+    p.add_argument("--limit", type=int, help="items per task (None: every item)")
     _overwrite(p)
 
 
@@ -317,7 +320,13 @@ def _run_score(a):
 
 def _run_prune(a):
     from remodel.pipelines.commands.prune import prune
-    return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
+    tasks = None if a.tasks is None else [t.strip() for t in a.tasks.split(",") if t.strip()]
+    r = prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=tasks,
+              task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
+    if "tasks" in r:
+        from remodel.pipelines.training.tasks import format_tasks
+        print(format_tasks(r["tasks"]), file=sys.stderr)
+    return r
 
 
 def _run_plan(a):

@@ -83,6 +83,20 @@ def test_eval_tasks_equals_lm_eval_cli(family, tmp_path, capsys):
     assert (ours["acc"], ours["acc_norm"]) == (theirs["acc,none"], theirs["acc_norm,none"])
 
 
+def test_prune_tasks_reports_the_result_accuracy(tmp_path, capsys):
+    """prune --tasks: the report carries the pruned checkpoint's accuracy, the figure eval --tasks gives it;
+    a bad task name is refused before OUT is written."""
+    d = tiny_checkpoint("llama", tmp_path)
+    assert cli.main(["score", str(d), "--method", "magnitude", "--out", str(tmp_path / "s")]) == 0
+    prune = ["prune", str(d), "--scores", str(tmp_path / "s"), "--ffn-size", "20", "--limit", str(LIMIT)]
+    assert cli.main([*prune[:2], str(tmp_path / "bad"), *prune[2:], "--tasks", "nope"]) == 2
+    assert "unknown task 'nope' (--tasks)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert cli.main([*prune[:2], str(tmp_path / "p"), *prune[2:], "--tasks", "remodel_cloze"]) == 0
+    capsys.readouterr()
+    report = json.loads((tmp_path / "p" / "remodel_report.json").read_text())["tasks"]["remodel_cloze"]
+    assert report["samples"] == LIMIT and report["acc"] == remodel_eval(tmp_path / "p", capsys)["acc"]
+
+
 def test_shipped_tasks_load_with_every_item():
     """Both shipped tasks resolve their JSONL beside the YAML; 150 four-way items each, labels in range."""
     from remodel.pipelines.training.tasks import check_tasks
