@@ -25,15 +25,15 @@ def tiny_checkpoint(family, root):
     return write_checkpoint(random_model(cfg, seed=1, std=0.5), root / family, family=family)
 
 
-def lm_eval_cli(model_dir, task, out) -> dict:
+def lm_eval_cli(model_dir, tasks, out) -> dict:
     """lm-eval's CLI on `model_dir`, run from the task folder (its data_files are relative to it)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
                     f"pretrained={model_dir},trust_remote_code=False,dtype=float32", "--device", "cpu",
-                    "--batch_size", "8", "--tasks", task, "--include_path", str(TASK_DIR), "--limit", str(LIMIT),
+                    "--batch_size", "8", "--tasks", tasks, "--include_path", str(TASK_DIR), "--limit", str(LIMIT),
                     "--output_path", str(out)], cwd=TASK_DIR, env=env, check=True, capture_output=True)
     (path,) = out.rglob("results_*.json")
-    return json.loads(path.read_text())["results"][task]
+    return json.loads(path.read_text())["results"]
 
 
 def direct_accuracy(model_dir, task, limit) -> float:
@@ -59,11 +59,13 @@ def direct_accuracy(model_dir, task, limit) -> float:
     return right / len(rows)
 
 
-def remodel_eval(d, capsys, task="remodel_cloze") -> dict:
-    assert cli.main(["eval", str(d), "--tasks", task, "--limit", str(LIMIT)]) == 0
+def remodel_eval(d, capsys, tasks="remodel_cloze") -> dict:
+    """`remodel eval --tasks` -> its report's figures of the first task (all of them with a comma)."""
+    assert cli.main(["eval", str(d), "--tasks", tasks, "--limit", str(LIMIT)]) == 0
     out = capsys.readouterr()
-    assert task in out.err  # the table
-    return json.loads(out.out)["tasks"][task]
+    assert all(t in out.err for t in tasks.split(","))  # the table
+    r = json.loads(out.out)["tasks"]
+    return r if "," in tasks else r[tasks]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
@@ -78,9 +80,11 @@ def test_eval_tasks_equals_a_direct_computation(family, tmp_path, capsys):
 def test_eval_tasks_equals_lm_eval_cli(family, tmp_path, capsys):
     """lm-eval's CLI (a subprocess that indexes all of lm-eval's own tasks, ~25 s): a dense and a hybrid MoE."""
     d = tiny_checkpoint(family, tmp_path)
-    ours = remodel_eval(d, capsys, "remodel_nextline")
-    theirs = lm_eval_cli(d, "remodel_nextline", tmp_path / "lm_eval")
-    assert (ours["acc"], ours["acc_norm"]) == (theirs["acc,none"], theirs["acc_norm,none"])
+    ours = remodel_eval(d, capsys, "remodel_cloze,remodel_nextline")
+    theirs = lm_eval_cli(d, "remodel_cloze,remodel_nextline", tmp_path / "lm_eval")
+    assert ours["remodel_cloze"]["acc"] == theirs["remodel_cloze"]["acc,none"]
+    nl, their_nl = ours["remodel_nextline"], theirs["remodel_nextline"]
+    assert (nl["acc"], nl["acc_norm"]) == (their_nl["acc,none"], their_nl["acc_norm,none"])
 
 
 def test_prune_tasks_reports_the_result_accuracy(tmp_path, capsys):
