@@ -27,6 +27,10 @@ def _lm_eval():
     """lm_eval, imported offline (no hub or dataset download) and quiet; a one-line error when missing."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets.config
+    import huggingface_hub.constants
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # read at their import,
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # which pipelines.data already did
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -83,9 +87,19 @@ def _spec(tm, name: str):
 
 @contextlib.contextmanager
 def _quiet():
-    """lm-eval's own prints, warnings and progress bars kept off normal output (its errors still raise)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
+    """lm-eval's own prints, warnings and progress bars kept off normal output (its errors still raise);
+    transformers' notices too (its "install causal_conv1d / mamba_ssm" one is about CUDA kernels)."""
+    from transformers.utils import logging as hf_logging
+
+    from .fp8 import import_torchao_quietly
+    import_torchao_quietly()  # transformers' loading imports torchao, which prints CUDA-library notices
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = None, batch: int = 8,
