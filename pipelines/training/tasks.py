@@ -28,9 +28,8 @@ def _lm_eval():
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     import datasets.config
-    import huggingface_hub.constants
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # read at their import,
-    huggingface_hub.constants.HF_HUB_OFFLINE = True  # which pipelines.data already did
+    datasets.config.constants.HF_HUB_OFFLINE = True  # huggingface_hub's; pipelines.data already imported both
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
