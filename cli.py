@@ -126,12 +126,12 @@ def _add_score(sub):
     p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
                    help="activation importance, or a data-free baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
-    p.add_argument("--expert-method", choices=["reconstruction", "contribution", "frequency", "mean", "random"],
+    p.add_argument("--expert-method", choices=["reconstruction", "contribution", "frequency", "reap", "mean", "random"],
                    default="reconstruction",
                    help="what ranks MoE experts: reconstruction (default: greedy elimination of the experts whose "
                         "removal, tokens re-routed, moves the routed output least), contribution (router weight x "
-                        "output norm summed over tokens), routing frequency, the mean per routed token, or random "
-                        "(--seed)")
+                        "output norm summed over tokens), routing frequency, reap (REAP, arXiv 2510.13999: the mean "
+                        "over routed tokens of router weight x output norm; `mean` is its alias), or random (--seed)")
     p.add_argument("--samples", type=int, default=1024, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences per forward pass")
@@ -153,6 +153,9 @@ def _add_prune(sub):
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks run on the result, in its report (see `eval --tasks`)")
+    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (see `eval --task-dir`)")
+    p.add_argument("--limit", type=int, help="items per task (None: every item)")
     _overwrite(p)
 
 
@@ -261,12 +264,16 @@ def _add_tokenize(sub):
 
 
 def _add_eval(sub):
-    p = sub.add_parser("eval", help="perplexity and tokens/s")
+    p = sub.add_parser("eval", help="perplexity and tokens/s, and lm-eval tasks (--tasks)")
     p.add_argument("model", help="checkpoint directory to evaluate")
-    p.add_argument("--data", required=True, help="held-out text")
+    p.add_argument("--data", help="held-out text for loss and perplexity (None: only --tasks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
+    p.add_argument("--tasks", help="comma-separated lm-eval task names, run offline on local data: the shipped "
+                   "remodel_cloze, remodel_nextline, or a task of --task-dir (needs pip install remodel[eval])")
+    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
+    p.add_argument("--limit", type=int, help="items per task (None: every item)")
 
 
 def _dtype(name):
@@ -312,7 +319,13 @@ def _run_score(a):
 
 def _run_prune(a):
     from remodel.pipelines.commands.prune import prune
-    return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, **_targets(a))
+    tasks = None if a.tasks is None else [t.strip() for t in a.tasks.split(",") if t.strip()]
+    r = prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=tasks,
+              task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
+    if "tasks" in r:
+        from remodel.pipelines.training.tasks import format_tasks
+        print(format_tasks(r["tasks"]), file=sys.stderr)
+    return r
 
 
 def _run_plan(a):
@@ -350,11 +363,22 @@ def _run_upcycle(a):
 def _run_eval(a):
     from remodel.models.errors import RemodelError
     from remodel.pipelines.training.evaluate import evaluate
-    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens)
+    if not a.data and a.tasks is None:
+        raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
+    checked = None
+    if a.tasks is not None:  # lm-eval present, names and --task-dir checked before any model is loaded
+        from remodel.pipelines.training.tasks import check_tasks, format_tasks, run_tasks
+        checked = check_tasks([t.strip() for t in a.tasks.split(",") if t.strip()], a.task_dir)
+    elif a.task_dir is not None or a.limit is not None:
+        raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
+    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens) if a.data else {}
     loss = r.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):
         raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
                            "hold NaN/inf or overflow")
+    if checked is not None:
+        r["tasks"] = run_tasks(a.model, [], limit=a.limit, batch=a.batch, checked=checked)
+        print(format_tasks(r["tasks"]), file=sys.stderr)
     print(_json(r, a.command))
 
 
@@ -409,7 +433,7 @@ def _options():
         "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(2, 2**24), "batch": ints(1, 2**20),
         "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
         "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
-        "candidates": ints(1, 1000), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
+        "candidates": ints(1, 1000), "limit": ints(1, 2**31), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
         "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
         "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
         "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16), "drop_ratio": Check(float, 0, 1),

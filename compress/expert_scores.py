@@ -9,8 +9,10 @@ plan_keep reads for --experts), chosen from what a calibration run recorded (com
                 routed often but writes almost nothing scores low, one routed rarely but decisively
                 scores by what it actually adds
   frequency     how many calibration tokens were routed to it (a baseline)
-  mean          the mean of |w| * ||output|| over its routed tokens (the reference's definition,
-                pruning.md; what Scorer.result() itself writes as `experts`)
+  reap          REAP, router-weighted expert activation pruning (Lasby et al., arXiv 2510.13999): the
+                mean over the tokens routed to the expert of |router weight| * ||expert output||, what
+                Scorer.result() itself writes as `experts` (for a LatentMoE the output is the expert's,
+                in the latent, before fc2_latent_proj). `mean` is its older name, kept as an alias
   random        uniform [0, 1) from torch.Generator(seed), per layer (a baseline)
 
 The router weight is the one the output is multiplied by (unbiased sigmoid / softmax score after
@@ -26,20 +28,23 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import KINDS
 
-EXPERT_METHODS = ("reconstruction", "contribution", "frequency", "mean", "random")
+EXPERT_METHODS = ("reconstruction", "contribution", "frequency", "reap", "random")
+ALIASES = {"mean": "reap"}  # the name `reap` had before it was named after its paper
 SOURCE = {"reconstruction": "expert_reconstruction", "contribution": "expert_contribution",
-          "frequency": "expert_frequency", "mean": "experts"}
+          "frequency": "expert_frequency", "reap": "experts"}
 ROUTED = ("reconstruction", "contribution")  # expert FFN channels ranked by what they write via the router
 
 
-def check_expert_method(method: str) -> None:
-    if method not in EXPERT_METHODS:
+def check_expert_method(method: str) -> str:
+    """The method's own name (an alias resolved); a one-line error for an unknown one."""
+    if method not in EXPERT_METHODS and method not in ALIASES:
         raise RemodelError(f"unknown expert scoring method {method!r} (allowed: {', '.join(EXPERT_METHODS)})")
+    return ALIASES.get(method, method)
 
 
 def rank_experts(scores: dict, cfg: ModelConfig, method: str = "reconstruction", seed: int = 0) -> dict:
     """A copy of `scores` whose `layers.i.experts` is the `method` score of every MoE layer."""
-    check_expert_method(method)
+    method = check_expert_method(method)
     out, g = dict(scores), torch.Generator().manual_seed(seed)
     trunk = [f"layers.{i}." for i, c in enumerate(cfg.pattern) if KINDS[c].routed]
     mtp = [f"mtp.layers.{j}." for j, c in enumerate(cfg.mtp_full_pattern) if KINDS[c].routed]

@@ -8,7 +8,7 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   layers.i.attn    input of mixer.o_proj, per head                              '*'   [nq, head_dim]
   layers.i.mamba_x the x segment of mixer.in_proj's output (the Mamba spec; before conv),
                    times ||out_proj[:, c]|| of the same inner channel c        'M'   [nh, hd]
-  layers.i.experts mean over routed tokens of ||w * expert(x)||                'E'   [E]
+  layers.i.experts REAP: mean over routed tokens of ||w * expert(x)|| (arXiv 2510.13999)  'E' [E]
                    (w: the router weight the token's output is multiplied by, from the unbiased
                    score: e_score_correction_bias only chooses experts, so it never enters w)
   layers.i.expert_contribution  sum over routed tokens of |w| * ||expert(x)||        [E]

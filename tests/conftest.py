@@ -277,6 +277,9 @@ MARKS = {
     "test_demo.py": {
         "test_demo_quick": "slow",
     },
+    "test_tasks.py": {
+        "test_eval_tasks_equals_lm_eval_cli": "slow",
+    },
     "test_embedded.py": {
         "test_held_out_perplexity_matches_record": "quality",
         "test_moe_held_out_loss": "quality",

@@ -1,6 +1,6 @@
 """pyproject declares exactly what the product imports: every third-party module imported by the
 packages (models, compress, upcycle, pipelines, data, cli.py) is a declared dependency or extra, and every
-declared runtime dependency or `gpu` extra is imported somewhere (a package that nothing imports goes).
+declared runtime dependency or `gpu` / `eval` extra is imported somewhere (a package that nothing imports goes).
 Modules loaded by name (importlib.import_module, as models/mamba.py does for the GPU kernels) count as
 imported from the files that use importlib."""
 import ast
@@ -12,7 +12,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
-MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d"}  # distribution -> import name
+MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval"}  # distribution -> import name
 LOCAL = {"models", "compress", "upcycle", "pipelines", "data", "cli"}  # the folders, installed as remodel.*
 
 
@@ -20,8 +20,8 @@ def _declared():
     proj = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     name = lambda req: re.split(r"[<>=!~ \[;]", req, maxsplit=1)[0]  # noqa: E731
     runtime = [name(r) for r in proj["dependencies"]]
-    gpu = [name(r) for r in proj["optional-dependencies"]["gpu"]]
-    return {MODULE_OF.get(d, d): d for d in runtime + gpu}
+    extras = [name(r) for x in ("gpu", "eval") for r in proj["optional-dependencies"][x]]
+    return {MODULE_OF.get(d, d): d for d in runtime + extras}
 
 
 def _imported(declared=()):

@@ -18,6 +18,8 @@ def test_install_target_has_one_namespace(tmp_path):
     top = {p.name for p in target.iterdir()}
     assert not top & GENERIC, top
     assert {"models", "compress", "upcycle", "pipelines", "data", "cli.py"} <= {p.name for p in (target / "remodel").iterdir()}
+    tasks = {p.name for p in (target / "remodel" / "data" / "tasks").iterdir()}  # eval --tasks' shipped set
+    assert {"remodel_cloze.yaml", "cloze.jsonl", "remodel_nextline.yaml", "nextline.jsonl"} <= tasks, tasks
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = ("import remodel.cli, remodel.models.model, remodel.pipelines.training.trainer, sys; "
             "print(remodel.cli.__file__); "

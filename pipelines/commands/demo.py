@@ -2,7 +2,8 @@
 
 inspect -> eval -> convert round trip -> score -> prune to about half -> distill -> upcycle the
 teacher to a MoE -> reload the results in transformers and compare logits -> a before/after table
-(parameters, perplexity, tokens/s). OUT is replaced only when it is a previous demo's output.
+(parameters, perplexity, tokens/s; with the `eval` extra, the accuracy on the shipped lm-eval tasks
+remodel_cloze and remodel_nextline). OUT is replaced only when it is a previous demo's output.
 """
 from __future__ import annotations
 
@@ -23,18 +24,38 @@ from .report import write_report
 EMBEDDED = DATA_DIR / "embedded"
 
 
-def _row(name, path, ev, note=""):
+def _row(name, path, ev, note="", tasks=None):
+    """A table row; tasks: _tasks' runner (None without lm-eval) adds the shipped tasks' accuracy."""
     p = count_params(load_config(path))
-    return {"model": name, "params": p["total"], "active": p["active"], "ppl": ev["ppl"],
-            "tokens_per_s": ev["tokens_per_s"], "note": note}
+    r = {"model": name, "params": p["total"], "active": p["active"], "ppl": ev["ppl"],
+         "tokens_per_s": ev["tokens_per_s"], "note": note}
+    return {**r, **tasks(path)} if tasks else r
+
+
+def _tasks(quick: bool):
+    """path -> {cloze: acc, nextline: acc_norm} on the shipped tasks (pipelines/training/tasks.py), or
+    None when the optional lm-eval is not installed (the demo then shows perplexity only)."""
+    from ..training.tasks import check_tasks, run_tasks
+    try:
+        checked = check_tasks(["remodel_cloze", "remodel_nextline"])
+    except RemodelError:
+        return None
+
+    def run(path):
+        r = run_tasks(path, [], limit=20 if quick else None, checked=checked)
+        return {"cloze": r["remodel_cloze"]["acc"], "nextline": r["remodel_nextline"]["acc_norm"]}
+    return run
 
 
 def _table(rows) -> str:
-    head = f"{'model':<22}{'params':>12}{'active':>12}{'ppl':>10}{'tok/s':>10}  note"
+    acc = "cloze" in rows[0]
+    head = f"{'model':<22}{'params':>12}{'active':>12}{'ppl':>10}{'tok/s':>10}" + \
+        (f"{'cloze':>7}{'next':>6}" if acc else "") + "  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:<22}{r['params']:>12,}{r['active']:>12,}{r['ppl']:>10.2f}"
-                     f"{r['tokens_per_s']:>10,.0f}  {r['note']}")
+                     f"{r['tokens_per_s']:>10,.0f}" + (f"{r['cloze']:>7.2f}{r['nextline']:>6.2f}" if acc else "")
+                     + f"  {r['note']}")
     return "\n".join(lines)
 
 
@@ -110,13 +131,14 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
     cfg = load_config(EMBEDDED)
     eval_tokens = 8192 if quick else 32768
     ev = lambda m: evaluate(m, valid_txt, seq_len=256, batch=8, max_tokens=eval_tokens)  # noqa: E731
+    tasks = _tasks(quick)
     out = Path(out)
     _check_demo_out(out, overwrite)
     with atomic_output_dir(out, overwrite=True) as tmp:
         work = Path(tmp)
         print(f"[1/6] embedded model: {cfg.pattern}, hidden {cfg.hidden_size}, "
               f"{count_params(cfg)['total']:,} parameters")
-        rows = [_row("embedded (teacher)", EMBEDDED, ev(EMBEDDED), "shipped bf16 checkpoint")]
+        rows = [_row("embedded (teacher)", EMBEDDED, ev(EMBEDDED), "shipped bf16 checkpoint", tasks)]
         n = _round_trip(EMBEDDED, work)
         print(f"      convert round trip HF -> remodel -> HF: {n} tensors identical")
 
@@ -127,21 +149,21 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
         targets = dict(ffn_size=cfg.intermediate_size // 2, mamba_heads=cfg.mamba_num_heads // 2,
                        hidden_size=cfg.hidden_size * 3 // 4)
         prune(EMBEDDED, work / "pruned", scores_dir=work / "scores", **targets)
-        rows.append(_row("pruned", work / "pruned", ev(work / "pruned"), "no retraining"))
+        rows.append(_row("pruned", work / "pruned", ev(work / "pruned"), "no retraining", tasks))
 
         steps = 30 if quick else 120
         print(f"[4/6] distilling the pruned student from the teacher ({steps} steps)")
         train(work / "pruned", work / "distilled", data=train_txt, teacher_dir=EMBEDDED, steps=steps,
               seq_len=256, batch=8, lr=1e-3, warmup=5, checkpoint_every=10**9, seed=0)
         rows.append(_row("pruned + distilled", work / "distilled", ev(work / "distilled"),
-                         f"{steps * 8 * 256:,} tokens of KD"))
+                         f"{steps * 8 * 256:,} tokens of KD", tasks))
 
         print("[5/6] upcycling the dense teacher to a fine-grained MoE (8 experts, G=4, top-4)")
         upcycle(EMBEDDED, work / "moe", experts=8, granularity=4, top_k=4, router="sigmoid", exact=True)
-        rows.append(_row("upcycled MoE", work / "moe", ev(work / "moe"), "exact at init (G=4 virtual groups)"))
+        rows.append(_row("upcycled MoE", work / "moe", ev(work / "moe"), "exact at init (G=4 virtual groups)", tasks))
         if embedded_moe_path().is_dir():  # the same upcycle, trained further and shipped: one more eval
             rows.append(_row("embedded MoE (trained)", embedded_moe_path(), ev(embedded_moe_path()),
-                             "shipped data/embedded_moe: upcycled + trained"))
+                             "shipped data/embedded_moe: upcycled + trained", tasks))
 
         print("[6/6] loading the results in transformers (no trust_remote_code), comparing logits")
         hf_ok = _check_in_transformers(work, cfg.vocab_size)

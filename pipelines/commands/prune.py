@@ -57,8 +57,9 @@ def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
 def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_size=None, mamba_heads=None,
           mamba_head_dim=None, attn_heads=None, experts=None, expert_ffn_size=None, shared_expert_size=None,
           latent_size=None, num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
-          **score_kwargs) -> dict:
-    """Prune the HF checkpoint `model_dir` into `out` (same family). -> the report dict."""
+          tasks=None, task_dir=None, task_limit=None, **score_kwargs) -> dict:
+    """Prune the HF checkpoint `model_dir` into `out` (same family). -> the report dict.
+    tasks: lm-eval task names (pipelines/training/tasks.py) run on the result, in the report as `tasks`."""
     t0 = time.time()
     reader = CheckpointReader(model_dir)
     family = reader.config.get("model_type")
@@ -68,6 +69,9 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
                    shared_expert_size=shared_expert_size, latent_size=latent_size, num_layers=num_layers,
                    drop_layers=drop_layers)
     t = validate_targets(cfg, targets, family)  # before any calibration or I/O
+    if tasks is not None:  # lm-eval present, names and --task-dir checked before any work
+        from ..training.tasks import check_tasks, run_tasks
+    checked = check_tasks(tasks, task_dir) if tasks is not None else None
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
     if scores_dir is None:
@@ -102,6 +106,8 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
             "plot": "importance.png" if plotted else None,
             "scores_meta": {k: v for k, v in meta.items() if k != "config"},
             "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
+        if checked is not None:  # the written checkpoint, as transformers loads it
+            report["tasks"] = run_tasks(tmp, [], limit=task_limit, checked=checked)
         write_report(tmp, report)
     return report
 

@@ -82,11 +82,11 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
     method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
     (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
     expert_method: what ranks routed experts (`layers.i.experts`): 'reconstruction', 'contribution',
-    'frequency', 'mean' or 'random' (by `seed`); compress/expert_scores.py. All their tensors are written."""
+    'frequency', 'reap' (REAP; alias 'mean') or 'random' (by `seed`); compress/expert_scores.py. All their tensors are written."""
     t0 = time.time()
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
-    check_expert_method(expert_method)
+    expert_method = check_expert_method(expert_method)
     if method != "activation":
         return score_weights(model_dir, out, method, seed, overwrite)
     _check_options(samples, seq_len, batch, loss_batches, mode, max_memory_bytes)
