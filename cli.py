@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -296,7 +295,8 @@ def _run_inspect(a):
     from remodel.models.errors import RemodelError
     from remodel.pipelines.commands.inspection import format_inspect, inspect
     d = inspect(a.model)
-    print(_json(d, a.command) if a.json else format_inspect(d))
+    from remodel.pipelines.commands.report import strict_json
+    print(strict_json(d, a.command) if a.json else format_inspect(d))
     bad = (d.get("checkpoint") or {}).get("config_mismatches")
     if bad:
         raise RemodelError(f"{len(bad)} tensor(s) disagree with config.json, e.g. {bad[0]}")
@@ -334,7 +334,8 @@ def _run_plan(a):
     r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
              axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
     if a.json:
-        print(_json(r, a.command))
+        from remodel.pipelines.commands.report import strict_json
+        print(strict_json(r, a.command))
 
 
 def _run_search(a):
@@ -379,7 +380,8 @@ def _run_eval(a):
     if checked is not None:
         r["tasks"] = run_tasks(a.model, [], limit=a.limit, batch=a.batch, checked=checked)
         print(format_tasks(r["tasks"]), file=sys.stderr)
-    print(_json(r, a.command))
+    from remodel.pipelines.commands.report import strict_json
+    print(strict_json(r, a.command))
 
 
 def _run_tokenize(a):
@@ -397,29 +399,6 @@ COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert,
 def run(a) -> object:
     """Runs the parsed command `a`; -> its result (a report dict, or None when it printed its own output)."""
     return COMMANDS[a.command](a)
-
-
-def _finite(obj, bad: list, where: str = ""):
-    """obj with every NaN/inf float replaced by None (their paths appended to `bad`)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        bad.append(where or "value")
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v, bad, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v, bad, f"{where}[{i}]") for i, v in enumerate(obj)]
-    return obj
-
-
-def _json(obj, command: str) -> str:
-    """Strict JSON (never NaN/Infinity, which JSON does not have): non-finite numbers become null,
-    with one warning line on stderr naming them."""
-    bad = []
-    text = json.dumps(_finite(obj, bad), indent=2, default=str, allow_nan=False)
-    if bad:
-        print(f"remodel {command}: warning: non-finite values written as null: {', '.join(bad[:5])}"
-              + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), file=sys.stderr)
-    return text
 
 
 def _options():
@@ -511,7 +490,8 @@ def main(argv=None) -> int:
             print(f"remodel {a.command}: error: {why}", file=sys.stderr)
         return 1
     if isinstance(r, dict) and a.command not in ("demo",):
-        print(_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
+        from remodel.pipelines.commands.report import strict_json
+        print(strict_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
     return 0
 
 

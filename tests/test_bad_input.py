@@ -15,6 +15,7 @@ import pytest
 from remodel import cli
 from remodel.models.checkpoint import atomic_output_dir
 from remodel.models.errors import RemodelError
+from remodel.pipelines.commands.report import strict_json
 from tests.cli_contract import fails, listing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +273,7 @@ def test_eval_nan_loss_never_prints_nan(work, capsys):
 
 
 def test_json_output_is_strict(capsys):
-    text = cli._json({"loss": float("nan"), "x": [1.0, float("inf")], "ok": 2.5}, "eval")
+    text = strict_json({"loss": float("nan"), "x": [1.0, float("inf")], "ok": 2.5}, "eval")
     assert json.loads(text) == {"loss": None, "x": [1.0, None], "ok": 2.5}
     assert "NaN" not in text and "Infinity" not in text
     err = capsys.readouterr().err.strip()

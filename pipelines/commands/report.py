@@ -1,6 +1,8 @@
 """remodel_report.json: what was done, inputs, figures."""
 import json
+import math
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -14,3 +16,26 @@ def write_report(out_dir, report: dict) -> Path:
     p = Path(out_dir) / "remodel_report.json"
     p.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return p
+
+
+def _finite(obj, bad: list, where: str = ""):
+    """obj with every NaN/inf float replaced by None (their paths appended to `bad`)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(where or "value")
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v, bad, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v, bad, f"{where}[{i}]") for i, v in enumerate(obj)]
+    return obj
+
+
+def strict_json(obj, command: str) -> str:
+    """Strict JSON (never NaN/Infinity, which JSON does not have): non-finite numbers become null,
+    with one warning line on stderr naming them."""
+    bad = []
+    text = json.dumps(_finite(obj, bad), indent=2, default=str, allow_nan=False)
+    if bad:
+        print(f"remodel {command}: warning: non-finite values written as null: {', '.join(bad[:5])}"
+              + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), file=sys.stderr)
+    return text
