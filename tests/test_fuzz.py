@@ -170,7 +170,7 @@ def header_valid(raw: bytes) -> bool:
         return False
     spans = []
     for e in h.values():
-        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE or not isinstance(e.get("shape"), list) \
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in ITEMSIZE or not isinstance(e.get("shape"), list) \
                 or not isinstance(e.get("data_offsets"), list) or len(e["data_offsets"]) != 2 \
                 or not all(_nat(x) for x in e["shape"] + e["data_offsets"]):
             return False

@@ -179,7 +179,8 @@ def _disjoint(chunks, where: str):
 
 
 def _check_tensor(fqn: str, e, sizes: dict, where: str) -> list:
-    if not isinstance(e, dict) or e.get("dtype") not in DTYPES or not _ints(e.get("size")) \
+    if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in DTYPES \
+            or not _ints(e.get("size")) \
             or not isinstance(e.get("chunks"), list) or len(e["chunks"]) > MAX_CHUNKS:
         raise RemodelError(f"{where}: malformed entry for {fqn!r}")
     item, dims = DTYPES[e["dtype"]].itemsize, len(e["size"])
