@@ -102,6 +102,14 @@ def check_owned(d: Path, marker: str, what: str, legacy=None):
                        "removed, with or without --overwrite: move it away or choose another output")
 
 
+def remove_owned(d: Path, marker: str, what: str, legacy=None):
+    """Remove `d` only when check_owned accepts it as remodel's; anything else stays untouched, silently
+    (the cleanup of a work folder after a run, which must never turn into a user's loss)."""
+    with contextlib.suppress(RemodelError):
+        check_owned(d, marker, what, legacy)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out, overwrite: bool = False, inputs=()):
     """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.

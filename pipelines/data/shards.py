@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from remodel.models.outputs import check_owned, mark_dir
+from remodel.models.outputs import check_owned, mark_dir, remove_owned
 from remodel.models.errors import RemodelError
 
 from ..distributed.runtime import ChildrenDieWithUs, die_with_parent
@@ -274,8 +273,4 @@ def assemble(done: list[dict], work: Path, folder: Path, dtype):
 
 def remove_work(work: Path):
     """Remove the work folder, only when remodel made it (a refused folder, a symlink, stays untouched)."""
-    try:
-        check_owned(work, WORK_MARKER, "the tokenize work folder", _legacy_work)
-    except RemodelError:
-        return
-    shutil.rmtree(work, ignore_errors=True)
+    remove_owned(work, WORK_MARKER, "the tokenize work folder", _legacy_work)

@@ -20,13 +20,12 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
-from remodel.models.outputs import atomic_output_dir, check_owned, mark_dir
+from remodel.models.outputs import atomic_output_dir, check_owned, mark_dir, remove_owned
 from remodel.models.files import open_regular, parse_json, read_bounded
 from remodel.models.errors import RemodelError
 
@@ -162,7 +161,7 @@ def tokenize_megatron(data, out, tokenizer, *, num_proc: int = 1, doc_split: str
                       "output": str(out), "seconds": round(time.perf_counter() - t0, 3)}
             (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2) + "\n")
     finally:
-        _remove_work_set(work)
+        remove_owned(work, shards.WORK_MARKER, "the megatron work token set", _legacy_work_set)
     return report
 
 
@@ -172,13 +171,6 @@ def _legacy_work_set(folder: Path) -> bool:
         return read_meta(folder).get("format") == FORMAT and (folder / "remodel_report.json").is_file()
     except (RemodelError, OSError):
         return False
-
-
-def _remove_work_set(work: Path):
-    """Remove tokenize_megatron's work set, only when remodel made it."""
-    with contextlib.suppress(RemodelError):
-        check_owned(work, shards.WORK_MARKER, "the megatron work token set", _legacy_work_set)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def cache_root() -> Path:
