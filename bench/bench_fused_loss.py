@@ -4,7 +4,9 @@
                                      [--reps 3] [--chunk ROWS] [--only ce|kl] [--device cpu|cuda]
 
 Forward + backward of the LM cross-entropy and of KL(teacher || student), fused and unfused, alternating
-in one process; prints the median time and the median peak-RSS growth of each, and the ratios.
+in one process; prints the median time and the median peak-RSS growth of each, and the ratios. With
+--liger (CUDA, liger-kernel installed) liger's fused linear cross-entropy and fused linear JSD (beta 0:
+forward KL, its closest to ours) run beside ours in the same rounds. --json writes the figures.
 Peak RSS: VmHWM reset before each call (clear_refs), glibc's mmap threshold fixed so freed blocks
 return to the OS and the peak counts live memory.
 """
@@ -71,12 +73,27 @@ def cases(a):
             t = F.linear(h_t, w_t)
         return kl_div(F.linear(h, w), t, 2.0)
     out = {}
+    lg = liger() if a.liger else None
     if a.only in (None, "ce"):
-        out["ce"] = (run(lambda: fused_lm_loss(h, w, labels, chunk=a.chunk)),
-                     run(lambda: lm_loss(F.linear(h, w), labels)))
+        out["ce"] = {"fused": run(lambda: fused_lm_loss(h, w, labels, chunk=a.chunk)),
+                     "unfused": run(lambda: lm_loss(F.linear(h, w), labels))}
+        if lg:
+            out["ce"]["liger"] = run(lambda: lg.liger_fused_linear_cross_entropy(h, w, labels))
     if a.only in (None, "kl"):
-        out["kl"] = (run(lambda: fused_kl_div(h, w, h_t, w_t, 2.0, chunk=a.chunk)), run(unfused_kl))
+        out["kl"] = {"fused": run(lambda: fused_kl_div(h, w, h_t, w_t, 2.0, chunk=a.chunk)), "unfused": run(unfused_kl)}
+        if lg:
+            out["kl"]["liger"] = run(lambda: lg.liger_fused_linear_jsd(h, w, h_t, w_t, jsd_beta=0.0, temperature=2.0))
     return out
+
+
+def liger():
+    """liger-kernel's functional module, or None where it does not import (it needs Triton and CUDA)."""
+    try:
+        from liger_kernel.transformers import functional
+        return functional
+    except Exception as e:  # optional: the comparison row is left out
+        print(f"liger-kernel not usable here: {type(e).__name__}: {e}")
+        return None
 
 
 def main():
@@ -89,22 +106,32 @@ def main():
     p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: pipelines.training.fused_loss's)")
     p.add_argument("--only", choices=["ce", "kl"], default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16, peak = allocated GPU memory")
+    p.add_argument("--liger", action="store_true", help="also time liger-kernel's fused losses (CUDA)")
+    p.add_argument("--json", default=None, help="write the figures here (default: none)")
     a = p.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}, N={a.tokens} H={a.hidden} "
           f"H_t={a.teacher_hidden} V={a.vocab}; [N, V] fp32 logits = {a.tokens * a.vocab * 4 / 2**20:.0f} MiB")
-    for name, (fused, unfused) in cases(a).items():
-        fused(), unfused()  # warm-up
-        res = {"fused": [], "unfused": []}
+    report = {"device": where, "tokens": a.tokens, "hidden": a.hidden, "vocab": a.vocab}
+    for name, fns in cases(a).items():
+        for fn in fns.values():
+            fn()  # warm-up
+        res = {k: [] for k in fns}
         for _ in range(a.reps):
-            res["fused"].append(measure(fused, a.device))
-            res["unfused"].append(measure(unfused, a.device))
+            for k, fn in fns.items():
+                res[k].append(measure(fn, a.device))
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
         (tf, mf), (tu, mu) = med["fused"], med["unfused"]
         print(f"{name}: fused {tf:.2f} s, peak +{mf / 2**20:.0f} MiB | unfused {tu:.2f} s, peak +{mu / 2**20:.0f} MiB"
               f" | time fused/unfused {tf / tu:.2f}x, memory unfused/fused {mu / max(mf, 1):.1f}x")
-
+        if "liger" in med:
+            tl, ml = med["liger"]
+            print(f"{name}: liger {tl:.3f} s, peak +{ml / 2**20:.0f} MiB | ours/liger time {tf / tl:.2f}x, memory {mf / max(ml, 1):.2f}x")
+        report[name] = {k: {"s": t, "peak_gib": m / 2**30} for k, (t, m) in med.items()}
+    if a.json:
+        import json
+        open(a.json, "w").write(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     main()

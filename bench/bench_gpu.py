@@ -11,6 +11,7 @@
    Variants: ours with the GPU kernels ("+ mamba-ssm scan"), ours pure-PyTorch, transformers' own
    model at a length it fits in memory. Then the distillation step (teacher = the same 1.3B, frozen,
    bf16 forward) over the plain step, same process.
+   `--parts mfu`: only our plain bf16 step of the 1.3B hybrid (tokens/s, MFU).
 3. Windows (`--parts windows`): the 1.3B hybrid, an 8B-shaped window (models/configs/nemotron-h-8b.json's
    widths, its first --layers-8b layers) and a Nemotron 3 Nano-shaped MoE window
    (nemotron-3-nano-30b-a3b.json's widths, its first --layers-nano layers), each in bf16 and in FP8
@@ -463,6 +464,23 @@ def window(name, seq_len, batch, reps, layers_8b, layers_nano):
     return res
 
 
+def mfu_1p3b(seq_len, batch, reps):
+    """Our plain bf16 train step on the 1.3B hybrid (fused loss): tokens/s and MFU over the H100 spec."""
+    kw = window_hf_kw("hybrid_1.3b", 0, 0)
+    ids = torch.randint(0, kw["vocab_size"], (batch, seq_len), device=DEV)
+    model = ours_model(kw, 0, False)
+    opt = build_optimizer(dict(model.named_parameters()), 1e-5, 0.1)
+    f_fwd = forward_flops_per_token(model, seq_len)
+    reset_peak()
+    s = step_time(model, None, ids, reps, opt, fused=True)
+    res = dict(params=sum(p.numel() for p in model.parameters()), seq_len=seq_len, batch=batch, step_s=s,
+               tok_s=ids.numel() / s, mfu_spec=3 * f_fwd * ids.numel() / s / H100_BF16_DENSE, peak_mem_gb=peak_gb())
+    del model, opt
+    free()
+    say("1.3B bf16", res)
+    return res
+
+
 # ---- FP8 loss gap --------------------------------------------------------------------------------------
 
 def markov_batch(step, vocab, batch, seq_len, jump=0.1):
@@ -514,7 +532,7 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--parity-only", action="store_true")
     ap.add_argument("--parts", nargs="+", default=["parity", "legacy", "windows", "gap"],
-                    choices=["parity", "legacy", "windows", "gap"],
+                    choices=["parity", "legacy", "windows", "gap", "mfu"],
                     help="legacy: the 1.3B throughput / distill / vs-transformers measurements of earlier runs")
     ap.add_argument("--windows", nargs="+", default=list(WINDOWS), choices=WINDOWS)
     ap.add_argument("--layers-8b", type=int, default=8, help="first layers of the 8B pattern in its window")
@@ -550,6 +568,9 @@ def run_parts(a, report, save=lambda: None):
         for n in a.cmp_lengths:
             cmp[str(n)] = vs_transformers(big, n, 1, a.reps)
             save()
+    if "mfu" in a.parts:
+        report["mfu_1p3b_bf16"] = mfu_1p3b(a.seq_len, a.batch, a.reps)
+        save()
     if "windows" in a.parts:
         report["windows"] = done = {}
         for w in a.windows:

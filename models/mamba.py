@@ -9,8 +9,9 @@ heads and groups).
 
 This file is the readable form; models.mamba_kernels computes it fast. On CPU the mixer runs the
 fused cache-blocked kernel; on CUDA the same steps as whole-tensor ops, each through the optional GPU
-kernel that does it without fp32 round trips when installed (`gpu_kernels`: causal-conv1d's conv + silu,
-mamba-ssm's scan with dt + dt_bias, softplus and the clamp folded in, its Triton gated RMSNorm).
+kernel that does it without fp32 round trips when installed (`gpu_kernels`: causal-conv1d's conv + silu, or
+fla-core's Triton conv where causal-conv1d (CUDA-compiled) is absent, mamba-ssm's scan with dt + dt_bias,
+softplus and the clamp folded in, its Triton gated RMSNorm).
 `ssd_reference` is the recurrence itself, which the tests hold the scans to; tests/test_gpu_paths.py
 holds the GPU kernels' calls to the CPU path through stand-ins with their signatures.
 """
@@ -30,30 +31,37 @@ from .spec import LayerKind, Param, Site, sq, top, top_per_group
 
 PLAIN_SSM = (1.0, 1.0, 1.0, 1.0, 1.0)  # ssm_multipliers of every family but Falcon-H1
 USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
+USE_FLA_CONV = True  # False: no fla-core conv (the benchmarks' baseline for it)
 
 
 class GpuKernels(NamedTuple):
     """The optional GPU extras' kernels, each None where it does not import: mamba-ssm's fused SSD scan
-    `mamba_chunk_scan_combined` and Triton gated RMSNorm `rmsnorm_fn`, causal-conv1d's `causal_conv1d_fn`."""
+    `mamba_chunk_scan_combined` and Triton gated RMSNorm `rmsnorm_fn`, causal-conv1d's `causal_conv1d_fn`,
+    and fla-core's Triton `causal_conv1d` (x [b, l, C]; the conv where causal-conv1d is absent)."""
     scan: object = None
     norm: object = None
     conv: object = None
+    conv_fla: object = None
 
 
 GPU_KERNELS = (("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
-               ("mamba_ssm.ops.triton.layernorm_gated", "rmsnorm_fn"), ("causal_conv1d", "causal_conv1d_fn"))
+               ("mamba_ssm.ops.triton.layernorm_gated", "rmsnorm_fn"), ("causal_conv1d", "causal_conv1d_fn"),
+               ("fla.modules.causal_conv1d", "causal_conv1d"))
+
+
+def _import(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # an optional GPU extra: missing, or built for another torch / CUDA
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def gpu_kernels() -> GpuKernels:
-    """The `GpuKernels` installed here, imported on first use (only the CUDA path asks)."""
-    found = []
-    for module, name in GPU_KERNELS:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except Exception:  # an optional GPU extra: missing, or built for another torch / CUDA
-            found.append(None)
-    return GpuKernels(*found)
+    """The `GpuKernels` installed here, imported on first use (only the CUDA path asks); fla-core is only
+    imported where causal-conv1d is missing."""
+    found = [_import(*GPU_KERNELS[i]) for i in range(3)]
+    return GpuKernels(*found, conv_fla=None if found[2] is not None else _import(*GPU_KERNELS[3]))
 
 
 def _on_gpu(t) -> bool:
@@ -62,8 +70,10 @@ def _on_gpu(t) -> bool:
 
 
 def _kernels() -> GpuKernels:
-    """The GPU kernels the CUDA path uses: `gpu_kernels()`, or none when USE_KERNEL is off."""
-    return gpu_kernels() if USE_KERNEL else GpuKernels()
+    """The GPU kernels the CUDA path uses: `gpu_kernels()` (without fla-core's conv when USE_FLA_CONV is
+    off), or none when USE_KERNEL is off."""
+    k = gpu_kernels() if USE_KERNEL else GpuKernels()
+    return k if USE_FLA_CONV else k._replace(conv_fla=None)
 
 
 def ssd_reference(x, dt, A, B, C, D=None):
@@ -86,12 +96,16 @@ def ssd_reference(x, dt, A, B, C, D=None):
     return torch.stack(ys, dim=1)
 
 
-def causal_conv_silu(x, conv: nn.Conv1d, kernel=None):
+def causal_conv_silu(x, conv: nn.Conv1d, kernel=None, fla=None):
     """silu(causal depthwise conv(x)) on x [b, l, C]: causal-conv1d's `causal_conv1d_fn` when given and it
-    takes x's channel-last layout and the width (transformers' call), else one F.conv1d call (cuDNN on a GPU)."""
+    takes x's channel-last layout and the width (transformers' call), else fla-core's Triton conv when given
+    (any strides, width <= 4), else one F.conv1d call (cuDNN on a GPU)."""
     w, xt = conv.weight, x.transpose(1, 2)
     if kernel is not None and _conv_kernel_fits(xt, w.shape[-1]):
         return kernel(xt, w.squeeze(1), conv.bias, activation="silu").transpose(1, 2)
+    if fla is not None and 2 <= w.shape[-1] <= 4:
+        return fla(x, w.squeeze(1).to(x.dtype), None if conv.bias is None else conv.bias.to(x.dtype),
+                   activation="silu")[0]
     y = F.conv1d(xt, w, conv.bias, padding=w.shape[-1] - 1, groups=w.shape[0])
     return F.silu(y[..., :x.shape[1]].transpose(1, 2))
 
@@ -213,7 +227,7 @@ class Mamba2Mixer(nn.Module):
         """CUDA: conv, dt, scan and gated norm as whole-tensor ops, each through its GPU kernel when one is
         installed (in_proj output -> out_proj input)."""
         (cfg, sp), k = self._local(), _kernels()
-        conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d, k.conv)
+        conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d, k.conv, k.conv_fla)
         if attention_mask is not None:
             conv_out = conv_out * attention_mask[:, :, None].to(conv_out.dtype)
         x = conv_out[..., sp.x].unflatten(-1, (cfg.mamba_num_heads, cfg.mamba_head_dim))

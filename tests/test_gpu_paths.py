@@ -86,9 +86,22 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return (out if activation is None else F.silu(out)).to(x.dtype)
 
 
+def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, backend="triton", cu_seqlens=None, **kw):
+    """fla.modules.causal_conv1d.causal_conv1d in torch: x [b, l, dim] (any strides), weight [dim, width];
+    causal depthwise conv, optional silu -> (output in x's dtype, final state or None)."""
+    assert activation in (None, "silu", "swish") and weight.dim() == 2 and x.shape[2] == weight.shape[0]
+    assert residual is None and initial_state is None and not output_final_state and cu_seqlens is None
+    assert weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[1] - 1, groups=x.shape[2])
+    out = out[..., :x.shape[1]].transpose(1, 2)
+    return (out if activation is None else F.silu(out)).to(x.dtype), None
+
+
 STANDINS = {"scan": ("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined),
             "norm": ("mamba_ssm.ops.triton.layernorm_gated", rmsnorm_fn),
-            "conv": ("causal_conv1d", causal_conv1d_fn)}
+            "conv": ("causal_conv1d", causal_conv1d_fn),
+            "conv_fla": ("fla.modules.causal_conv1d", causal_conv1d)}
 
 
 @pytest.fixture
@@ -159,7 +172,8 @@ def padded_mask():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kernels", [("scan",), ("norm",), ("conv",), ("scan", "norm", "conv")])
+@pytest.mark.parametrize("kernels", [("scan",), ("norm",), ("conv",), ("conv_fla",), ("scan", "norm", "conv"),
+                                     ("scan", "norm", "conv_fla")])
 def test_gpu_kernels_equal_cpu_path(kernels, dtype, install, monkeypatch):
     """The CUDA dispatch with the named kernels (the others: the whole-tensor torch ops) equals the CPU
     path, output and gradients, with padding masked; every named kernel was called once per mixer call."""
@@ -201,6 +215,7 @@ MUTANTS = {
     "norm before gate": dict(norm=_without(rmsnorm_fn, norm_before_gate=True)),
     "norm over all channels": dict(norm=_without(rmsnorm_fn, group_size=None)),
     "conv without silu": dict(conv=_without(causal_conv1d_fn, activation=None)),
+    "fla conv without silu": dict(conv_fla=_without(causal_conv1d, activation=None)),
 }
 
 
@@ -214,16 +229,18 @@ def test_comparison_catches_a_wrong_call(name, install, monkeypatch):
     assert calls and rel_err(ref, got) > 100 * TOL
 
 
-def test_bf16_reaches_the_kernels_without_fp32_copies(install, monkeypatch):
+@pytest.mark.parametrize("conv", ["conv", "conv_fla"])
+def test_bf16_reaches_the_kernels_without_fp32_copies(conv, install, monkeypatch):
     """Under bf16 autocast the kernels get bf16 activations (conv input, x, dt, B, C, the scan output and
-    the gate) with no fp32 copy made first; only the fp32 parameters (weights, dt_bias, A, D) are fp32.
-    The result stays within bf16 rounding of the fp32 CPU path."""
-    calls = install(scan=True, norm=True, conv=True)
+    the gate) with no fp32 copy made first; only the fp32 parameters (weights, dt_bias, A, D) are fp32
+    (fla's conv takes its weight in x's dtype, as autocast's conv does). The result stays within bf16
+    rounding of the fp32 CPU path."""
+    calls = install(scan=True, norm=True, **{conv: True})
     mixer, u = mixer_and_input()
     ref = run(mixer, u, False, monkeypatch)
     got = run(mixer, u, True, monkeypatch, autocast=True)
     seen = dict(calls)
-    assert seen["conv"][0] == torch.bfloat16  # x
+    assert seen[conv][0] == torch.bfloat16  # x
     assert seen["scan"][:2] == [torch.bfloat16] * 2 and seen["scan"][3:5] == [torch.bfloat16] * 2  # x, dt; B, C
     assert seen["norm"][0] == torch.bfloat16 and seen["norm"][-1] == torch.bfloat16  # y; z
     assert rel_err(ref[:1], [got[0].float()]) < 0.1
@@ -261,3 +278,23 @@ def test_bench_gpu_smoke(tmp_path, monkeypatch):
         assert {"tok_s", "mfu_spec", "step_s"} <= set(w["bf16"]["plain"])
         assert {"tok_s", "mfu_spec", "step_s", "over_plain"} <= set(w["bf16"]["distill"])
     assert {"steps", "loss_bf16", "loss_fp8", "rel_gap"} <= set(rep["fp8_loss_gap"])
+
+
+def test_gpu_summary_is_flat_and_null_where_not_measured(tmp_path):
+    """bench/gpu_summary.py takes each figure from the run's own outputs and writes null for every figure
+    the run did not measure (here: no FP8 gap, no fused-loss run, no Super MoE row)."""
+    spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "bench" / "gpu_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "profile.json").write_text(json.dumps({"device": "GPU X", "date": "2026-11-26", "windows": {"8b": {
+        "ours_over_transformers": 1.4, "vs_transformers": {"1x1024": {"ratio": 1.1}, "1x4096": {"ratio": "error"}}}}}))
+    (tmp_path / "windows.json").write_text(json.dumps({"windows": {"nemotron_h_8b_window": {
+        "fp8_speedup_plain": 1.25, "bf16": {"distill": {"over_plain": 1.5}}}}, "mfu_1p3b_bf16": {"mfu_spec": 0.41}}))
+    (tmp_path / "moe.log").write_text('nano ...\n{"rows": [{"window": "nano", "grouped_over_dense": 0.7}]}\n')
+    s = mod.main([str(tmp_path), "--out", str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text()) == s
+    assert list(s) == list(mod.KEYS)
+    assert s["device"] == "GPU X" and s["mfu_1p3b_bf16"] == 0.41 and s["fp8_vs_bf16"] == 1.25
+    assert s["vs_transformers"] == {"1x1024": 1.1, "1x4096": None, "2x4096": 1.4}
+    assert s["distill_vs_plain"] == 1.5 and s["fp8_loss_gap_rel"] is None and s["loss_peak_gib"] is None
+    assert s["moe_vs_dense"] == {"nano": 0.7, "super": None}

@@ -64,15 +64,27 @@ def build_projections(student, teacher, layer_map) -> nn.ModuleList | None:
 def build_optimizer(params: dict[str, nn.Parameter], lr: float, weight_decay: float, betas=(0.9, 0.95)):
     """AdamW; weight decay on matrices (ndim >= 2) only, not on norms, biases, A_log, D, dt_bias. DTensors
     (tensor parallelism's stock styles, FSDP2) and plain tensors (the custom styles' shards) in separate
-    groups: the foreach kernels take no list that mixes them."""
+    groups: the foreach kernels take no list that mixes them. A group of plain CUDA tensors takes the fused
+    kernel (`fused_adamw`), the rest the foreach one."""
     from torch.distributed.tensor import DTensor
     groups = []
     for decay in (True, False):
         for dt in (True, False):
             ps = [p for p in params.values() if (p.ndim >= 2) == decay and isinstance(p, DTensor) == dt]
             if ps:
-                groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0})
+                fused = fused_adamw(ps) and not dt
+                groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0,
+                               "fused": fused or None})
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+
+
+def fused_adamw(ps) -> bool:
+    """Whether torch's fused AdamW takes these parameters: floating-point tensors all on one CUDA device.
+    FUSED_ADAMW = False keeps the foreach kernel (the benchmarks' baseline)."""
+    return FUSED_ADAMW and all(p.is_cuda and p.is_floating_point() for p in ps) and len({p.device for p in ps}) == 1
+
+
+FUSED_ADAMW = True
 
 
 def _dp_mean(values: dict, info, dev) -> dict:

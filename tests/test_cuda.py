@@ -1,0 +1,137 @@
+"""CUDA parity (issue 42): runs only where a CUDA GPU is present (the device machine), skipped elsewhere.
+
+- every family against transformers on the GPU in fp32 (TF32 off): logits within 1e-4 and the gradient of
+  every parameter whose name maps one to one, on our whole-tensor CUDA path; the same with the GPU
+  kernels that import there (mamba-ssm's Triton scan and norm, fla-core's or causal-conv1d's conv); and
+  the loss under bf16 autocast within bf16 rounding of transformers' own;
+- fla-core's Triton causal conv (the conv where causal-conv1d is absent) against F.conv1d, forward and
+  gradients, on a strided slice as the mixer passes it;
+- the fused AdamW the trainer takes on CUDA against the foreach one, three steps.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remodel.models.mamba as mamba
+import remodel.pipelines.training.trainer as trainer
+from remodel.models.hf import weight_table
+from tests import test_bamba, test_falcon_h1, test_granite, test_model_parity
+from tests.conftest import hf_pair
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = torch.device("cuda")
+FAMILIES = {  # family: (model_type, one case's transformers kwargs)
+    "nemotron_h": test_model_parity.CASES["nemotron_h"],
+    "nemotron_h_latent": test_model_parity.CASES["nemotron_h_latent"],
+    "llama": test_model_parity.CASES["llama_tied"],
+    "mixtral": test_model_parity.CASES["mixtral"],
+    "qwen3_moe": test_model_parity.CASES["qwen3_moe"],
+    "granitemoehybrid": ("granitemoehybrid", test_granite.CASES["moe"]),
+    "bamba": ("bamba", test_bamba.CASES["biased_tied"]),
+    "falcon_h1": ("falcon_h1", test_falcon_h1.CASES["rms_norm"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def pair(name, tmp_path_factory):
+    model_type, kw = FAMILIES[name]
+    kw = {"vocab_size": test_model_parity.V, **kw}
+    hf, ours, _ = hf_pair(model_type, tmp_path_factory.getbasetemp() / "cuda", name, len(name), **kw)
+    return copy.deepcopy(hf).to(DEV), copy.deepcopy(ours).to(DEV), kw["vocab_size"]
+
+
+def logits_and_grads(hf, ours, vocab, autocast=False):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 37), generator=g).to(DEV)
+    labels = torch.randint(0, vocab, (2, 37), generator=g).to(DEV)
+    out, losses = [], []
+    for m, fn in ((hf, lambda x: hf(x).logits), (ours, ours)):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = fn(ids)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1))
+        loss.backward()
+        out.append(logits.detach().float())
+        losses.append(loss.item())
+    return out, losses
+
+
+def grad_errors(hf, ours, family):
+    """Largest gradient difference over the parameters whose transformers name maps one to one, in units of
+    test_model_parity's tolerance (1e-5 + 1e-4 x the reference's largest), and how many were compared."""
+    hf_p, ours_p = dict(hf.named_parameters()), dict(ours.named_parameters())
+    worst, n = 0.0, 0
+    for our_name, hf_name, e in weight_table(ours.cfg, family):
+        hf_name = hf_name.replace("backbone.", "model.", 1) if hf_name not in hf_p else hf_name
+        if e is not None or our_name not in ours_p or hf_name not in hf_p or hf_p[hf_name].grad is None:
+            continue
+        ref, got = hf_p[hf_name].grad, ours_p[our_name].grad
+        if got is None or got.shape != ref.shape:  # a fused transformers tensor (Granite's input_linear)
+            continue
+        pad = getattr(hf.config, "pad_token_id", None)
+        if ref is hf.get_input_embeddings().weight.grad and pad is not None:  # its padding row gets no gradient
+            keep = torch.arange(ref.shape[0], device=ref.device) != pad
+            ref, got = ref[keep], got[keep]
+        worst = max(worst, (got - ref).abs().max().item() / (1e-5 + 1e-4 * ref.abs().max().item()))
+        n += 1
+    return worst, n
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers_on_cuda(name, tmp_path_factory, monkeypatch):
+    hf, ours, vocab = pair(name, tmp_path_factory)
+    family = FAMILIES[name][0]
+    monkeypatch.setattr(mamba, "USE_KERNEL", False)
+    (ref, got), _ = logits_and_grads(hf, ours, vocab)
+    assert (got - ref).abs().max().item() <= 1e-4 and ref.std().item() > 0.3
+    worst, n = grad_errors(hf, ours, family)
+    assert n >= 4 and worst <= 1.0, (worst, n)
+    monkeypatch.setattr(mamba, "USE_KERNEL", True)  # the GPU kernels that import here
+    (ref, got), _ = logits_and_grads(hf, ours, vocab)
+    assert (got - ref).abs().max().item() <= 2e-3, mamba.gpu_kernels()
+    _, (l_hf, l_ours) = logits_and_grads(hf, ours, vocab, autocast=True)
+    assert abs(l_ours - l_hf) <= 2e-2 * abs(l_hf), (l_ours, l_hf)
+
+
+def test_fla_conv_matches_conv1d():
+    fla = pytest.importorskip("fla.modules.causal_conv1d").causal_conv1d
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(96, 96, 4, groups=96, padding=3).to(DEV)
+    big = torch.randn(2, 300, 200, device=DEV)
+    outs = []
+    for kernel in (None, fla):
+        x = big.clone().requires_grad_(True)
+        conv.zero_grad()
+        y = mamba.causal_conv_silu(x[..., 40:136], conv, None, kernel)  # a strided slice, as in the mixer
+        (y * torch.linspace(-1, 1, y.numel(), device=DEV).view(y.shape)).sum().backward()
+        outs.append([y.detach(), x.grad, conv.weight.grad.clone(), conv.bias.grad.clone()])
+    for a, b in zip(*outs):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, a.abs().max().item())
+
+
+def test_fused_adamw_matches_foreach(monkeypatch):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8)).to(DEV)
+    x = torch.randn(32, 64, device=DEV)
+    result = []
+    for fused in (True, False):
+        monkeypatch.setattr(trainer, "FUSED_ADAMW", fused)
+        m = copy.deepcopy(base)
+        opt = trainer.build_optimizer(dict(m.named_parameters()), 1e-2, 0.1)
+        assert all(bool(g["fused"]) == fused for g in opt.param_groups)
+        for _ in range(3):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert (result[0] - result[1]).abs().max().item() <= 1e-6
+    assert (result[0] - torch.cat([p.detach().flatten() for p in base.parameters()])).abs().max().item() > 1e-3
