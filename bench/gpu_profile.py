@@ -39,11 +39,11 @@ CATEGORIES = [  # first match wins; names of cuBLAS / CUTLASS / Triton / ATen ke
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|_mm_|matmul|grouped_mm|wgmma"),
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
     ("mamba scan", r"_chunk_|_bmm_chunk|_state_passing|ssd"),
-    ("conv", r"conv"),
+    ("conv", r"conv1d|conv_fwd|conv_bwd|causal_conv|cudnn|depthwise"),
     ("norm", r"rms|norm"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("loss / softmax", r"softmax|cross_entropy|nll|logsumexp|log_softmax"),
-    ("copy / cast", r"copy|cast|convert|fill|memset|cat|index"),
+    ("copy / cast", r"copy_kernel|direct_copy|_to_copy|bfloat16_copy|copy_|cast|convert|fill|memset|catarray|index"),
     ("elementwise / reduce", r"elementwise|vectorized|unrolled|reduce|silu|mul|add|exp"),
 ]
 
@@ -83,19 +83,29 @@ def hf_step(kw, ids):
 FUSED_LOSS = True
 
 
+def _self_device_us(e) -> float:
+    t = getattr(e, "self_device_time_total", None)
+    return t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+
+
 def kernel_rows(prof):
-    """(name, input shapes, self device us, calls) of every device-side row, and the total device time (us)."""
-    rows, total = [], 0.0
+    """Device kernels only (not the operators that launched them, whose device time is the same time again):
+    (name, input shapes of the launching operator where known, self device us, calls), and their total (us)."""
+    from torch.autograd import DeviceType
+
+    ops = {}  # operator rows by input shapes: the shape column of the kernel table
     for e in prof.key_averages(group_by_input_shape=True):
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
-        if t > 0:
-            rows.append((e.key, str(e.input_shapes)[:120], t, e.count))
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        total += (t if t is not None else getattr(e, "self_cuda_time_total", 0.0))
-    return sorted(rows, key=lambda r: -r[2]), total
+        if e.device_type != DeviceType.CUDA and _self_device_us(e) > 0:
+            ops.setdefault(e.key, []).append((str(e.input_shapes)[:100], _self_device_us(e)))
+    rows = [(e.key, "", _self_device_us(e), e.count) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and _self_device_us(e) > 0]
+    return sorted(rows, key=lambda r: -r[2]), sum(r[2] for r in rows), ops
+
+
+def op_rows(ops, top):
+    """The operators with the most device time, each with its input shapes (the launching side of the table)."""
+    flat = sorted(((t, k, sh) for k, v in ops.items() for sh, t in v), reverse=True)[:top]
+    return [f"{t / 1e3:9.2f}  {k[:60]} | {sh}" for t, k, sh in flat]
 
 
 def profile_one(step, label, reps, out_dir, top):
@@ -107,7 +117,7 @@ def profile_one(step, label, reps, out_dir, top):
     with profile(activities=acts, record_shapes=True) as prof:
         step()
         bg.sync()
-    rows, total_us = kernel_rows(prof)
+    rows, total_us, ops = kernel_rows(prof)
     cats = defaultdict(float)
     for name, _, t, _ in rows:
         cats[category(name)] += t
@@ -118,7 +128,9 @@ def profile_one(step, label, reps, out_dir, top):
              f"GPU idle {100 * (res['gpu_idle_fraction'] or 0):.1f}% ({bg.DEV_NAME})", "", "## by category (ms, share)"]
     lines += [f"{k:24s} {v:9.2f}  {100 * v / max(total_us / 1e3, 1e-9):5.1f}%" for k, v in res["categories_ms"].items()]
     lines += ["", f"## top {top} kernels by self device time", f"{'ms':>9s} {'calls':>6s}  {'category':14s} name | shapes"]
-    lines += [f"{t / 1e3:9.2f} {n:6d}  {category(k):14s} {k[:90]} | {s}" for k, s, t, n in rows[:top]]
+    lines += [f"{t / 1e3:9.2f} {n:6d}  {category(k):14s} {k[:110]}" for k, s, t, n in rows[:top]]
+    lines += ["", f"## top {top} operators by device time, with input shapes", f"{'ms':>9s}  name | shapes"]
+    lines += op_rows(ops, top)
     if out_dir:
         Path(out_dir, f"gpu_profile_{label}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:20]), flush=True)

@@ -3,7 +3,7 @@
 # Carry: .whl (fla-core 0.6.0, liger-kernel 0.8.5, torchao 0.17.0, transformers 5.24.0: the version the CPU
 # parity tests use) and .gpusrc (mamba-ssm 2.3.2.post1's Python + Triton sources, its __init__ reduced to
 # the version: no compiled selective_scan_cuda / causal-conv1d there, so the conv is fla-core's Triton one).
-# Stages: the arguments (default: all, in this order). Each part has its own time limit and writes into
+# Stages: the arguments (default: windows loss profile tests; the others: profile8b mfu moe gap). Each part has its own time limit and writes into
 # /tmp/o as it goes; after each part /tmp/o is packed into $OUT/run.tgz, so a cut-off call still returns data.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 mkdir -p /tmp/pkg /tmp/o && ln -sfn "$PWD" /tmp/pkg/remodel
@@ -16,11 +16,12 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tri
 part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; local s=$SECONDS
   timeout -k 5 "$t" "$@" > >(tee /tmp/o/$name.log) 2>&1; echo "=== $name rc=$? $((SECONDS - s))s" | tee -a /tmp/o/parts.txt
   tar czf $OUT/run.tgz -C /tmp/o . ; }
-stages=${*:-tests profile windows mfu moe loss gap}
+stages=${*:-windows loss profile tests}
 for st in $stages; do case $st in
-  tests) part 60 tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_moe_grouped.py ;;
+  tests) part 100 tests python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py tests/test_moe_grouped.py ;;
   profile) part 170 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
-  windows) part 120 windows python3 bench/bench_gpu.py --parts windows --windows nemotron_h_8b_window --reps 3 --json /tmp/o/gpu_windows.json ;;
+  profile8b) part 60 profile python3 bench/gpu_profile.py --windows 8b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
+  windows) part 90 windows python3 bench/bench_gpu.py --parts windows --windows nemotron_h_8b_window --reps 3 --json /tmp/o/gpu_windows.json ;;
   mfu) part 35 mfu python3 bench/bench_gpu.py --parts mfu --reps 3 --json /tmp/o/gpu_mfu.json ;;
   moe) part 30 moe python3 bench/bench_moe.py --tokens 8192 --rounds 5 ;;
   loss) part 35 loss python3 bench/bench_fused_loss.py --device cuda --tokens 8192 --vocab 131072 --hidden 4096 --teacher-hidden 4096 --reps 2 --liger --json /tmp/o/gpu_loss.json ;;

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from remodel.pipelines.training import fused_loss
 from remodel.pipelines.training.fused_loss import fused_kl_div, fused_lm_loss
 from remodel.pipelines.training.losses import kl_div, lm_loss
 from tests.rss import PEAK_RSS
@@ -71,6 +72,21 @@ def test_kl_mask_and_grad_output_scaling():
     ref = value_and_grads(3.0 * kl_div(h @ w.T, h_t @ w_t.T, 1.5, mask=mask), h, w)
     got = value_and_grads(3.0 * fused_kl_div(h, w, h_t, w_t, 1.5, chunk=10, mask=mask), h, w)
     assert_close(got, ref, 1e-6)
+
+
+@pytest.mark.parametrize("chunk", [16, None])
+def test_vocabulary_blocks_match_unfused_fp32(chunk, monkeypatch):
+    """Blocks of the vocabulary (CHUNK_ELEMS small: 71 of the 300 rows per CE block, fewer for KL) with one
+    token chunk (grad_W rows written once per block) and with several (accumulated): CE and KL equal the
+    unfused losses and gradients, as with the whole vocabulary in one block."""
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMS", 71 * (chunk or N))
+    rows, vb = fused_loss._plan(chunk, N, V)
+    assert vb < V and (rows < N) == (chunk is not None)
+    h, w, labels, h_t, w_t = inputs()
+    ref = value_and_grads(lm_loss(h @ w.T, labels), h, w)
+    assert_close(value_and_grads(fused_lm_loss(h, w, labels, chunk=chunk), h, w), ref, 1e-6)
+    ref = value_and_grads(kl_div(h @ w.T, h_t @ w_t.T, 2.0), h, w)
+    assert_close(value_and_grads(fused_kl_div(h, w, h_t, w_t, 2.0, chunk=chunk), h, w), ref, 1e-6)
 
 
 def test_ce_ignore_rows_get_zero_grad_and_no_grad_mode():

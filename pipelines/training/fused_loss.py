@@ -1,10 +1,14 @@
 """Fused vocabulary losses: CE and KL straight from hidden states and the lm_head weight, in token chunks.
 
 No [tokens, V] logits tensor is ever materialised, for the student or the teacher (Liger-style fused
-linear loss). The loss is a scalar, so its gradients are computed during the forward, one [chunk, V]
-block at a time: grad_h rows are written per chunk, grad_W is accumulated (fp32); backward only
-scales the stored gradients by grad_output. Peak extra memory: one [chunk, V] fp32 block for CE, about
-three for KL, plus grad_h [N, H] and an fp32 grad_W [V, H].
+linear loss). The loss is a scalar, so its gradients are computed during the forward: per token chunk
+(up to ROWS_MAX rows) a first pass over vocabulary blocks gives each row's log-sum-exp, a second one
+recomputes each block's logits (kept instead when one block is the whole vocabulary) for the
+gradient block, whose grad_W rows are written once (one token chunk) or accumulated in fp32 (several);
+backward scales the stored gradients by grad_output in place. On a GPU this trades a fourth [N, V, H]
+matmul for the [V, H] read-modify-write per chunk that the token-only chunking paid (the 8B window's
+largest profile row, bench/gpu_profile_8b_ours.txt). Peak extra memory: a few [rows, block] fp32 blocks
+(~CHUNK_ELEMS each), grad_h [N, H] and grad_W [V, H] in W's dtype (fp32 with several chunks).
 
 Same definitions as pipelines.training.losses.lm_loss / kl_div on `h @ W.T` (CE mean over non-ignored tokens;
 KL(teacher || student) of softmax(z / T) summed over the vocabulary, mean over tokens, no T^2).
@@ -32,7 +36,8 @@ import torch.distributed as dist
 
 from ..distributed.collectives import group_rank, group_size
 
-CHUNK_ELEMS = 1 << 25  # default chunk: rows such that one [chunk, V_local] fp32 block is ~128 MB
+CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
+ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
 
 
 def lm_head_weight(model):
@@ -40,8 +45,11 @@ def lm_head_weight(model):
     return model.embeddings.weight if model.lm_head is None else model.lm_head.weight
 
 
-def _chunk_rows(chunk, V: int) -> int:
-    return int(chunk) if chunk else max(1, CHUNK_ELEMS // V)
+def _plan(chunk, N: int, Vl: int, blocks: int = 1):
+    """(token rows per chunk, vocabulary rows per block): `chunk` rows (default up to ROWS_MAX), and
+    blocks of the vocabulary small enough that `blocks` [rows, block] fp32 tensors are ~CHUNK_ELEMS each."""
+    rows = max(1, min(int(chunk) if chunk else ROWS_MAX, max(N, 1)))
+    return rows, max(1, min(Vl, CHUNK_ELEMS // (blocks * rows)))
 
 
 def _compute_dtype(h, w):
@@ -52,40 +60,84 @@ def _compute_dtype(h, w):
     return torch.promote_types(h.dtype, w.dtype)
 
 
-def _accumulate(gw, dz, x):
-    """gw (fp32) += dz.T @ x, without a [V, H] temporary when everything is fp32."""
-    if gw.dtype == dz.dtype:
-        gw.addmm_(dz.T, x)
-    else:
-        gw.add_(dz.T @ x)
+class _Grads:
+    """grad_h and grad_W built block by block: grad_h rows of a token chunk summed over vocabulary blocks in
+    fp32, grad_W rows written once per block when there is one token chunk (no [V, H] accumulator, no
+    [V, H] temporary), accumulated in fp32 over several chunks otherwise."""
+
+    def __init__(self, h, w, cd, need_h: bool, need_w: bool, one_chunk: bool):
+        self.h, self.w, self.one = h, w, one_chunk
+        self.gh = torch.empty(h.shape, dtype=cd, device=h.device) if need_h else None
+        self.gw = None
+        if need_w:
+            self.gw = (torch.empty(w.shape, dtype=w.dtype, device=w.device) if one_chunk
+                       else torch.zeros(w.shape, dtype=torch.float32, device=w.device))
+        self.acc = None
+
+    def wanted(self) -> bool:
+        return self.gh is not None or self.gw is not None
+
+    def block(self, dz, hc, wc, a: int, b: int, v0: int):
+        """dz [rows, vb] fp32: dloss/dlogits of token rows a:b, vocabulary rows v0:v0+vb."""
+        dz = dz.to(wc.dtype)
+        vb = dz.shape[1]
+        if self.gh is not None:
+            part = dz @ wc[v0:v0 + vb]
+            self.acc = part.float() if self.acc is None else self.acc.add_(part)
+        if self.gw is not None:
+            g = dz.T @ hc[a:b]
+            if self.one:
+                self.gw[v0:v0 + vb].copy_(g)
+            else:
+                self.gw[v0:v0 + vb].add_(g)
+
+    def end_chunk(self, a: int, b: int):
+        if self.acc is not None:
+            self.gh[a:b].copy_(self.acc)
+            self.acc = None
+
+    def finish(self, group):
+        """All-reduce grad_h over the vocab group (h is replicated there); cast to the inputs' dtypes."""
+        gh, gw = self.gh, self.gw
+        if gh is not None:
+            if group_size(group) > 1:
+                dist.all_reduce(gh, group=group)
+            gh = gh.to(self.h.dtype)
+        return gh, (gw.to(self.w.dtype) if gw is not None else None)
 
 
-def _finish(gh, gw, group, h, w):
-    """All-reduce grad_h over the vocab group (h is replicated there); cast to the inputs' dtypes."""
-    if gh is not None:
-        if group_size(group) > 1:
-            dist.all_reduce(gh, group=group)
-        gh = gh.to(h.dtype)
-    return gh, (gw.to(w.dtype) if gw is not None else None)
+def _logits(hc, wc, a, b, v0, vb, temperature=1.0, cache=None):
+    """Logits of token rows a:b over vocabulary rows v0:v0+vb in fp32, divided by the temperature. `cache`
+    (a dict): when the block is the whole vocabulary it is kept there (the same tensor) and the second
+    pass takes it back instead of recomputing it."""
+    if cache is not None and "z" in cache:
+        return cache.pop("z")
+    z = (hc[a:b] @ wc[v0:v0 + vb].T).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    if cache is not None and vb == wc.shape[0]:
+        cache["z"] = z
+    return z
 
 
-def _grad_buffers(h, w, cd, need_h: bool, need_w: bool):
-    gh = torch.empty(h.shape, dtype=cd, device=h.device) if need_h else None
-    gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
-    return gh, gw
-
-
-def _backprop_chunk(dz, hc, wc, gh, gw, a: int, b: int):
-    """dz [c, Vl] fp32 (dloss/dlogits of rows a:b) -> grad_h rows and the grad_W accumulation."""
-    dz = dz.to(wc.dtype)
-    if gh is not None:
-        torch.mm(dz, wc, out=gh[a:b])
-    if gw is not None:
-        _accumulate(gw, dz, hc[a:b])
+def _lse(blocks, group, in_place=True):
+    """(log-sum-exp over the (sharded) vocabulary, this rank's row max) of logits given block by block (an
+    iterable of [c, vb]); in_place: each block becomes exp(block - row max) (else left as it was)."""
+    m = s = None
+    for z in blocks:
+        bm = z.amax(-1, keepdim=True)
+        new = bm if m is None else torch.maximum(m, bm)
+        new = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        bs = (z.sub_(new).exp_() if in_place else torch.exp(z - new)).sum(-1, keepdim=True)
+        s = bs if s is None else s.mul_(torch.exp(m - new)).add_(bs)
+        m = new
+    big = _group_max(m, group)
+    return big + _group_sum(s * torch.exp(m - big), group).log(), m
 
 
 def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
-    """-> (loss, grad_h, grad_W) of the mean CE, one [chunk, Vl] block at a time."""
+    """-> (loss, grad_h, grad_W) of the mean CE: per token chunk, the log-sum-exp over vocabulary blocks,
+    then (with gradients) the blocks again for softmax - onehot."""
     hc, wc = h.detach().to(cd), w.detach().to(cd)
     N, Vl = h.shape[0], w.shape[0]
     keep = labels != ignore_index
@@ -93,26 +145,36 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     local = labels - group_rank(group) * Vl
     inside = (local >= 0) & (local < Vl) & keep
     idx = torch.where(inside, local, torch.zeros_like(local))
-    gh, gw = _grad_buffers(h, w, cd, need_h, need_w)
+    rows, vb = _plan(chunk, N, Vl)
+    grads = _Grads(h, w, cd, need_h, need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
-    step = _chunk_rows(chunk, Vl)
-    for a in range(0, N, step):
-        b = min(a + step, N)
-        z = (hc[a:b] @ wc.T).float()
-        i, m = idx[a:b, None], inside[a:b, None]
-        picked = _group_sum(torch.where(m, z.gather(1, i), torch.zeros_like(z[:, :1])), group)
-        mx = _group_max(z, group)
-        s = _group_sum(z.sub_(mx).exp_().sum(-1, keepdim=True), group)  # z <- exp(z - max), in place
-        total += ((mx + s.log() - picked).squeeze(1) * keep[a:b]).sum(dtype=torch.float64)
-        if gh is None and gw is None:
-            del z
+    for a in range(0, N, rows):
+        b, cache = min(a + rows, N), ({} if grads.wanted() else None)
+        picked = torch.zeros(b - a, 1, dtype=torch.float32, device=h.device)
+
+        def blocks():
+            for v0 in range(0, Vl, vb):
+                z = _logits(hc, wc, a, b, v0, vb, cache=cache)
+                sel = inside[a:b, None] & (idx[a:b, None] >= v0) & (idx[a:b, None] < v0 + vb)
+                picked.add_(torch.where(sel, z.gather(1, (idx[a:b, None] - v0).clamp(0, z.shape[1] - 1)), 0.0))
+                yield z
+        lse, m = _lse(blocks(), group)
+        picked = _group_sum(picked, group)
+        total += ((lse - picked).squeeze(1) * keep[a:b]).sum(dtype=torch.float64)
+        if not grads.wanted():
             continue
-        z.div_(s)  # softmax
-        z.scatter_add_(1, i, -m.to(z.dtype))
-        z.mul_((keep[a:b, None] / n).to(z.dtype))
-        _backprop_chunk(z, hc, wc, gh, gw, a, b)
-        del z  # before the next chunk's block is allocated
-    return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h, w)
+        scale = (keep[a:b, None] / n).to(torch.float32)
+        for v0 in range(0, Vl, vb):
+            if "z" in cache:  # the one block, already exp(z - m) from the first pass
+                z = cache.pop("z").mul_(torch.exp(m - lse))
+            else:
+                z = _logits(hc, wc, a, b, v0, vb).sub_(lse).exp_()  # softmax
+            sel = inside[a:b, None] & (idx[a:b, None] >= v0) & (idx[a:b, None] < v0 + vb)
+            z.scatter_add_(1, (idx[a:b, None] - v0).clamp(0, z.shape[1] - 1), -sel.to(z.dtype))
+            grads.block(z.mul_(scale), hc, wc, a, b, v0)
+            del z  # before the next block is allocated
+        grads.end_chunk(a, b)
+    return ((total / n).to(torch.float32),) + grads.finish(group)
 
 
 class _GradsInForward(torch.autograd.Function):
@@ -121,8 +183,9 @@ class _GradsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        """Scales the stored gradients in place (no second [V, H] copy): one backward per loss."""
         gh, gw = ctx.saved_tensors
-        return (gh * g if gh is not None else None, gw * g if gw is not None else None) + (None,) * ctx.n_rest
+        return (gh.mul_(g) if gh is not None else None, gw.mul_(g) if gw is not None else None) + (None,) * ctx.n_rest
 
 
 class _FusedLMLoss(_GradsInForward):
@@ -167,39 +230,36 @@ def _group_sum(x, group):
     return x
 
 
-def _log_softmax_(z, temperature: float, group):
-    """In place: z <- log_softmax(z / T) over the (sharded) vocabulary; one [c, Vl] temporary (exp)."""
-    z.div_(temperature)
-    z.sub_(_group_max(z, group))
-    return z.sub_(_group_sum(z.exp().sum(-1, keepdim=True), group).log_())
-
-
 def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w, cd, cdt):
-    """-> (loss, grad_h_s, grad_W_s) of the mean KL, one [chunk, Vl] block pair at a time."""
+    """-> (loss, grad_h_s, grad_W_s) of the mean KL: per token chunk, both log-sum-exps over vocabulary
+    blocks, then the block pairs again for p (log p - log q) and (q - p) / T."""
     hs, ws = h_s.detach().to(cd), w_s.detach().to(cd)
     w_t = _teacher_shard(w_t, w_s.shape[0], group)
     ht, wt = h_t.detach().to(cdt), w_t.detach().to(cdt)
-    N, Vl = h_s.shape[0], w_s.shape[0]
+    N, Vl, T = h_s.shape[0], w_s.shape[0], temperature
     keep = torch.ones(N, dtype=torch.float32, device=h_s.device) if keep is None else keep.to(torch.float32)
     n = keep.sum().clamp(min=1)
-    gh, gw = _grad_buffers(h_s, w_s, cd, need_h, need_w)
+    rows, vb = _plan(chunk, N, Vl, blocks=2)
+    grads = _Grads(h_s, w_s, cd, need_h, need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h_s.device)
-    step = _chunk_rows(chunk, 2 * Vl)
-    for a in range(0, N, step):
-        b = min(a + step, N)
-        logq = _log_softmax_((hs[a:b] @ ws.T).float(), temperature, group)
-        logp = _log_softmax_((ht[a:b] @ wt.T).float(), temperature, group)
-        p = logp.exp()
-        logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0)  # p (log p - log q), 0 where p == 0
-        per = _group_sum(logp.sum(-1), group)
-        total += (per * keep[a:b]).sum(dtype=torch.float64)
-        del logp
-        if gh is not None or gw is not None:
-            dz = logq.exp_().sub_(p).mul_((keep[a:b, None] / (n * temperature)))  # (q - p) / (T n)
-            _backprop_chunk(dz, hs, ws, gh, gw, a, b)
-            del dz
-        del logq, p  # every block freed before the next chunk's are allocated
-    return ((total / n).to(torch.float32),) + _finish(gh, gw, group, h_s, w_s)
+    for a in range(0, N, rows):
+        b, cs, ct = min(a + rows, N), {}, {}
+        one = vb >= Vl  # one block: both kept raw for the second pass
+        lse_q = _lse((_logits(hs, ws, a, b, v0, vb, T, cs) for v0 in range(0, Vl, vb)), group, not one)[0]
+        lse_p = _lse((_logits(ht, wt, a, b, v0, vb, T, ct) for v0 in range(0, Vl, vb)), group, not one)[0]
+        per = torch.zeros(b - a, dtype=torch.float32, device=h_s.device)
+        for v0 in range(0, Vl, vb):
+            logq = _logits(hs, ws, a, b, v0, vb, T, cs).sub_(lse_q)
+            logp = _logits(ht, wt, a, b, v0, vb, T, ct).sub_(lse_p)
+            p = logp.exp()
+            per += logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0).sum(-1)  # p (log p - log q), 0 where p == 0
+            del logp
+            if grads.wanted():
+                grads.block(logq.exp_().sub_(p).mul_(keep[a:b, None] / (n * T)), hs, ws, a, b, v0)  # (q - p) / (T n)
+            del logq, p  # every block freed before the next pair is allocated
+        grads.end_chunk(a, b)
+        total += (_group_sum(per, group) * keep[a:b]).sum(dtype=torch.float64)
+    return ((total / n).to(torch.float32),) + grads.finish(group)
 
 
 class _FusedKL(_GradsInForward):
