@@ -12,7 +12,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
-MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval"}  # distribution -> import name
+MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval", "fla-core": "fla"}  # distribution -> import name
 LOCAL = {"models", "compress", "upcycle", "pipelines", "data", "cli"}  # the folders, installed as remodel.*
 
 

@@ -38,6 +38,7 @@ from ..distributed.collectives import group_rank, group_size
 
 CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
 ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
+BLOCK_ALIGN = 64  # vocabulary rows per block, a multiple of this (aligned GEMM operands)
 
 
 def lm_head_weight(model):
@@ -45,11 +46,18 @@ def lm_head_weight(model):
     return model.embeddings.weight if model.lm_head is None else model.lm_head.weight
 
 
-def _plan(chunk, N: int, Vl: int, blocks: int = 1):
-    """(token rows per chunk, vocabulary rows per block): `chunk` rows (default up to ROWS_MAX), and
-    blocks of the vocabulary small enough that `blocks` [rows, block] fp32 tensors are ~CHUNK_ELEMS each."""
-    rows = max(1, min(int(chunk) if chunk else ROWS_MAX, max(N, 1)))
-    return rows, max(1, min(Vl, CHUNK_ELEMS // (blocks * rows)))
+def _plan(chunk, N: int, Vl: int, blocks: int = 1, cuda: bool = True):
+    """(token rows per chunk, vocabulary rows per block): `chunk` rows (default: up to ROWS_MAX on a GPU; on
+    CPU rows such that one [rows, V] block is ~CHUNK_ELEMS, the whole vocabulary per block, where the
+    [V, H] accumulation is cheap and a fourth matmul is not), and
+    blocks of the vocabulary small enough that `blocks` [rows, block] fp32 tensors are ~CHUNK_ELEMS each,
+    a multiple of BLOCK_ALIGN rows unless one block is the whole vocabulary: an odd block width (4097 at
+    8190 rows) made every logits GEMM's leading dimension odd, and cuBLAS fell back from Hopper's kernels
+    to sm75 align-1 ones, 5x slower (bench/gpu_profile_8b_ours.txt)."""
+    default = ROWS_MAX if cuda else CHUNK_ELEMS // (blocks * Vl)
+    rows = max(1, min(int(chunk) if chunk else default, max(N, 1)))
+    vb = max(1, min(Vl, CHUNK_ELEMS // (blocks * rows)))
+    return rows, vb if vb >= Vl else max(BLOCK_ALIGN, vb // BLOCK_ALIGN * BLOCK_ALIGN)
 
 
 def _compute_dtype(h, w):
@@ -85,11 +93,13 @@ class _Grads:
             part = dz @ wc[v0:v0 + vb]
             self.acc = part.float() if self.acc is None else self.acc.add_(part)
         if self.gw is not None:
-            g = dz.T @ hc[a:b]
             if self.one:
-                self.gw[v0:v0 + vb].copy_(g)
+                torch.mm(dz.T, hc[a:b], out=self.gw[v0:v0 + vb]) if self.gw.dtype == dz.dtype \
+                    else self.gw[v0:v0 + vb].copy_(dz.T @ hc[a:b])
+            elif self.gw.dtype == dz.dtype:  # fp32: no [vb, H] temporary
+                self.gw[v0:v0 + vb].addmm_(dz.T, hc[a:b])
             else:
-                self.gw[v0:v0 + vb].add_(g)
+                self.gw[v0:v0 + vb].add_(dz.T @ hc[a:b])
 
     def end_chunk(self, a: int, b: int):
         if self.acc is not None:
@@ -145,7 +155,7 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     local = labels - group_rank(group) * Vl
     inside = (local >= 0) & (local < Vl) & keep
     idx = torch.where(inside, local, torch.zeros_like(local))
-    rows, vb = _plan(chunk, N, Vl)
+    rows, vb = _plan(chunk, N, Vl, cuda=h.is_cuda)
     grads = _Grads(h, w, cd, need_h, need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     for a in range(0, N, rows):
@@ -239,7 +249,7 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need
     N, Vl, T = h_s.shape[0], w_s.shape[0], temperature
     keep = torch.ones(N, dtype=torch.float32, device=h_s.device) if keep is None else keep.to(torch.float32)
     n = keep.sum().clamp(min=1)
-    rows, vb = _plan(chunk, N, Vl, blocks=2)
+    rows, vb = _plan(chunk, N, Vl, blocks=2, cuda=h_s.is_cuda)
     grads = _Grads(h_s, w_s, cd, need_h, need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h_s.device)
     for a in range(0, N, rows):
