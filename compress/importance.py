@@ -52,7 +52,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf, our_shapes
 from remodel.models.layout import axis_size
 from remodel.models.load import iter_our_tensors
-from remodel.models.model import Block, init_buffers
+from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
 from remodel.models.mtp import MTPBlock, mtp_block_roles
 from remodel.models.norm import RMSNorm
 
@@ -450,7 +450,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
     try:
         emb = _load(reader, cfg, ["embeddings.weight"], dev, dtype)["embeddings.weight"]
         for b, ids in enumerate(batches):
-            store["main", b] = F.embedding(ids.to(dev), emb) * cfg.embedding_multiplier  # as HybridLM.hidden
+            store["main", b] = scale_embedding(cfg, F.embedding(ids.to(dev), emb))
         del emb
         _trunk_streaming(reader, cfg, scorer, store, len(batches), mask_of, k, dev, dtype, progress)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -463,7 +463,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         try:
             for b, ids in enumerate(batches):
                 scorer.update(mask_of[b])
-                h = norm_f(store["main", b].to(dev)) * cfg.lm_head_multiplier / cfg.logits_scaling  # as HybridLM.hidden
+                h = final_hidden(cfg, norm_f, store["main", b].to(dev))
                 store.pop(("main", b))
                 sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
                 if cfg.mtp_layers:
@@ -476,7 +476,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         if k:
             base = _mean(sums[:k])
             scores["loss_increase"] = torch.tensor(
-                [_mean([lm_loss_sums(norm_f(store[j, b].to(dev)) * cfg.lm_head_multiplier / cfg.logits_scaling, W,
+                [_mean([lm_loss_sums(final_hidden(cfg, norm_f, store[j, b].to(dev)), W,
                                      batches[b], mask_of[b])
                         for b in range(k)]) - base
                  for j in range(L)], dtype=torch.float32)

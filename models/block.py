@@ -29,5 +29,9 @@ class Block(nn.Module):
 
     def _forward(self, x, attention_mask, position_ids):
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
-        y = self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs))
+        return self.join(x, self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs)))
+
+    def join(self, x, y):
+        """The residual update: x + the mixer's output y (times cfg.residual_multiplier); forward and the
+        streaming checks that run the mixer themselves both call it."""
         return x + (y if self.residual_multiplier == 1 else y * self.residual_multiplier)

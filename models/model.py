@@ -16,7 +16,7 @@ from .mamba import init_a_log
 from .mtp import MTP
 from .norm import RMSNorm
 
-__all__ = ["Block", "HybridLM"]
+__all__ = ["Block", "HybridLM", "final_hidden", "scale_embedding"]
 
 
 class HybridLM(nn.Module):
@@ -43,19 +43,13 @@ class HybridLM(nn.Module):
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
         """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling (times cfg.lm_head_multiplier),
         so that any output projection of them gives the model's logits; the residual stream after every layer, or None)."""
-        cfg = self.cfg
-        x = self.embeddings(input_ids)
-        if cfg.embedding_multiplier != 1:
-            x = x * cfg.embedding_multiplier
+        x = scale_embedding(self.cfg, self.embeddings(input_ids))
         states = [x] if output_hidden_states else None
         for layer in self.layers:
             x = layer(x, attention_mask, position_ids)
             if output_hidden_states:
                 states.append(x)
-        h = self.norm_f(x)
-        if cfg.lm_head_multiplier != 1:
-            h = h * cfg.lm_head_multiplier
-        return (h if cfg.logits_scaling == 1 else h / cfg.logits_scaling), states
+        return final_hidden(self.cfg, self.norm_f, x), states
 
     def logits(self, h):
         w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
@@ -89,6 +83,21 @@ class HybridLM(nn.Module):
     def moe_layers(self):
         """The trunk's MoE mixers (the MTP head's are under self.mtp.layers)."""
         return [layer.mixer for layer in self.layers if layer.spec.routed]
+
+
+def scale_embedding(cfg, x):
+    """The residual stream's start from the embedding rows x: times cfg.embedding_multiplier (Granite,
+    Falcon-H1). HybridLM and every streaming forward (scoring, the upcycle deviation check) call this."""
+    return x if cfg.embedding_multiplier == 1 else x * cfg.embedding_multiplier
+
+
+def final_hidden(cfg, norm_f, x):
+    """norm_f(x) times cfg.lm_head_multiplier, divided by cfg.logits_scaling: what any output projection of
+    the residual stream x reads to give the model's logits (the one head every forward calls)."""
+    h = norm_f(x)
+    if cfg.lm_head_multiplier != 1:
+        h = h * cfg.lm_head_multiplier
+    return h if cfg.logits_scaling == 1 else h / cfg.logits_scaling
 
 
 def init_buffers(module: nn.Module, device) -> nn.Module:

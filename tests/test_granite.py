@@ -344,3 +344,25 @@ def test_upcycle_dense_granite_exactly_into_granite_moe(root):
     assert cli.main(["upcycle", str(d), str(root / "no_shared"), "--experts", "8", "--granularity", "2",
                      "--top-k", "2"]) == 2
     assert not (root / "no_shared").exists()
+
+
+def test_upcycle_deviation_is_transformers_forward_with_multipliers(root):
+    """Issue 40 Deliver 3: the deviation `upcycle` reports (streamed, layer by layer) for a Granite model
+    whose embedding, residual, attention and logits multipliers are all != 1 equals what transformers
+    measures on the same tokens from the two written checkpoints (the streamed forward is HybridLM's:
+    the same embedding scale, residual join and head). Not --exact: the granular SwiGLU split deviates."""
+    from remodel.pipelines.commands import upcycle as up
+    _, _, d = build("dense", root)
+    assert all(CASES["dense"][k] != 1 for k in SCALED)
+    out = root / "upcycled_inexact"
+    assert cli.main(["upcycle", str(d), str(out), "--experts", "8", "--granularity", "2", "--top-k", "2",
+                     "--shared-expert-size", "16"]) == 0
+    dev = json.loads((out / "remodel_report.json").read_text())["deviation"]
+    b, n = up.DEVIATION_TOKENS
+    tokens = torch.randint(0, CASES["dense"]["vocab_size"], (b, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        src, moe = (AutoModelForCausalLM.from_pretrained(x, dtype=torch.float32).eval()(tokens).logits for x in (d, out))
+    want = (moe - src).abs().max().item()
+    assert want > 1e-4  # a deviation worth comparing
+    assert abs(dev["max_abs_logit_diff"] - want) <= 1e-3 * want + 1e-6, (dev["max_abs_logit_diff"], want)
+

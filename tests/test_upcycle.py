@@ -472,3 +472,13 @@ def test_upcycle_dtype(nemo, tmp_path):
     assert {v for k, v in dts.items() if "e_score_correction_bias" not in k} == {"BF16"}
     assert {v for k, v in dts.items() if "e_score_correction_bias" in k} == {"F32"}
     assert rep["written_dtype"] == "bfloat16"
+
+
+def test_family_without_upcycling_target_refuses_in_one_line():
+    """A family that names no default upcycling target (a new family that does not override the Family
+    default) answers with a one-line RemodelError naming --to, not a NotImplementedError traceback."""
+    from remodel.models.families.family import Family
+    new = Family("newfamily", "NewFamilyForCausalLM")
+    with pytest.raises(RemodelError, match="--to") as e:
+        new.upcycle_into(None, "topk-softmax", 0)
+    assert "\n" not in str(e.value) and "newfamily" in str(e.value)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from remodel.models.kinds import KINDS
 from remodel.models.mlp import ACT, ffn
-from remodel.models.model import Block, init_buffers
+from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
 from remodel.models.norm import RMSNorm
 
 from .virtual_groups import LazyExperts
@@ -159,7 +159,7 @@ class StreamCheck:
         b = self.b
         if key == "embeddings.weight":
             self.emb = tensors[key]
-            x = self.emb[self.ids].float()
+            x = scale_embedding(self.cfg, self.emb[self.ids].float())
             self.x = torch.cat([x, x])  # [dense stream; upcycled stream]
         elif key.startswith("layers."):
             i = int(key.split(".")[1])
@@ -176,7 +176,7 @@ class StreamCheck:
             diff = (m - d[b:]).float()
             self.layers.append({"layer": i, "max_abs_out_diff": diff.abs().max().item(),
                                 "rel_out_diff": (diff.norm() / d[b:].norm().clamp_min(1e-30)).item()})
-            self.x = self.x + torch.cat([d[:b], m])
+            self.x = block.join(self.x, torch.cat([d[:b], m]))
         elif key == "norm_f.weight":
             self.norm_f = tensors[key].float()
             if self.cfg.tie_word_embeddings:
@@ -188,7 +188,7 @@ class StreamCheck:
         b = self.b
         norm = RMSNorm(self.cfg.hidden_size, self.cfg.norm_eps)
         norm.weight.data = self.norm_f
-        h = norm(self.x)
+        h = final_hidden(self.cfg, norm, self.x)
         dmax = dense_max = sq_diff = sq_ref = 0.0
         for w in head.split(max(1, CAST_BYTES * 8 // (4 * head.shape[1]))):  # vocab rows of 8 MiB in fp32
             z = linear_f32(h, w)

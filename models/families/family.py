@@ -183,8 +183,11 @@ class Family:
         return "topk-softmax"
 
     def upcycle_into(self, cfg, router: str, shared: int) -> str:
-        """The MoE family a dense source of this family upcycles into by default."""
-        raise NotImplementedError(f"{self.name} has no default upcycling target")
+        """The MoE family a dense source of this family upcycles into by default; a family that names none
+        refuses in one line (not a traceback)."""
+        from remodel.models.errors import RemodelError
+        raise RemodelError(f"{self.name} has no default upcycling target; --to names one "
+                           f"({self.upcycle_help or 'none known'})")
 
     def upcycle_check(self, cfg, router: str) -> str | None:
         """Why an upcycled `cfg` with `router` cannot be held exactly by this (MoE) family; None: it can."""
