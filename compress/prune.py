@@ -134,16 +134,14 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
 
 
 def _check_groups(cfg: ModelConfig, t: dict) -> None:
-    """Mamba heads in whole groups, query heads in whole KV groups."""
-    if "mamba_heads" in t and t["mamba_heads"] % cfg.n_groups:
-        v, G = t["mamba_heads"], cfg.n_groups
-        raise RemodelError(f"--mamba-heads {v} is not a multiple of n_groups={G}; "
-                           f"nearest valid: {_nearest(v, G, cfg.mamba_num_heads)}")
-    if "attn_heads" in t and t["attn_heads"] % cfg.num_key_value_heads:
-        v, kv = t["attn_heads"], cfg.num_key_value_heads
-        raise RemodelError(f"--attn-heads {v} is not a multiple of num_key_value_heads={kv} (every KV group "
-                           f"keeps the same number of query heads); nearest valid: "
-                           f"{_nearest(v, kv, cfg.num_attention_heads)}")
+    """Each width in whole groups where its spec says so (models.spec.Width.multiple_of: Mamba heads in
+    whole groups, query heads in whole KV groups)."""
+    for name, w in WIDTHS.items():
+        g = getattr(cfg, w.multiple_of) if w.multiple_of and name in t else None
+        if g and t[name] % g:
+            v = t[name]
+            raise RemodelError(f"--{name.replace('_', '-')} {v} is not a multiple of {w.multiple_of}={g}{w.why}; "
+                               f"nearest valid: {_nearest(v, g, getattr(cfg, w.field))}")
 
 
 def _check_experts(cfg: ModelConfig, t: dict) -> None:

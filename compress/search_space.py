@@ -116,14 +116,13 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
     if not size or (kind is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
     family = family or default_family(cfg)
-    if axis == "mamba_heads":
-        step = cfg.n_groups
-    elif axis == "attn_heads":
-        step = cfg.num_key_value_heads
+    w = LAYOUT_WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
+    if w.multiple_of:
+        step = getattr(cfg, w.multiple_of)
     else:
         step = step_for(size, divisor)
-        if axis == "experts" and cfg.n_group > 1:
-            step = math.lcm(step, cfg.n_group)
+        if w.step_lcm and getattr(cfg, w.step_lcm) > 1:
+            step = math.lcm(step, getattr(cfg, w.step_lcm))
     lo = max(math.ceil((1 - max_cut) * size - 1e-9), 1)
     step *= max(1, math.ceil(((size - 1) // step - (lo - 1) // step) / MAX_AXIS_VALUES))  # <= MAX_AXIS_VALUES
     top = (size - 1) // step * step  # multiples of the step only: never a loop over every width

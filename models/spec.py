@@ -16,7 +16,9 @@ import torch
 class Width:
     """One model width. name: flag / search axis; field: ModelConfig field; layer: the layer char that
     uses it (None: every layer); unit: the keep-dict axis it prunes (None: not prunable); divisor: the
-    search-space step (None: a multiple of the groups, or not searched); short: a table column label."""
+    search-space step (None: a multiple of the groups, or not searched); short: a table column label;
+    multiple_of: the ModelConfig field whose value every kept width is a multiple of (the search step too),
+    why: what that rule keeps whole; step_lcm: a field the search step is also a multiple of when > 1."""
     name: str
     field: str
     layer: str | None
@@ -24,6 +26,9 @@ class Width:
     divisor: int | None
     short: str
     help: str
+    multiple_of: str | None = None
+    why: str = ""
+    step_lcm: str | None = None
 
 
 WIDTHS = {w.name: w for w in (
@@ -31,14 +36,16 @@ WIDTHS = {w.name: w for w in (
     Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"),
     Width("ffn_size", "intermediate_size", "-", "ffn", 512, "ffn", "dense MLP intermediate size"),
     Width("mamba_heads", "mamba_num_heads", "M", "mamba_heads", None, "m.heads",
-          "Mamba heads per layer (a multiple of n_groups)"),
+          "Mamba heads per layer (a multiple of n_groups)", multiple_of="n_groups"),
     Width("mamba_head_dim", "mamba_head_dim", "M", "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
     Width("ssm_state_size", "ssm_state_size", "M", None, None, "state", "Mamba SSM state size"),
     Width("attn_heads", "num_attention_heads", "*", "attn_heads", None, "a.heads",
-          "query heads per attention layer (a multiple of num_key_value_heads)"),
+          "query heads per attention layer (a multiple of num_key_value_heads)", multiple_of="num_key_value_heads",
+          why=" (every KV group keeps the same number of query heads)"),
     Width("kv_heads", "num_key_value_heads", "*", None, None, "kv", "key/value heads"),
     Width("head_dim", "head_dim", "*", None, None, "hd", "attention head size"),
-    Width("experts", "n_routed_experts", "E", "experts", 8, "experts", "routed experts per MoE layer"),
+    Width("experts", "n_routed_experts", "E", "experts", 8, "experts", "routed experts per MoE layer",
+          step_lcm="n_group"),
     Width("expert_ffn_size", "moe_intermediate_size", "E", "expert_ffn", 512, "e.ffn", "routed expert FFN size"),
     Width("shared_expert_size", "moe_shared_expert_intermediate_size", "E", "shared_ffn", 512, "shared",
           "shared expert FFN size"),

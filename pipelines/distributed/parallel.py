@@ -125,7 +125,7 @@ class ExpertExchange:
         send = counts.view(n, El)  # rows for (dest rank, its expert)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # recv[src, local expert]
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync: NCCL's splits
         xr = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group)
         local_e = torch.repeat_interleave(torch.arange(El, device=rows.device).repeat(n), recv.reshape(-1))
         perm = local_e.argsort(stable=True)
