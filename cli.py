@@ -47,6 +47,11 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _names(s: str) -> list[str]:
+    """'a, b,' -> ['a', 'b'] (--tasks; an empty list is refused by name later, before any work)."""
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
 def _count(s: str) -> int | float:
     """1000, 4.5e9, 47B, 500M, 2k -> an int; a value no count can be (inf, nan, 1e400, 1e30B) comes back as
     a float for the OPTIONS check to refuse by name (int(float) would raise OverflowError)."""
@@ -152,10 +157,17 @@ def _add_prune(sub):
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
-    p.add_argument("--tasks", help="comma-separated lm-eval tasks run on the result, in its report (see `eval --tasks`)")
-    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (see `eval --task-dir`)")
-    p.add_argument("--limit", type=int, help="items per task (None: every item)")
+    _task_flags(p, "the result, in its report")
     _overwrite(p)
+
+
+def _task_flags(p, on: str):
+    """--tasks, --task-dir, --limit: lm-eval tasks (pipelines/training/tasks.py) run on `on`."""
+    p.add_argument("--tasks", type=_names, help=f"comma-separated lm-eval task names run on {on}, offline on local "
+                   "data: the shipped remodel_cloze, remodel_nextline, or a task of --task-dir (None: no tasks; "
+                   "needs pip install remodel[eval])")
+    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
+    p.add_argument("--limit", type=int, help="items per task (None: every item)")
 
 
 def _add_plan(sub):
@@ -189,6 +201,7 @@ def _add_search(sub):
     p.add_argument("--eval-data", help="held-out text (None: every 20th document of DATA)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (scoring, ranking, distillation)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    _task_flags(p, "the written best candidate, in the report")
     _overwrite(p)
 
 
@@ -269,10 +282,7 @@ def _add_eval(sub):
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
-    p.add_argument("--tasks", help="comma-separated lm-eval task names, run offline on local data: the shipped "
-                   "remodel_cloze, remodel_nextline, or a task of --task-dir (needs pip install remodel[eval])")
-    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
-    p.add_argument("--limit", type=int, help="items per task (None: every item)")
+    _task_flags(p, "MODEL")
 
 
 def _dtype(name):
@@ -319,13 +329,8 @@ def _run_score(a):
 
 def _run_prune(a):
     from remodel.pipelines.commands.prune import prune
-    tasks = None if a.tasks is None else [t.strip() for t in a.tasks.split(",") if t.strip()]
-    r = prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=tasks,
-              task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
-    if "tasks" in r:
-        from remodel.pipelines.training.tasks import format_tasks
-        print(format_tasks(r["tasks"]), file=sys.stderr)
-    return r
+    return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=a.tasks,
+                 task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
 
 
 def _run_plan(a):
@@ -343,7 +348,7 @@ def _run_search(a):
     return search_job(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
                       distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
                       active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
-                      seq_len=a.seq_len, batch=a.batch)
+                      seq_len=a.seq_len, batch=a.batch, tasks=a.tasks, task_dir=a.task_dir, task_limit=a.limit)
 
 
 def _run_training(a):
@@ -362,26 +367,19 @@ def _run_upcycle(a):
 
 
 def _run_eval(a):
-    from remodel.models.errors import RemodelError
-    from remodel.pipelines.training.evaluate import evaluate
-    if not a.data and a.tasks is None:
-        raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
-    checked = None
-    if a.tasks is not None:  # lm-eval present, names and --task-dir checked before any model is loaded
-        from remodel.pipelines.training.tasks import check_tasks, format_tasks, run_tasks
-        checked = check_tasks([t.strip() for t in a.tasks.split(",") if t.strip()], a.task_dir)
-    elif a.task_dir is not None or a.limit is not None:
-        raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
-    r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens) if a.data else {}
-    loss = r.get("loss")
-    if isinstance(loss, float) and not math.isfinite(loss):
-        raise RemodelError(f"{a.model}: the loss is {loss} (not finite): the model's weights or activations "
-                           "hold NaN/inf or overflow")
-    if checked is not None:
-        r["tasks"] = run_tasks(a.model, [], limit=a.limit, batch=a.batch, checked=checked)
-        print(format_tasks(r["tasks"]), file=sys.stderr)
+    from remodel.pipelines.commands.evaluation import eval_job
+    r = eval_job(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens, tasks=a.tasks,
+                 task_dir=a.task_dir, limit=a.limit)
+    _show_tasks(r)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))
+
+
+def _show_tasks(r):
+    """The lm-eval table of a report with `tasks` (eval, prune, search), on stderr beside the JSON."""
+    if isinstance(r, dict) and "tasks" in r:
+        from remodel.pipelines.training.tasks import format_tasks
+        print(format_tasks(r["tasks"]), file=sys.stderr)
 
 
 def _run_tokenize(a):
@@ -490,8 +488,10 @@ def main(argv=None) -> int:
             print(f"remodel {a.command}: error: {why}", file=sys.stderr)
         return 1
     if isinstance(r, dict) and a.command not in ("demo",):
+        _show_tasks(r)
         from remodel.pipelines.commands.report import strict_json
-        print(strict_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "output"}, a.command))
+        print(strict_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k in ("output", "tasks")},
+                          a.command))
     return 0
 
 

@@ -11,6 +11,13 @@ tokens for frequency, random = compress.baselines.random_scores channels), plus 
 expert FFN -50% together. Held-out: the VALID split, fixed token count (pipelines.training.evaluate.evaluate).
 
     python bench/bench_expert_prune_quality.py [--samples 256 --eval-tokens 32768 --threads 1] [--write]
+
+`criteria` (issue 43): REAP against reconstruction, contribution, frequency and random at 25% and 50% of
+the experts removed, on the upcycled embedded MoE and on a MoE trained here from scratch (distinct
+experts): held-out loss and the shipped tasks' accuracy (pipelines/training/tasks.py), before and after
+a short distillation from the unpruned model, the same for every criterion:
+
+    python bench/bench_expert_prune_quality.py criteria [--limit 150 --distill-steps 40] [--write]
 """
 from __future__ import annotations
 
@@ -88,14 +95,14 @@ def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, bat
             "seeds": seeds, "rows": rows}
 
 
-def write_section(text: str, path=ROOT / "bench" / "RESULTS.md"):
-    """Replace this bench's section of RESULTS.md (or append it), leaving the others as they are."""
+def write_section(text: str, path=ROOT / "bench" / "RESULTS.md", title: str = SECTION):
+    """Replace the section `title` of RESULTS.md (or append it), leaving the others as they are."""
     old = path.read_text() if path.exists() else ""
-    start = old.find(SECTION)
+    start = old.find(title)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(SECTION))
+        end = old.find("\n## ", start + len(title))
         new = old[:start] + text + ("\n" + old[end + 1:] if end >= 0 else "")
     path.write_text(new.rstrip("\n") + "\n")
 
@@ -111,6 +118,202 @@ def table(res) -> str:
         lines.append(f"| {r['case']} | {tgt} | {r['reconstruction']:.2f} | {r['contribution']:.2f} | {r['frequency']:.2f} "
                      f"| {r['random_mean']:.2f} ({', '.join('%.2f' % x for x in r['random'])}) | {best} |")
     return "\n".join(lines)
+
+
+
+# ---- Deliver 4 of issue 43: REAP against the other expert criteria, loss and task accuracy, before and after
+# a short distillation, on the upcycled embedded MoE and on a MoE trained here from scratch (distinct experts)
+CRITERIA = ("reap", "reconstruction", "contribution", "frequency", "random")
+CRITERIA_SECTION = "## Expert pruning criteria: REAP vs the others (loss, task accuracy, distillation)"
+TASKS = ("remodel_cloze", "remodel_nextline")
+SCRATCH = dict(vocab_size=2048, hidden_size=128, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, router="softmax",
+               mlp_gated=True, mlp_act="silu", rope_theta=1e4)  # Mixtral-style: softmax top-2 of 8, SwiGLU
+
+
+def scratch_moe(root: Path, steps: int, seq_len: int = 128, batch: int = 8) -> Path:
+    """ROOT/scratch-trained: a Mixtral-family MoE (SCRATCH) trained from random weights on the train split,
+    so its experts are distinct (nothing copied from a dense MLP); load-balancing loss 1e-2."""
+    from remodel.models.config import ModelConfig
+    from remodel.models.load import save_model
+    from remodel.models.model import HybridLM, init_weights
+    from remodel.pipelines.data.data import embedded_tokenizer_path
+    from remodel.pipelines.training.train import train
+
+    init = save_model(init_weights(HybridLM(ModelConfig(**SCRATCH)), std=0.02, seed=0), root / "scratch",
+                      family="mixtral", aux_from=embedded_tokenizer_path())
+    train(init, root / "scratch-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
+          lr=3e-3, seed=0, log_every=0, checkpoint_every=10**9, keep_last=1)
+    return root / "scratch-trained"
+
+
+def criteria_scores(model, calib, seeds: int) -> dict:
+    """{criterion name: scores with that expert ranking}; random as random-0, random-1, ..."""
+    with torch.no_grad():
+        act, _ = score_model(model, list(batches(calib, 8)), loss_increase=False)
+    out = {m: rank_experts(act, model.cfg, m) for m in CRITERIA if m != "random"}
+    out.update({f"random-{s}": rank_experts(act, model.cfg, "random", seed=s) for s in range(seeds)})
+    return out
+
+
+def judge(model_or_dir, held_out, seq_len, limit, checked) -> dict:
+    """Held-out loss (ours) and the shipped tasks' accuracy (lm-eval on the written checkpoint)."""
+    from remodel.pipelines.training.tasks import run_tasks
+    loss = evaluate(model_or_dir, held_out, seq_len=seq_len, batch=16)["loss"]
+    acc = run_tasks(model_or_dir, [], limit=limit, checked=checked)
+    return {"loss": loss, **{t: acc[t]["acc"] for t in TASKS}}
+
+
+def criteria_model(model_dir: Path, work: Path, a, checked) -> dict:
+    """Every criterion x (25%, 50% of experts removed) on MODEL: before and after `a.distill_steps` steps of
+    distillation from MODEL (same data, steps, lr and seed for every criterion)."""
+    from remodel.models.load import save_model
+    from remodel.pipelines.training.train import train
+    from transformers import AutoTokenizer
+
+    train_txt, valid = embedded_corpus()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    calib = pack(load_texts(train_txt), tok, a.seq_len, max_tokens=a.samples * a.seq_len)
+    held_out = pack(load_texts(valid), tok, a.seq_len, max_tokens=a.eval_tokens)
+    model = load_model(model_dir).float().eval()
+    cfg, family = model.cfg, json.loads((model_dir / "config.json").read_text())["model_type"]
+    res = {"model": str(model_dir), "family": family, "experts": cfg.n_routed_experts,
+           "top_k": cfg.num_experts_per_tok, "eval_tokens": int(held_out.numel()), "unpruned": judge(model_dir, held_out, a.seq_len, a.limit, checked),
+           "rows": []}
+    ranked = criteria_scores(model, calib, a.seeds)
+    E = cfg.n_routed_experts
+    for keep in (E * 3 // 4, E // 2):
+        for name, sc in ranked.items():
+            d = work / f"{model_dir.name}-{keep}-{name}"
+            save_model(prune_model(model, plan_keep(cfg, sc, {"experts": keep})), d, family=family,
+                       aux_from=model_dir, dtype=torch.float32)
+            row = {"removed": 1 - keep / E, "experts": keep, "criterion": name,
+                   "before": judge(d, held_out, a.seq_len, a.limit, checked)}
+            train(d, work / f"{d.name}-kd", train_txt, teacher_dir=model_dir, steps=a.distill_steps,
+                  seq_len=a.seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=0, log_every=0,
+                  checkpoint_every=10**9, keep_last=1)
+            row["after"] = judge(work / f"{d.name}-kd", held_out, a.seq_len, a.limit, checked)
+            res["rows"].append(row)
+            print(f"{model_dir.name:18s} {keep}/{E} {name:15s} " + "  ".join(
+                f"{when} loss {row[when]['loss']:.4f} cloze {row[when]['remodel_cloze']:.3f} next "
+                f"{row[when]['remodel_nextline']:.3f}" for when in ("before", "after")), flush=True)
+    return res
+
+
+def criteria_table(res: dict) -> str:
+    """One row per model x removed fraction x criterion (random: the mean over seeds), best loss in bold."""
+    lines = ["| model | experts kept | criterion | loss | cloze acc | next-line acc | loss after KD | cloze after "
+             "| next-line after |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in res["models"]:
+        u = m["unpruned"]
+        lines.append(f"| {m['label']} | {m['experts']} of {m['experts']} (unpruned) | - | {u['loss']:.4f} | "
+                     f"{u['remodel_cloze']:.3f} | {u['remodel_nextline']:.3f} | | | |")
+        for keep, rows in _by_keep(m).items():
+            best = {w: min(r[w]["loss"] for r in rows) for w in ("before", "after")}
+            for r in rows:
+                cell = lambda w, k: (f"**{r[w][k]:.4f}**" if k == "loss" and r[w][k] == best[w]  # noqa: E731
+                                     else f"{r[w][k]:.4f}" if k == "loss" else f"{r[w][k]:.3f}")
+                lines.append(f"| {m['label']} | {keep} of {m['experts']} | {r['criterion']} | "
+                             + " | ".join(cell(w, k) for w in ("before", "after")
+                                          for k in ("loss",) + TASKS) + " |")
+    return "\n".join(lines)
+
+
+def _by_keep(m: dict) -> dict:
+    """{experts kept: rows, the random seeds folded into one 'random (mean of n)' row}"""
+    out = {}
+    for r in m["rows"]:
+        out.setdefault(r["experts"], []).append(r)
+    for keep, rows in out.items():
+        rnd = [r for r in rows if r["criterion"].startswith("random")]
+        mean = {w: {k: sum(r[w][k] for r in rnd) / len(rnd) for k in rnd[0][w]} for w in ("before", "after")}
+        out[keep] = [r for r in rows if r not in rnd] + [{"criterion": f"random (mean of {len(rnd)})", **mean}]
+    return out
+
+
+def winners(res: dict) -> list[str]:
+    """Per model x fraction x (before, after): which criterion has the lowest loss, the best cloze accuracy."""
+    out = []
+    for m in res["models"]:
+        for keep, rows in _by_keep(m).items():
+            for w, when in (("before", "no retraining"), ("after", "after KD")):
+                lo = min(rows, key=lambda r: r[w]["loss"])
+                hi = max(r[w]["remodel_cloze"] for r in rows)
+                acc = [r["criterion"] for r in rows if r[w]["remodel_cloze"] == hi]
+                out.append(f"{m['label']}, {keep} of {m['experts']} experts, {when}: lowest loss **{lo['criterion']}** "
+                           f"({lo[w]['loss']:.4f}); best cloze {', '.join(acc)} ({hi:.3f})")
+    return out
+
+
+def run_criteria(a) -> dict:
+    """Both models through criteria_model; the scratch MoE is trained first (its time is in the result)."""
+    import tempfile
+
+    from remodel.pipelines.training.tasks import check_tasks
+    checked = check_tasks(list(TASKS))
+    res, t0 = {"models": []}, time.time()
+    with tempfile.TemporaryDirectory(prefix="expert-criteria-") as tmp:
+        work = Path(tmp)
+        scratch = scratch_moe(work, a.scratch_steps)
+        res["scratch_train_s"] = round(time.time() - t0, 1)
+        for label, d in (("embedded MoE (upcycled)", Path(a.model)), ("scratch MoE (distinct)", scratch)):
+            m = criteria_model(d, work, a, checked)
+            res["models"].append({"label": label, **m})
+    res.update(seconds=round(time.time() - t0, 1), eval_tokens=res["models"][0]["eval_tokens"])
+    return res
+
+
+def criteria_main(argv=None):
+    ap = argparse.ArgumentParser(description="REAP vs reconstruction / contribution / frequency / random")
+    ap.add_argument("--model", default=str(embedded_moe_path()))
+    ap.add_argument("--samples", type=int, default=64, help="calibration sequences (train split)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens (valid split)")
+    ap.add_argument("--limit", type=int, default=150, help="items per task (150: all of each shipped task)")
+    ap.add_argument("--seeds", type=int, default=2, help="random criterion seeds")
+    ap.add_argument("--scratch-steps", type=int, default=600, help="training steps of the scratch MoE (8 x 128)")
+    ap.add_argument("--distill-steps", type=int, default=40)
+    ap.add_argument("--distill-batch", type=int, default=4)
+    ap.add_argument("--distill-lr", type=float, default=3e-4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=str(ROOT / "bench" / "expert_prune_criteria.json"))
+    ap.add_argument("--write", action="store_true", help=f"put the table into bench/RESULTS.md ({CRITERIA_SECTION})")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    res = run_criteria(a)
+    res.update(args=vars(a), date=str(datetime.date.today()), machine=f"{platform.machine()} {platform.processor()}",
+               torch=torch.__version__)
+    tab = criteria_table(res)
+    print(tab + "\n\n" + "\n".join(winners(res)))
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.write:
+        write_section(criteria_section(a, res, tab), title=CRITERIA_SECTION)
+
+
+def criteria_section(a, res, tab) -> str:
+    """The RESULTS.md section of one criteria run."""
+    head = (f"{CRITERIA_SECTION}\n\n`python bench/bench_expert_prune_quality.py criteria --write` (defaults: "
+            f"--samples {a.samples} --eval-tokens {a.eval_tokens} --limit {a.limit} --seeds {a.seeds} --scratch-steps "
+            f"{a.scratch_steps} --distill-steps {a.distill_steps} --distill-batch {a.distill_batch} --distill-lr "
+            f"{a.distill_lr}), {res['date']}, {res['machine']}, {a.threads} thread(s) on a 2-core VM shared with other "
+            f"jobs, torch {res['torch']}, fp32; wall time {res['seconds']:.0f} s in all (the scratch MoE's training "
+            f"{res['scratch_train_s']:.0f} s). JSON: bench/expert_prune_criteria.json.\n\n"
+            "Models: (a) data/embedded_moe, the upcycled MoE (8 experts of 192, top-4, sigmoid router; its experts "
+            "come from copies of one dense MLP, in near-duplicate pairs); (b) a Mixtral-family MoE trained here from "
+            f"random weights ({a.scratch_steps} steps of 8 x 128 train-split tokens, lr 3e-3, load-balancing 1e-2; "
+            "`*E*E`, hidden 128, 8 SwiGLU experts of 128, softmax top-2): distinct experts. One activation "
+            f"calibration run ({a.samples} x {a.seq_len} train-split tokens) per model; the criteria differ only in "
+            "the expert ranking (compress/expert_scores.py rank_experts): *reap* (REAP, mean over routed tokens of "
+            "router weight x output norm), *reconstruction* (greedy, tokens re-routed), *contribution* (sum of "
+            "router weight x output norm), *frequency*, *random* (mean of the seeds). 25% and 50% of the routed "
+            f"experts removed. *loss*: held-out LM loss (first {res['eval_tokens']:,} "
+            f"valid-split tokens, seq {a.seq_len}); *cloze* / *next-line*: accuracy on the shipped remodel_cloze / "
+            f"remodel_nextline tasks (lm-eval on the written checkpoint, first {a.limit} items; 150 items: one "
+            "standard error is about 0.04, so accuracy gaps under ~0.08 are noise; next-line sits near chance, 0.25, "
+            f"for models this small). *after KD*: {a.distill_steps} steps of distillation (KL to the unpruned model, "
+            f"batch {a.distill_batch} x {a.seq_len}, lr {a.distill_lr}, seed 0), the same for every criterion. "
+            "Lowest loss per block in bold.\n\n")
+    return head + tab + "\n\nWho wins where:\n\n" + "\n".join(f"- {w}" for w in winners(res)) + "\n"
 
 
 def main():
@@ -160,4 +363,4 @@ def section(a, res, tab) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    criteria_main(sys.argv[2:]) if sys.argv[1:2] == ["criteria"] else main()

@@ -133,3 +133,38 @@ def test_missing_lm_eval_names_the_extra(tmp_path, capsys, monkeypatch):
     assert cli.main(["eval", str(tmp_path), "--tasks", "remodel_cloze"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("pip install remodel[eval]") and "\n" not in err
+
+
+def test_search_tasks_reports_the_written_pick_accuracy(tmp_path, capsys):
+    """search --tasks: the report (file and stdout) carries the accuracy of the checkpoint search wrote, the
+    figure eval --tasks gives on OUT (not the source's); a bad task name is refused before OUT is written;
+    --help names the options and their defaults."""
+    import gzip
+
+    from remodel.models.load import load_config
+    from remodel.models.params import count_params
+    from remodel.pipelines.data.data import embedded_corpus
+    d = tiny_checkpoint("llama", tmp_path)
+    data = tmp_path / "data.txt"
+    with gzip.open(embedded_corpus()[0], "rt") as f:
+        data.write_text("".join(next(f) for _ in range(400)))
+    budget = str(int(0.9 * count_params(load_config(d))["total"]))
+    search = ["search", str(d), "--data", str(data), "--params", budget, "--top", "2", "--candidates", "1",
+              "--seq-len", "32", "--batch", "4", "--limit", str(LIMIT)]
+    assert cli.main([*search[:2], str(tmp_path / "bad"), *search[2:], "--tasks", "nope"]) == 2
+    assert "unknown task 'nope' (--tasks)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert cli.main([*search[:2], str(tmp_path / "bad"), *search[2:]]) == 2  # --limit without --tasks
+    assert "--task-dir and --limit apply to --tasks" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert cli.main([*search[:2], str(tmp_path / "s"), *search[2:], "--tasks", "remodel_cloze"]) == 0
+    out = capsys.readouterr()
+    assert "remodel_cloze" in out.err  # the table
+    printed = json.loads(out.out[out.out.index("{"):])["tasks"]["remodel_cloze"]
+    report = json.loads((tmp_path / "s" / "remodel_report.json").read_text())["tasks"]["remodel_cloze"]
+    written, source = remodel_eval(tmp_path / "s", capsys), remodel_eval(d, capsys)
+    assert report == printed and report["samples"] == LIMIT
+    assert report["acc"] == written["acc"] != source["acc"]
+    with pytest.raises(SystemExit):
+        cli.main(["search", "--help"])
+    h = " ".join(capsys.readouterr().out.split())
+    assert "--tasks TASKS comma-separated lm-eval task names run on the written best candidate" in h
+    assert "(None: no tasks;" in h and "--limit LIMIT items per task (None: every item)" in h

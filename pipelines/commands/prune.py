@@ -69,9 +69,8 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
                    shared_expert_size=shared_expert_size, latent_size=latent_size, num_layers=num_layers,
                    drop_layers=drop_layers)
     t = validate_targets(cfg, targets, family)  # before any calibration or I/O
-    if tasks is not None:  # lm-eval present, names and --task-dir checked before any work
-        from ..training.tasks import check_tasks, run_tasks
-    checked = check_tasks(tasks, task_dir) if tasks is not None else None
+    from ..training.tasks import add_tasks, check_task_options  # (lm-eval is imported only when asked for)
+    checked = check_task_options(tasks, task_dir, task_limit)  # lm-eval, names, --task-dir: before any work
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
     if scores_dir is None:
@@ -106,9 +105,7 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
             "plot": "importance.png" if plotted else None,
             "scores_meta": {k: v for k, v in meta.items() if k != "config"},
             "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
-        if checked is not None:  # the written checkpoint, as transformers loads it
-            report["tasks"] = run_tasks(tmp, [], limit=task_limit, checked=checked)
-        write_report(tmp, report)
+        write_report(tmp, add_tasks(report, tmp, checked, task_limit))  # the written checkpoint's accuracy
     return report
 
 

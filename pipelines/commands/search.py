@@ -11,7 +11,8 @@
 4. The best `candidates` are distilled for `distill_tokens` tokens each (teacher = MODEL, the
    training part of DATA, pipelines.training.train.train) and re-ranked by held-out loss.
 5. The best is written to OUT (atomic: HF checkpoint in the source dtype + tokenizer files), with
-   OUT/remodel_report.json (the candidate table) and OUT/search.png (parameters against loss).
+   OUT/remodel_report.json (the candidate table; with `tasks`, the written pick's lm-eval accuracy)
+   and OUT/search.png (parameters against loss).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .plan import SHORT, plan
 from .report import write_report
 from ..training.evaluate import evaluate
 from ..distributed.runtime import check_out, load_tokenizer, source_dtype
+from ..training.tasks import add_tasks, check_task_options
 from ..training.train import train
 
 PLAN_OPTIONS = {"axes", "tol", "max_width_cut", "max_depth_cut", "max_type_cut", "batch", "seq_len", "divisors"}
@@ -89,23 +91,23 @@ def plot_search(path, rows: list, source: dict, pick: int):
 def search_job(model_dir, out, data, params=None, candidates: int = 3, distill_tokens: int = 0, scores_dir=None,
                overwrite: bool = False, *, active_params=None, memory_gb=None, top: int = 20, plan_options=None,
                eval_data=None, seq_len: int = 256, batch: int = 8, score_samples: int = 64,
-               eval_tokens: int = 16384, lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None) -> dict:
+               eval_tokens: int = 16384, lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None,
+               tasks=None, task_dir=None, task_limit=None) -> dict:
     """Search MODEL's pruned shapes under the budget and write the best to OUT (see the module doc).
 
     params / active_params / memory_gb: the budgets (plan's); top: how many of plan's candidates are
     pruned and evaluated; candidates: how many of those (best by loss) are distilled; plan_options:
     extra plan() keywords (axes, tol, seq_len / batch of the memory budget, divisors, max cuts).
     seq_len / batch serve scoring, evaluation and distillation; score_samples sequences calibrate;
-    eval_tokens held-out tokens rank. `scores` is an alias of scores_dir. Returns the report."""
+    eval_tokens held-out tokens rank. `scores` is an alias of scores_dir. tasks / task_dir / task_limit:
+    lm-eval tasks run on the written pick, in the report as `tasks` (pipelines/training/tasks.py). -> the report."""
     t0 = time.time()
     scores_dir = scores_dir if scores_dir is not None else scores
     model_dir, out = Path(model_dir), Path(out)
     _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_samples, eval_tokens, lr)
-    cfg, family = _check_inputs(model_dir, out, data, eval_data, scores_dir, overwrite)
     budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
-    popts = _plan_options(plan_options)
-    # the budget is checked here (refusals name the smallest and largest reachable sizes), nothing written
-    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
+    cfg, family, popts, checked = _check_all(model_dir, out, data, eval_data, scores_dir, overwrite, budget,
+                                             plan_options, top, (tasks, task_dir, task_limit))
     tok = load_tokenizer(model_dir)
     settings = dict(seq_len=seq_len, batch=batch, lr=lr, seed=seed, progress=progress)
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
@@ -142,7 +144,7 @@ def search_job(model_dir, out, data, params=None, candidates: int = 3, distill_t
             "pick": {k: rows[pick].get(k) for k in PICK_KEYS},
             "candidates": rows, "plot": "search.png", "seconds": round(time.time() - t0, 2),
         }
-        write_report(tmp, report)
+        write_report(tmp, add_tasks(report, tmp, checked, task_limit))  # the written pick's accuracy
     if progress:
         _print_pick(rows[pick], src, distill_tokens)
     return report
@@ -162,6 +164,16 @@ def _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_sample
         _positive_int(name, v)
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise RemodelError(f"lr must be > 0, got {lr!r}")
+
+
+def _check_all(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite, budget, plan_options, top, tasks):
+    """-> (cfg, family, plan options, check_task_options' result) once the inputs, the budget (plan's refusals
+    name the smallest and largest reachable sizes) and the tasks (lm-eval, names, --task-dir) pass; nothing
+    is written before."""
+    cfg, family = _check_inputs(model_dir, out, data, eval_data, scores_dir, overwrite)
+    popts = _plan_options(plan_options)
+    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
+    return cfg, family, popts, check_task_options(*tasks)
 
 
 def _check_inputs(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite: bool):

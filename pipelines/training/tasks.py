@@ -72,6 +72,24 @@ def check_tasks(names: list[str], task_dir=None) -> tuple[object, list]:
     return tm, [_spec(tm, n) for n in names]
 
 
+def check_task_options(tasks, task_dir=None, limit=None):
+    """check_tasks' result for the --tasks names, or None when none are given (then --task-dir and --limit,
+    which only serve --tasks, are refused): what eval, prune and search call before any work."""
+    if tasks is None:
+        if task_dir is not None or limit is not None:
+            raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
+        return None
+    return check_tasks(tasks, task_dir)
+
+
+def add_tasks(report: dict, model_dir, checked, limit: int | None = None) -> dict:
+    """`report` with `tasks`: the accuracy of the written checkpoint `model_dir` on the checked tasks
+    (check_task_options' result; None: the report as it is). prune and search put their result's here."""
+    if checked is not None:
+        report["tasks"] = run_tasks(model_dir, [], limit=limit, checked=checked)
+    return report
+
+
 def _spec(tm, name: str):
     """A YAML task as its config dict with data_files resolved beside the YAML; a group or tag by name."""
     from lm_eval.tasks._yaml_loader import load_yaml

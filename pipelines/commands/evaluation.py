@@ -1,0 +1,29 @@
+"""`remodel eval`: held-out loss, perplexity and tokens/s (pipelines/training/evaluate.py) and lm-eval
+tasks (pipelines/training/tasks.py) on one checkpoint. Every option is checked before a model is loaded."""
+from __future__ import annotations
+
+import math
+
+from remodel.models.errors import RemodelError
+
+from ..training import tasks as task_runs
+
+
+def eval_job(model_dir, data=None, *, seq_len: int = 256, batch: int = 8, max_tokens=None, tasks=None,
+             task_dir=None, limit=None) -> dict:
+    """{loss, ppl, tokens/s... (with `data`), tasks: {task: figures} (with `tasks`)}; one-line errors for
+    nothing to evaluate, a bad task option, and a loss that is not finite."""
+    if not data and tasks is None:
+        raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
+    checked = task_runs.check_task_options(tasks, task_dir, limit)  # before any model is loaded
+    r = {}
+    if data:
+        from ..training.evaluate import evaluate
+        r = evaluate(model_dir, data, seq_len=seq_len, batch=batch, max_tokens=max_tokens)
+    loss = r.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        raise RemodelError(f"{model_dir}: the loss is {loss} (not finite): the model's weights or activations "
+                           "hold NaN/inf or overflow")
+    if checked is not None:
+        r["tasks"] = task_runs.run_tasks(model_dir, [], limit=limit, batch=batch, checked=checked)
+    return r
