@@ -40,9 +40,13 @@ def _lead() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
 
 
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
 def _ints(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        return [int(x) for x in _names(s)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
@@ -152,7 +156,7 @@ def _add_prune(sub):
     d = p.add_mutually_exclusive_group()
     d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
     d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
-    p.add_argument("--tasks", help="comma-separated lm-eval tasks run on the result, in its report (see `eval --tasks`)")
+    p.add_argument("--tasks", type=_names, help="comma-separated lm-eval tasks run on the result, in its report")
     p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (see `eval --task-dir`)")
     p.add_argument("--limit", type=int, help="items per task (None: every item)")
     _overwrite(p)
@@ -232,10 +236,9 @@ def _add_upcycle(sub):
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (None: the checkpoint's)")
-    p.add_argument("--drop-ratio", type=float, default=0.0,
-                   help="Drop-Upcycling: fraction R in [0, 1] of each routed expert's neurons re-initialised "
-                        "(a different random subset per expert, drawn with the dense matrices' mean and std); "
-                        "0: plain copies of the dense MLP; not with --exact")
+    p.add_argument("--drop-ratio", type=float, default=0.0, help="Drop-Upcycling: fraction R in [0, 1] of each "
+                   "routed expert's neurons re-initialised (a different random subset per expert, drawn with the "
+                   "dense matrices' mean and std); 0: plain copies of the dense MLP; not with --exact")
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows and of --drop-ratio's draws")
     _overwrite(p)
 
@@ -269,7 +272,7 @@ def _add_eval(sub):
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
-    p.add_argument("--tasks", help="comma-separated lm-eval task names, run offline on local data: the shipped "
+    p.add_argument("--tasks", type=_names, help="comma-separated lm-eval tasks, run offline on local data: the shipped "
                    "remodel_cloze, remodel_nextline, or a task of --task-dir (needs pip install remodel[eval])")
     p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
     p.add_argument("--limit", type=int, help="items per task (None: every item)")
@@ -282,8 +285,7 @@ def _dtype(name):
 
 def _targets(a) -> dict:
     from remodel.models.spec import PRUNABLE
-    keys = PRUNABLE + ("num_layers", "drop_layers")
-    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    return {k: getattr(a, k) for k in PRUNABLE + ("num_layers", "drop_layers") if getattr(a, k) is not None}
 
 
 def _run_demo(a):
@@ -319,8 +321,7 @@ def _run_score(a):
 
 def _run_prune(a):
     from remodel.pipelines.commands.prune import prune
-    tasks = None if a.tasks is None else [t.strip() for t in a.tasks.split(",") if t.strip()]
-    r = prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=tasks,
+    r = prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=a.tasks,
               task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
     if "tasks" in r:
         from remodel.pipelines.training.tasks import format_tasks
@@ -369,7 +370,7 @@ def _run_eval(a):
     checked = None
     if a.tasks is not None:  # lm-eval present, names and --task-dir checked before any model is loaded
         from remodel.pipelines.training.tasks import check_tasks, format_tasks, run_tasks
-        checked = check_tasks([t.strip() for t in a.tasks.split(",") if t.strip()], a.task_dir)
+        checked = check_tasks(a.tasks, a.task_dir)
     elif a.task_dir is not None or a.limit is not None:
         raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
     r = evaluate(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens) if a.data else {}
