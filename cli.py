@@ -42,7 +42,7 @@ def _lead() -> bool:
 
 def _ints(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        return [int(x) for x in _names(s)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
@@ -245,10 +245,9 @@ def _add_upcycle(sub):
                    help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written weights (None: the checkpoint's)")
-    p.add_argument("--drop-ratio", type=float, default=0.0,
-                   help="Drop-Upcycling: fraction R in [0, 1] of each routed expert's neurons re-initialised "
-                        "(a different random subset per expert, drawn with the dense matrices' mean and std); "
-                        "0: plain copies of the dense MLP; not with --exact")
+    p.add_argument("--drop-ratio", type=float, default=0.0, help="Drop-Upcycling: fraction R in [0, 1] of each "
+                   "routed expert's neurons re-initialised (a different random subset per expert, drawn with the "
+                   "dense matrices' mean and std); 0: plain copies of the dense MLP; not with --exact")
     p.add_argument("--seed", type=int, default=0, help="seed of the random router rows and of --drop-ratio's draws")
     _overwrite(p)
 
@@ -292,8 +291,7 @@ def _dtype(name):
 
 def _targets(a) -> dict:
     from remodel.models.spec import PRUNABLE
-    keys = PRUNABLE + ("num_layers", "drop_layers")
-    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    return {k: getattr(a, k) for k in PRUNABLE + ("num_layers", "drop_layers") if getattr(a, k) is not None}
 
 
 def _run_demo(a):

@@ -1,10 +1,13 @@
 """`remodel convert` end to end through the CLI: round trips, bad input, bounded memory."""
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,12 +22,23 @@ from tests.conftest import assert_same_tensors
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, check=True):
-    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
-    if check and r.returncode != 0:
-        raise AssertionError(r.stderr)
-    return r
+def cli(*args, check=True, fresh=False):
+    """`remodel ARGS` -> (returncode, stderr), run by cli.main in this process (no ~5 s of imports per call),
+    or with `fresh` as a new `python cli.py` process: where stderr must be exactly one line, so that an
+    import-time warning or a traceback would show as well."""
+    if fresh:
+        r = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+        code, err = r.returncode, r.stderr
+    else:
+        from remodel.cli import main
+        err_io = io.StringIO()
+        with contextlib.redirect_stderr(err_io), contextlib.redirect_stdout(io.StringIO()):
+            code = main([str(a) for a in args])
+        err = err_io.getvalue()
+    if check and code != 0:
+        raise AssertionError(err)
+    return SimpleNamespace(returncode=code, stderr=err)
 
 
 def tiny_hybrid(**kw):
@@ -90,7 +104,7 @@ def test_llama_to_mixtral_family_refused_and_qwen_export(tmp_path):
         "llama", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=40)).eval()
     m.save_pretrained(tmp_path / "src")
-    r = cli("convert", tmp_path / "src", tmp_path / "bad", "--to", "mixtral", check=False)
+    r = cli("convert", tmp_path / "src", tmp_path / "bad", "--to", "mixtral", check=False, fresh=True)
     assert r.returncode != 0 and "layer pattern" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
     cli("convert", tmp_path / "src", tmp_path / "mistral", "--to", "mistral")
@@ -131,7 +145,7 @@ def test_malformed_inputs_one_line_error_nothing_written(hybrid_dir, tmp_path, h
     d = _broken(hybrid_dir, tmp_path, how)
     out = tmp_path / "out"
     before = sorted(os.listdir(tmp_path))
-    r = cli("convert", d, out, check=False)
+    r = cli("convert", d, out, check=False, fresh=True)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr

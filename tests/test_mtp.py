@@ -3,8 +3,6 @@ byte-identical by `convert`, counted apart by `inspect`, scored from its own act
 on the calibration data), pruned with the trunk (pruned == masked, fp32, <= 1e-5, for the trunk's and
 the MTP head's logits), and invisible to transformers (trunk parity 1e-4)."""
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from remodel.cli import main
 from remodel.compress.baselines import random_scores
 from remodel.compress.expert_scores import rank_experts
 from remodel.compress.importance import score_model, score_streaming
@@ -25,7 +24,6 @@ from remodel.models.params import count_params
 from remodel.pipelines.commands.inspection import format_inspect, inspect
 from tests.conftest import random_model
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=8,
                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -141,9 +139,7 @@ def test_checkpoint_round_trip_and_transformers_parity(ckpt):
 
 
 def test_convert_is_byte_identical_with_mtp(ckpt, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), "convert", str(ckpt), str(tmp_path / "out")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
+    assert main(["convert", str(ckpt), str(tmp_path / "out")]) == 0  # the CLI, in this process
     a, b = _tensors(ckpt), _tensors(tmp_path / "out")
     assert sorted(a) == sorted(b) and sum(k.startswith("mtp.") for k in a) == 32
     for k in a:
@@ -322,10 +318,8 @@ def test_cli_prune_keeps_mtp_pruned_and_loads_in_transformers(ckpt, tmp_path):
     scores = random_scores(CFG, seed=5)
     save_scores(tmp_path / "scores", scores, {"config": CFG.to_dict()})
     out = tmp_path / "pruned"
-    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), "prune", str(ckpt), str(out), "--scores",
-                        str(tmp_path / "scores"), "--hidden-size", "24", "--experts", "6", "--expert-ffn-size", "8"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
+    assert main(["prune", str(ckpt), str(out), "--scores", str(tmp_path / "scores"), "--hidden-size", "24",
+                 "--experts", "6", "--expert-ffn-size", "8"]) == 0  # the CLI, in this process
     t = _tensors(out)
     assert t["mtp.layers.0.eh_proj.weight"].shape == (24, 48)
     assert t["mtp.layers.1.mixer.experts.5.up_proj.weight"].shape == (8, 24)

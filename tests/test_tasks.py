@@ -25,15 +25,35 @@ def tiny_checkpoint(family, root):
     return write_checkpoint(random_model(cfg, seed=1, std=0.5), root / family, family=family)
 
 
-def lm_eval_cli(model_dir, tasks, out) -> dict:
-    """lm-eval's CLI on `model_dir`, run from the task folder (its data_files are relative to it)."""
+CLI_FAMILIES = ["llama", "nemotron_h"]  # a dense model and a hybrid MoE
+# lm-eval's own CLI entry, run once per argv in one process; its TaskManager leaves out lm-eval's built-in
+# tasks (indexing those ~13 s of CPU per run, and none is run here), as remodel's own TaskManager does
+_CLI = """import json, sys
+from lm_eval.tasks import TaskManager
+init = TaskManager.__init__
+TaskManager.__init__ = lambda self, *a, **k: init(self, *a, **{"include_defaults": False, **k})
+from lm_eval.__main__ import cli_evaluate
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+"""
+
+
+def lm_eval_cli(model_dirs, tasks, out) -> list[dict]:
+    """lm-eval's CLI on each of `model_dirs` (one process), run from the task folder (its data_files are
+    relative to it) -> each one's results."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                    f"pretrained={model_dir},trust_remote_code=False,dtype=float32", "--device", "cpu",
-                    "--batch_size", "8", "--tasks", tasks, "--include_path", str(TASK_DIR), "--limit", str(LIMIT),
-                    "--output_path", str(out)], cwd=TASK_DIR, env=env, check=True, capture_output=True)
-    (path,) = out.rglob("results_*.json")
-    return json.loads(path.read_text())["results"]
+    argvs = [["--model", "hf", "--model_args", f"pretrained={d},trust_remote_code=False,dtype=float32",
+              "--device", "cpu", "--batch_size", "8", "--tasks", tasks, "--include_path", str(TASK_DIR),
+              "--limit", str(LIMIT), "--output_path", str(out / str(i))] for i, d in enumerate(model_dirs)]
+    p = subprocess.run([sys.executable, "-c", _CLI, json.dumps(argvs)], cwd=TASK_DIR, env=env, capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = []
+    for i in range(len(model_dirs)):
+        (path,) = (out / str(i)).rglob("results_*.json")
+        results.append(json.loads(path.read_text())["results"])
+    return results
 
 
 def direct_accuracy(model_dir, task, limit) -> float:
@@ -76,12 +96,18 @@ def test_eval_tasks_equals_a_direct_computation(family, tmp_path, capsys):
     assert ours["acc"] == pytest.approx(direct_accuracy(d, "remodel_cloze", LIMIT), abs=1e-12)
 
 
-@pytest.mark.parametrize("family", ["llama", "nemotron_h"])
-def test_eval_tasks_equals_lm_eval_cli(family, tmp_path, capsys):
-    """lm-eval's CLI (a subprocess that indexes all of lm-eval's own tasks, ~25 s): a dense and a hybrid MoE."""
-    d = tiny_checkpoint(family, tmp_path)
+@pytest.fixture(scope="module")
+def lm_eval_runs(tmp_path_factory):
+    """{family: (checkpoint, lm-eval CLI's results)} for CLI_FAMILIES (lm-eval imported once, ~10 s)."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    dirs = [tiny_checkpoint(f, root) for f in CLI_FAMILIES]
+    return dict(zip(CLI_FAMILIES, zip(dirs, lm_eval_cli(dirs, "remodel_cloze,remodel_nextline", root / "out"))))
+
+
+@pytest.mark.parametrize("family", CLI_FAMILIES)
+def test_eval_tasks_equals_lm_eval_cli(family, lm_eval_runs, capsys):
+    d, theirs = lm_eval_runs[family]
     ours = remodel_eval(d, capsys, "remodel_cloze,remodel_nextline")
-    theirs = lm_eval_cli(d, "remodel_cloze,remodel_nextline", tmp_path / "lm_eval")
     assert ours["remodel_cloze"]["acc"] == theirs["remodel_cloze"]["acc,none"]
     nl, their_nl = ours["remodel_nextline"], theirs["remodel_nextline"]
     assert (nl["acc"], nl["acc_norm"]) == (their_nl["acc,none"], their_nl["acc_norm,none"])

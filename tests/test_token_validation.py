@@ -78,8 +78,8 @@ def test_meta_json_is_validated(tmp_path, case):
         T.TokenSet(path)
 
 
-@pytest.mark.parametrize("content, match", [("[1, 2]", "must hold a JSON object"), ("{not json", "not valid JSON"),
-                                            ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+@pytest.mark.parametrize("content, match", [("[1, 2]", "must hold a JSON object"), ("{not json", "meta.json: invalid JSON"),
+                                            ("[" * 100_000 + "]" * 100_000, "meta.json: JSON nested too deeply"),
                                             ('{"format": "remodel-tokens"' + " " * (1 << 20) + "}", "more than")])
 def test_meta_json_content_and_size(tmp_path, content, match):
     path = make_set(tmp_path / "s", _ids())

@@ -21,7 +21,7 @@ from .data import JSON_SUFFIXES, TEXT_SUFFIXES, load_texts, text_errors
 
 READ_CHARS = 1 << 20  # characters read per step of a paragraph split
 PARAGRAPH = re.compile(r"\r?\n[ \t\r]*\n")  # data._read_lines's separator
-HARD = re.compile(r"[^ \t\r\n][ \t\r\n]*\Z")  # the last character no separator can hold
+BLANK = " \t\r\n"  # the characters a separator is made of
 SAVED = ("dataset_info.json", "state.json", "dataset_dict.json")
 PARQUET_ROWS = 1024  # rows per parquet batch
 
@@ -131,8 +131,10 @@ def _open(path: Path, meter: Meter):
 
 
 def _text_docs(path: Path, doc_split: str, meter: Meter):
-    """data._read_lines, incremental. Paragraphs: the text is cut just before a character no separator
-    can contain, so splitting the pieces equals splitting the whole text."""
+    """data._read_lines, incremental. Paragraphs: the text is cut just before its last character no
+    separator can contain, so splitting the pieces equals splitting the whole text; each step scans only
+    what follows the carried text's last such character (no separator lies before it), so one long
+    paragraph costs linear time, not a rescan of the whole carry per read."""
     with _open(path, meter) as f:
         if doc_split == "line":
             for line in f:
@@ -146,13 +148,16 @@ def _text_docs(path: Path, doc_split: str, meter: Meter):
             return
         carry = ""
         while chunk := f.read(READ_CHARS):
-            buf = carry + chunk
-            m = HARD.search(buf)
-            if m is None:
+            buf, start = carry + chunk, len(carry.rstrip(BLANK))
+            end = len(buf.rstrip(BLANK)) - 1  # the last character no separator can hold
+            if end < 0:
                 carry = buf
                 continue
-            *done, carry = PARAGRAPH.split(buf[:m.start()])
-            carry += buf[m.start():]
+            done, at = [], 0
+            for sep in PARAGRAPH.finditer(buf, start, end):
+                done.append(buf[at:sep.start()])
+                at = sep.end()
+            carry = buf[at:]
             yield from _paragraphs(done)
         yield from _paragraphs(PARAGRAPH.split(carry))
 

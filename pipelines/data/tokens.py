@@ -194,12 +194,7 @@ def read_meta(folder) -> dict:
     """The JSON object in FOLDER/meta.json (a regular file of at most META_MAX_BYTES), unvalidated."""
     path = Path(folder).expanduser() / "meta.json"
     raw = read_bounded(path, "meta.json", META_MAX_BYTES)
-    try:  # the one strict reader of JSON (depth, duplicate keys, finite numbers)
-        meta = parse_json(raw, path)
-    except RemodelError as e:
-        why = str(e).removeprefix(f"{path}: ")
-        why = why[len("invalid JSON ("):-1] if why.startswith("invalid JSON (") else why
-        raise RemodelError(f"{path}: not valid JSON ({why})") from None
+    meta = parse_json(raw, path)  # the one strict reader of JSON (depth, duplicate keys, finite numbers)
     if not isinstance(meta, dict):
         raise RemodelError(f"{path}: meta.json must hold a JSON object, not {type(meta).__name__}")
     return meta

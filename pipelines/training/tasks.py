@@ -119,6 +119,22 @@ def _quiet():
         hf_logging.set_verbosity(level)
 
 
+@contextlib.contextmanager
+def _no_env_report():
+    """lm-eval adds an environment report to every result (torch's collect_env, which runs pip, lscpu and
+    more in subprocesses, ~1 s a call, and git hashes); remodel reads only the scores, so it is skipped."""
+    import lm_eval.evaluator as ev
+    names = [n for n in ("add_env_info", "get_git_commit_hash") if hasattr(ev, n)]
+    saved = {n: getattr(ev, n) for n in names}
+    for n in names:
+        setattr(ev, n, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(ev, n, f)
+
+
 def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = None, batch: int = 8,
               device: str = "auto", checked=None) -> dict:
     """{task: {metric: value, metric_stderr: value, "samples": n}} of lm-eval's `hf` model on `model_dir`.
@@ -135,7 +151,7 @@ def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = No
     dev = pick_device(device)
     args = {"pretrained": str(model_dir), "trust_remote_code": False, "local_files_only": True,
             "dtype": "bfloat16" if dev.type == "cuda" else "float32", "device": str(dev), "batch_size": batch}
-    with _quiet(), torch.no_grad():
+    with _quiet(), _no_env_report(), torch.no_grad():
         out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=specs, task_manager=tm, limit=limit,
                                       log_samples=False, bootstrap_iters=0 if limit else 100000)
     res, n = out["results"], out.get("n-samples", {})
