@@ -17,9 +17,10 @@ from pathlib import Path
 
 from remodel.models.errors import RemodelError
 
-from ..data.data import DATA_DIR
 
-TASK_DIR = DATA_DIR / "tasks"  # the shipped tasks: remodel_cloze, remodel_nextline
+# the shipped tasks: remodel_cloze, remodel_nextline (pipelines.data.data.DATA_DIR / "tasks", named here without
+# importing that module: it imports datasets, ~50 MB that prune's and search's streaming memory must not carry)
+TASK_DIR = Path(__file__).resolve().parents[2] / "data" / "tasks"
 METRICS = ("acc", "acc_norm", "exact_match")  # what the table shows, when a task reports it
 
 
