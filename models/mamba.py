@@ -60,8 +60,9 @@ def _import(module: str, name: str):
 def gpu_kernels() -> GpuKernels:
     """The `GpuKernels` installed here, imported on first use (only the CUDA path asks); fla-core is only
     imported where causal-conv1d is missing."""
-    found = [_import(*GPU_KERNELS[i]) for i in range(3)]
-    return GpuKernels(*found, conv_fla=None if found[2] is not None else _import(*GPU_KERNELS[3]))
+    *first, fla = GPU_KERNELS
+    found = [_import(*m) for m in first]
+    return GpuKernels(*found, conv_fla=None if found[-1] is not None else _import(*fla))
 
 
 def _on_gpu(t) -> bool:

@@ -92,14 +92,17 @@ class _Grads:
         if self.gh is not None:
             part = dz @ wc[v0:v0 + vb]
             self.acc = part.float() if self.acc is None else self.acc.add_(part)
-        if self.gw is not None:
-            if self.one:
-                torch.mm(dz.T, hc[a:b], out=self.gw[v0:v0 + vb]) if self.gw.dtype == dz.dtype \
-                    else self.gw[v0:v0 + vb].copy_(dz.T @ hc[a:b])
-            elif self.gw.dtype == dz.dtype:  # fp32: no [vb, H] temporary
-                self.gw[v0:v0 + vb].addmm_(dz.T, hc[a:b])
-            else:
-                self.gw[v0:v0 + vb].add_(dz.T @ hc[a:b])
+        if self.gw is None:
+            return
+        rows, same = self.gw[v0:v0 + vb], self.gw.dtype == dz.dtype  # same dtype: no [vb, H] temporary
+        if self.one and same:
+            torch.mm(dz.T, hc[a:b], out=rows)
+        elif self.one:
+            rows.copy_(dz.T @ hc[a:b])
+        elif same:
+            rows.addmm_(dz.T, hc[a:b])
+        else:
+            rows.add_(dz.T @ hc[a:b])
 
     def end_chunk(self, a: int, b: int):
         if self.acc is not None:
@@ -145,6 +148,13 @@ def _lse(blocks, group, in_place=True):
     return big + _group_sum(s * torch.exp(m - big), group).log(), m
 
 
+def _label_in_block(idx, inside, a: int, b: int, v0: int, width: int):
+    """(rows a:b whose label lies in vocabulary rows v0:v0+width [c, 1], that label's column there, clamped
+    into the block for the rows whose label lies elsewhere [c, 1])."""
+    i = idx[a:b, None] - v0
+    return inside[a:b, None] & (i >= 0) & (i < width), i.clamp(0, width - 1)
+
+
 def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     """-> (loss, grad_h, grad_W) of the mean CE: per token chunk, the log-sum-exp over vocabulary blocks,
     then (with gradients) the blocks again for softmax - onehot."""
@@ -165,8 +175,8 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
         def blocks():
             for v0 in range(0, Vl, vb):
                 z = _logits(hc, wc, a, b, v0, vb, cache=cache)
-                sel = inside[a:b, None] & (idx[a:b, None] >= v0) & (idx[a:b, None] < v0 + vb)
-                picked.add_(torch.where(sel, z.gather(1, (idx[a:b, None] - v0).clamp(0, z.shape[1] - 1)), 0.0))
+                sel, col = _label_in_block(idx, inside, a, b, v0, z.shape[1])
+                picked.add_(torch.where(sel, z.gather(1, col), 0.0))
                 yield z
         lse, m = _lse(blocks(), group)
         picked = _group_sum(picked, group)
@@ -179,8 +189,8 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
                 z = cache.pop("z").mul_(torch.exp(m - lse))
             else:
                 z = _logits(hc, wc, a, b, v0, vb).sub_(lse).exp_()  # softmax
-            sel = inside[a:b, None] & (idx[a:b, None] >= v0) & (idx[a:b, None] < v0 + vb)
-            z.scatter_add_(1, (idx[a:b, None] - v0).clamp(0, z.shape[1] - 1), -sel.to(z.dtype))
+            sel, col = _label_in_block(idx, inside, a, b, v0, z.shape[1])
+            z.scatter_add_(1, col, -sel.to(z.dtype))
             grads.block(z.mul_(scale), hc, wc, a, b, v0)
             del z  # before the next block is allocated
         grads.end_chunk(a, b)
@@ -252,9 +262,9 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need
     rows, vb = _plan(chunk, N, Vl, blocks=2, cuda=h_s.is_cuda)
     grads = _Grads(h_s, w_s, cd, need_h, need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h_s.device)
+    one = vb >= Vl  # one block: both kept raw for the second pass
     for a in range(0, N, rows):
         b, cs, ct = min(a + rows, N), {}, {}
-        one = vb >= Vl  # one block: both kept raw for the second pass
         lse_q = _lse((_logits(hs, ws, a, b, v0, vb, T, cs) for v0 in range(0, Vl, vb)), group, not one)[0]
         lse_p = _lse((_logits(ht, wt, a, b, v0, vb, T, ct) for v0 in range(0, Vl, vb)), group, not one)[0]
         per = torch.zeros(b - a, dtype=torch.float32, device=h_s.device)

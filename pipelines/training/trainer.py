@@ -65,7 +65,7 @@ def build_optimizer(params: dict[str, nn.Parameter], lr: float, weight_decay: fl
     """AdamW; weight decay on matrices (ndim >= 2) only, not on norms, biases, A_log, D, dt_bias. DTensors
     (tensor parallelism's stock styles, FSDP2) and plain tensors (the custom styles' shards) in separate
     groups: the foreach kernels take no list that mixes them. A group of plain CUDA tensors takes the fused
-    kernel (`fused_adamw`), the rest the foreach one."""
+    kernel (`fused_adamw`), the rest torch's default (foreach on CUDA, the loop on CPU)."""
     from torch.distributed.tensor import DTensor
     groups = []
     for decay in (True, False):
