@@ -4,6 +4,7 @@ module and its spec (ATTENTION)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,27 @@ from torch import nn
 
 from .norm import RMSNorm
 from .recompute import maybe_checkpoint
+from .section import MAX_SMALL, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, sq, top_per_group
+
+
+@dataclass(frozen=True)
+class AttentionConfig(Section):
+    """The attention kind's fields. Variants default to off: rope_theta None (no positional encoding,
+    Nemotron-H), biases, per-head q/k norm (Qwen3), a sliding window (Mistral), attention_scale None
+    (1/sqrt(head_dim); Granite's attention_multiplier otherwise), keys times key_multiplier (Falcon-H1)."""
+    num_attention_heads: int = ints(0, 0, MAX_SMALL)
+    num_key_value_heads: int = ints(0, 0, MAX_SMALL)
+    head_dim: int = ints(0, 0, MAX_SMALL)
+    rope_theta: float | None = reals(None, gt=0, none_ok=True)
+    rope_scaling: dict | None = plain(None, "HF rope_parameters beyond 'default' (only 'llama3' supported)")
+    partial_rotary_factor: float = reals(1.0, gt=0, doc="RoPE on the first int(head_dim * this) channels")
+    attention_bias: bool = plain(False, "q/k/v bias (Qwen2)")
+    attention_out_bias: bool = plain(False)
+    qk_norm: bool = plain(False, "per-head RMSNorm on q and k (Qwen3)")
+    sliding_window: int | None = ints(None, 1, 2**40, none_ok=True)
+    attention_scale: float | None = reals(None, gt=0, none_ok=True)
+    key_multiplier: float = reals(1.0, gt=0)
 
 
 def rope_dim(cfg) -> int:
@@ -174,4 +195,4 @@ ATTENTION = AttentionKind(
     scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
     tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
     tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
-             "q_norm": "shared_norm", "k_norm": "shared_norm"})
+             "q_norm": "shared_norm", "k_norm": "shared_norm"}, config=AttentionConfig)

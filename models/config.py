@@ -11,116 +11,120 @@ Widths are homogeneous across layers of one type (what Minitron / MiniPuzzle pru
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass, field
 
 from .errors import RemodelError
 from .kinds import KINDS, used
+from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, reals
 
-# Bounds of a config's sizes: far above any real model, low enough that nothing allocates or loops
-# without bound on a hostile config.json (models.hf checks the raw JSON against them too).
-MAX_VOCAB = 2**24
-MAX_WIDTH = 2**20  # hidden, FFN, expert FFN, shared expert, latent
-MAX_SMALL = 2**16  # heads, head dims, groups, SSM state, experts, top-k
-MAX_LAYERS = 8192  # pattern characters (a Llama decoder layer is two)
-MAX_MTP = 64
-# int field -> (lo, hi); 0 allowed where the field is unused by the pattern (validate checks use)
-INT_BOUNDS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "intermediate_size": (0, MAX_WIDTH),
-              "moe_intermediate_size": (0, MAX_WIDTH), "moe_shared_expert_intermediate_size": (0, MAX_WIDTH),
-              "moe_latent_size": (1, MAX_WIDTH), "num_attention_heads": (0, MAX_SMALL),
-              "num_key_value_heads": (0, MAX_SMALL), "head_dim": (0, MAX_SMALL), "mamba_num_heads": (0, MAX_SMALL),
-              "mamba_head_dim": (0, MAX_SMALL), "n_groups": (1, MAX_SMALL), "ssm_state_size": (0, MAX_SMALL),
-              "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "n_routed_experts": (0, MAX_SMALL),
-              "num_experts_per_tok": (0, MAX_SMALL), "n_group": (1, MAX_SMALL), "topk_group": (1, MAX_SMALL),
-              "mtp_layers": (0, MAX_MTP), "sliding_window": (1, 2**40)}
-# Falcon-H1's multipliers (ModelConfig fields): the scalar ones, and the vectors with their lengths
-SCALARS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
-           "ssm_out_multiplier", "lm_head_multiplier")
-VECTORS = {"ssm_multipliers": 5, "mlp_multipliers": 2}
+__all__ = ["ModelConfig", "Scales", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
 
 
-@dataclass
+@dataclass(frozen=True)
+class Scales(Section):
+    """The trunk's scalar multipliers (1: off; Granite and Falcon-H1 set them): the embeddings times
+    embedding_multiplier, every layer's output times residual_multiplier before it joins the residual
+    stream, the logits times lm_head_multiplier and divided by logits_scaling. Part of the model, not of
+    its weights: training keeps them as they are."""
+    embedding_multiplier: float = reals(1.0, gt=0)
+    residual_multiplier: float = reals(1.0, gt=0)
+    logits_scaling: float = reals(1.0, gt=0)
+    lm_head_multiplier: float = reals(1.0, gt=0)
+
+
+def section_classes() -> dict:
+    """{section name: its class}: the trunk's scales, then one per registered kind, in registry order."""
+    return {"scales": Scales, **{k.name: k.config for k in KINDS.values() if k.config is not None}}
+
+
+def _owners() -> dict:
+    """{flat field name: [section names holding it]} (the old flat ModelConfig names)."""
+    out: dict = {}
+    for name, cls in section_classes().items():
+        for f in cls.names():
+            out.setdefault(f, []).append(name)
+    return out
+
+
+SECTIONS = section_classes()
+FLAT = _owners()
+_TRUNK = {"vocab_size": ints(None, 1, MAX_VOCAB), "hidden_size": ints(None, 1, MAX_WIDTH),
+          "mtp_layers": ints(0, 0, MAX_MTP), "norm_eps": reals(1e-5, gt=0, lt=1)}
+for _n, _f in _TRUNK.items():
+    _f.name = _n  # check_field names the field in its message
+
+
+@dataclass(init=False)
 class ModelConfig:
+    """The trunk's fields plus one config section per layer kind (`sections`, each owned by its kind's
+    module) and the trunk's `scales`. Every section field also reads and writes under its flat name
+    (cfg.num_attention_heads is cfg.sections["attention"].num_attention_heads), and the constructor and
+    replace() take flat names, so a kind's fields are named once, by the kind."""
     vocab_size: int
     hidden_size: int
     pattern: str
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    # attention ('*')
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    rope_theta: float | None = None  # None: no positional encoding (Nemotron-H)
-    rope_scaling: dict | None = None  # HF rope_parameters beyond "default" (only "llama3" supported)
-    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) channels of each head (Bamba: 0.5)
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
-    attention_out_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    sliding_window: int | None = None  # Mistral / Mixtral: attend to the last `sliding_window` keys
-    # dense MLP ('-')
-    intermediate_size: int = 0
-    mlp_act: str = "relu2"
-    mlp_gated: bool = False  # SwiGLU-style: down(act(gate(x)) * up(x))
-    mlp_bias: bool = False
-    # Mamba-2 ('M')
-    mamba_num_heads: int = 0
-    mamba_head_dim: int = 0
-    n_groups: int = 1
-    ssm_state_size: int = 0
-    conv_kernel: int = 4
-    chunk_size: int = 128
-    use_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    time_step_min: float = 0.001  # lower clamp of dt (transformers' nemotron_h)
-    time_step_max: float = float("inf")  # upper clamp of dt
-    mamba_rms_norm: bool = True  # the gated group RMSNorm before out_proj (False: y * silu(z) alone, Falcon-H1)
-    mamba_norm_before_gate: bool = False  # normalise y, then gate (Falcon-H1's option); False: gate first
-    # MoE ('E')
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    moe_shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    moe_latent_size: int | None = None
-    router: str = "sigmoid"  # sigmoid (Nemotron-H / DeepSeek-V3) or softmax (Mixtral / Qwen)
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(w.x)
     # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
     mtp_layers: int = 0
     mtp_pattern: str = ""
-    # scalar multipliers (Granite; 1 / None elsewhere): the embeddings times embedding_multiplier, every
-    # layer's output times residual_multiplier before it joins the residual stream, attention scores times
-    # attention_scale (None: 1/sqrt(head_dim)), logits divided by logits_scaling. Part of the model, not
-    # of its weights: training keeps them as they are.
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_scale: float | None = None
-    logits_scaling: float = 1.0
-    # Falcon-H1's per-projection multipliers (plain elsewhere), applied in forward like the scalars above:
-    # keys times key_multiplier (Attention), the Mamba in_proj output segments (in the spec's order) times
-    # ssm_multipliers (Mamba2Mixer), the gate_proj and down_proj outputs times mlp_multipliers (MLP), the
-    # parallel mixer's attention / Mamba input and output times attention_in/out and ssm_in/out
-    # (models/parallel_mixer.py), the logits times lm_head_multiplier.
-    key_multiplier: float = 1.0
-    ssm_multipliers: tuple = (1.0, 1.0, 1.0, 1.0, 1.0)
-    mlp_multipliers: tuple = (1.0, 1.0)
-    attention_in_multiplier: float = 1.0
-    attention_out_multiplier: float = 1.0
-    ssm_in_multiplier: float = 1.0
-    ssm_out_multiplier: float = 1.0
-    lm_head_multiplier: float = 1.0
-    # HF fields carried through untouched (bos/eos ids, max positions, ...)
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # HF fields carried through untouched (bos/eos ids, ...)
+    sections: dict = field(default_factory=dict)
 
-    def __post_init__(self):
-        for name in VECTORS:  # a list from JSON is the same vector
-            if isinstance(getattr(self, name), list):
-                setattr(self, name, tuple(getattr(self, name)))
+    def __init__(self, vocab_size, hidden_size, pattern, *, sections=None, **given):
+        d = self.__dict__
+        d.update(vocab_size=vocab_size, hidden_size=hidden_size, pattern=pattern)
+        for f in dataclasses.fields(self)[3:-1]:
+            d[f.name] = given.pop(f.name) if f.name in given else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        secs = {n: cls() for n, cls in SECTIONS.items()}
+        for n, v in {**(sections or {}), **{n: given.pop(n) for n in list(given) if n in SECTIONS}}.items():
+            secs[n] = _section(n, v)
+        unknown = sorted(set(given) - set(FLAT))
+        if unknown:
+            raise RemodelError(f"unknown remodel config fields: {unknown}")
+        for n in SECTIONS:
+            mine = {k: v for k, v in given.items() if n in FLAT[k]}
+            if mine:
+                secs[n] = secs[n].replace(**mine)
+        d["sections"] = secs
         self.validate()
+
+    # ---- the sections and their flat names ----------------------------------------------
+    def __getattr__(self, name):
+        secs = self.__dict__.get("sections")
+        if secs is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name in secs:
+            return secs[name]
+        owners = FLAT.get(name)
+        if owners is None:
+            raise AttributeError(f"ModelConfig has no field {name!r}")
+        return getattr(secs[self._owner(owners)], name)
+
+    def __setattr__(self, name, value):
+        if name in FLAT:
+            secs = dict(self.sections)
+            for n in FLAT[name]:
+                secs[n] = secs[n].replace(**{name: value})
+            self.__dict__["sections"] = secs
+        else:
+            object.__setattr__(self, name, value)
+
+    def _owner(self, owners: list) -> str:
+        """The section a flat name reads from: the first owner whose kind the model uses (MoE-only models
+        read mlp_act from the MoE section), else the first."""
+        if len(owners) > 1:
+            chars = set(self.pattern + self.mtp_pattern)
+            for n in owners:
+                if any(k.name == n and k.char in chars for k in KINDS.values()):
+                    return n
+        return owners[0]
+
+    def section(self, name: str) -> Section:
+        """The config section `name` (a kind's name, or 'scales')."""
+        return self.sections[name]
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -144,23 +148,38 @@ class ModelConfig:
         return self.pattern.count(layer_char)
 
     def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` (trunk fields, whole sections or flat section fields) applied."""
+        trunk = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        sections = {**trunk.pop("sections"), **{n: changes.pop(n) for n in list(changes) if n in SECTIONS}}
+        return ModelConfig(**{**trunk, **changes}, sections=sections)
+
+    def flat(self) -> dict:
+        """Every field under its flat name (trunk and sections), for reports and differences."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
+        for n, s in self.sections.items():
+            for k in s.names():
+                out.setdefault(k, getattr(self, k))
+        return out
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        if math.isinf(d["time_step_max"]):
-            d["time_step_max"] = "inf"
+        """JSON: the trunk's fields and the sections of the kinds present (or away from their defaults)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
+        present = {k.name for k in used(self)}
+        for n, s in self.sections.items():
+            if n in present or s != SECTIONS[n]():
+                d[n] = s.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
-        if d.get("time_step_max") == "inf":
-            d["time_step_max"] = float("inf")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise RemodelError(f"unknown remodel config fields: {sorted(unknown)}")
+        """The inverse of to_dict; a flat dict (every section field at the top, as configs written before
+        the sections) reads the same."""
+        if not isinstance(d, dict):
+            raise RemodelError(f"a remodel config must be an object, got {type(d).__name__}")
+        d = {k: float("inf") if k == "time_step_max" and v == "inf" else v for k, v in d.items()}
+        missing = [k for k in ("vocab_size", "hidden_size", "pattern") if k not in d]
+        if missing:
+            raise RemodelError(f"remodel config lacks {', '.join(missing)}")
         return cls(**d)
 
     # ---- validation: one line naming the problem -------------------------------------
@@ -184,34 +203,23 @@ class ModelConfig:
             k.validate(self, need)
 
     def _check_numbers(self, need) -> None:
-        """Every size an int (not bool) within INT_BOUNDS, every float finite and in range, the pattern
-        bounded: before anything is allocated from them."""
-        for name, (lo, hi) in INT_BOUNDS.items():
-            v = getattr(self, name)
-            if v is None and name in ("moe_latent_size", "sliding_window"):
-                continue
-            need(not isinstance(v, bool) and isinstance(v, numbers.Integral),
-                 f"{name} expected int, got {type(v).__name__} {v!r}")
-            need(lo <= v <= hi, f"{name} must be in {lo}..{hi:,}, got {v}")
+        """Every size an int (not bool) within its field's bounds, every float finite and in range, the
+        pattern bounded: before anything is allocated from them."""
+        for name, f in _TRUNK.items():
+            check_field(f, getattr(self, name), need)
         for name in ("pattern", "mtp_pattern"):
             need(isinstance(getattr(self, name), str), f"{name} must be a string")
         need(len(self.pattern) <= MAX_LAYERS and len(self.mtp_pattern) <= MAX_LAYERS,
              f"{len(self.pattern)} layers (pattern length), at most {MAX_LAYERS}")
-        floats = {"norm_eps": (0, 1), "rope_theta": (0, None), "routed_scaling_factor": (0, None),
-                  "partial_rotary_factor": (0, None), "time_step_min": (None, None), "time_step_max": (0, "inf"),
-                  **dict.fromkeys(("embedding_multiplier", "residual_multiplier", "attention_scale",
-                                   "logits_scaling", *SCALARS), (0, None))}
-        for name, (lo, hi) in floats.items():
-            v = getattr(self, name)
-            if v is None and name in ("rope_theta", "attention_scale"):
-                continue
-            ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and not math.isnan(v)
-            ok = ok and (math.isfinite(v) or hi == "inf") and (lo is None or v > lo)
-            ok = ok and (hi in (None, "inf") or v < hi) and (name != "time_step_min" or v >= 0)
-            need(ok, f"{name} must be a finite number{f' > {lo}' if lo is not None else ' >= 0'}"
-                     f"{f' and < {hi}' if hi not in (None, 'inf') else ''}, got {v!r}")
-        for name, n in VECTORS.items():
-            v = getattr(self, name)
-            ok = isinstance(v, tuple) and len(v) == n and all(
-                not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x) and x > 0 for x in v)
-            need(ok, f"{name} must be {n} finite numbers > 0, got {v!r}")
+        for s in self.sections.values():
+            s.check(need)
+
+
+def _section(name: str, v) -> Section:
+    """A section given whole: an instance of its class, or its to_dict()."""
+    cls = SECTIONS[name]
+    if isinstance(v, cls):
+        return v
+    if isinstance(v, dict):
+        return cls.from_dict(v)
+    raise RemodelError(f"config section {name!r} must be an object, got {type(v).__name__}")

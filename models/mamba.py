@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,11 +28,32 @@ from torch import nn
 
 from .mamba_kernels import Spans, compute_dtype, gated_rms_norm, mamba_core, ssd_scan
 from .recompute import maybe_checkpoint
+from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals, vector
 from .spec import LayerKind, Param, Site, sq, top, top_per_group
 
 PLAIN_SSM = (1.0, 1.0, 1.0, 1.0, 1.0)  # ssm_multipliers of every family but Falcon-H1
 USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
 USE_FLA_CONV = True  # False: no fla-core conv (the benchmarks' baseline for it)
+
+
+@dataclass(frozen=True)
+class MambaConfig(Section):
+    """The Mamba-2 kind's fields. dt is clamped to [time_step_min, time_step_max]; variants default to
+    off: mamba_rms_norm False (y * silu(z) alone) and mamba_norm_before_gate (normalise, then gate) are
+    Falcon-H1's options, ssm_multipliers scale the in_proj segments z|x|B|C|dt (1 elsewhere)."""
+    mamba_num_heads: int = ints(0, 0, MAX_SMALL)
+    mamba_head_dim: int = ints(0, 0, MAX_SMALL)
+    n_groups: int = ints(1, 1, MAX_SMALL)
+    ssm_state_size: int = ints(0, 0, MAX_SMALL)
+    conv_kernel: int = ints(4, 1, 1024)
+    chunk_size: int = ints(128, 1, MAX_WIDTH)
+    use_conv_bias: bool = plain(True)
+    mamba_proj_bias: bool = plain(False)
+    time_step_min: float = reals(0.001, ge0=True)
+    time_step_max: float = reals(float("inf"), gt=0, inf_ok=True)
+    mamba_rms_norm: bool = plain(True, "the gated group RMSNorm before out_proj")
+    mamba_norm_before_gate: bool = plain(False, "normalise y, then gate; False: gate first")
+    ssm_multipliers: tuple = vector(PLAIN_SSM)
 
 
 class GpuKernels(NamedTuple):
@@ -323,7 +345,8 @@ MAMBA = MambaKind(
     products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
     widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
-    tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"})
+    tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"},
+    config=MambaConfig)
 
 
 def layout_spans(cfg) -> Spans:

@@ -1,12 +1,26 @@
 """The dense MLP layer kind ('-'): relu2 or SwiGLU, its module and its spec (MLP_KIND)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .recompute import maybe_checkpoint
+from .section import MAX_WIDTH, Section, ints, plain, vector
 from .spec import LayerKind, Site, mlp_params, sq, top
+
+
+@dataclass(frozen=True)
+class MLPConfig(Section):
+    """The dense MLP kind's fields: its width, activation, gating and biases; mlp_multipliers scale the
+    gate_proj and down_proj outputs (Falcon-H1; 1 elsewhere)."""
+    intermediate_size: int = ints(0, 0, MAX_WIDTH)
+    mlp_act: str = plain("relu2")
+    mlp_gated: bool = plain(False, "SwiGLU-style: down(act(gate(x)) * up(x))")
+    mlp_bias: bool = plain(False)
+    mlp_multipliers: tuple = vector((1.0, 1.0))
 
 
 class _Relu2(torch.autograd.Function):
@@ -111,4 +125,5 @@ class MLPKind(LayerKind):
 MLP_KIND = MLPKind("-", "mlp", mlp_params("", "ffn", ("mlp_bias",)), units={"ffn": "intermediate_size"},
                    sizes={"ffn": lambda cfg, w: w["ffn_size"]},
                    scored={"ffn": ("ffn",)}, widths=("ffn_size",), tp_axes=("ffn",), color="tab:green",
-                   tp_plan={"up_proj": "colwise", "gate_proj": "colwise", "down_proj": "rowwise"}, upcycles_to="E")
+                   tp_plan={"up_proj": "colwise", "gate_proj": "colwise", "down_proj": "rowwise"}, upcycles_to="E",
+                   config=MLPConfig)

@@ -7,6 +7,7 @@ expert and each expert runs once on exactly the tokens routed to it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,30 @@ from torch.utils.hooks import RemovableHandle
 
 from .mlp import ACT, ACTIVATIONS, MLP, ffn, ffn_magnitude, gated_act
 from .recompute import maybe_checkpoint
+from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, mlp_params, sq, top, top_per_group
 
 ROUTERS = ("sigmoid", "softmax")
+
+
+@dataclass(frozen=True)
+class MoEConfig(Section):
+    """The MoE kind's fields: routed experts (top-k of E, grouped top-k with n_group > 1: DeepSeek-V3),
+    their FFN (activation and gating as the dense MLP's, mlp_act / mlp_gated), a shared expert (0: none;
+    shared_expert_gate scales it by sigmoid(w.x), Qwen2-MoE) and a LatentMoE latent (None: none)."""
+    n_routed_experts: int = ints(0, 0, MAX_SMALL)
+    num_experts_per_tok: int = ints(0, 0, MAX_SMALL)
+    moe_intermediate_size: int = ints(0, 0, MAX_WIDTH)
+    moe_shared_expert_intermediate_size: int = ints(0, 0, MAX_WIDTH)
+    moe_latent_size: int | None = ints(None, 1, MAX_WIDTH, none_ok=True)
+    router: str = plain("sigmoid", "sigmoid (Nemotron-H / DeepSeek-V3) or softmax (Mixtral / Qwen)")
+    norm_topk_prob: bool = plain(True)
+    routed_scaling_factor: float = reals(1.0, gt=0)
+    n_group: int = ints(1, 1, MAX_SMALL)
+    topk_group: int = ints(1, 1, MAX_SMALL)
+    shared_expert_gate: bool = plain(False)
+    mlp_act: str = plain("relu2")
+    mlp_gated: bool = plain(False)
 
 
 class Router(nn.Module):
@@ -299,4 +321,4 @@ MOE = MoEKind(
             "latent": ("latent",)},
     widths=("experts", "expert_ffn_size", "shared_expert_size", "latent_size"), tp_axes=("shared_ffn",), routed=True,
     color="tab:purple", tp_plan={"shared_experts.up_proj": "colwise", "shared_experts.gate_proj": "colwise",
-                                 "shared_experts.down_proj": "rowwise"})
+                                 "shared_experts.down_proj": "rowwise"}, config=MoEConfig)

@@ -8,15 +8,26 @@ layout read it as they read the two kinds.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from .attention import ATTENTION, Attention
 from .mamba import MAMBA, Mamba2Mixer
+from .section import Section, reals
 from .spec import LayerKind, Param
 
 _PARTS = (("attn.", ATTENTION), ("mamba.", MAMBA))  # submodule prefix, its kind
+
+
+@dataclass(frozen=True)
+class ParallelConfig(Section):
+    """The parallel mixer's own fields (its attention and Mamba read theirs): the input and output
+    multipliers of each branch (Falcon-H1; 1: off)."""
+    attention_in_multiplier: float = reals(1.0, gt=0)
+    attention_out_multiplier: float = reals(1.0, gt=0)
+    ssm_in_multiplier: float = reals(1.0, gt=0)
+    ssm_out_multiplier: float = reals(1.0, gt=0)
 
 
 def _scaled(t, m: float):
@@ -99,4 +110,4 @@ PARALLEL = ParallelKind(
     tuple(Param(p + q.leaf, q.axes, q.when) for p, k in _PARTS for q in k.params),
     **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "tp_axes", "inputs",
                                "tp_plan")},
-    color="tab:cyan")
+    color="tab:cyan", config=ParallelConfig)

@@ -136,6 +136,7 @@ class LayerKind:
     # replicated weight serving this rank's heads). Every TP-split parameter's module must have an entry.
     tp_plan: dict = field(default_factory=dict)
     color: str = "tab:gray"  # in the per-layer figures
+    config: type | None = None  # its config section (models/section.py); ModelConfig holds one instance
 
     # ---- axes ---------------------------------------------------------------------------
     def axis_size(self, cfg, axis: str, w: dict | None = None) -> int:

@@ -1,0 +1,116 @@
+"""A config section: the fields one layer kind (or the trunk's scales) owns, each with its bounds.
+
+Each kind module declares `Config(Section)` with its fields; ModelConfig holds one instance per kind
+(models/config.py). A field's metadata says how it is checked (`ints`, `reals`, `vector`), so the bounds
+live with the field and validation, the raw config.json checks and the flat names all read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+# Bounds of a config's sizes: far above any real model, low enough that nothing allocates or loops
+# without bound on a hostile config.json (models.hf checks the raw JSON against them too).
+MAX_VOCAB = 2**24
+MAX_WIDTH = 2**20  # hidden, FFN, expert FFN, shared expert, latent
+MAX_SMALL = 2**16  # heads, head dims, groups, SSM state, experts, top-k
+MAX_LAYERS = 8192  # pattern characters (a Llama decoder layer is two)
+MAX_MTP = 64
+
+
+def ints(default, lo: int, hi: int, none_ok: bool = False, doc: str = ""):
+    """An int field in lo..hi (None allowed when none_ok)."""
+    return dataclasses.field(default=default, metadata={"check": ("int", lo, hi, none_ok), "doc": doc})
+
+
+def reals(default, gt=None, lt=None, inf_ok: bool = False, none_ok: bool = False, ge0: bool = False, doc: str = ""):
+    """A finite float field > gt (>= 0 when ge0) and < lt; inf_ok allows +inf (stored as "inf" in JSON)."""
+    return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, none_ok, ge0), "doc": doc})
+
+
+def vector(default: tuple, doc: str = ""):
+    """A tuple of len(default) finite numbers > 0 (a list from JSON is the same vector)."""
+    return dataclasses.field(default=default, metadata={"check": ("vector", len(default)), "doc": doc})
+
+
+def plain(default, doc: str = ""):
+    """A field checked by its kind's validate (a string choice, a flag, a dict)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def _int_ok(name, v, lo, hi, none_ok, need):
+    if v is None and none_ok:
+        return
+    need(not isinstance(v, bool) and isinstance(v, numbers.Integral), f"{name} expected int, got {type(v).__name__} {v!r}")
+    need(lo <= v <= hi, f"{name} must be in {lo}..{hi:,}, got {v}")
+
+
+def _real_ok(name, v, gt, lt, inf_ok, none_ok, ge0, need):
+    if v is None and none_ok:
+        return
+    ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and not math.isnan(v)
+    ok = ok and (math.isfinite(v) or (inf_ok and v > 0)) and (gt is None or v > gt) and (lt is None or v < lt)
+    ok = ok and (not ge0 or v >= 0)
+    need(ok, f"{name} must be a finite number{f' > {gt}' if gt is not None else ' >= 0'}"
+             f"{f' and < {lt}' if lt is not None else ''}, got {v!r}")
+
+
+def check_field(f: dataclasses.Field, v, need) -> None:
+    """need(ok, message) for one field's value against its metadata's bounds."""
+    spec = f.metadata.get("check")
+    if spec is None:
+        return
+    if spec[0] == "int":
+        _int_ok(f.name, v, *spec[1:], need)
+    elif spec[0] == "real":
+        _real_ok(f.name, v, *spec[1:], need)
+    else:
+        ok = isinstance(v, tuple) and len(v) == spec[1] and all(
+            not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x) and x > 0 for x in v)
+        need(ok, f"{f.name} must be {spec[1]} finite numbers > 0, got {v!r}")
+
+
+def int_bounds(cls) -> dict:
+    """{field: (lo, hi)} of the int fields of a section (or dataclass) class."""
+    return {f.name: f.metadata["check"][1:3] for f in dataclasses.fields(cls)
+            if f.metadata.get("check", ("",))[0] == "int"}
+
+
+@dataclass(frozen=True)
+class Section:
+    """Base of a kind's config section: frozen (configs share sections), checked by `check`, JSON by
+    to_dict / from_dict (+inf as "inf", vectors as lists)."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):  # a list from JSON is the same vector
+            if f.metadata.get("check", ("",))[0] == "vector" and isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+
+    def check(self, need) -> None:
+        for f in dataclasses.fields(self):
+            check_field(f, getattr(self, f.name), need)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: ("inf" if isinstance(v, float) and math.isinf(v) else list(v) if isinstance(v, tuple) else v)
+                for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        from .errors import RemodelError
+        if not isinstance(d, dict):
+            raise RemodelError(f"config section {cls.__name__} must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise RemodelError(f"unknown remodel config fields: {sorted(unknown)}")
+        return cls(**{k: float("inf") if v == "inf" else v for k, v in d.items()})
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def names(cls) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(cls))
