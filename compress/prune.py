@@ -37,7 +37,7 @@ from remodel.models.spec import top
 
 from .axes import dim_indices, layer_of, select, tensor_axes
 
-AXES = {n: (WIDTHS[n].layer, WIDTHS[n].field) for n in PRUNABLE}  # target -> (layer char, config field)
+AXES = {n: WIDTHS[n] for n in PRUNABLE}  # target -> its Width (declared by its kind, models.kinds)
 TARGETS = tuple(AXES) + ("num_layers", "drop_layers")
 MOE_ALIGN = 8
 
@@ -121,13 +121,13 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
         raise RemodelError(f"{flag(key)} must be positive, got {v}")
     if key == "num_layers":
         return
-    kind, field = AXES[key]
-    if kind is not None and not any(key in k.widths for k in used(cfg, mtp=False)):  # no kind present has the width
-        raise RemodelError(f"{flag(key)}: the model has no {KINDS[kind].name} layers (pattern {cfg.pattern})")
+    w = AXES[key]
+    field = w.field
+    if w.layer is not None and not any(key in k.widths for k in used(cfg, mtp=False)):  # no kind present has the width
+        raise RemodelError(f"{flag(key)}: the model has no {KINDS[w.layer].name} layers (pattern {cfg.pattern})")
     src = getattr(cfg, field)
     if not src:
-        what = "latent MoE (moe_latent_size)" if key == "latent_size" else "shared expert"
-        raise RemodelError(f"{flag(key)}: the model has no {what}")
+        raise RemodelError(f"{flag(key)}: the model has no {w.absent or w.help}")
     if v > src:
         raise RemodelError(f"{flag(key)} {v} is larger than the source's {field}={src}; "
                            f"pruning only removes units (nearest valid: {src})")
@@ -159,7 +159,7 @@ def _check_experts(cfg: ModelConfig, t: dict) -> None:
     if routed(cfg):  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
         keys = ["expert_ffn_size"] + (["latent_size"] if cfg.moe_latent_size else ["hidden_size"])
         for key in keys:
-            v, src = t.get(key), getattr(cfg, AXES[key][1])
+            v, src = t.get(key), getattr(cfg, AXES[key].field)
             if v is not None and v != src and v % MOE_ALIGN:
                 raise RemodelError(f"{flag(key)} {v} is not a multiple of {MOE_ALIGN}, which transformers' grouped "
                                    f"expert matmul needs (16-byte rows in bf16); nearest valid: "
@@ -168,7 +168,7 @@ def _check_experts(cfg: ModelConfig, t: dict) -> None:
 
 def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
     """The whole target must still be a valid, exportable model of the source family."""
-    sizes = {AXES[k][1]: v for k, v in t.items() if k in AXES}
+    sizes = {AXES[k].field: v for k, v in t.items() if k in AXES}
     if "drop_layers" in t or "num_layers" in t:
         kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
                 else units[:t["num_layers"]])

@@ -43,12 +43,11 @@ from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units, family as family_of
 from remodel.models.hf import default_family
 from remodel.models.spec import PRUNABLE
-from remodel.models.spec import WIDTHS as LAYOUT_WIDTHS
+from remodel.models.spec import WIDTHS as ALL_WIDTHS
 from remodel.models.spec import widths as cfg_widths
 from remodel.models.params import per_layer
 
-# search axis (models.spec.WIDTHS) -> (layer char using it, None: every layer; config field; divisor)
-WIDTHS = {n: (LAYOUT_WIDTHS[n].layer, LAYOUT_WIDTHS[n].field, LAYOUT_WIDTHS[n].divisor) for n in PRUNABLE}
+WIDTHS = {n: ALL_WIDTHS[n] for n in PRUNABLE}  # the search axes: the kinds' prunable Widths (models.kinds)
 ALL_AXES = tuple(WIDTHS) + ("depth",)
 DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
                 "latent_size", "depth")
@@ -110,13 +109,12 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
                 divisor: int | None = None) -> list[int]:
     """The widths searched on one axis, the source's first, then decreasing (`divisor` overrides the
     axis' reference divisor, e.g. scaled down with the widths of a miniature model)."""
-    kind, field, default = WIDTHS[axis]
-    divisor = divisor or default
-    size = getattr(cfg, field)
-    if not size or (kind is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
+    w = WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
+    divisor = divisor or w.divisor
+    size = getattr(cfg, w.field)
+    if not size or (w.layer is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
     family = family or default_family(cfg)
-    w = LAYOUT_WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
     if w.multiple_of:
         step = getattr(cfg, w.multiple_of)
     else:
@@ -145,8 +143,8 @@ class Space:
     dtype_bytes: int
 
     def _axes_of(self, t: str) -> list[str]:
-        return [a for a, (kind, _, _) in WIDTHS.items()  # the widths of the kinds in t (their specs)
-                if kind is not None and any(a in KINDS[c].widths for c in t) and len(self.values[a]) > 1]
+        return [a for a, w in WIDTHS.items()  # the widths of the kinds in t (their specs)
+                if w.layer is not None and any(a in KINDS[c].widths for c in t) and len(self.values[a]) > 1]
 
     def outer_axes(self) -> list[str]:
         """Axes every layer shares: hidden, and each searched axis that two or more unit types use."""
@@ -179,14 +177,14 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     axes = parse_axes(axes)
     divisors = dict(divisors or {})
     for a, v in divisors.items():
-        if a not in WIDTHS or WIDTHS[a][2] is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if a not in WIDTHS or WIDTHS[a].divisor is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise RemodelError(f"bad divisor {a}={v!r} (positive integers for: "
-                               f"{', '.join(k for k, w in WIDTHS.items() if w[2])})")
+                               f"{', '.join(k for k, w in WIDTHS.items() if w.divisor)})")
     for name, v in (("max_width_cut", max_width_cut), ("max_depth_cut", max_depth_cut), ("max_type_cut", max_type_cut)):
         if not 0 <= v < 1:
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
     values = {a: axis_values(cfg, a, max_width_cut, family, divisors.get(a)) if a in axes
-              else [getattr(cfg, WIDTHS[a][1])]
+              else [getattr(cfg, WIDTHS[a].field)]
               for a in WIDTHS}
     by_type: dict = {}
     for j, u in enumerate(depth_units(cfg, family)):

@@ -13,7 +13,7 @@ from torch import nn
 from .norm import RMSNorm
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, Section, ints, plain, reals
-from .spec import LayerKind, Param, Site, sq, top_per_group
+from .spec import LayerKind, Param, Site, Width, sq, top_per_group
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,11 @@ ATTENTION = AttentionKind(
            "head_dim": lambda cfg, w: w["head_dim"], "attn_heads": lambda cfg, w: w["attn_heads"]},
     units={"attn_heads": "num_attention_heads"}, products={"attn_q": ("attn_heads", "head_dim")},
     scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
+    declares=(Width("attn_heads", "num_attention_heads", None, "attn_heads", None, "a.heads",
+                    "query heads per attention layer (a multiple of num_key_value_heads)",
+                    multiple_of="num_key_value_heads", why=" (every KV group keeps the same number of query heads)"),
+              Width("kv_heads", "num_key_value_heads", None, None, None, "kv", "key/value heads"),
+              Width("head_dim", "head_dim", None, None, None, "hd", "attention head size")),
     tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
     tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
              "q_norm": "shared_norm", "k_norm": "shared_norm"}, config=AttentionConfig)

@@ -38,11 +38,13 @@ def section_classes() -> dict:
 
 
 def _owners() -> dict:
-    """{flat field name: [section names holding it]} (the old flat ModelConfig names)."""
+    """{flat field name: the section holding it} (the old flat ModelConfig names; each named once)."""
     out: dict = {}
     for name, cls in section_classes().items():
         for f in cls.names():
-            out.setdefault(f, []).append(name)
+            if f in out:
+                raise RemodelError(f"config field {f!r} is declared by two sections ({out[f]}, {name})")
+            out[f] = name
     return out
 
 
@@ -85,7 +87,7 @@ class ModelConfig:
         if unknown:
             raise RemodelError(f"unknown remodel config fields: {unknown}")
         for n in SECTIONS:
-            mine = {k: v for k, v in given.items() if n in FLAT[k]}
+            mine = {k: v for k, v in given.items() if FLAT[k] == n}
             if mine:
                 secs[n] = secs[n].replace(**mine)
         d["sections"] = secs
@@ -98,29 +100,17 @@ class ModelConfig:
             raise AttributeError(name)
         if name in secs:
             return secs[name]
-        owners = FLAT.get(name)
-        if owners is None:
+        owner = FLAT.get(name)
+        if owner is None:
             raise AttributeError(f"ModelConfig has no field {name!r}")
-        return getattr(secs[self._owner(owners)], name)
+        return getattr(secs[owner], name)
 
     def __setattr__(self, name, value):
         if name in FLAT:
-            secs = dict(self.sections)
-            for n in FLAT[name]:
-                secs[n] = secs[n].replace(**{name: value})
-            self.__dict__["sections"] = secs
+            n = FLAT[name]
+            self.__dict__["sections"] = {**self.sections, n: self.sections[n].replace(**{name: value})}
         else:
             object.__setattr__(self, name, value)
-
-    def _owner(self, owners: list) -> str:
-        """The section a flat name reads from: the first owner whose kind the model uses (MoE-only models
-        read mlp_act from the MoE section), else the first."""
-        if len(owners) > 1:
-            chars = set(self.pattern + self.mtp_pattern)
-            for n in owners:
-                if any(k.name == n and k.char in chars for k in KINDS.values()):
-                    return n
-        return owners[0]
 
     def section(self, name: str) -> Section:
         """The config section `name` (a kind's name, or 'scales')."""

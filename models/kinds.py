@@ -2,16 +2,35 @@
 module (its nn.Module and spec) and one line here; every operation then asks the spec."""
 from __future__ import annotations
 
+import dataclasses
+
 from .attention import ATTENTION
 from .errors import RemodelError
 from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
-from .spec import LayerKind
+from .spec import TRUNK_WIDTHS, LayerKind, Width
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL)}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
+
+
+def _widths() -> dict[str, Width]:
+    """{name: Width}: the trunk's, then each kind's own declarations with that kind's layer character.
+    The prune / plan flags, the search axes and the keep-dict units all come from here."""
+    out = {w.name: w for w in TRUNK_WIDTHS}
+    for k in KINDS.values():
+        for w in k.declares:
+            if w.name in out:
+                raise RemodelError(f"width {w.name!r} declared twice (kind {k.name!r})")
+            out[w.name] = dataclasses.replace(w, layer=k.char)
+    return out
+
+
+WIDTHS = _widths()
+PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
+UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
 
 
 def kind(c: str) -> LayerKind:

@@ -29,7 +29,7 @@ from torch import nn
 from .mamba_kernels import Spans, compute_dtype, gated_rms_norm, mamba_core, ssd_scan
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals, vector
-from .spec import LayerKind, Param, Site, sq, top, top_per_group
+from .spec import LayerKind, Param, Site, Width, sq, top, top_per_group
 
 PLAIN_SSM = (1.0, 1.0, 1.0, 1.0, 1.0)  # ssm_multipliers of every family but Falcon-H1
 USE_KERNEL = True  # False: the pure-PyTorch conv, scan and norm on CUDA even with the GPU extras installed
@@ -344,6 +344,10 @@ MAMBA = MambaKind(
     units={"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim"},
     products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
     widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),
+    declares=(Width("mamba_heads", "mamba_num_heads", None, "mamba_heads", None, "m.heads",
+                    "Mamba heads per layer (a multiple of n_groups)", multiple_of="n_groups"),
+              Width("mamba_head_dim", "mamba_head_dim", None, "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
+              Width("ssm_state_size", "ssm_state_size", None, None, None, "state", "Mamba SSM state size")),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
     tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"},
     config=MambaConfig)

@@ -9,7 +9,7 @@ from torch import nn
 
 from .recompute import maybe_checkpoint
 from .section import MAX_WIDTH, Section, ints, plain, vector
-from .spec import LayerKind, Site, mlp_params, sq, top
+from .spec import LayerKind, Site, Width, mlp_params, sq, top
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ class MLPKind(LayerKind):
 
 MLP_KIND = MLPKind("-", "mlp", mlp_params("", "ffn", ("mlp_bias",)), units={"ffn": "intermediate_size"},
                    sizes={"ffn": lambda cfg, w: w["ffn_size"]},
-                   scored={"ffn": ("ffn",)}, widths=("ffn_size",), tp_axes=("ffn",), color="tab:green",
+                   scored={"ffn": ("ffn",)}, widths=("ffn_size",),
+                   declares=(Width("ffn_size", "intermediate_size", None, "ffn", 512, "ffn", "dense MLP intermediate size"),), tp_axes=("ffn",), color="tab:green",
                    tp_plan={"up_proj": "colwise", "gate_proj": "colwise", "down_proj": "rowwise"}, upcycles_to="E",
                    config=MLPConfig)

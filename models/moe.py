@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from .mlp import ACT, ACTIVATIONS, MLP, ffn, ffn_magnitude, gated_act
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
-from .spec import LayerKind, Param, mlp_params, sq, top, top_per_group
+from .spec import LayerKind, Param, Width, mlp_params, sq, top, top_per_group
 
 ROUTERS = ("sigmoid", "softmax")
 
@@ -25,7 +25,7 @@ ROUTERS = ("sigmoid", "softmax")
 @dataclass(frozen=True)
 class MoEConfig(Section):
     """The MoE kind's fields: routed experts (top-k of E, grouped top-k with n_group > 1: DeepSeek-V3),
-    their FFN (activation and gating as the dense MLP's, mlp_act / mlp_gated), a shared expert (0: none;
+    whose FFNs are the MLP kind's (its section's mlp_act / mlp_gated), a shared expert (0: none;
     shared_expert_gate scales it by sigmoid(w.x), Qwen2-MoE) and a LatentMoE latent (None: none)."""
     n_routed_experts: int = ints(0, 0, MAX_SMALL)
     num_experts_per_tok: int = ints(0, 0, MAX_SMALL)
@@ -38,8 +38,6 @@ class MoEConfig(Section):
     n_group: int = ints(1, 1, MAX_SMALL)
     topk_group: int = ints(1, 1, MAX_SMALL)
     shared_expert_gate: bool = plain(False)
-    mlp_act: str = plain("relu2")
-    mlp_gated: bool = plain(False)
 
 
 class Router(nn.Module):
@@ -319,6 +317,13 @@ MOE = MoEKind(
            "shared_ffn": "moe_shared_expert_intermediate_size", "latent": "moe_latent_size"},
     scored={"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),
             "latent": ("latent",)},
-    widths=("experts", "expert_ffn_size", "shared_expert_size", "latent_size"), tp_axes=("shared_ffn",), routed=True,
+    widths=("experts", "expert_ffn_size", "shared_expert_size", "latent_size"),
+    declares=(Width("experts", "n_routed_experts", None, "experts", 8, "experts", "routed experts per MoE layer",
+                    step_lcm="n_group"),
+              Width("expert_ffn_size", "moe_intermediate_size", None, "expert_ffn", 512, "e.ffn", "routed expert FFN size"),
+              Width("shared_expert_size", "moe_shared_expert_intermediate_size", None, "shared_ffn", 512, "shared",
+                    "shared expert FFN size", absent="shared expert"),
+              Width("latent_size", "moe_latent_size", None, "latent", 256, "latent", "LatentMoE latent size",
+                    absent="latent MoE (moe_latent_size)")), tp_axes=("shared_ffn",), routed=True,
     color="tab:purple", tp_plan={"shared_experts.up_proj": "colwise", "shared_experts.gate_proj": "colwise",
                                  "shared_experts.down_proj": "rowwise"}, config=MoEConfig)

@@ -14,11 +14,13 @@ import torch
 # ---- the width vocabulary: the `remodel prune` / `plan` flags, the search axes, the config fields ----
 @dataclass(frozen=True)
 class Width:
-    """One model width. name: flag / search axis; field: ModelConfig field; layer: the layer char that
-    uses it (None: every layer); unit: the keep-dict axis it prunes (None: not prunable); divisor: the
+    """One model width, declared once by the kind that owns it (LayerKind.declares; the trunk's in
+    TRUNK_WIDTHS). name: flag / search axis; field: its config field; layer: the layer char of the kind
+    that declares it (None: every layer; filled in by models/kinds.py); unit: the keep-dict axis it prunes (None: not prunable); divisor: the
     search-space step (None: a multiple of the groups, or not searched); short: a table column label;
     multiple_of: the ModelConfig field whose value every kept width is a multiple of (the search step too),
-    why: what that rule keeps whole; step_lcm: a field the search step is also a multiple of when > 1."""
+    why: what that rule keeps whole; step_lcm: a field the search step is also a multiple of when > 1;
+    absent: what the model lacks when the field is 0 or None."""
     name: str
     field: str
     layer: str | None
@@ -29,34 +31,25 @@ class Width:
     multiple_of: str | None = None
     why: str = ""
     step_lcm: str | None = None
+    absent: str = ""  # what a model lacks when the field is 0 / None (an optional part of its kind)
 
 
-WIDTHS = {w.name: w for w in (
+TRUNK_WIDTHS = (
     Width("vocab_size", "vocab_size", None, None, None, "vocab", "vocabulary size"),
-    Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"),
-    Width("ffn_size", "intermediate_size", "-", "ffn", 512, "ffn", "dense MLP intermediate size"),
-    Width("mamba_heads", "mamba_num_heads", "M", "mamba_heads", None, "m.heads",
-          "Mamba heads per layer (a multiple of n_groups)", multiple_of="n_groups"),
-    Width("mamba_head_dim", "mamba_head_dim", "M", "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
-    Width("ssm_state_size", "ssm_state_size", "M", None, None, "state", "Mamba SSM state size"),
-    Width("attn_heads", "num_attention_heads", "*", "attn_heads", None, "a.heads",
-          "query heads per attention layer (a multiple of num_key_value_heads)", multiple_of="num_key_value_heads",
-          why=" (every KV group keeps the same number of query heads)"),
-    Width("kv_heads", "num_key_value_heads", "*", None, None, "kv", "key/value heads"),
-    Width("head_dim", "head_dim", "*", None, None, "hd", "attention head size"),
-    Width("experts", "n_routed_experts", "E", "experts", 8, "experts", "routed experts per MoE layer",
-          step_lcm="n_group"),
-    Width("expert_ffn_size", "moe_intermediate_size", "E", "expert_ffn", 512, "e.ffn", "routed expert FFN size"),
-    Width("shared_expert_size", "moe_shared_expert_intermediate_size", "E", "shared_ffn", 512, "shared",
-          "shared expert FFN size"),
-    Width("latent_size", "moe_latent_size", "E", "latent", 256, "latent", "LatentMoE latent size"),
-)}
-PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
-UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
+    Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"))
+
+
+def __getattr__(name):
+    """WIDTHS, PRUNABLE and UNITS are generated from the kinds' own declarations (models/kinds.py)."""
+    if name in ("WIDTHS", "PRUNABLE", "UNITS"):
+        from . import kinds
+        return getattr(kinds, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def widths(cfg, **changes) -> dict:
     """{width name: size} of `cfg`, with `changes` applied (any value, even 0: nothing is validated)."""
+    from .kinds import WIDTHS
     return {**{n: getattr(cfg, w.field) or 0 for n, w in WIDTHS.items()}, **changes}
 
 
@@ -126,6 +119,7 @@ class LayerKind:
     products: dict = field(default_factory=dict)
     scored: dict = field(default_factory=dict)
     widths: tuple = ()
+    declares: tuple = ()  # the Widths this kind owns (their layer is filled in by models/kinds.py)
     tp_axes: tuple = ()
     inputs: tuple = ()
     routed: bool = False

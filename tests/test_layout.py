@@ -87,5 +87,16 @@ def test_one_width_vocabulary():
     from remodel.models.params import AXES as COUNT_AXES
     assert set(PRUNE_AXES) == set(spec.PRUNABLE)
     assert set(SEARCH) <= set(spec.WIDTHS) and set(COUNT_AXES) == set(spec.WIDTHS)
-    for name, (layer, field, *_) in {**PRUNE_AXES, **SEARCH}.items():
-        assert (layer, field) == (spec.WIDTHS[name].layer, spec.WIDTHS[name].field)
+    for name, w in {**PRUNE_AXES, **SEARCH}.items():
+        assert w is spec.WIDTHS[name]
+
+
+def test_each_width_is_declared_once_by_its_kind():
+    """spec.WIDTHS is the trunk's widths plus every kind's own declarations, each under that kind's
+    layer character; a kind reads every width it declares, and its config section holds the field."""
+    from remodel.models.kinds import KINDS
+    declared = {w.name: k for k in KINDS.values() for w in k.declares}
+    assert list(spec.WIDTHS) == [w.name for w in spec.TRUNK_WIDTHS] + list(declared)
+    for name, k in declared.items():
+        w = spec.WIDTHS[name]
+        assert w.layer == k.char and name in k.widths and w.field in k.config.names(), name

@@ -33,13 +33,12 @@ from remodel.compress.search_space import METRICS, WIDTHS, build_space, depth_un
 from remodel.models.config import ModelConfig
 from remodel.models.kinds import KINDS, routed
 from remodel.models.errors import RemodelError
-from remodel.models.spec import WIDTHS as LAYOUT_WIDTHS
 from remodel.models.params import count_params, memory_bytes
 
 from .inspection import fmt_count, resolve_source
 
-FIELDS = {a: field for a, (_, field, _) in WIDTHS.items()}  # axis -> ModelConfig field
-SHORT = {a: LAYOUT_WIDTHS[a].short for a in WIDTHS}  # axis -> table column label
+FIELDS = {a: w.field for a, w in WIDTHS.items()}  # axis -> config field (flat name)
+SHORT = {a: w.short for a, w in WIDTHS.items()}  # axis -> table column label
 
 
 def _budgets(params, active_params, memory_gb) -> dict:

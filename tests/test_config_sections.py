@@ -1,0 +1,60 @@
+"""ModelConfig is the trunk plus one config section per layer kind (issue 40): the sections are the kinds'
+own dataclasses, flat names route to them, JSON keeps only the sections in use, and the configs written
+before the sections (flat dicts) read the same."""
+import json
+
+import pytest
+
+from remodel.models.config import SECTIONS, ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.kinds import KINDS
+from tests.conftest import FAMILY_CONFIGS
+
+
+def test_every_kind_owns_a_section_of_its_fields():
+    assert {k.name for k in KINDS.values()} <= set(SECTIONS)
+    for k in KINDS.values():
+        assert SECTIONS[k.name] is k.config
+    fields = [f for cls in SECTIONS.values() for f in cls.names()]
+    assert len(fields) == len(set(fields))  # one name per field: its flat name is unambiguous
+    trunk = set(ModelConfig.__dataclass_fields__) - {"sections"}
+    assert trunk == {"vocab_size", "hidden_size", "pattern", "norm_eps", "tie_word_embeddings", "mtp_layers",
+                     "mtp_pattern", "extra"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_json_keeps_the_sections_in_use_and_old_flat_dicts_read_the_same(name):
+    cfg = FAMILY_CONFIGS[name]
+    d = json.loads(json.dumps(cfg.to_dict()))
+    chars = set(cfg.pattern + cfg.mtp_pattern)
+    in_use = {k.name for k in KINDS.values() if k.char in chars}
+    assert in_use <= set(d), sorted(d)
+    for n in set(SECTIONS) & set(d) - in_use:  # a section of a kind not in use is written only when it is set
+        assert cfg.sections[n] != SECTIONS[n](), n
+    assert set(SECTIONS) - set(d) - in_use, "no section is left out"
+    assert ModelConfig.from_dict(d) == cfg
+    flat = json.loads(json.dumps({k: "inf" if v == float("inf") else v for k, v in cfg.flat().items()}))
+    assert ModelConfig.from_dict(flat) == cfg
+    for k, v in cfg.flat().items():  # every flat name reads its owner's value
+        assert getattr(cfg, k) == v
+
+
+def test_flat_names_write_their_owning_sections():
+    cfg = FAMILY_CONFIGS["mixtral"]
+    assert cfg.mlp_act == "silu" == cfg.mlp.mlp_act  # the experts are the MLP kind's FFNs
+    new = cfg.replace(num_attention_heads=2 * cfg.num_attention_heads, mlp_act="gelu")
+    assert new.sections["attention"].num_attention_heads == 2 * cfg.num_attention_heads
+    assert new.mlp.mlp_act == "gelu" and cfg.mlp.mlp_act == "silu"  # cfg itself unchanged
+    assert new.sections["mamba"] is cfg.sections["mamba"]  # untouched sections are shared (frozen)
+
+
+def test_bounds_come_from_the_section_field():
+    cfg = FAMILY_CONFIGS["llama"]
+    with pytest.raises(RemodelError, match=r"num_attention_heads must be in 0\.\.65,536, got 70000"):
+        cfg.replace(num_attention_heads=70000)
+    with pytest.raises(RemodelError, match="ssm_multipliers must be 5 finite numbers"):
+        cfg.replace(ssm_multipliers=(1.0, 2.0))
+    with pytest.raises(RemodelError, match="unknown remodel config fields: .'num_heads'."):
+        ModelConfig.from_dict({**cfg.to_dict(), "num_heads": 4})
+    with pytest.raises(RemodelError, match="unknown remodel config fields: .'heads'."):
+        ModelConfig.from_dict({**cfg.to_dict(), "attention": {"heads": 4}})
