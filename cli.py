@@ -147,7 +147,7 @@ def _add_score(sub):
 
 
 def _add_prune(sub):
-    from remodel.models.spec import PRUNABLE, WIDTHS
+    from remodel.models.kinds import PRUNABLE, WIDTHS
     p = _job(sub, "prune", "structured pruning to a target shape", "checkpoint directory to prune")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
@@ -171,7 +171,7 @@ def _task_flags(p, on: str):
 
 
 def _add_plan(sub):
-    from remodel.models.spec import PRUNABLE
+    from remodel.models.kinds import PRUNABLE
     p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
     p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
     p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
@@ -290,7 +290,7 @@ def _dtype(name):
 
 
 def _targets(a) -> dict:
-    from remodel.models.spec import PRUNABLE
+    from remodel.models.kinds import PRUNABLE
     return {k: getattr(a, k) for k in PRUNABLE + ("num_layers", "drop_layers") if getattr(a, k) is not None}
 
 
@@ -401,7 +401,7 @@ def _options():
     """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
     parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
     (pipelines.training.train_config: the same rules make_config applies to the Python API)."""
-    from remodel.models.spec import PRUNABLE
+    from remodel.models.kinds import PRUNABLE
     from remodel.pipelines.training.train_config import CHECKS, Check, count, ints, positive
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths

@@ -28,7 +28,7 @@ import torch
 
 from remodel.models.config import ModelConfig
 from remodel.models.layout import FIXED_AXES, axis_size, param_axes, product, segments
-from remodel.models.spec import UNITS
+from remodel.models.kinds import UNITS
 
 PRIMARY, FIXED = UNITS, FIXED_AXES  # models.layout: the keep-dict units, the axes never pruned
 

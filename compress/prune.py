@@ -31,8 +31,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units as layer_units, family as family_of
 from remodel.models.hf import check_exportable, config_to_hf, default_family
-from remodel.models.kinds import KINDS, layer_kinds, routed, used
-from remodel.models.spec import PRUNABLE, WIDTHS
+from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, routed, used
 from remodel.models.spec import top
 
 from .axes import dim_indices, layer_of, select, tensor_axes

@@ -10,25 +10,23 @@ from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
-from .spec import TRUNK_WIDTHS, LayerKind, Width
+from .spec import TRUNK_WIDTHS, WIDTHS, LayerKind, Width
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL)}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 
 
-def _widths() -> dict[str, Width]:
-    """{name: Width}: the trunk's, then each kind's own declarations with that kind's layer character.
-    The prune / plan flags, the search axes and the keep-dict units all come from here."""
-    out = {w.name: w for w in TRUNK_WIDTHS}
+def _register_widths() -> None:
+    """Fill models.spec.WIDTHS: the trunk's widths, then each kind's own declarations with that kind's
+    layer character. The prune / plan flags, the search axes and the keep-dict units all come from it."""
     for k in KINDS.values():
         for w in k.declares:
-            if w.name in out:
+            if w.name in WIDTHS:
                 raise RemodelError(f"width {w.name!r} declared twice (kind {k.name!r})")
-            out[w.name] = dataclasses.replace(w, layer=k.char)
-    return out
+            WIDTHS[w.name] = dataclasses.replace(w, layer=k.char)
 
 
-WIDTHS = _widths()
+_register_widths()
 PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
 UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
 

@@ -37,19 +37,12 @@ class Width:
 TRUNK_WIDTHS = (
     Width("vocab_size", "vocab_size", None, None, None, "vocab", "vocabulary size"),
     Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"))
-
-
-def __getattr__(name):
-    """WIDTHS, PRUNABLE and UNITS are generated from the kinds' own declarations (models/kinds.py)."""
-    if name in ("WIDTHS", "PRUNABLE", "UNITS"):
-        from . import kinds
-        return getattr(kinds, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# {name: Width}: the trunk's, then (filled in by models/kinds.py, which registers the kinds) each kind's own
+WIDTHS: dict = {w.name: w for w in TRUNK_WIDTHS}
 
 
 def widths(cfg, **changes) -> dict:
     """{width name: size} of `cfg`, with `changes` applied (any value, even 0: nothing is validated)."""
-    from .kinds import WIDTHS
     return {**{n: getattr(cfg, w.field) or 0 for n, w in WIDTHS.items()}, **changes}
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remodel.compress.axes import axis_index, dim_indices
-from remodel.models import layout, spec
+from remodel.models import kinds, layout, spec
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM
@@ -85,7 +85,7 @@ def test_one_width_vocabulary():
     from remodel.compress.prune import AXES as PRUNE_AXES
     from remodel.compress.search_space import WIDTHS as SEARCH
     from remodel.models.params import AXES as COUNT_AXES
-    assert set(PRUNE_AXES) == set(spec.PRUNABLE)
+    assert set(PRUNE_AXES) == set(kinds.PRUNABLE)
     assert set(SEARCH) <= set(spec.WIDTHS) and set(COUNT_AXES) == set(spec.WIDTHS)
     for name, w in {**PRUNE_AXES, **SEARCH}.items():
         assert w is spec.WIDTHS[name]
