@@ -12,10 +12,11 @@ exportable); `drop_layers` uses that numbering too. `num_layers` drops the layer
 LM loss, MiniPuzzle), else the lowest `block_importance` (1 - cos(x_in, x_out), Minitron); for a
 decoder-layer pair the two per-character scores are summed.
 
-Experts with grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
+Each kind's own width rules (LayerKind.target_problem) are asked for every changed width. Experts with
+grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
 every group); an expert count below num_experts_per_tok, or one the groups cannot hold, is refused.
 Refused as not loadable by transformers: MoE expert_ffn_size / hidden_size (latent_size for a
-LatentMoE) not a multiple of MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), a
+LatentMoE) not a multiple of models.moe.MOE_ALIGN (its grouped expert matmul needs 16-byte rows in bf16), a
 hidden size not a multiple of the query heads where the family's config demands it (models.families), even
 with an explicit head_dim.
 
@@ -31,14 +32,13 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units as layer_units, family as family_of
 from remodel.models.hf import check_exportable, config_to_hf, default_family
-from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, routed, used
+from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, used
 from remodel.models.spec import top
 
 from .axes import dim_indices, layer_of, select, tensor_axes
 
 AXES = {n: WIDTHS[n] for n in PRUNABLE}  # target -> its Width (declared by its kind, models.kinds)
 TARGETS = tuple(AXES) + ("num_layers", "drop_layers")
-MOE_ALIGN = 8
 
 
 def flag(key: str) -> str:
@@ -103,7 +103,7 @@ def validate_targets(cfg: ModelConfig, targets: dict, family: str | None = None)
         if key != "drop_layers":
             _check_value(cfg, key, v)
     _check_groups(cfg, t)
-    _check_experts(cfg, t)
+    _check_kind_rules(cfg, t)
     units = layer_units(cfg, family)
     _check_depth(cfg, t, units)
     if "drop_layers" in t:
@@ -143,26 +143,19 @@ def _check_groups(cfg: ModelConfig, t: dict) -> None:
                                f"nearest valid: {_nearest(v, g, getattr(cfg, w.field))}")
 
 
-def _check_experts(cfg: ModelConfig, t: dict) -> None:
-    """Expert counts the router's top-k and groups can use; expert widths transformers can load."""
-    if "experts" in t:
-        v, k, G, tg = t["experts"], cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-        ok = lambda x: x >= k and (G == 1 or (x % G == 0 and x // G >= 2 and tg * (x // G) >= k))  # noqa: E731
-        if not ok(v):
-            below = [x for x in range(v, 0, -1) if ok(x)][:1]
-            above = [x for x in range(v, cfg.n_routed_experts + 1) if ok(x)][:1]
-            why = (f"is fewer than num_experts_per_tok={k}" if v < k else
-                   f"does not fit n_group={G} expert groups (the same number in every group, >= 2 each, "
-                   f"topk_group={tg} groups holding num_experts_per_tok={k})")
-            raise RemodelError(f"--experts {v} {why}; nearest valid: {' or '.join(map(str, below + above)) or 'none'}")
-    if routed(cfg):  # transformers' grouped_mm experts need 16-byte rows (bf16: multiples of 8)
-        keys = ["expert_ffn_size"] + (["latent_size"] if cfg.moe_latent_size else ["hidden_size"])
-        for key in keys:
-            v, src = t.get(key), getattr(cfg, AXES[key].field)
-            if v is not None and v != src and v % MOE_ALIGN:
-                raise RemodelError(f"{flag(key)} {v} is not a multiple of {MOE_ALIGN}, which transformers' grouped "
-                                   f"expert matmul needs (16-byte rows in bf16); nearest valid: "
-                                   f"{_nearest(v, MOE_ALIGN, src)}")
+def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
+    """Each changed width as every trunk kind's own rules allow (LayerKind.target_problem: expert counts the
+    router can use, expert rows transformers can load), with the nearest widths that they allow."""
+    kinds = used(cfg, mtp=False)
+    for key, v in t.items():
+        if key not in AXES or v == getattr(cfg, AXES[key].field):
+            continue
+        why = next((w for k in kinds if (w := k.target_problem(cfg, key, v))), None)
+        if why:
+            ok = lambda x: not any(k.target_problem(cfg, key, x) for k in kinds)  # noqa: E731
+            hi = getattr(cfg, AXES[key].field)
+            near = [x for x in range(v, 0, -1) if ok(x)][:1] + [x for x in range(v, hi + 1) if ok(x)][:1]
+            raise RemodelError(f"{flag(key)} {v} {why}; nearest valid: {' or '.join(map(str, near)) or 'none'}")
 
 
 def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:

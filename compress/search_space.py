@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remodel.models.config import ModelConfig
-from remodel.models.kinds import KINDS, routed, used
+from remodel.models.kinds import KINDS, used
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units, family as family_of
 from remodel.models.hf import default_family
@@ -53,7 +53,6 @@ DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn
                 "latent_size", "depth")
 PRESETS = {"default": DEFAULT_AXES, "width": DEFAULT_AXES[:-1], "depth": ("depth",), "all": ALL_AXES}
 METRICS = ("params", "active_params", "memory_bytes")
-MOE_ALIGN = 8  # compress.prune.MOE_ALIGN
 MAX_AXIS_VALUES = 32  # widths per axis: more multiples of the step and the step grows (a huge config)
 MAX_REMOVABLE = 64  # units of one type a candidate may remove (the largest shipped model: 27)
 MAX_TYPE_OPTIONS = 2 * 10**6  # (widths x units removed) options of one unit type at one hidden size
@@ -80,14 +79,8 @@ def step_for(size: int, divisor: int) -> int:
 
 
 def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
-    if axis == "experts":
-        k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-        return v >= k and (G == 1 or (v % G == 0 and v // G >= 2 and tg * (v // G) >= k))
-    moe = routed(cfg)
-    expert_rows = axis in ("expert_ffn_size", "latent_size") or (axis == "hidden_size" and moe and not cfg.moe_latent_size)
-    if expert_rows and v % MOE_ALIGN:
-        return False
-    return True
+    """Whether every trunk kind's own rules allow width v on this axis (LayerKind.target_problem)."""
+    return not any(k.target_problem(cfg, axis, v) for k in used(cfg, mtp=False))
 
 
 def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:

@@ -20,6 +20,7 @@ from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Width, mlp_params, sq, top, top_per_group
 
 ROUTERS = ("sigmoid", "softmax")
+MOE_ALIGN = 8  # expert rows (expert FFN, what experts read) in multiples of this: transformers' grouped_mm
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,21 @@ class MoEKind(LayerKind):
                 "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
                 "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
                 "moe_latent_size": cfg.moe_latent_size, "router": cfg.router}
+
+    def target_problem(self, cfg, width, v):
+        """Expert counts the router's top-k and groups can use; expert rows transformers can load."""
+        if width == "experts":
+            k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+            if v < k:
+                return f"is fewer than num_experts_per_tok={k}"
+            if G > 1 and not (v % G == 0 and v // G >= 2 and tg * (v // G) >= k):
+                return (f"does not fit n_group={G} expert groups (the same number in every group, >= 2 each, "
+                        f"topk_group={tg} groups holding num_experts_per_tok={k})")
+        rows = ("expert_ffn_size", "latent_size" if cfg.moe_latent_size else "hidden_size")
+        if width in rows and v % MOE_ALIGN:
+            return (f"is not a multiple of {MOE_ALIGN}, which transformers' grouped expert matmul needs "
+                    f"(16-byte rows in bf16)")
+        return None
 
     def buffer_elements(self, cfg, w):
         return w["experts"] if cfg.router == "sigmoid" else 0  # e_score_correction_bias, fp32

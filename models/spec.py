@@ -186,5 +186,10 @@ class LayerKind:
         data-free magnitude scores."""
         return []
 
+    def target_problem(self, cfg, width: str, v: int) -> str | None:
+        """Why its layers cannot hold `v` as the width `width` (a rule beyond Width.multiple_of), as the
+        words after '--flag v'; None: they can. Pruning and the search both ask it."""
+        return None
+
     def check_tp(self, cfg, tp: int, need) -> None:
         """Refuse widths tensor parallelism over tp ranks cannot split."""
