@@ -31,8 +31,8 @@ class AttentionConfig(Section):
     attention_out_bias: bool = plain(False)
     qk_norm: bool = plain(False, "per-head RMSNorm on q and k (Qwen3)")
     sliding_window: int | None = ints(None, 1, 2**40, none_ok=True)
-    attention_scale: float | None = reals(None, gt=0, none_ok=True)
-    key_multiplier: float = reals(1.0, gt=0)
+    attention_scale: float | None = reals(None, gt=0, none_ok=True, variant="multipliers")
+    key_multiplier: float = reals(1.0, gt=0, variant="projections")
 
 
 def rope_dim(cfg) -> int:
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         q, k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
-        if cfg.key_multiplier != 1:  # Falcon-H1
+        if cfg.key_multiplier != 1:  # this kind's key-multiplier variant (AttentionConfig; 1: off)
             k = k * cfg.key_multiplier
         return self.o_proj(maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids))
 

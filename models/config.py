@@ -26,10 +26,10 @@ class Scales(Section):
     embedding_multiplier, every layer's output times residual_multiplier before it joins the residual
     stream, the logits times lm_head_multiplier and divided by logits_scaling. Part of the model, not of
     its weights: training keeps them as they are."""
-    embedding_multiplier: float = reals(1.0, gt=0)
-    residual_multiplier: float = reals(1.0, gt=0)
-    logits_scaling: float = reals(1.0, gt=0)
-    lm_head_multiplier: float = reals(1.0, gt=0)
+    embedding_multiplier: float = reals(1.0, gt=0, variant="multipliers")
+    residual_multiplier: float = reals(1.0, gt=0, variant="multipliers")
+    logits_scaling: float = reals(1.0, gt=0, variant="multipliers")
+    lm_head_multiplier: float = reals(1.0, gt=0, variant="projections")
 
 
 def section_classes() -> dict:

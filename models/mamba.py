@@ -51,9 +51,9 @@ class MambaConfig(Section):
     mamba_proj_bias: bool = plain(False)
     time_step_min: float = reals(0.001, ge0=True)
     time_step_max: float = reals(float("inf"), gt=0, inf_ok=True)
-    mamba_rms_norm: bool = plain(True, "the gated group RMSNorm before out_proj")
-    mamba_norm_before_gate: bool = plain(False, "normalise y, then gate; False: gate first")
-    ssm_multipliers: tuple = vector(PLAIN_SSM)
+    mamba_rms_norm: bool = plain(True, "the gated group RMSNorm before out_proj", variant="projections")
+    mamba_norm_before_gate: bool = plain(False, "normalise y, then gate; False: gate first", variant="projections")
+    ssm_multipliers: tuple = vector(PLAIN_SSM, variant="projections")
 
 
 class GpuKernels(NamedTuple):
@@ -213,7 +213,7 @@ class Mamba2Mixer(nn.Module):
         if attention_mask is not None:
             u = u * attention_mask[:, :, None].to(u.dtype)
         proj = self.in_proj(u)
-        if self.cfg.ssm_multipliers != PLAIN_SSM:  # Falcon-H1: each in_proj segment z|x|B|C|dt times its own
+        if self.cfg.ssm_multipliers != PLAIN_SSM:  # the variant: each in_proj segment z|x|B|C|dt times its own
             proj = proj * self._mup(proj)
         if b == 0 or l == 0:  # nothing to scan (the blocked kernels cannot view an empty tensor)
             return self.out_proj(proj.new_zeros(b, l, self.dt_bias.shape[0] * self.cfg.mamba_head_dim))

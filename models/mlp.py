@@ -20,7 +20,7 @@ class MLPConfig(Section):
     mlp_act: str = plain("relu2")
     mlp_gated: bool = plain(False, "SwiGLU-style: down(act(gate(x)) * up(x))")
     mlp_bias: bool = plain(False)
-    mlp_multipliers: tuple = vector((1.0, 1.0))
+    mlp_multipliers: tuple = vector((1.0, 1.0), variant="projections")
 
 
 class _Relu2(torch.autograd.Function):
@@ -66,7 +66,7 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, act: str, gated: bool, bias: bool = False, multipliers=(1.0, 1.0)):
         super().__init__()
         self.act = ACT[act]
-        self.gate_multiplier, self.down_multiplier = multipliers  # Falcon-H1's mlp_multipliers (1 elsewhere)
+        self.gate_multiplier, self.down_multiplier = multipliers  # MLPConfig.mlp_multipliers (1: off)
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)

@@ -25,19 +25,29 @@ def ints(default, lo: int, hi: int, none_ok: bool = False, doc: str = ""):
     return dataclasses.field(default=default, metadata={"check": ("int", lo, hi, none_ok), "doc": doc})
 
 
-def reals(default, gt=None, lt=None, inf_ok: bool = False, none_ok: bool = False, ge0: bool = False, doc: str = ""):
-    """A finite float field > gt (>= 0 when ge0) and < lt; inf_ok allows +inf (stored as "inf" in JSON)."""
-    return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, none_ok, ge0), "doc": doc})
+def reals(default, gt=None, lt=None, inf_ok: bool = False, none_ok: bool = False, ge0: bool = False, doc: str = "",
+          variant: str = ""):
+    """A finite float field > gt (>= 0 when ge0) and < lt; inf_ok allows +inf (stored as "inf" in JSON).
+    variant: the group of family numerics it belongs to (its default is 'off'; models.families asks
+    which families hold each group)."""
+    return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, none_ok, ge0), "doc": doc,
+                                                        "variant": variant})
 
 
-def vector(default: tuple, doc: str = ""):
+def vector(default: tuple, doc: str = "", variant: str = ""):
     """A tuple of len(default) finite numbers > 0 (a list from JSON is the same vector)."""
-    return dataclasses.field(default=default, metadata={"check": ("vector", len(default)), "doc": doc})
+    return dataclasses.field(default=default, metadata={"check": ("vector", len(default)), "doc": doc,
+                                                        "variant": variant})
 
 
-def plain(default, doc: str = ""):
+def plain(default, doc: str = "", variant: str = ""):
     """A field checked by its kind's validate (a string choice, a flag, a dict)."""
-    return dataclasses.field(default=default, metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc, "variant": variant})
+
+
+def variants(classes, group: str) -> dict:
+    """{field: default} of the fields of the section classes whose metadata names `group`."""
+    return {f.name: f.default for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("variant") == group}
 
 
 def _int_ok(name, v, lo, hi, none_ok, need):

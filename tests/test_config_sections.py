@@ -58,3 +58,35 @@ def test_bounds_come_from_the_section_field():
         ModelConfig.from_dict({**cfg.to_dict(), "num_heads": 4})
     with pytest.raises(RemodelError, match="unknown remodel config fields: .'heads'."):
         ModelConfig.from_dict({**cfg.to_dict(), "attention": {"heads": 4}})
+
+
+def _away(v):
+    """A value of a variant field away from its plain default."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, tuple):
+        return tuple(x * 2 for x in v)
+    return 0.5 if v is None else v * 2
+
+
+NUMERICS = {"multipliers": {"embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling"},
+            "projections": {"key_multiplier", "ssm_multipliers", "mlp_multipliers", "attention_in_multiplier",
+                            "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier", "lm_head_multiplier",
+                            "mamba_rms_norm", "mamba_norm_before_gate"}}
+
+
+@pytest.mark.parametrize("group,words", [("multipliers", "no scalar multipliers"),
+                                         ("projections", "no per-projection multipliers")])
+def test_family_numerics_are_the_sections_variants(group, words):
+    """Each section field tagged as a family numeric (metadata 'variant') is refused, named, by a family
+    that does not hold its group; the lists models.families checks are generated from those tags."""
+    from remodel.models.hf import check_exportable
+    from remodel.models.section import variants
+    got = variants(SECTIONS.values(), group)
+    assert set(got) == NUMERICS[group]
+    cfg = FAMILY_CONFIGS["bamba"]  # plain: every numeric off
+    check_exportable(cfg, "bamba")
+    for name, plain_value in got.items():
+        odd = cfg.replace(**{name: _away(plain_value)})
+        with pytest.raises(RemodelError, match=f"{words}.*{name}"):
+            check_exportable(odd, "bamba")

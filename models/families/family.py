@@ -10,19 +10,15 @@ import math
 from dataclasses import dataclass, field
 
 from remodel.models.attention import ATTENTION
+from remodel.models.config import SECTIONS
+from remodel.models.section import variants
 from remodel.models.kinds import used
 
-# ModelConfig's scalar multipliers at their plain values (a family without `multipliers` needs these)
-MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_scale": None,
-               "logits_scaling": 1.0}
-
-
-# Falcon-H1's per-projection multipliers and Mamba norm variants at their plain values (a family without
-# `projections` needs these)
-PROJECTIONS = {"key_multiplier": 1.0, "ssm_multipliers": (1.0,) * 5, "mlp_multipliers": (1.0, 1.0),
-               "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0,
-               "ssm_out_multiplier": 1.0, "lm_head_multiplier": 1.0, "mamba_rms_norm": True,
-               "mamba_norm_before_gate": False}
+# The family numerics, declared by the kinds' config sections (metadata "variant") at their plain values:
+# the scalar multipliers (a family without `multipliers` needs these plain) and the per-projection multipliers
+# and Mamba norm variants (a family without `projections` needs these plain)
+MULTIPLIERS = variants(SECTIONS.values(), "multipliers")
+PROJECTIONS = variants(SECTIONS.values(), "projections")
 
 
 def projected(cfg) -> list[str]:
