@@ -41,6 +41,18 @@ class MoEConfig(Section):
     shared_expert_gate: bool = plain(False)
 
 
+def router_probs(logits: torch.Tensor, router: str) -> torch.Tensor:
+    """Per-token routing distribution [T, E] of a router variant (the aux losses and the routing metrics
+    read it): softmax, or sigmoid scores normalised to sum 1."""
+    logits = logits.float()
+    if router == "softmax":
+        return logits.softmax(-1)
+    if router == "sigmoid":
+        s = logits.sigmoid()
+        return s / (s.sum(-1, keepdim=True) + 1e-20)
+    raise ValueError(f"unknown router kind {router!r}")
+
+
 class Router(nn.Module):
     """sigmoid: Nemotron-H / DeepSeek-V3 (select on score + correction bias, optional expert groups,
     weight with the unbiased score). softmax: Mixtral / Qwen (softmax over all, keep top-k).

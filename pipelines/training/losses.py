@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from remodel.models.moe import router_probs  # noqa: F401  (re-exported: vocab_parallel, tests)
+
 
 def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
     if mask is None:
@@ -75,17 +77,6 @@ def hidden_cosine_loss(student_states, teacher_states, layer_map, projections=No
         cos = F.cosine_similarity(x.float(), teacher_states[t].detach().float(), dim=-1, eps=1e-8)
         losses.append(_masked_mean(1.0 - cos, mask))
     return torch.stack(losses).mean()
-
-
-def router_probs(logits: torch.Tensor, router_kind: str) -> torch.Tensor:
-    """Per-token routing distribution [T, E]: softmax, or sigmoid scores normalised to sum 1."""
-    logits = logits.float()
-    if router_kind == "softmax":
-        return logits.softmax(-1)
-    if router_kind == "sigmoid":
-        s = logits.sigmoid()
-        return s / (s.sum(-1, keepdim=True) + 1e-20)
-    raise ValueError(f"unknown router kind {router_kind!r}")
 
 
 def load_balancing_loss(router_logits_list, top_k: int, n_experts: int, router_kind: str = "softmax") -> torch.Tensor:

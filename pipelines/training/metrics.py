@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from remodel.models.moe import router_probs
+
 
 def param_count(model) -> int:
     """Parameters of the full model, also when `model` holds only this rank's shards."""
@@ -190,11 +192,7 @@ class MoEStats:
         """Adds the routers' last outputs to the interval's sums: [tokens per expert..., entropy sum, tokens]."""
         for label, (kind, logits, idx) in self.last.items():
             z = logits.float()
-            if kind == "softmax":
-                p = z.softmax(-1)
-            else:
-                s = z.sigmoid()
-                p = s / s.sum(-1, keepdim=True).clamp_min(1e-30)
+            p = router_probs(z, kind)
             ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
             row = torch.cat([torch.bincount(idx.reshape(-1), minlength=z.shape[-1]).double(),
                              ent.sum().double().view(1), torch.tensor([ent.numel()], dtype=torch.float64, device=z.device)])
