@@ -45,12 +45,6 @@ def _ints(s: str) -> list[int]:
     return parse_ints(s)
 
 
-def _names(s: str) -> list[str]:
-    """'a, b,' -> ['a', 'b'] (--tasks; an empty list is refused by name later, before any work)."""
-    from remodel.pipelines.commands.options import parse_names
-    return parse_names(s)
-
-
 def _count(s: str) -> int | float:
     """1000, 4.5e9, 47B, 500M, 2k -> an int (pipelines.commands.options.parse_count)."""
     from remodel.pipelines.commands.options import parse_count
@@ -72,70 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     # every command's --help shows each option's default (a parser may still pass its own formatter)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
-    for add in (_add_demo, _add_inspect, _add_convert, _typed("score"), _typed("prune"), _typed("plan"),
-                _typed("search"), _add_distill, _add_train, _typed("upcycle"), _add_tokenize, _add_eval):
-        add(sub)
+    for name in TYPED:
+        if name in ("distill", "train"):
+            (_add_distill if name == "distill" else _add_train)(sub)
+        else:
+            _typed(sub, name)
     return ap
 
 
-TYPED = {"score": "activation importance of every prunable unit", "prune": "structured pruning to a target shape",
+TYPED = {"demo": "the main job on the embedded checkpoint and corpus, offline",
+         "inspect": "architecture, pattern, exact parameter counts, bytes",
+         "convert": "import/export through the shared model definition",
+         "score": "activation importance of every prunable unit", "prune": "structured pruning to a target shape",
          "plan": "candidate architectures under a budget (no weights needed)",
          "search": "budgeted architecture search (Minitron / MiniPuzzle)",
-         "upcycle": "dense -> MoE upcycling (virtual groups, weight scaling)"}  # commands whose parser is generated
+         "distill": None, "train": None,  # TrainConfig's (pipelines/training/train_config.py)
+         "upcycle": "dense -> MoE upcycling (virtual groups, weight scaling)",
+         "tokenize": "tokenize DATA once into a token set that train/distill read from disk",
+         "eval": "perplexity and tokens/s, and lm-eval tasks (--tasks)"}  # command -> its --help line
 
 
-def _typed(name: str):
-    """The adder of command `name`, whose parser is generated from its options dataclass
-    (pipelines/commands/configs.py: every flag's default and help line)."""
-    def add(sub):
-        from remodel.pipelines.commands.configs import COMMAND_OPTIONS
-        from remodel.pipelines.commands.options import add_flags
-        add_flags(sub.add_parser(name, help=TYPED[name]), COMMAND_OPTIONS[name])
-    return add
-
-
-def _add_demo(sub):
-    p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
-    p.add_argument("--out", default="remodel-demo", help="output directory (checkpoints, plots, report)")
-    p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-demo OUT directory")
-
-
-def _add_inspect(sub):
-    p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
-    p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
-
-
-def _job(sub, name, help, model_help, out_help="new output directory", **kw):
-    """A subcommand that reads MODEL and writes a new OUT."""
-    p = sub.add_parser(name, help=help, **kw)
-    p.add_argument("model", help=model_help)
-    p.add_argument("out", help=out_help)
-    return p
-
-
-def _overwrite(p):
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
-
-
-def _add_convert(sub):
-    from remodel.models.families import FAMILIES
-
-    p = _job(sub, "convert", "import/export through the shared model definition", "checkpoint directory to read")
-    p.add_argument("--to", choices=list(FAMILIES), help="output family (default None: the input's own family)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the written weights (default None: as read)")
-    _overwrite(p)
-
-
-def _task_flags(p, on: str):
-    """--tasks, --task-dir, --limit: lm-eval tasks (pipelines/training/tasks.py) run on `on`."""
-    p.add_argument("--tasks", type=_names, help=f"comma-separated lm-eval task names run on {on}, offline on local "
-                   "data: the shipped remodel_cloze, remodel_nextline, or a task of --task-dir (None: no tasks; "
-                   "needs pip install remodel[eval])")
-    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
-    p.add_argument("--limit", type=int, help="items per task (None: every item)")
+def _typed(sub, name: str):
+    """Command `name`, whose parser is generated from its options dataclass (pipelines/commands/configs.py:
+    every flag's default and help line)."""
+    from remodel.pipelines.commands.configs import COMMAND_OPTIONS
+    from remodel.pipelines.commands.options import add_flags
+    add_flags(sub.add_parser(name, help=TYPED[name]), COMMAND_OPTIONS[name])
 
 
 def _add_distill(sub):
@@ -155,38 +111,6 @@ def _add_train(sub):
     _train_flags(p, False)
 
 
-def _add_tokenize(sub):
-    from remodel.pipelines.data.shards import SHARD_TOKENS
-
-    p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
-    p.add_argument("out", help="new token-set directory (tokens.bin, docs.idx, meta.json; with --format megatron: "
-                               "data.bin, data.idx)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer folder or model checkpoint directory")
-    p.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--doc-split", choices=["line", "paragraph", "file"], default="line",
-                   help="what a document of a .txt file is: each non-empty line (newlines dropped), each "
-                        "blank-line separated paragraph, or the whole file (both keep newlines)")
-    p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
-    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
-                   help="tokens per work shard (a killed run resumes from its finished shards)")
-    p.add_argument("--format", choices=["remodel", "megatron"], default="remodel",
-                   help="remodel: a token set; megatron: Megatron-Core's indexed dataset OUT/data.bin + "
-                        "OUT/data.idx (one sequence per document; --data takes OUT or OUT/data)")
-    _overwrite(p)
-
-
-def _add_eval(sub):
-    p = sub.add_parser("eval", help="perplexity and tokens/s, and lm-eval tasks (--tasks)")
-    p.add_argument("model", help="checkpoint directory to evaluate")
-    p.add_argument("--data", help="held-out text for loss and perplexity (None: only --tasks)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
-    p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
-    _task_flags(p, "MODEL")
-
-
 def _dtype(name):
     import torch
     return getattr(torch, name) if name else None
@@ -194,7 +118,8 @@ def _dtype(name):
 
 def _run_demo(a):
     from remodel.pipelines.commands.demo import demo
-    return demo(a.out, quick=a.quick, overwrite=a.overwrite)
+    o = _opts(a)
+    return demo(o.out, quick=o.quick, overwrite=o.overwrite)
 
 
 def _run_inspect(a):
@@ -210,7 +135,8 @@ def _run_inspect(a):
 
 def _run_convert(a):
     from remodel.pipelines.commands.convert import convert
-    return convert(a.model, a.out, to=a.to, overwrite=a.overwrite, dtype=_dtype(a.dtype))
+    o = _opts(a)
+    return convert(o.model, o.out, to=o.to, overwrite=o.overwrite, dtype=_dtype(o.dtype))
 
 
 def _opts(a):
@@ -261,8 +187,9 @@ def _run_upcycle(a):
 
 def _run_eval(a):
     from remodel.pipelines.commands.evaluation import eval_job
-    r = eval_job(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens, tasks=a.tasks,
-                 task_dir=a.task_dir, limit=a.limit)
+    o = _opts(a)
+    r = eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens, tasks=o.tasks,
+                 task_dir=o.task_dir, limit=o.limit)
     _show_tasks(r)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))
@@ -277,9 +204,10 @@ def _show_tasks(r):
 
 def _run_tokenize(a):
     from remodel.pipelines.data.tokens import tokenize, tokenize_megatron
-    run = tokenize_megatron if a.format == "megatron" else tokenize
-    return run(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
-               overwrite=a.overwrite, shard_tokens=a.shard_tokens)
+    o = _opts(a)
+    run = tokenize_megatron if o.format == "megatron" else tokenize
+    return run(o.data, o.out, o.tokenizer, num_proc=o.num_proc, doc_split=o.doc_split, eos=o.eos,
+               overwrite=o.overwrite, shard_tokens=o.shard_tokens)
 
 
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
@@ -299,12 +227,10 @@ def _options():
     from remodel.models.spec import PRUNABLE
     from remodel.pipelines.commands.configs import COMMAND_OPTIONS
     from remodel.pipelines.commands.options import checks
-    from remodel.pipelines.training.train_config import CHECKS, count, ints
+    from remodel.pipelines.training.train_config import CHECKS, ints
     common = {
         **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
-        **checks(*COMMAND_OPTIONS.values()),  # the typed commands' fields (upcycle's experts, shared_expert_size)
-        "seq_len": ints(2, 2**24), "batch": ints(1, 2**20), "max_tokens": count(),  # eval, tokenize
-        "limit": ints(1, 2**31), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
+        **checks(*COMMAND_OPTIONS.values()),  # the commands' fields (upcycle's experts, shared_expert_size)
     }
     return common, {**common, **CHECKS}
 

@@ -1,4 +1,4 @@
-"""The options of `remodel score`, `prune`, `plan`, `search` and `upcycle`: one dataclass per command, each field
+"""The options of every `remodel` command but train / distill (TrainConfig): one dataclass per command, each field
 with its default, help line and rule (pipelines.commands.options generates the parser from them; the Python API
 takes the same names). A default lives here and nowhere else."""
 from __future__ import annotations
@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from remodel.compress.baselines import METHODS
 from remodel.compress.expert_scores import EXPERT_METHODS
-from remodel.models.families import UPCYCLE_TARGETS, upcycle_defaults
+from remodel.models.families import FAMILIES, UPCYCLE_TARGETS, upcycle_defaults
 from remodel.upcycle.virtual_groups import ROUTER_MODES
 
-from ..training.train_config import DTYPES, Check, count, ints, positive
+from ..data.shards import SHARD_TOKENS
+from ..training.train_config import DOC_SPLITS, DTYPES, Check, count, ints, positive
 from .options import opt
 
 SEED = ints(0, 2**32 - 1)
@@ -170,4 +171,63 @@ class UpcycleOptions:
     overwrite: bool = opt(False, OVERWRITE)
 
 
-COMMAND_OPTIONS = {c.COMMAND: c for c in (ScoreOptions, PruneOptions, PlanOptions, SearchOptions, UpcycleOptions)}
+@dataclass
+class DemoOptions:
+    COMMAND = "demo"
+    out: object = opt("remodel-demo", "output directory (checkpoints, plots, report)")
+    quick: bool = opt(False, "smaller budgets (CI)")
+    overwrite: bool = opt(False, "replace a non-demo OUT directory")
+
+
+@dataclass
+class InspectOptions:
+    COMMAND = "inspect"
+    model: object = opt(None, "checkpoint dir, dir with config.json, config.json path, or a shipped config name",
+                        positional=True)
+    json: bool = opt(False, "print the figures as JSON instead of a table")
+
+
+@dataclass
+class ConvertOptions:
+    COMMAND = "convert"
+    model: object = opt(None, "checkpoint directory to read", positional=True)
+    out: object = opt(None, "new output directory", positional=True)
+    to: str | None = opt(None, "output family (default None: the input's own family)", choices=FAMILIES)
+    dtype: str | None = opt(None, "dtype of the written weights (default None: as read)", choices=DTYPES)
+    overwrite: bool = opt(False, OVERWRITE)
+
+
+@dataclass
+class EvalOptions:
+    COMMAND = "eval"
+    model: object = opt(None, "checkpoint directory to evaluate", positional=True)
+    data: object = opt(None, "held-out text for loss and perplexity (None: only --tasks)")
+    seq_len: int = opt(256, "tokens per sequence", check=SEQ_LEN)
+    batch: int = opt(8, "sequences per forward pass", check=BATCH)
+    max_tokens: int | None = opt(None, "stop after this many tokens (None: all of DATA)", count=True, check=count())
+    tasks: list | None = opt(None, _tasks_help("MODEL"), names=True)
+    task_dir: str | None = opt(None, TASK_DIR)
+    limit: int | None = opt(None, LIMIT, check=ints(1, 2**31))
+
+
+@dataclass
+class TokenizeOptions:
+    COMMAND = "tokenize"
+    data: object = opt(None, "text file/folder, .jsonl/.json, .parquet or save_to_disk folder", positional=True)
+    out: object = opt(None, "new token-set directory (tokens.bin, docs.idx, meta.json; with --format megatron: "
+                      "data.bin, data.idx)", positional=True)
+    tokenizer: object = opt(None, "tokenizer folder or model checkpoint directory", required=True)
+    num_proc: int = opt(1, "tokenizing processes", check=ints(1, 1024))
+    doc_split: str = opt("line", "what a document of a .txt file is: each non-empty line (newlines dropped), each "
+                         "blank-line separated paragraph, or the whole file (both keep newlines)", choices=DOC_SPLITS)
+    eos: bool = opt(True, "do not append eos after each document", negate="no_eos")
+    shard_tokens: int = opt(SHARD_TOKENS, "tokens per work shard (a killed run resumes from its finished shards)",
+                            check=ints(1, 2**40))
+    format: str = opt("remodel", "remodel: a token set; megatron: Megatron-Core's indexed dataset OUT/data.bin + "
+                      "OUT/data.idx (one sequence per document; --data takes OUT or OUT/data)",
+                      choices=("remodel", "megatron"))
+    overwrite: bool = opt(False, OVERWRITE)
+
+
+COMMAND_OPTIONS = {c.COMMAND: c for c in (DemoOptions, InspectOptions, ConvertOptions, ScoreOptions, PruneOptions,
+                                          PlanOptions, SearchOptions, UpcycleOptions, TokenizeOptions, EvalOptions)}

@@ -67,7 +67,7 @@ def prune(model_dir=None, out=None, scores_dir=None, data=None, opts: PruneOptio
 
 def _prune(o: PruneOptions) -> dict:
     t0 = time.time()
-    model_dir, out, scores_dir, data, overwrite, task_limit = o.model, o.out, o.scores, o.data, o.overwrite, o.task_limit
+    model_dir, out, scores_dir, data, task_limit = o.model, o.out, o.scores, o.data, o.task_limit
     reader = CheckpointReader(model_dir)
     family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
@@ -80,7 +80,7 @@ def _prune(o: PruneOptions) -> dict:
     if scores_dir is not None:
         scores, meta = _checked_scores(cfg, scores_dir)
         keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
-    with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+    with reader, atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         if scores_dir is None:
             from .score import score
             score(model_dir, data, tmp / "scores", **o.score)  # kept as OUT/scores for re-pruning

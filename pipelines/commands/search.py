@@ -105,7 +105,7 @@ def search_job(model_dir=None, out=None, data=None, opts: SearchOptions | None =
 
 def _search(o: SearchOptions) -> dict:
     t0 = time.time()
-    data, eval_data, scores_dir, seq_len, batch, progress = o.data, o.eval_data, o.scores, o.seq_len, o.batch, o.progress
+    data, eval_data, seq_len, batch, progress = o.data, o.eval_data, o.seq_len, o.batch, o.progress
     model_dir, out = Path(o.model), Path(o.out)
     _check_numbers(o)
     budget = dict(params=o.params, active_params=o.active_params, memory_gb=o.memory_gb)
@@ -115,7 +115,7 @@ def _search(o: SearchOptions) -> dict:
     with atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         work = tmp / "work"
         eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, o.eval_tokens)
-        used_scores, scores_note = _scores(model_dir, scores_dir, work, tmp, out, o.score_samples, settings)
+        used_scores, scores_note = _scores(model_dir, o.scores, work, tmp, out, o.score_samples, settings)
         d = plan(cfg, **budget, scores=used_scores, top=o.top, verbose=progress, **popts)
         tensors, _ = load_scores(used_scores)
         model = load_model(model_dir)
