@@ -4,7 +4,8 @@ one place. Field metadata (set with `opt`):
   help      the --help line (required)
   cli       False: Python API only (no flag)
   flag      the flag's name when it is not the field's (`limit` for task_limit)
-  positional / required / choices / type / count (token and parameter counts such as 47B) / ints (1,2,3)
+  positional / required / choices / count (token and parameter counts such as 47B) / ints (3,7) / names (a,b)
+  cli_default  the flag's default where the command line's differs from the API's (score --seq-len)
   group     a mutually exclusive group of the command (the class's GROUPS says which must be given)
   negate    a True-by-default bool whose flag turns it off (--no-loss-increase)
   widths    the one field holding {width name: target}: a flag per prunable width of models.spec.WIDTHS,
@@ -67,7 +68,8 @@ def help_of(f: dataclasses.Field) -> str:
 
 
 def flag_of(f: dataclasses.Field) -> str:
-    return "--" + f.metadata.get("flag", f.name).replace("_", "-")
+    """--task-dir for task_dir; --limit for task_limit (metadata flag); --no-eos for eos (metadata negate)."""
+    return "--" + (f.metadata.get("negate") or f.metadata.get("flag", f.name)).replace("_", "-")
 
 
 def add_flags(p: argparse.ArgumentParser, cls) -> None:
@@ -87,7 +89,7 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
         if md.get("positional"):
             p.add_argument(f.name, help=help_of(f))
             continue
-        where.add_argument("--" + md["negate"].replace("_", "-") if md.get("negate") else flag_of(f), **_argument(f))
+        where.add_argument(flag_of(f), **_argument(f))
 
 
 def _argument(f: dataclasses.Field) -> dict:
@@ -103,8 +105,8 @@ def _argument(f: dataclasses.Field) -> dict:
         kw["choices"] = list(md["choices"])
     if "flag" in md:
         kw["metavar"] = md["flag"].upper()
-    kw["type"] = parse_count if md.get("count") else parse_ints if md.get("ints") else parse_names \
-        if md.get("names") else md.get("type", _type(f))
+    parse = [fn for key, fn in (("count", parse_count), ("ints", parse_ints), ("names", parse_names)) if md.get(key)]
+    kw["type"] = parse[0] if parse else _type(f)
     return kw
 
 
