@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 
@@ -13,6 +12,9 @@ if __package__ in (None, "") and "remodel" not in sys.modules:  # `python cli.py
         import types                                   # are the remodel package
         sys.modules["remodel"] = types.ModuleType("remodel")
         sys.modules["remodel"].__path__ = [os.path.dirname(os.path.abspath(__file__))]
+
+# the argument types of counts (47B) and index lists (3,7), named here for tests (no torch import)
+from remodel.pipelines.commands.options import parse_count as _count, parse_ints as _ints  # noqa: E402
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -38,17 +40,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _lead() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
-
-
-def _ints(s: str) -> list[int]:
-    from remodel.pipelines.commands.options import parse_ints
-    return parse_ints(s)
-
-
-def _count(s: str) -> int | float:
-    """1000, 4.5e9, 47B, 500M, 2k -> an int (pipelines.commands.options.parse_count)."""
-    from remodel.pipelines.commands.options import parse_count
-    return parse_count(s)
 
 
 def _train_flags(p, distill: bool):
