@@ -19,7 +19,8 @@ from tests.cli_contract import fails, listing
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "data" / "embedded"
 CORPUS = ROOT / "data" / "corpus" / "valid.txt.gz"
-NEW = spec.Width("foo_size", "intermediate_size", "-", "foo", 512, "foo", "a width declared after prune() was written")
+# a width declared after prune() was written (a copy of ffn_size's declaration under a new name)
+NEW = dataclasses.replace(spec.WIDTHS["ffn_size"], name="foo_size", help="a width declared after prune() was written")
 
 
 @pytest.fixture()
