@@ -211,26 +211,25 @@ def run(a) -> object:
     return COMMANDS[a.command](a)
 
 
-def _options():
-    """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
-    parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
-    (pipelines.training.train_config: the same rules make_config applies to the Python API)."""
-    from remodel.models.spec import PRUNABLE
+def _options(command: str | None = None):
+    """OPTIONS: (every numeric option of the commands (argparse dest) -> its Check, the same for train /
+    distill), checked right after parse_args (before any heavy work). Each command's rules are its options
+    dataclass' (pipelines/commands/configs.py), train/distill's the TrainConfig fields' own checks
+    (pipelines.training.train_config: the same rules make_config applies to the Python API). With `command`:
+    -> that command's rules alone."""
     from remodel.pipelines.commands.configs import COMMAND_OPTIONS
-    from remodel.pipelines.commands.options import checks
-    from remodel.pipelines.training.train_config import CHECKS, ints
-    common = {
-        **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
-        **checks(*COMMAND_OPTIONS.values()),  # the commands' fields (upcycle's experts, shared_expert_size)
-    }
+    from remodel.pipelines.commands.options import rules
+    from remodel.pipelines.training.train_config import CHECKS
+    if command in COMMAND_OPTIONS:
+        return rules(COMMAND_OPTIONS[command])
+    common = {k: v for cls in COMMAND_OPTIONS.values() for k, v in rules(cls).items()}
     return common, {**common, **CHECKS}
 
 
 def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
     from remodel.models.errors import RemodelError
-    common, train = _options()
-    rules = train if a.command in ("train", "distill") else common
+    rules = _options()[1] if a.command in ("train", "distill") else _options(a.command)
     sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices[a.command]
     for act in sub._actions:
         chk, v = rules.get(act.dest), getattr(a, act.dest, None)

@@ -118,3 +118,14 @@ def test_upcycle_and_search_take_their_options_by_name(work):
     with pytest.raises(RemodelError, match=r"unknown search options \['candidate'\]"):
         search_job(work / "model", work / "o", CORPUS, params=2e6, candidate=2)
     assert not (work / "o").exists()
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_OPTIONS))
+def test_every_numeric_flag_has_its_command_rule(name):
+    """cli.check_options applies the command's own rules: each numeric flag of the command has one there."""
+    from remodel.pipelines.commands.options import parse_count, parse_ints
+    p = cli.build_parser()._subparsers._group_actions[0].choices[name]
+    rules = cli._options(name)
+    numeric = [a.dest for a in p._actions if a.type in (int, float, parse_count, parse_ints)]
+    assert numeric or name in ("demo", "inspect", "convert")
+    assert [d for d in numeric if d not in rules] == []

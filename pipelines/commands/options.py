@@ -20,7 +20,9 @@ import dataclasses
 import math
 
 from remodel.models.errors import RemodelError
-from ..training.train_config import MAX_COUNT
+from ..training.train_config import MAX_COUNT, ints
+
+WIDTH_RULE = ints(1, 2**24)  # a width target (prune --ffn-size ...)
 
 
 def opt(default, help: str, **meta):
@@ -128,9 +130,12 @@ def from_args(cls, a: argparse.Namespace, **fixed):
     return cls(**{**kw, **fixed})
 
 
-def checks(*classes) -> dict:
-    """{dest: Check} of the numeric options of `classes` (cli.check_options applies them)."""
-    return {f.name: f.metadata["check"] for c in classes for f in dataclasses.fields(c) if "check" in f.metadata}
+def rules(cls) -> dict:
+    """{dest: Check} of the numeric options of command `cls` (cli.check_options applies them after parsing):
+    its fields' checks, and a positive integer for each width target."""
+    widths = any(f.metadata.get("widths") for f in dataclasses.fields(cls))
+    return {**({n: WIDTH_RULE for n in width_flags()} if widths else {}),
+            **{f.name: f.metadata["check"] for f in dataclasses.fields(cls) if "check" in f.metadata}}
 
 
 def given(**kw) -> dict:
