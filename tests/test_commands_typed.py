@@ -129,3 +129,19 @@ def test_every_numeric_flag_has_its_command_rule(name):
     numeric = [a.dest for a in p._actions if a.type in (int, float, parse_count, parse_ints)]
     assert numeric or name in ("demo", "inspect", "convert")
     assert [d for d in numeric if d not in rules] == []
+
+
+def test_upcycle_dtype_by_name_from_the_cli_and_the_api(work, capsys):
+    """UpcycleOptions.dtype is a name on the command line and a name or a torch dtype in the API: both write it."""
+    import json
+
+    import torch
+
+    from remodel.pipelines.commands.upcycle import upcycle
+    argv = ["upcycle", work / "model", work / "cli", "--experts", "4", "--granularity", "2", "--top-k", "2"]
+    assert cli.main([str(a) for a in argv + ["--dtype", "float32"]]) == 0
+    capsys.readouterr()
+    api = upcycle(work / "model", work / "api", experts=4, granularity=2, top_k=2, dtype=torch.float32)
+    rep = json.loads((work / "cli" / "remodel_report.json").read_text())
+    assert rep["written_dtype"] == api["written_dtype"] == "float32"  # the source is bfloat16
+    assert rep["deviation"] == api["deviation"]
