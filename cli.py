@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 
@@ -13,6 +12,9 @@ if __package__ in (None, "") and "remodel" not in sys.modules:  # `python cli.py
         import types                                   # are the remodel package
         sys.modules["remodel"] = types.ModuleType("remodel")
         sys.modules["remodel"].__path__ = [os.path.dirname(os.path.abspath(__file__))]
+
+# the argument types of counts (47B) and index lists (3,7), named here for tests (no torch import)
+from remodel.pipelines.commands.options import parse_count as _count, parse_ints as _ints  # noqa: E402
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,32 +42,6 @@ def _lead() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in _names(s)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _names(s: str) -> list[str]:
-    """'a, b,' -> ['a', 'b'] (--tasks; an empty list is refused by name later, before any work)."""
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def _count(s: str) -> int | float:
-    """1000, 4.5e9, 47B, 500M, 2k -> an int; a value no count can be (inf, nan, 1e400, 1e30B) comes back as
-    a float for the OPTIONS check to refuse by name (int(float) would raise OverflowError)."""
-    from remodel.pipelines.training.train_config import MAX_COUNT
-    mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-    t = s.strip().lower()
-    num, scale = (t[:-1], mult[t[-1]]) if t and t[-1] in mult else (t, 1)
-    try:
-        v = float(num) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number like 4.5e9 or 47B, got {s!r}") from None
-    return int(v) if math.isfinite(v) and abs(v) <= MAX_COUNT else v
-
-
 def _train_flags(p, distill: bool):
     """The TrainConfig options (pipelines.training.train_config: one place for every default and help line)."""
     from remodel.pipelines.training.train_config import add_train_flags
@@ -81,128 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     # every command's --help shows each option's default (a parser may still pass its own formatter)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
-    for add in (_add_demo, _add_inspect, _add_convert, _add_score, _add_prune, _add_plan, _add_search,
-                _add_distill, _add_train, _add_upcycle, _add_tokenize, _add_eval):
-        add(sub)
+    for name in TYPED:
+        if name in ("distill", "train"):
+            (_add_distill if name == "distill" else _add_train)(sub)
+        else:
+            _typed(sub, name)
     return ap
 
 
-def _add_demo(sub):
-    p = sub.add_parser("demo", help="the main job on the embedded checkpoint and corpus, offline")
-    p.add_argument("--out", default="remodel-demo", help="output directory (checkpoints, plots, report)")
-    p.add_argument("--quick", action="store_true", help="smaller budgets (CI)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-demo OUT directory")
+TYPED = {"demo": "the main job on the embedded checkpoint and corpus, offline",
+         "inspect": "architecture, pattern, exact parameter counts, bytes",
+         "convert": "import/export through the shared model definition",
+         "score": "activation importance of every prunable unit", "prune": "structured pruning to a target shape",
+         "plan": "candidate architectures under a budget (no weights needed)",
+         "search": "budgeted architecture search (Minitron / MiniPuzzle)",
+         "distill": None, "train": None,  # TrainConfig's (pipelines/training/train_config.py)
+         "upcycle": "dense -> MoE upcycling (virtual groups, weight scaling)",
+         "tokenize": "tokenize DATA once into a token set that train/distill read from disk",
+         "eval": "perplexity and tokens/s, and lm-eval tasks (--tasks)"}  # command -> its --help line
 
 
-def _add_inspect(sub):
-    p = sub.add_parser("inspect", help="architecture, pattern, exact parameter counts, bytes")
-    p.add_argument("model", help="checkpoint dir, dir with config.json, config.json path, or a shipped config name")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
-
-
-def _job(sub, name, help, model_help, out_help="new output directory", **kw):
-    """A subcommand that reads MODEL and writes a new OUT."""
-    p = sub.add_parser(name, help=help, **kw)
-    p.add_argument("model", help=model_help)
-    p.add_argument("out", help=out_help)
-    return p
-
-
-def _overwrite(p):
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT")
-
-
-def _add_convert(sub):
-    from remodel.models.families import FAMILIES
-
-    p = _job(sub, "convert", "import/export through the shared model definition", "checkpoint directory to read")
-    p.add_argument("--to", choices=list(FAMILIES), help="output family (default None: the input's own family)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the written weights (default None: as read)")
-    _overwrite(p)
-
-
-def _add_score(sub):
-    p = sub.add_parser("score", help="activation importance of every prunable unit")
-    p.add_argument("model", help="checkpoint directory to score")
-    p.add_argument("--data", help="calibration text (needed for --method activation)")
-    p.add_argument("--out", required=True, help="new SCORES directory (reused by prune, plan and search)")
-    p.add_argument("--method", choices=["activation", "magnitude", "random"], default="activation",
-                   help="activation importance, or a data-free baseline")
-    p.add_argument("--seed", type=int, default=0, help="seed of --method random")
-    p.add_argument("--expert-method", choices=["reconstruction", "contribution", "frequency", "reap", "mean", "random"],
-                   default="reconstruction",
-                   help="what ranks MoE experts: reconstruction (default: greedy elimination of the experts whose "
-                        "removal, tokens re-routed, moves the routed output least), contribution (router weight x "
-                        "output norm summed over tokens), routing frequency, reap (REAP, arXiv 2510.13999: the mean "
-                        "over routed tokens of router weight x output norm; `mean` is its alias), or random (--seed)")
-    p.add_argument("--samples", type=int, default=1024, help="calibration sequences")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
-    p.add_argument("--batch", type=int, default=4, help="sequences per forward pass")
-    p.add_argument("--mode", choices=["auto", "whole", "streaming"], default="auto",
-                   help="whole model in memory, or layer by layer (streaming); auto picks by free memory")
-    p.add_argument("--no-loss-increase", action="store_true",
-                   help="skip the per-layer loss increase score (it costs one extra forward per layer)")
-    _overwrite(p)
-
-
-def _add_prune(sub):
-    from remodel.models.kinds import PRUNABLE, WIDTHS
-    p = _job(sub, "prune", "structured pruning to a target shape", "checkpoint directory to prune")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--scores", help="SCORES directory from `remodel score` (one of --scores / --data is required)")
-    g.add_argument("--data", help="calibration text: score first, then prune")
-    for name in PRUNABLE:  # one target flag per prunable width of the layout registry
-        p.add_argument("--" + name.replace("_", "-"), type=int, help=f"target {WIDTHS[name].help} (None: kept)")
-    d = p.add_mutually_exclusive_group()
-    d.add_argument("--num-layers", type=int, help="keep this many layers, the least important dropped")
-    d.add_argument("--drop-layers", type=_ints, help="comma-separated layer indices to drop, e.g. 3,7")
-    _task_flags(p, "the result, in its report")
-    _overwrite(p)
-
-
-def _task_flags(p, on: str):
-    """--tasks, --task-dir, --limit: lm-eval tasks (pipelines/training/tasks.py) run on `on`."""
-    p.add_argument("--tasks", type=_names, help=f"comma-separated lm-eval task names run on {on}, offline on local "
-                   "data: the shipped remodel_cloze, remodel_nextline, or a task of --task-dir (None: no tasks; "
-                   "needs pip install remodel[eval])")
-    p.add_argument("--task-dir", help="folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)")
-    p.add_argument("--limit", type=int, help="items per task (None: every item)")
-
-
-def _add_plan(sub):
-    from remodel.models.kinds import PRUNABLE
-    p = sub.add_parser("plan", help="candidate architectures under a budget (no weights needed)")
-    p.add_argument("model", help="checkpoint dir, config.json or shipped config name (no weights needed)")
-    p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
-    p.add_argument("--active-params", type=_count, help="budget of parameters active per token (MoE)")
-    p.add_argument("--memory-gb", type=float, help="budget of bf16 weights + cache memory at --batch/--seq-len")
-    p.add_argument("--scores", help="SCORES dir from `remodel score`: depth choices follow layer importance")
-    p.add_argument("--axes", help="what to search: width, depth, all, or a comma list of axes from "
-                                  f"{', '.join(PRUNABLE + ('depth',))}")
-    p.add_argument("--tol", type=float, default=0.02, help="accepted relative shortfall below the budget")
-    p.add_argument("--top", type=int, default=20, help="candidates to list")
-    p.add_argument("--batch", type=int, default=1, help="batch for the memory estimate")
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the memory estimate")
-    p.add_argument("--json", action="store_true", help="print the candidates as JSON instead of a table")
-
-
-def _add_search(sub):
-    p = _job(sub, "search", "budgeted architecture search (Minitron / MiniPuzzle)", "checkpoint directory to search from",
-             "new output directory (the best candidate and the report)")
-    p.add_argument("--data", required=True, help="calibration and training text")
-    p.add_argument("--params", type=_count, required=True, help="total parameter budget, e.g. 4.5e9 or 47B")
-    p.add_argument("--candidates", type=int, default=3, help="best candidates re-ranked after distillation")
-    p.add_argument("--distill-tokens", type=_count, default=0, help="short distillation before the re-ranking")
-    p.add_argument("--scores", help="SCORES dir from `remodel score` (computed into OUT/scores otherwise)")
-    p.add_argument("--active-params", type=_count, help="budget of parameters active per token (MoE)")
-    p.add_argument("--memory-gb", type=float, help="budget of bf16 weights + cache memory")
-    p.add_argument("--top", type=int, default=20, help="plan candidates pruned and evaluated")
-    p.add_argument("--eval-data", help="held-out text (None: every 20th document of DATA)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (scoring, ranking, distillation)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    _task_flags(p, "the written best candidate, in the report")
-    _overwrite(p)
+def _typed(sub, name: str):
+    """Command `name`, whose parser is generated from its options dataclass (pipelines/commands/configs.py:
+    every flag's default and help line)."""
+    from remodel.pipelines.commands.configs import COMMAND_OPTIONS
+    from remodel.pipelines.commands.options import add_flags
+    add_flags(sub.add_parser(name, help=TYPED[name]), COMMAND_OPTIONS[name])
 
 
 def _add_distill(sub):
@@ -222,81 +102,15 @@ def _add_train(sub):
     _train_flags(p, False)
 
 
-def _add_upcycle(sub):
-    from remodel.models.families import UPCYCLE_TARGETS, upcycle_defaults
-    from remodel.upcycle.virtual_groups import ROUTER_MODES
-
-    p = _job(sub, "upcycle", "dense -> MoE upcycling (virtual groups, weight scaling)",
-             "dense checkpoint directory (its MLP layers become MoE layers)")
-    p.add_argument("--experts", type=int, required=True,
-                   help="N, routed experts per layer: N = E x G (E copies of the MLP, each cut into G shards)")
-    p.add_argument("--granularity", type=int, default=1,
-                   help="G, shards per copy of the dense MLP (expert width = dense width / G); N = E x G")
-    p.add_argument("--top-k", type=int, required=True,
-                   help="T, experts per token; a multiple of G keeps the dense model's output")
-    p.add_argument("--shared-expert-size", type=int, default=0,
-                   help="dense neurons kept as an always-on shared expert (0: none)")
-    p.add_argument("--router", choices=list(ROUTER_MODES),
-                   help="router scoring: topk-softmax and sigmoid renormalise the chosen scores (exact), "
-                        "softmax-topk and sigmoid-raw gate by the raw scores (close, not exact; with top-k = G "
-                        f"only these learn which group to pick); default (None): {upcycle_defaults('router')}")
-    p.add_argument("--to", choices=list(UPCYCLE_TARGETS), help=f"output family; default (None): {upcycle_defaults('to')}")
-    p.add_argument("--exact", action="store_true",
-                   help="reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the written weights (None: the checkpoint's)")
-    p.add_argument("--drop-ratio", type=float, default=0.0, help="Drop-Upcycling: fraction R in [0, 1] of each "
-                   "routed expert's neurons re-initialised (a different random subset per expert, drawn with the "
-                   "dense matrices' mean and std); 0: plain copies of the dense MLP; not with --exact")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random router rows and of --drop-ratio's draws")
-    _overwrite(p)
-
-
-def _add_tokenize(sub):
-    from remodel.pipelines.data.shards import SHARD_TOKENS
-
-    p = sub.add_parser("tokenize", help="tokenize DATA once into a token set that train/distill read from disk",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("data", help="text file/folder, .jsonl/.json, .parquet or save_to_disk folder")
-    p.add_argument("out", help="new token-set directory (tokens.bin, docs.idx, meta.json; with --format megatron: "
-                               "data.bin, data.idx)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer folder or model checkpoint directory")
-    p.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--doc-split", choices=["line", "paragraph", "file"], default="line",
-                   help="what a document of a .txt file is: each non-empty line (newlines dropped), each "
-                        "blank-line separated paragraph, or the whole file (both keep newlines)")
-    p.add_argument("--no-eos", action="store_true", help="do not append eos after each document")
-    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
-                   help="tokens per work shard (a killed run resumes from its finished shards)")
-    p.add_argument("--format", choices=["remodel", "megatron"], default="remodel",
-                   help="remodel: a token set; megatron: Megatron-Core's indexed dataset OUT/data.bin + "
-                        "OUT/data.idx (one sequence per document; --data takes OUT or OUT/data)")
-    _overwrite(p)
-
-
-def _add_eval(sub):
-    p = sub.add_parser("eval", help="perplexity and tokens/s, and lm-eval tasks (--tasks)")
-    p.add_argument("model", help="checkpoint directory to evaluate")
-    p.add_argument("--data", help="held-out text for loss and perplexity (None: only --tasks)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
-    p.add_argument("--max-tokens", type=_count, help="stop after this many tokens (None: all of DATA)")
-    _task_flags(p, "MODEL")
-
-
 def _dtype(name):
     import torch
     return getattr(torch, name) if name else None
 
 
-def _targets(a) -> dict:
-    from remodel.models.kinds import PRUNABLE
-    return {k: getattr(a, k) for k in PRUNABLE + ("num_layers", "drop_layers") if getattr(a, k) is not None}
-
-
 def _run_demo(a):
     from remodel.pipelines.commands.demo import demo
-    return demo(a.out, quick=a.quick, overwrite=a.overwrite)
+    o = _opts(a)
+    return demo(o.out, quick=o.quick, overwrite=o.overwrite)
 
 
 def _run_inspect(a):
@@ -312,7 +126,15 @@ def _run_inspect(a):
 
 def _run_convert(a):
     from remodel.pipelines.commands.convert import convert
-    return convert(a.model, a.out, to=a.to, overwrite=a.overwrite, dtype=_dtype(a.dtype))
+    o = _opts(a)
+    return convert(o.model, o.out, to=o.to, overwrite=o.overwrite, dtype=_dtype(o.dtype))
+
+
+def _opts(a):
+    """The options dataclass of a typed command, from its parsed arguments."""
+    from remodel.pipelines.commands.configs import COMMAND_OPTIONS
+    from remodel.pipelines.commands.options import from_args
+    return from_args(COMMAND_OPTIONS[a.command], a)
 
 
 def _run_score(a):
@@ -320,22 +142,17 @@ def _run_score(a):
     from remodel.pipelines.commands.score import score
     if a.method == "activation" and not a.data:
         raise RemodelError("--data is required for --method activation")
-    return score(a.model, a.data, a.out, samples=a.samples, seq_len=a.seq_len, batch=a.batch, mode=a.mode,
-                 loss_increase=not a.no_loss_increase, overwrite=a.overwrite, method=a.method, seed=a.seed,
-                 expert_method=a.expert_method)
+    return score(opts=_opts(a))
 
 
 def _run_prune(a):
     from remodel.pipelines.commands.prune import prune
-    return prune(a.model, a.out, scores_dir=a.scores, data=a.data, overwrite=a.overwrite, tasks=a.tasks,
-                 task_dir=a.task_dir, task_limit=a.limit, **_targets(a))
+    return prune(opts=_opts(a))
 
 
 def _run_plan(a):
     from remodel.pipelines.commands.plan import plan
-    axes = a.axes if a.axes in (None, "width", "depth", "all") else [x for x in a.axes.split(",") if x]
-    r = plan(a.model, params=a.params, active_params=a.active_params, memory_gb=a.memory_gb, scores=a.scores,
-             axes=axes, tol=a.tol, top=a.top, batch=a.batch, seq_len=a.seq_len, verbose=not a.json)
+    r = plan(opts=_opts(a))
     if a.json:
         from remodel.pipelines.commands.report import strict_json
         print(strict_json(r, a.command))
@@ -343,10 +160,7 @@ def _run_plan(a):
 
 def _run_search(a):
     from remodel.pipelines.commands.search import search_job
-    return search_job(a.model, a.out, data=a.data, params=a.params, candidates=a.candidates,
-                      distill_tokens=a.distill_tokens, scores_dir=a.scores, overwrite=a.overwrite,
-                      active_params=a.active_params, memory_gb=a.memory_gb, top=a.top, eval_data=a.eval_data,
-                      seq_len=a.seq_len, batch=a.batch, tasks=a.tasks, task_dir=a.task_dir, task_limit=a.limit)
+    return search_job(opts=_opts(a))
 
 
 def _run_training(a):
@@ -359,15 +173,14 @@ def _run_training(a):
 
 def _run_upcycle(a):
     from remodel.pipelines.commands.upcycle import upcycle
-    return upcycle(a.model, a.out, experts=a.experts, granularity=a.granularity, top_k=a.top_k,
-                   shared_expert_size=a.shared_expert_size, router=a.router, to=a.to, exact=a.exact,
-                   seed=a.seed, overwrite=a.overwrite, dtype=_dtype(a.dtype), drop_ratio=a.drop_ratio)
+    return upcycle(opts=_opts(a))
 
 
 def _run_eval(a):
     from remodel.pipelines.commands.evaluation import eval_job
-    r = eval_job(a.model, a.data, seq_len=a.seq_len, batch=a.batch, max_tokens=a.max_tokens, tasks=a.tasks,
-                 task_dir=a.task_dir, limit=a.limit)
+    o = _opts(a)
+    r = eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens, tasks=o.tasks,
+                 task_dir=o.task_dir, limit=o.limit)
     _show_tasks(r)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))
@@ -382,9 +195,10 @@ def _show_tasks(r):
 
 def _run_tokenize(a):
     from remodel.pipelines.data.tokens import tokenize, tokenize_megatron
-    run = tokenize_megatron if a.format == "megatron" else tokenize
-    return run(a.data, a.out, a.tokenizer, num_proc=a.num_proc, doc_split=a.doc_split, eos=not a.no_eos,
-               overwrite=a.overwrite, shard_tokens=a.shard_tokens)
+    o = _opts(a)
+    run = tokenize_megatron if o.format == "megatron" else tokenize
+    return run(o.data, o.out, o.tokenizer, num_proc=o.num_proc, doc_split=o.doc_split, eos=o.eos,
+               overwrite=o.overwrite, shard_tokens=o.shard_tokens)
 
 
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
@@ -397,30 +211,25 @@ def run(a) -> object:
     return COMMANDS[a.command](a)
 
 
-def _options():
-    """OPTIONS: every numeric option of every command (argparse dest) -> its Check, checked right after
-    parse_args (before any heavy work); train/distill take the TrainConfig fields' own checks
-    (pipelines.training.train_config: the same rules make_config applies to the Python API)."""
-    from remodel.models.kinds import PRUNABLE
-    from remodel.pipelines.training.train_config import CHECKS, Check, count, ints, positive
-    common = {
-        **{name: ints(1, 2**24) for name in PRUNABLE},  # prune's target widths
-        "seed": ints(0, 2**32 - 1), "samples": ints(1, 2**24), "seq_len": ints(2, 2**24), "batch": ints(1, 2**20),
-        "params": count(), "active_params": count(), "distill_tokens": count(0), "max_tokens": count(),
-        "memory_gb": positive(1e9), "tol": Check(float, 0, 1, open_hi=True), "top": ints(1, 10**4),
-        "candidates": ints(1, 1000), "limit": ints(1, 2**31), "num_proc": ints(1, 1024), "shard_tokens": ints(1, 2**40),
-        "experts": ints(1, 2**16), "granularity": ints(1, 2**16), "top_k": ints(1, 2**16),
-        "shared_expert_size": ints(0, 2**24),  # upcycle's (0: none) and prune's target
-        "num_layers": ints(1, 2**16), "drop_layers": ints(0, 2**16), "drop_ratio": Check(float, 0, 1),
-    }
+def _options(command: str | None = None):
+    """OPTIONS: (every numeric option of the commands (argparse dest) -> its Check, the same for train /
+    distill), checked right after parse_args (before any heavy work). Each command's rules are its options
+    dataclass' (pipelines/commands/configs.py), train/distill's the TrainConfig fields' own checks
+    (pipelines.training.train_config: the same rules make_config applies to the Python API). With `command`:
+    -> that command's rules alone."""
+    from remodel.pipelines.commands.configs import COMMAND_OPTIONS
+    from remodel.pipelines.commands.options import rules
+    from remodel.pipelines.training.train_config import CHECKS
+    if command in COMMAND_OPTIONS:
+        return rules(COMMAND_OPTIONS[command])
+    common = {k: v for cls in COMMAND_OPTIONS.values() for k, v in rules(cls).items()}
     return common, {**common, **CHECKS}
 
 
 def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
     from remodel.models.errors import RemodelError
-    common, train = _options()
-    rules = train if a.command in ("train", "distill") else common
+    rules = _options()[1] if a.command in ("train", "distill") else _options(a.command)
     sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices[a.command]
     for act in sub._actions:
         chk, v = rules.get(act.dest), getattr(a, act.dest, None)

@@ -35,7 +35,9 @@ from remodel.models.kinds import KINDS, routed
 from remodel.models.errors import RemodelError
 from remodel.models.params import count_params, memory_bytes
 
+from .configs import PlanOptions
 from .inspection import fmt_count, resolve_source
+from .options import given, make
 
 FIELDS = {a: w.field for a, w in WIDTHS.items()}  # axis -> config field (flat name)
 SHORT = {a: w.short for a, w in WIDTHS.items()}  # axis -> table column label
@@ -189,15 +191,17 @@ def format_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
-def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *, tol: float = 0.02, top: int = 20,
-         axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2, max_type_cut: float = 0.5,
-         batch: int = 1, seq_len: int = 4096, divisors: dict | None = None, verbose: bool = True) -> dict:
-    """Print and return the `top` candidates under the budget (see the module docstring).
+def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict:
+    """Print and return the `top` candidates under the budget (see the module docstring); the options are
+    PlanOptions (pipelines/commands/configs.py), given as `opts` or by name.
 
     axes: which knobs to search: None (default: hidden, FFN, Mamba heads, experts, expert FFN, shared
     expert, LatentMoE latent, depth), a preset ('width', 'depth', 'all') or names from compress.search_space.ALL_AXES.
     divisors: {axis: divisor} overriding the reference width divisors (e.g. scaled with a miniature).
     """
+    o = make(PlanOptions, opts, **given(model=model, params=params), **kw)
+    model, params, active_params, memory_gb, scores = o.model, o.params, o.active_params, o.memory_gb, o.scores
+    tol, top, batch, seq_len = o.tol, o.top, o.batch, o.seq_len
     cfg, _, _, where = resolve_source(model)
     t0 = time.time()
     budgets = _budgets(params, active_params, memory_gb)
@@ -205,8 +209,8 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
         raise RemodelError(f"tol must be in [0, 1), got {tol}")
     if top < 1:
         raise RemodelError(f"top must be >= 1, got {top}")
-    sp = build_space(cfg, axes, max_width_cut, max_depth_cut, max_type_cut, batch=batch, seq_len=seq_len,
-                     divisors=divisors)
+    sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut, batch=batch, seq_len=seq_len,
+                     divisors=o.divisors)
     unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}
@@ -215,7 +219,7 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
     short = [m for m, b in budgets.items() if b < ex[m][0]]
     if short:
         raise RemodelError(f"budget below every candidate ({', '.join(short)}); {_ranges(ex, budgets)} "
-                           f"(max cuts: width {max_width_cut:g}, depth {max_depth_cut:g})")
+                           f"(max cuts: width {o.max_width_cut:g}, depth {o.max_depth_cut:g})")
     rows, stats = search(sp, budgets, tol, top)
     note = None
     if not rows:
@@ -233,6 +237,6 @@ def plan(model, params=None, active_params=None, memory_gb=None, scores=None, *,
         "scored": unit_scores is not None, "depth_metric": metric, "note": note,
         "seconds": time.time() - t0, "candidates": cands,
     }
-    if verbose:
+    if o.verbose and not o.json:
         print(format_plan(out))
     return out

@@ -24,6 +24,8 @@ from remodel.models.hf import config_from_hf, config_to_hf, our_shapes, weight_t
 from remodel.models.load import iter_hf_tensors, iter_our_tensors
 from remodel.models.params import count_params
 
+from .configs import PruneOptions
+from .options import given, make
 from .plots import plot_importance
 from .report import write_report
 
@@ -54,38 +56,38 @@ def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
             for k, v in keep.items()}
 
 
-def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_size=None, mamba_heads=None,
-          mamba_head_dim=None, attn_heads=None, experts=None, expert_ffn_size=None, shared_expert_size=None,
-          latent_size=None, num_layers=None, drop_layers=None, overwrite=False, max_shard_bytes: int = 2 * 1024**3,
-          tasks=None, task_dir=None, task_limit=None, **score_kwargs) -> dict:
+def prune(model_dir=None, out=None, scores_dir=None, data=None, opts: PruneOptions | None = None, **kw) -> dict:
     """Prune the HF checkpoint `model_dir` into `out` (same family). -> the report dict.
+    The options are PruneOptions (pipelines/commands/configs.py), given as `opts` or by name: a width's name
+    (ffn_size=...) is a target, a keyword of `score` configures the --data scoring run, any other name is refused.
     tasks: lm-eval task names (pipelines/training/tasks.py) run on the result, in the report as `tasks`."""
+    return _prune(make(PruneOptions, opts, **given(model=model_dir, out=out, scores=scores_dir, data=data),
+                       **_score_keywords(kw)))
+
+
+def _prune(o: PruneOptions) -> dict:
     t0 = time.time()
+    model_dir, out, scores_dir, data, task_limit = o.model, o.out, o.scores, o.data, o.task_limit
     reader = CheckpointReader(model_dir)
     family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
-    targets = dict(hidden_size=hidden_size, ffn_size=ffn_size, mamba_heads=mamba_heads, mamba_head_dim=mamba_head_dim,
-                   attn_heads=attn_heads, experts=experts, expert_ffn_size=expert_ffn_size,
-                   shared_expert_size=shared_expert_size, latent_size=latent_size, num_layers=num_layers,
-                   drop_layers=drop_layers)
-    t = validate_targets(cfg, targets, family)  # before any calibration or I/O
+    # every width target of the options, whatever path follows: validate_targets refuses one it does not know
+    t = validate_targets(cfg, {**o.widths, "num_layers": o.num_layers, "drop_layers": o.drop_layers}, family)
     from ..training.tasks import add_tasks, check_task_options  # (lm-eval is imported only when asked for)
-    checked = check_task_options(tasks, task_dir, task_limit)  # lm-eval, names, --task-dir: before any work
+    checked = check_task_options(o.tasks, o.task_dir, task_limit)  # lm-eval, names, --task-dir: before any work
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
-    if scores_dir is None:
-        _check_score_options(score_kwargs)
-    else:
+    if scores_dir is not None:
         scores, meta = _checked_scores(cfg, scores_dir)
         keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
-    with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+    with reader, atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         if scores_dir is None:
             from .score import score
-            score(model_dir, data, tmp / "scores", **score_kwargs)  # kept as OUT/scores for re-pruning
+            score(model_dir, data, tmp / "scores", **o.score)  # kept as OUT/scores for re-pruning
             scores, meta = _checked_scores(cfg, tmp / "scores")
             scores_dir = Path(out) / "scores"
             keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
-        w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
+        w = CheckpointWriter(tmp, max_shard_bytes=o.max_shard_bytes)
         n = _write_tensors(w, reader, cfg, family, keep, new)
         w.close(hf_cfg, aux_from=model_dir)
         kept = kept_layers(cfg, keep)
@@ -109,14 +111,13 @@ def prune(model_dir, out, scores_dir=None, data=None, *, hidden_size=None, ffn_s
     return report
 
 
-def _check_score_options(score_kwargs: dict):
-    """prune --data passes the remaining keywords to `score`: refuse unknown ones before any work."""
-    import inspect
-    from .score import score
-    known = set(inspect.signature(score).parameters) - {"model_dir", "data", "out"}
-    bad = sorted(set(score_kwargs) - known)
-    if bad:
-        raise RemodelError(f"unknown scoring options {bad} for prune --data")
+def _score_keywords(kw: dict) -> dict:
+    """prune's keywords with those of `score` (samples, seq_len, ...: the --data scoring run) gathered into `score`;
+    the rest stay for PruneOptions, which refuses an unknown name in one line (on the --scores path too)."""
+    from .configs import ScoreOptions
+    known = set(ScoreOptions.__dataclass_fields__) - set(PruneOptions.__dataclass_fields__)
+    rest = {k: v for k, v in kw.items() if k not in known}
+    return {**rest, "score": {k: v for k, v in kw.items() if k in known}} if known & set(kw) else rest
 
 
 def _checked_scores(cfg: ModelConfig, scores_dir) -> tuple[dict, dict]:

@@ -22,10 +22,12 @@ from remodel.models.load import iter_our_tensors, load_model
 
 from ..data.data import batches as make_batches, load_texts, pack
 from ..distributed.runtime import load_tokenizer
+from .configs import ScoreOptions
+from .options import given, make
 from .plots import plot_importance
 from .report import write_report
 
-MODES = ("auto", "whole", "streaming")
+MODES = ScoreOptions.__dataclass_fields__["mode"].metadata["choices"]
 AUTO_FRACTION = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -71,48 +73,51 @@ def score_weights(model_dir, out, method: str, seed: int = 0, overwrite: bool = 
     return report
 
 
-def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch: int = 4, mode: str = "auto",
-          loss_increase: bool = True, max_memory_bytes: int | None = None, overwrite: bool = False,
-          loss_batches: int = 4, device: str | None = None, progress: bool = True, method: str = "activation",
-          seed: int = 0, expert_method: str = "reconstruction") -> dict:
+def score(model_dir=None, data=None, out=None, opts: ScoreOptions | None = None, **kw) -> dict:
     """Score every prunable unit of MODEL on `samples` sequences of `seq_len` tokens from DATA and
-    write SCORES to `out` (+ remodel_report.json, importance.png). max_memory_bytes bounds the
-    calibration hidden states held in memory in streaming mode (default: a quarter of the available
-    memory); loss_increase uses the first `loss_batches` batches. Returns the report.
+    write SCORES to `out` (+ remodel_report.json, importance.png); the options are ScoreOptions
+    (pipelines/commands/configs.py: each one's meaning and default), given as `opts` or by name. Returns the report.
     method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
     (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
-    expert_method: what ranks routed experts (`layers.i.experts`): 'reconstruction', 'contribution',
-    'frequency', 'reap' (REAP; alias 'mean') or 'random' (by `seed`); compress/expert_scores.py. All their tensors are written."""
+    expert_method: what ranks routed experts (`layers.i.experts`), compress/expert_scores.py; all their
+    tensors are written."""
+    return _score(make(ScoreOptions, opts, **given(model=model_dir, data=data, out=out), **kw))
+
+
+def _score(o: ScoreOptions) -> dict:
+    model_dir, data, out, samples, seq_len = o.model, o.data, o.out, o.samples, o.seq_len
+    method, seed, overwrite = o.method, o.seed, o.overwrite
     t0 = time.time()
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
-    expert_method = check_expert_method(expert_method)
+    expert_method = check_expert_method(o.expert_method)
     if method != "activation":
         return score_weights(model_dir, out, method, seed, overwrite)
-    _check_options(samples, seq_len, batch, loss_batches, mode, max_memory_bytes)
+    _check_options(o)
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise RemodelError(f"model not found: {model_dir}")
     reader = CheckpointReader(model_dir)  # config, safetensors headers and shards checked here
     cfg = config_from_hf(reader.config)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the data is read and checked before OUT (or any parent of it) is created
     blocks = _calibration_blocks(model_dir, data, cfg, samples, seq_len)
     with reader, atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
-        batch_list = list(make_batches(blocks, batch))
+        batch_list = list(make_batches(blocks, o.batch))
         import psutil
         available = psutil.virtual_memory().available
         weight_bytes = sum(torch.Size(reader.shape(k)).numel() * 4 for k in reader.keys())
-        mode = choose_mode(mode, weight_bytes, available)
+        mode = choose_mode(o.mode, weight_bytes, available)
         if mode == "whole":
             model = load_model(model_dir, device=device)
-            scores, info = score_model(model, batch_list, loss_increase=loss_increase, loss_batches=loss_batches,
-                                       progress=progress)
+            scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
+                                       progress=o.progress)
             del model
         else:
-            budget = max_memory_bytes if max_memory_bytes is not None else available // 4
-            scores, info = score_streaming(reader, batch_list, loss_increase=loss_increase, loss_batches=loss_batches,
-                                           max_memory_bytes=budget, spill_dir=tmp, device=device, progress=progress)
+            budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
+            scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
+                                           loss_batches=o.loss_batches, max_memory_bytes=budget, spill_dir=tmp,
+                                           device=device, progress=o.progress)
         scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "samples": len(blocks), "seq_len": seq_len,
                 "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
@@ -122,7 +127,7 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
         seconds = time.time() - t0
         report = {"command": "score", "model": str(model_dir), "data": str(data), "output": str(out), "mode": mode,
                   "device": device, "samples": len(blocks), "samples_requested": samples, "seq_len": seq_len,
-                  "batch": batch, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"],
+                  "batch": o.batch, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"],
                   "loss_batches": info["loss_batches"], "weight_bytes_fp32": weight_bytes,
                   "available_memory_bytes": available, "spilled_bytes": info.get("spilled_bytes", 0),
                   "seconds": round(seconds, 3), "tokens_per_s": round(info["tokens"] / max(seconds, 1e-9), 1),
@@ -132,13 +137,13 @@ def score(model_dir, data, out, samples: int = 1024, seq_len: int = 1024, batch:
     return report
 
 
-def _check_options(samples, seq_len, batch, loss_batches, mode, max_memory_bytes):
-    for name, v in (("samples", samples), ("seq_len", seq_len), ("batch", batch), ("loss_batches", loss_batches)):
-        _positive(name, v)
-    if mode not in MODES:
-        raise RemodelError(f"unknown mode {mode!r} (allowed: {', '.join(MODES)})")
-    if max_memory_bytes is not None and max_memory_bytes < 0:
-        raise RemodelError(f"max_memory_bytes must be >= 0, got {max_memory_bytes}")
+def _check_options(o: ScoreOptions):
+    for name in ("samples", "seq_len", "batch", "loss_batches"):
+        _positive(name, getattr(o, name))
+    if o.mode not in MODES:
+        raise RemodelError(f"unknown mode {o.mode!r} (allowed: {', '.join(MODES)})")
+    if o.max_memory_bytes is not None and o.max_memory_bytes < 0:
+        raise RemodelError(f"max_memory_bytes must be >= 0, got {o.max_memory_bytes}")
 
 
 def _calibration_blocks(model_dir: Path, data, cfg, samples: int, seq_len: int):

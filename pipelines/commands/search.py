@@ -32,6 +32,8 @@ from remodel.models.load import load_model, save_model
 from remodel.models.params import count_params
 
 from ..data.data import load_texts, pack
+from .configs import SearchOptions
+from .options import given, make
 from .plan import SHORT, plan
 from .report import write_report
 from ..training.evaluate import evaluate
@@ -88,43 +90,43 @@ def plot_search(path, rows: list, source: dict, pick: int):
     plt.close(fig)
 
 
-def search_job(model_dir, out, data, params=None, candidates: int = 3, distill_tokens: int = 0, scores_dir=None,
-               overwrite: bool = False, *, active_params=None, memory_gb=None, top: int = 20, plan_options=None,
-               eval_data=None, seq_len: int = 256, batch: int = 8, score_samples: int = 64,
-               eval_tokens: int = 16384, lr: float = 1e-3, seed: int = 0, progress: bool = True, scores=None,
-               tasks=None, task_dir=None, task_limit=None) -> dict:
-    """Search MODEL's pruned shapes under the budget and write the best to OUT (see the module doc).
+def search_job(model_dir=None, out=None, data=None, opts: SearchOptions | None = None, **kw) -> dict:
+    """Search MODEL's pruned shapes under the budget and write the best to OUT (see the module doc); the options
+    are SearchOptions (pipelines/commands/configs.py: each one's meaning and default), given as `opts` or by name.
 
     params / active_params / memory_gb: the budgets (plan's); top: how many of plan's candidates are
     pruned and evaluated; candidates: how many of those (best by loss) are distilled; plan_options:
     extra plan() keywords (axes, tol, seq_len / batch of the memory budget, divisors, max cuts).
-    seq_len / batch serve scoring, evaluation and distillation; score_samples sequences calibrate;
-    eval_tokens held-out tokens rank. `scores` is an alias of scores_dir. tasks / task_dir / task_limit:
-    lm-eval tasks run on the written pick, in the report as `tasks` (pipelines/training/tasks.py). -> the report."""
+    `scores_dir` is an alias of scores. tasks / task_dir / task_limit: lm-eval tasks run on the written pick,
+    in the report as `tasks` (pipelines/training/tasks.py). -> the report."""
+    o = make(SearchOptions, opts, {"scores_dir": "scores"}, **given(model=model_dir, out=out, data=data), **kw)
+    return _search(o)
+
+
+def _search(o: SearchOptions) -> dict:
     t0 = time.time()
-    scores_dir = scores_dir if scores_dir is not None else scores
-    model_dir, out = Path(model_dir), Path(out)
-    _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_samples, eval_tokens, lr)
-    budget = dict(params=params, active_params=active_params, memory_gb=memory_gb)
-    cfg, family, popts, checked = _check_all(model_dir, out, data, eval_data, scores_dir, overwrite, budget,
-                                             plan_options, top, (tasks, task_dir, task_limit))
+    data, eval_data, seq_len, batch, progress = o.data, o.eval_data, o.seq_len, o.batch, o.progress
+    model_dir, out = Path(o.model), Path(o.out)
+    _check_numbers(o)
+    budget = dict(params=o.params, active_params=o.active_params, memory_gb=o.memory_gb)
+    cfg, family, popts, checked = _check_all(o, model_dir, out, budget)
     tok = load_tokenizer(model_dir)
-    settings = dict(seq_len=seq_len, batch=batch, lr=lr, seed=seed, progress=progress)
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
+    settings = dict(seq_len=seq_len, batch=batch, lr=o.lr, seed=o.seed, progress=progress)
+    with atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         work = tmp / "work"
-        eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, eval_tokens)
-        used_scores, scores_note = _scores(model_dir, scores_dir, work, tmp, out, score_samples, settings)
-        d = plan(cfg, **budget, scores=used_scores, top=top, verbose=progress, **popts)
+        eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, o.eval_tokens)
+        used_scores, scores_note = _scores(model_dir, o.scores, work, tmp, out, o.score_samples, settings)
+        d = plan(cfg, **budget, scores=used_scores, top=o.top, verbose=progress, **popts)
         tensors, _ = load_scores(used_scores)
         model = load_model(model_dir)
         src, rows = _rank_candidates(model, cfg, family, tensors, d["candidates"], eval_blocks, batch, progress)
-        top_k = sorted(range(len(rows)), key=lambda i: rows[i]["loss_rank"])[:candidates]
-        if distill_tokens:
+        top_k = sorted(range(len(rows)), key=lambda i: rows[i]["loss_rank"])[:o.candidates]
+        if o.distill_tokens:
             for i in top_k:  # written first (fp32), so the source model is freed before the teacher loads
                 save_model(prune_model(model, plan_keep(cfg, tensors, rows[i]["prune_targets"], family)),
                            work / f"cand{i}", family=family, aux_from=model_dir)
             del model
-            pick, best = _distill_best(rows, top_k, model_dir, work, eval_blocks, distill_tokens, settings)
+            pick, best = _distill_best(rows, top_k, model_dir, work, eval_blocks, o.distill_tokens, settings)
         else:
             pick = top_k[0]
             best = prune_model(model, plan_keep(cfg, tensors, rows[pick]["prune_targets"], family))
@@ -139,14 +141,14 @@ def search_job(model_dir, out, data, params=None, candidates: int = 3, distill_t
             "budgets": d["budgets"], "plan": {k: d[k] for k in ("axes", "space", "depth", "grid", "window", "maximal",
                                                                 "reachable", "depth_metric", "tol", "note")},
             "plan_options": popts, "seq_len": seq_len, "batch": batch, "eval_tokens": int(eval_blocks.numel()),
-            "distill_tokens": distill_tokens, "distilled": len(top_k) if distill_tokens else 0, "lr": lr,
+            "distill_tokens": o.distill_tokens, "distilled": len(top_k) if o.distill_tokens else 0, "lr": o.lr,
             "source": {"params": src["params"], "loss": src["loss"], "ppl": src["ppl"], "pattern": cfg.pattern},
             "pick": {k: rows[pick].get(k) for k in PICK_KEYS},
             "candidates": rows, "plot": "search.png", "seconds": round(time.time() - t0, 2),
         }
-        write_report(tmp, add_tasks(report, tmp, checked, task_limit))  # the written pick's accuracy
+        write_report(tmp, add_tasks(report, tmp, checked, o.task_limit))  # the written pick's accuracy
     if progress:
-        _print_pick(rows[pick], src, distill_tokens)
+        _print_pick(rows[pick], src, o.distill_tokens)
     return report
 
 
@@ -156,24 +158,23 @@ ROW_KEYS = ("params", "active_params", "memory_bytes", "widths", "changed", "lay
             "pattern", "drop_layers", "prune_targets")
 
 
-def _check_numbers(candidates, distill_tokens, top, seq_len, batch, score_samples, eval_tokens, lr):
-    _positive_int("candidates", candidates)
-    _positive_int("distill_tokens", distill_tokens, zero_ok=True)
-    for name, v in (("top", top), ("seq_len", seq_len), ("batch", batch), ("score_samples", score_samples),
-                    ("eval_tokens", eval_tokens)):
-        _positive_int(name, v)
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise RemodelError(f"lr must be > 0, got {lr!r}")
+def _check_numbers(o: SearchOptions):
+    _positive_int("candidates", o.candidates)
+    _positive_int("distill_tokens", o.distill_tokens, zero_ok=True)
+    for name in ("top", "seq_len", "batch", "score_samples", "eval_tokens"):
+        _positive_int(name, getattr(o, name))
+    if not (isinstance(o.lr, (int, float)) and o.lr > 0):
+        raise RemodelError(f"lr must be > 0, got {o.lr!r}")
 
 
-def _check_all(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite, budget, plan_options, top, tasks):
+def _check_all(o: SearchOptions, model_dir: Path, out: Path, budget: dict):
     """-> (cfg, family, plan options, check_task_options' result) once the inputs, the budget (plan's refusals
     name the smallest and largest reachable sizes) and the tasks (lm-eval, names, --task-dir) pass; nothing
     is written before."""
-    cfg, family = _check_inputs(model_dir, out, data, eval_data, scores_dir, overwrite)
-    popts = _plan_options(plan_options)
-    plan(cfg, **budget, scores=scores_dir, top=top, verbose=False, **popts)
-    return cfg, family, popts, check_task_options(*tasks)
+    cfg, family = _check_inputs(model_dir, out, o.data, o.eval_data, o.scores, o.overwrite)
+    popts = _plan_options(o.plan_options)
+    plan(cfg, **budget, scores=o.scores, top=o.top, verbose=False, **popts)
+    return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit)
 
 
 def _check_inputs(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite: bool):

@@ -15,6 +15,7 @@ experts were built (UPCYCLE_KEY) for the training run's figures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -35,6 +36,8 @@ from remodel.upcycle.similarity import UPCYCLE_KEY, expert_similarity
 from remodel.upcycle.virtual_groups import (ROUTER_MODES, drop_upcycle, layer_seed, make_plan, moe_config,
                                             router_std, router_weight, upcycle_mlp)
 
+from .configs import UpcycleOptions
+from .options import given, make
 from .report import write_report
 
 # (random sequences, tokens each) of the deviation check: it is bound by casting and packing the weight
@@ -97,16 +100,18 @@ def _one_thread():
         torch.set_num_threads(n)
 
 
-def upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size=0, router=None, to=None,
-            exact=False, seed=0, overwrite=False, dtype=None, drop_ratio=0.0) -> dict:
-    """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report.
-    exact=True puts the whole factor on down_proj (exact_placement) or refuses; dtype: the written
-    floating-point dtype (default: the checkpoint's), the expert weights scaled in it; drop_ratio R > 0:
-    Drop-Upcycling, round(R * expert size) neurons of every routed expert re-initialised (upcycle.drop)."""
-    check_drop(drop_ratio, exact)
+def upcycle(model_dir=None, out=None, opts: UpcycleOptions | None = None, **kw) -> dict:
+    """Dense checkpoint at `model_dir` -> MoE checkpoint at `out` (see module docstring); -> report. The options
+    are UpcycleOptions (pipelines/commands/configs.py), given as `opts` or by name. exact=True puts the whole
+    factor on down_proj (exact_placement) or refuses; dtype: the written floating-point dtype (a torch dtype or
+    its name; default: the checkpoint's), the expert weights scaled in it; drop_ratio R > 0: Drop-Upcycling,
+    round(R * expert size) neurons of every routed expert re-initialised (upcycle.drop)."""
+    o = make(UpcycleOptions, opts, **given(model=model_dir, out=out), **kw)
+    if isinstance(o.dtype, str):
+        o = dataclasses.replace(o, dtype=getattr(torch, o.dtype))
+    check_drop(o.drop_ratio, o.exact)
     with _one_thread():
-        return _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-                        overwrite, dtype, drop_ratio)
+        return _upcycle(o)
 
 
 def check_drop(ratio, exact: bool):
@@ -163,15 +168,16 @@ class _LayerStream:
     """Serves the MoE checkpoint's tensors one layer group at a time: reads a group of the source,
     upcycles its dense MLP, and hands the group to the deviation check on the `pool` thread."""
 
-    def __init__(self, reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir, drop_ratio=0.0):
-        self.cfg, self.p, self.family, self.seed, self.dtype, self.model_dir = cfg, p, family, seed, dtype, model_dir
-        self.drop_ratio, self.similarity = drop_ratio, []
+    def __init__(self, reader, o: UpcycleOptions, cfg, new_cfg, p, src_family: str, family: str):
+        self.cfg, self.new_cfg, self.p, self.src_family, self.family = cfg, new_cfg, p, src_family, family
+        self.seed, self.dtype, self.model_dir, self.drop_ratio = o.seed, o.dtype, o.model, o.drop_ratio
+        self.similarity = []
         stream = iter_our_tensors(reader, cfg, src_family)
         first = next(stream)  # checks every tensor's shape against the config before anything is written
         self.groups = itertools.groupby(itertools.chain([first], stream), key=lambda kv: _group(kv[0]))
         self.cache: dict = {}
         self.mlp_dtypes, self.logit_std, self.t_check, self.pending = set(), 0.0, 0.0, []
-        self.check = StreamCheck(cfg, new_cfg, seed, *DEVIATION_TOKENS)
+        self.check = StreamCheck(cfg, new_cfg, o.seed, *DEVIATION_TOKENS)
         self.pool = None
 
     def feed(self, key, source, moe):  # on the check's own thread; torch ops release the GIL
@@ -263,14 +269,15 @@ def _method_report(p, router: str, family: str, seed: int, logit_std: float, ini
     }
 
 
-def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, router, to, exact, seed,
-             overwrite, dtype=None, drop_ratio=0.0) -> dict:
+def _upcycle(o: UpcycleOptions) -> dict:
     t0 = time.perf_counter()
+    model_dir, dtype, exact = o.model, o.dtype, o.exact
     reader = CheckpointReader(model_dir)
     src_family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
-    router, family = _resolve(cfg, src_family, router, to, shared_expert_size)
-    p = make_plan(cfg, experts, granularity, top_k, shared_expert_size, router, "down" if exact else "balanced")
+    router, family = _resolve(cfg, src_family, o.router, o.to, o.shared_expert_size)
+    p = make_plan(cfg, o.experts, o.granularity, o.top_k, o.shared_expert_size, router,
+                  "down" if exact else "balanced")
     if exact and not p.exact:
         raise RemodelError(f"--exact: {p.why_not_exact[0]}; change that or drop --exact")
     src_dtype = _source_dtype(reader)
@@ -280,10 +287,10 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     check_exportable(new_cfg, family)
     hf_cfg = _hf_config(reader, new_cfg, family, dtype)
     hf_cfg[UPCYCLE_KEY] = {"experts": p.experts, "granularity": p.granularity, "expert_shard": "e mod granularity",
-                           "drop_ratio": drop_ratio, "seed": seed}  # read by training's expert-similarity figures
-    layers = _LayerStream(reader, cfg, src_family, p, family, seed, dtype, new_cfg, model_dir, drop_ratio)
+                           "drop_ratio": o.drop_ratio, "seed": o.seed}  # read by training's expert-similarity figures
+    layers = _LayerStream(reader, o, cfg, new_cfg, p, src_family, family)
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp, \
+    with atomic_output_dir(o.out, overwrite=o.overwrite, inputs=[model_dir]) as tmp, \
             ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as layers.pool:
         w = CheckpointWriter(tmp)
         for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
@@ -291,8 +298,7 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0
         deviation = layers.deviation()
-        report = _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, exact, dtype, src_dtype,
-                         layers, drop_ratio)
+        report = _report(o, layers, src_dtype)
         report.update({"deviation": deviation, "tensors_written": n_out, "bytes_written": w.total_size,
                        "seconds": {"upcycle_and_write": round(t_write, 3),
                                    "deviation_check_overlapped": round(layers.t_check, 3),
@@ -302,14 +308,15 @@ def _upcycle(model_dir, out, experts, granularity, top_k, shared_expert_size, ro
     return report
 
 
-def _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, exact, dtype, src_dtype, layers,
-            drop_ratio) -> dict:
+def _report(o: UpcycleOptions, layers: _LayerStream, src_dtype) -> dict:
     """The report's figures known once every layer was upcycled (the deviation and timings come after)."""
+    cfg, new_cfg, p, family, router = layers.cfg, layers.new_cfg, layers.p, layers.family, layers.p.router
+    seed, dtype, drop_ratio = o.seed, o.dtype, o.drop_ratio
     moe_total, moe_active = _params(new_cfg)
     dropped = drop_count(drop_ratio, p.expert_size) > 0
     why = p.why_not_exact + (["drop-upcycling re-initialised neurons of every routed expert"] if dropped else [])
     return {
-        "command": "upcycle", "input": str(model_dir), "output": str(out), "from": src_family, "to": family,
+        "command": "upcycle", "input": str(o.model), "output": str(o.out), "from": layers.src_family, "to": family,
         "method": "virtual-group upcycling (arXiv 2410.07524): expert e = dense shard e mod G, router rows "
                   "tied per group, W1 and W2 of every routed expert scaled by s = a^(1/d)"
                   + ("; then Drop-Upcycling (arXiv 2502.19261)" if dropped else ""),
@@ -319,7 +326,7 @@ def _report(model_dir, out, src_family, family, cfg, new_cfg, p, router, seed, e
         "written_dtype": str(dtype or src_dtype).replace("torch.", ""),
         **_method_report(p, router, family, seed, layers.logit_std, router_std(router, cfg.hidden_size)),
         "drop_upcycling": drop_report(drop_ratio, p.expert_size, seed),
-        "exact_expected": p.exact and not dropped, "why_not_exact": why, "exact_requested": exact,
+        "exact_expected": p.exact and not dropped, "why_not_exact": why, "exact_requested": o.exact,
         "layers_upcycled": [i for i, k in enumerate(layer_kinds(cfg)) if k.upcycles_to],
         "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
         "params": {"dense": _params(cfg)[0], "moe_total": moe_total, "moe_active": moe_active},

@@ -23,6 +23,7 @@ import re
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -224,15 +225,24 @@ class _Shard:
         return rec
 
 
-def write_shards(docs, done: list[dict], work: Path, tok, tail, dtype, num_proc: int, meter, total: int,
+class Encoding(NamedTuple):
+    """How documents become token ids (`encoded`'s arguments): the tokenizer, the ids appended to each
+    document (eos, or none), the stored dtype and the tokenizing processes."""
+    tok: object
+    tail: list
+    dtype: object
+    num_proc: int
+
+
+def write_shards(docs, done: list[dict], work: Path, enc: Encoding, meter, total: int,
                  shard_tokens: int = SHARD_TOKENS):
     """Tokenize `docs` (skipping those of the `done` shards) into new shards of about `shard_tokens`
-    tokens; -> all shard records."""
-    done = list(done)
+    tokens; `meter` counts the bytes read of `total` (the progress bar). -> all shard records."""
+    done, tok = list(done), enc.tok
     shard, n_tok, t0 = None, 0, time.perf_counter()
     skip = sum(r["docs"] for r in done)
     with tqdm(total=total, desc="tokenize", unit="B", unit_scale=True, dynamic_ncols=True) as bar, \
-            contextlib.closing(encoded(batches(docs, skip), tok, tail, dtype, num_proc)) as results:
+            contextlib.closing(encoded(batches(docs, skip), *enc)) as results:
         bar.set_postfix_str(f"resumed {len(done)} shards" if done else "", refresh=False)
         for flat, lengths, top in results:
             if top >= len(tok):

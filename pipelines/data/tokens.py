@@ -109,8 +109,8 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
                 meter = stream.Meter()
                 docs = stream.documents(files, kind, doc_split, meter, data)
                 resumed = len(done)
-                done = shards.write_shards(docs, done, work, tok, [tok.eos_token_id] if eos else [], dtype,
-                                           num_proc, meter, source["size"], shard_tokens)
+                enc = shards.Encoding(tok, [tok.eos_token_id] if eos else [], dtype, num_proc)
+                done = shards.write_shards(docs, done, work, enc, meter, source["size"], shard_tokens)
                 n_tokens, n_docs, fingerprint, max_id = shards.assemble(done, work, tmp, dtype)
         except shards.WorkerDied:
             raise  # the finished shards stay: a rerun resumes from them

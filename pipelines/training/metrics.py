@@ -119,22 +119,25 @@ def _moe_panel(ax, rows: list[dict], key: str):
     ax.grid(alpha=0.3)
 
 
-def report(args, family, n_params, steps, tokens_per_step, data_tokens: int, resumed_from, run_dir, history, evals,
-            tok_s, flops_tok, peak, t_start) -> dict:
-    """remodel_report.json of a training run. peak: matmul FLOP/s of all the devices used together."""
+def report(p, run, data_tokens: int, tok_s) -> dict:
+    """remodel_report.json of a training run. p: the run's plan (args, family, steps, tokens_per_step, run_dir,
+    t_start); run: its figures (n_params, resumed_from, history, evals, flops_tok, peak: the matmul FLOP/s of all
+    the devices used together); tok_s: measured tokens/s (None before a timed step)."""
+    args, steps, tokens_per_step, history, evals = p.args, p.steps, p.tokens_per_step, run.history, run.evals
+    flops_tok, peak = run.flops_tok, run.peak
     return {
-        "command": "distill" if args["teacher_dir"] else "train", "args": args, "family": family,
-        "params": n_params,
+        "command": "distill" if args["teacher_dir"] else "train", "args": args, "family": p.family,
+        "params": run.n_params,
         "steps": steps, "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "data_tokens": data_tokens, "epochs": steps * tokens_per_step / data_tokens,
-        "resumed_from": resumed_from, "run_dir": str(run_dir),
+        "resumed_from": run.resumed_from, "run_dir": str(p.run_dir),
         "final_loss": history[-1]["loss"] if history else None,
         "eval": {k: v for k, v in evals.items()},
         "eval_ppl": evals["after"]["ppl"] if "after" in evals else None,
         "tokens_per_s": tok_s, "flops_per_token": flops_tok, "matmul_flops_per_s": peak,
         "mfu": flops_tok * tok_s / peak if tok_s else None,
         "mfu_note": "model FLOPs (6N student + 2N teacher + attention) over one measured 1024^3 matmul",
-        "time_s": time.time() - t_start, "history": history,
+        "time_s": time.time() - p.t_start, "history": history,
     }
 
 

@@ -425,9 +425,7 @@ class _Training:
         p, c, procs = self.p, self.c, self.procs
         tok_s = self.step_tokens / self.step_time if self.step_time else None
         data_tokens = sum(s.n_tokens for s in getattr(self.data, "sets", [self.data]))
-        report = metrics.report(p.args, p.family, self.n_params, p.steps, p.tokens_per_step, data_tokens,
-                                self.resumed_from, p.run_dir, self.history, self.evals, tok_s, self.flops_tok,
-                                self.peak, p.t_start)
+        report = metrics.report(p, self, data_tokens, tok_s)
         report["parallel"] = {"world": procs.world, "tp": c.tp, "ep": self.info.ep, "dp": procs.dp,
                               "ep_over": self.info.ep_over, "teacher": self.teacher_layout,
                               "held_bytes": self.held,  # per rank, measured from the local tensors
