@@ -268,7 +268,6 @@ MARKS = {
     },
     "test_convert_cli.py": {
         "test_roundtrip_identical_and_loads_in_transformers": "slow",
-        "test_llama_family_roundtrip": "slow",
         "test_llama_to_mixtral_family_refused_and_qwen_export": "slow",
         "test_malformed_inputs_one_line_error_nothing_written": "slow",
         "test_refuses_non_empty_out_and_writing_into_model": "slow",
