@@ -116,3 +116,5 @@ BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, mamba_width_from_hidden=True
                                                         mlp_bias=True, mamba_proj_bias=True, mamba_conv_bias=False,
                                                         tie_word_embeddings=True, head_dim=24, time_step_limit=(0.01, 5.0),
                                                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0})})
+
+REGISTER = (BAMBA,)  # the families this module adds to models.families.FAMILIES, in order

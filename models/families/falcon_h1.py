@@ -141,3 +141,5 @@ FALCON_H1 = FalconH1("falcon_h1", "FalconH1ForCausalLM", depth=2, block_types=BL
                                tie_word_embeddings=True, time_step_limit=(0.01, 5.0), key_multiplier=1.7,
                                rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                                ssm_multipliers=[1.2, 0.8, 1.1, 0.6, 1.3])})
+
+REGISTER = (FALCON_H1,)  # the families this module adds to models.families.FAMILIES, in order

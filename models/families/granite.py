@@ -199,3 +199,5 @@ GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, ma
                                                  mamba_proj_bias=True, mamba_conv_bias=False, tie_word_embeddings=True,
                                                  head_dim=24, time_step_limit=(0.01, 5.0), embedding_multiplier=1.5,
                                                  residual_multiplier=1.0, attention_multiplier=1.0, logits_scaling=0.5)})
+
+REGISTER = (GRANITE,)  # the families this module adds to models.families.FAMILIES, in order

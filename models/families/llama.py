@@ -147,3 +147,5 @@ LLAMA = LlamaFamily("llama", "LlamaForCausalLM", hidden_divides_heads=True,
 MISTRAL = LlamaFamily("mistral", "MistralForCausalLM", window=True, tiny={"plain": dict(TINY, sliding_window=None)})
 QWEN2 = LlamaFamily("qwen2", "Qwen2ForCausalLM", attn=QWEN2_ATTN, qkv_bias=True, qwen_window=True, tiny={"plain": TINY})
 QWEN3 = LlamaFamily("qwen3", "Qwen3ForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True, tiny={"plain": TINY})
+
+REGISTER = (LLAMA, MISTRAL, QWEN2, QWEN3)  # the families this module adds to models.families.FAMILIES, in order

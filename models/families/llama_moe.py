@@ -107,3 +107,5 @@ QWEN2_MOE = MoEFamily("qwen2_moe", "Qwen2MoeForCausalLM", attn=QWEN2_ATTN, qkv_b
                       tiny={"plain": dict(_QWEN_MOE, shared_expert_intermediate_size=20, norm_topk_prob=False)})
 QWEN3_MOE = MoEFamily("qwen3_moe", "Qwen3MoeForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True,
                       tiny={"plain": dict(_QWEN_MOE, norm_topk_prob=True)})
+
+REGISTER = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)  # the families this module adds to models.families.FAMILIES, in order

@@ -130,3 +130,5 @@ NEMOTRON_H = NemotronH("nemotron_h", "NemotronHForCausalLM", depth=1, moe=True, 
                        tiny={"hybrid": dict(_TINY, hybrid_override_pattern="M*M-EM"),
                              "latent": dict(_TINY, hybrid_override_pattern="ME*E", moe_latent_size=20, n_group=1),
                              "dense": dict(_DENSE, hybrid_override_pattern="M*-M-")})  # an upcycling source
+
+REGISTER = (NEMOTRON_H,)  # the families this module adds to models.families.FAMILIES, in order
