@@ -19,6 +19,7 @@ MODULES = (  # one line per family module, in registry order
     "bamba",
     "granite",
     "falcon_h1",
+    "granite_dense",
 )
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}
 DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",
