@@ -205,7 +205,7 @@ def _smaller(cfg, name: str) -> int:
     the family's own: a Mamba width that is a multiple of hidden), a quarter less or the nearest below it."""
     from remodel.compress.prune import validate_targets
     from remodel.models.errors import RemodelError
-    from remodel.models.spec import WIDTHS
+    from remodel.models.spec import WIDTHS  # (filled by models.kinds)
     w = WIDTHS[name]
     v, step = getattr(cfg, w.field), math.lcm(*(getattr(cfg, f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
     for t in sorted((t for t in range(v - 1, 0, -1) if t % step == 0), key=lambda t: (t > v - max(1, v // 4), -t)):
@@ -220,9 +220,9 @@ def _smaller(cfg, name: str) -> int:
 def prune_axes(cfg) -> dict:
     """{width: smaller target} for hidden and every width the kinds of `cfg` prune (a width it has)."""
     from remodel.models.kinds import used
-    from remodel.models.spec import PRUNABLE, WIDTHS
+    from remodel.models.spec import WIDTHS
     names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
-    return {n: _smaller(cfg, n) for n in PRUNABLE if n in names and getattr(cfg, WIDTHS[n].field)}
+    return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}
 
 
 PRUNE_CASES = [(f, a) for f in MAIN for a in [*prune_axes(tiny_config(f)), "all"]]

@@ -144,7 +144,8 @@ def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
 def launch(d: Path, n: int, cases, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(HERE),
            str(d), *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     print(f"\ntorchrun x{n} {cases}: {time.time() - t:.1f} s, rc {p.returncode}")
@@ -175,7 +176,8 @@ def failing_run(d: Path, how: str):
            "distill", "--teacher", str(d / "teacher"), "--student", str(d / "student"), str(out), "--data",
            str(d / "train.txt"), "--steps", "100000", "--seq-len", "32", "--batch", "4", "--checkpoint-every",
            "100000", "--tp", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
+    path = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path,
            "REMODEL_DIST_TIMEOUT": "5"}
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     log, started = [], threading.Event()
