@@ -297,6 +297,9 @@ MARKS = {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",
     },
+    "test_families.py": {
+        "test_distill_dp2_tp2_equals_one_process": "multiprocess",
+    },
     "test_fuzz.py": {
         "*": "slow",
     },
