@@ -19,6 +19,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from remodel.models.config import ModelConfig  # noqa: E402
+from remodel.models.families import FAMILIES  # noqa: E402
+from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
 
 _BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5)
@@ -56,6 +58,10 @@ FAMILY_CONFIGS = {
                              mlp_multipliers=(1.6, 0.6), mamba_norm_before_gate=True,
                              **_BASE, **_ATTN, **_MAMBA, **_SWIGLU),
 }
+
+# a family without a hand-written entry above has its first tiny model (Family.tiny, in its own module)
+FAMILY_CONFIGS.update({name: config_from_hf({"model_type": name, **next(iter(f.tiny.values()))})
+                       for name, f in FAMILIES.items() if name not in FAMILY_CONFIGS and f.tiny})
 
 
 @pytest.fixture(params=sorted(KIND_CONFIGS))
@@ -268,7 +274,6 @@ MARKS = {
     },
     "test_convert_cli.py": {
         "test_roundtrip_identical_and_loads_in_transformers": "slow",
-        "test_llama_family_roundtrip": "slow",
         "test_llama_to_mixtral_family_refused_and_qwen_export": "slow",
         "test_malformed_inputs_one_line_error_nothing_written": "slow",
         "test_refuses_non_empty_out_and_writing_into_model": "slow",
@@ -291,6 +296,9 @@ MARKS = {
     "test_fused_loss.py": {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",
+    },
+    "test_families.py": {
+        "test_distill_dp2_tp2_equals_one_process": "multiprocess",
     },
     "test_fuzz.py": {
         "*": "slow",

@@ -16,22 +16,17 @@ import torch.nn.functional as F
 
 import remodel.models.mamba as mamba
 import remodel.pipelines.training.trainer as trainer
+from remodel.models.families import FAMILIES as REGISTERED
 from remodel.models.hf import weight_table
-from tests import test_bamba, test_falcon_h1, test_granite, test_model_parity
 from tests.conftest import hf_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = torch.device("cuda")
-FAMILIES = {  # family: (model_type, one case's transformers kwargs)
-    "nemotron_h": test_model_parity.CASES["nemotron_h"],
-    "nemotron_h_latent": test_model_parity.CASES["nemotron_h_latent"],
-    "llama": test_model_parity.CASES["llama_tied"],
-    "mixtral": test_model_parity.CASES["mixtral"],
-    "qwen3_moe": test_model_parity.CASES["qwen3_moe"],
-    "granitemoehybrid": ("granitemoehybrid", test_granite.CASES["moe"]),
-    "bamba": ("bamba", test_bamba.CASES["biased_tied"]),
-    "falcon_h1": ("falcon_h1", test_falcon_h1.CASES["rms_norm"]),
-}
+PICKS = {"nemotron_h_latent": ("nemotron_h", "latent"), "bamba": ("bamba", "biased_tied"),
+         "falcon_h1": ("falcon_h1", "rms_norm")}  # beyond each family's first tiny model (Family.tiny)
+FAMILIES = {  # name: (model_type, one tiny model's transformers kwargs), every registered family
+    **{f: (f, next(iter(fam.tiny.values()))) for f, fam in REGISTERED.items()},
+    **{name: (f, REGISTERED[f].tiny[case]) for name, (f, case) in PICKS.items()}}
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +39,6 @@ def no_tf32():
 
 def pair(name, tmp_path_factory):
     model_type, kw = FAMILIES[name]
-    kw = {"vocab_size": test_model_parity.V, **kw}
     hf, ours, _ = hf_pair(model_type, tmp_path_factory.getbasetemp() / "cuda", name, len(name), **kw)
     return copy.deepcopy(hf).to(DEV), copy.deepcopy(ours).to(DEV), kw["vocab_size"]
 

@@ -1,43 +1,30 @@
-"""IBM Granite 4.0-H (models/families/granite.py) against transformers' `granitemoehybrid` (the oracle): tiny
-random GraniteMoeHybridForCausalLMs (MoE + shared MLP, dense, RoPE; scalar multipliers away from 1) are saved,
-loaded by remodel, compared logit for logit and gradient for gradient, exported back bit for bit (the fused
-gate/up tensors rebuilt from our separate ones), loaded again by transformers, evaluated, and pruned on
-every axis."""
+"""IBM Granite 4.0-H (models/families/granite.py) against transformers' `granitemoehybrid` (the oracle) beyond
+the family conformance suite (tests/test_families.py: logits, gradients, padding, export, convert, inspect, eval
+of its tiny models, Family.tiny): the config mapping, every multiplier used, refusals, pruning every axis
+then transformers' reload, streaming prune and scoring, region reads, the fused loss, upcycling."""
 import json
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES, default_family
-from remodel.models.hf import check_exportable, config_from_hf, weight_table
+from remodel.models.hf import check_exportable, config_from_hf
 from remodel.models.load import save_model
 from remodel.models.model import HybridLM
 from remodel.models.params import count_params
-from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair
+from tests.conftest import assert_same_tensors, hf_pair
 
 FAMILY = "granitemoehybrid"
 V, B, L = 128, 2, 37
-BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-            num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
-            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
-            mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
-SCALED = dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
-CASES = {
-    "moe": dict(BASE, **SCALED),  # MoE + shared MLP, no positional encoding, every multiplier away from 1
-    "dense": dict(BASE, num_local_experts=0, **SCALED),  # the shared MLP alone
-    # RoPE, every bias, tied embeddings, an explicit head_dim, attention first and last, a dt clamp that bites
-    "rope_biased_tied": dict(BASE, layer_types=["full_attention", "linear_attention", "linear_attention",
-                                                "full_attention"], position_embedding_type="rope",
-                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, attention_bias=True,
-                             mamba_proj_bias=True, mamba_conv_bias=False, tie_word_embeddings=True, head_dim=24,
-                             time_step_limit=(0.01, 5.0), embedding_multiplier=1.5, logits_scaling=0.5),
-}
+SCALED = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+CASES = FAMILIES[FAMILY].tiny  # moe (every multiplier away from 1), dense, rope_biased_tied
+BASE = {k: v for k, v in CASES["moe"].items() if k not in SCALED}
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("granite")
@@ -67,94 +54,10 @@ def test_config_maps_to_pairs(case, root):
     assert (cfg.rope_theta is not None) == (c.get("position_embedding_type") == "rope")
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_and_gradients(case, root):
-    hf, ours, _ = build(case, root)
-    x, labels = ids(0), ids(1)
-    for m in (hf, ours):
-        m.zero_grad(set_to_none=True)
-    ref, out = hf(x).logits, ours(x)
-    assert out.shape == ref.shape == (B, L, V)
-    assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
-    assert ref.std().item() > 0.3  # not a comparison of near-constant outputs
-    F.cross_entropy(ref.reshape(-1, V), labels.reshape(-1)).backward()
-    F.cross_entropy(out.reshape(-1, V), labels.reshape(-1)).backward()
-    hf_params, ours_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    for our_name, hf_name, _ in weight_table(ours.cfg, FAMILY):
-        g_ours = ours_params[our_name].grad
-        g_ref = _hf_grad(hf, our_name, ours.cfg)
-        pad = hf.config.pad_token_id  # transformers' padding_idx row gets no gradient from the input side
-        if our_name == "embeddings.weight" and pad is not None:
-            g_ours, g_ref = (torch.cat([g[:pad], g[pad + 1:]]) for g in (g_ours, g_ref))
-        scale = g_ref.abs().max().item()
-        assert (g_ours - g_ref).abs().max().item() <= 1e-5 + 1e-4 * scale, our_name
-    assert {o for o, _, _ in weight_table(ours.cfg, FAMILY)} == set(ours_params)
-    assert len(hf_params) == len({h for _, h, _ in weight_table(ours.cfg, FAMILY)})
-
-
-def _hf_grad(hf, our_name, cfg):
-    """The gradient transformers' in-memory model holds for our tensor `our_name` (its experts are
-    `experts.gate_up_proj` / `experts.down_proj`, its router `router.weight`: the load-time renaming)."""
-    from remodel.models.hf_adapter import to_hf_part
-
-    part = to_hf_part(cfg, FAMILY, our_name)
-    name = part.name.replace("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")
-    name = name.replace("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj")
-    name = name.replace("router.layer.weight", "router.weight")
-    return part.narrow(dict(hf.named_parameters())[name].grad)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padding(case, root):
-    hf, ours, _ = build(case, root)
-    assert_left_padding(hf, ours, ids(2))
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_round_trip_identical(case, root):
-    hf, ours, d = build(case, root)
-    out = save_model(ours, root / f"{case}_out", family=FAMILY)
-    assert_same_tensors(d, out)
-    src, dst = (json.loads((p / "config.json").read_text()) for p in (d, out))
-    for k in ("layer_types", "num_hidden_layers", "num_local_experts", "shared_intermediate_size",
-              "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups", "mamba_d_state", "mamba_conv_bias",
-              "mamba_proj_bias", "time_step_limit", "attention_bias", "tie_word_embeddings", "rms_norm_eps",
-              "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-        assert dst[k] == src[k], k
-    assert (dst["position_embedding_type"] == "rope") == (src.get("position_embedding_type") == "rope")
-    if src["num_local_experts"]:  # the expert FFN and top-k (unused without experts)
-        assert (dst["intermediate_size"], dst["num_experts_per_tok"]) == (src["intermediate_size"], src["num_experts_per_tok"])
-    back = AutoModelForCausalLM.from_pretrained(out).float().eval()
-    assert type(back) is type(hf)
-    with torch.no_grad():
-        got, want = back(ids(3)).logits, hf(ids(3)).logits
-        # weights equal bit for bit (above), logits to fp32 rounding: BLAS sums of a loaded copy may differ
-        assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # (bit-unequal with ATEN_CPU_CAPABILITY=default)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_parameter_count_and_inspect(case, root, capsys):
-    hf, ours, d = build(case, root)
-    n_hf = sum(p.numel() for p in hf.parameters())
-    assert count_params(ours.cfg, family=FAMILY)["hf_total"] == n_hf == sum(p.numel() for p in ours.parameters())
-    assert cli.main(["inspect", str(d)]) == 0
-    shown = capsys.readouterr().out
-    assert ours.cfg.pattern in shown and f"{n_hf:,}" in shown
-
-
 def _hf_loss(hf, blocks):
     """transformers' own mean next-token loss (its labels path) over equal-sized batches of blocks."""
     with torch.no_grad():
         return sum(hf(b, labels=b).loss.item() for b in blocks.split(B)) / math.ceil(len(blocks) / B)
-
-
-def test_eval_loss_parity(root):
-    from remodel.pipelines.training.evaluate import evaluate
-
-    hf, _, d = build("moe", root)
-    blocks = ids(7, n=2 * B)
-    ours = evaluate(d, blocks, batch=B)["loss"]
-    assert abs(ours - _hf_loss(hf, blocks)) <= 5e-5
 
 
 @pytest.mark.parametrize("field", ["embedding_multiplier", "residual_multiplier", "attention_scale",
@@ -300,15 +203,6 @@ def test_training_loss_sees_the_multipliers(root):
                                ("layers.3.mixer.gate.weight", "model.layers.1.block_sparse_moe.router.weight")):
         g, g_ref = dict(ours.named_parameters())[ours_name].grad, dict(hf.named_parameters())[hf_name].grad
         assert (g - g_ref).abs().max().item() <= 1e-5 + 1e-4 * g_ref.abs().max().item(), ours_name
-
-
-def test_convert_into_granite_writes_each_fused_tensor_once(root):
-    """`remodel convert` streams our tensors into the family's: gate and up join into one input_linear."""
-    for case in ("moe", "dense"):
-        _, _, d = build(case, root)
-        out = root / f"{case}_converted"
-        assert cli.main(["convert", str(d), str(out), "--to", FAMILY]) == 0
-        assert_same_tensors(d, out, case)
 
 
 def test_streaming_scores_equal_whole_model_scores(root, tmp_path):

@@ -11,7 +11,7 @@ from remodel.models.hf import FAMILIES, KEY_MAPS, check_exportable, config_to_hf
 from remodel.models.hf_adapter import to_hf_part
 from remodel.models.layout import shapes
 from remodel.models.load import extra_hf_tensors
-from tests.conftest import hf_meta_model
+from tests.conftest import FAMILY_CONFIGS, hf_meta_model
 
 BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5, num_attention_heads=4, num_key_value_heads=2, head_dim=6)
 MAMBA = dict(mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=5, conv_kernel=4, chunk_size=8)
@@ -52,6 +52,8 @@ CASES = {  # (family, tiny config of that family)
     "falcon_h1_no_mamba_norm": ("falcon_h1", ModelConfig(pattern="P-" * 2, intermediate_size=40, mamba_rms_norm=False,
                                                          **LLAMA, **MAMBA)),
 }
+# a family without a hand-written case has its first tiny model (Family.tiny, through tests/conftest.py)
+CASES.update({name: (name, FAMILY_CONFIGS[name]) for name in FAMILIES if name not in {f for f, _ in CASES.values()}})
 
 
 def part(cfg, family, ours, e=None) -> int:

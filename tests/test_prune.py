@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from remodel.compress.axes import tensor_axes
 from remodel.compress.prune import new_config, plan_keep, prune_model
@@ -20,6 +19,7 @@ from remodel.models.hf import config_to_hf, our_shapes
 from remodel.models.load import iter_hf_tensors, load_model, save_model
 from remodel.pipelines.commands.prune import prune
 from tests.conftest import random_model
+from tests.masking import masked_reference
 from tests.rss import PEAK_RSS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,10 +39,8 @@ QMOE = ModelConfig(vocab_size=96, hidden_size=32, pattern="*E" * 2, num_attentio
                    norm_topk_prob=False)
 CFGS = {"nemotron_h": NEMO, "llama": LLAMA, "qwen2_moe": QMOE}
 IDS = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))
-# the target flag of each width axis; the values (smaller than the source, valid) are in ALL
-AXIS_KEYS = {"hidden": "hidden_size", "ffn": "ffn_size", "attn_heads": "attn_heads", "mamba_heads": "mamba_heads",
-             "mamba_head_dim": "mamba_head_dim", "experts": "experts", "expert_ffn": "expert_ffn_size",
-             "shared_ffn": "shared_expert_size"}
+# width targets on every axis (smaller than the source, valid); pruned == masked per axis and family is
+# tests/test_families.py's
 ALL = {"nemotron_h": dict(hidden_size=24, ffn_size=29, attn_heads=4, mamba_heads=6, mamba_head_dim=4, experts=6,
                           expert_ffn_size=8, shared_expert_size=13),
        "llama": dict(hidden_size=24, ffn_size=29, attn_heads=4),
@@ -82,108 +80,6 @@ def write_scores(d, cfg, scores):
                                    "tokens": 0, "baseline_loss": 0.0, "mode": "whole"})
 
 
-def dropped(kept, n):
-    m = torch.ones(n, dtype=torch.bool)
-    m[kept] = False
-    return m.nonzero()[:, 0]
-
-
-# ---- the honest zero-masked reference, written by hand (not from the axes table) ------------------
-
-def _kept_mean_rmsnorm(norm, n_kept):
-    """Hidden RMSNorm over the kept channels only. The masked residual stream is exactly zero on the
-    dropped channels, so sum(x^2) is the kept channels' sum; the pruned model divides it by H', the
-    unpruned one would divide by H. This patch divides by H' (what pruning does), nothing else."""
-    def forward(x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / n_kept + norm.eps)
-        return (norm.weight.float() * x).to(dtype)
-    norm.forward = forward
-
-
-def _masked_group_norm(gn, mask):
-    """Mamba's gated group RMSNorm averages y*silu(z) over each group's channels. Zeroing the dropped
-    heads' out_proj columns hides their output but not their share of that average, so the reference
-    zeroes them *before* the norm and averages over the kept channels of each group (every group keeps
-    the same number, as group-aware pruning guarantees) -- exactly what the sliced norm computes."""
-    G = gn.groups
-    kept_per_group = mask.view(G, -1).sum(-1)
-    def forward(y, z):
-        y = y.float() * F.silu(z.float()) * mask
-        yg = y.view(*y.shape[:-1], G, -1)
-        yg = yg * torch.rsqrt(yg.pow(2).sum(-1, keepdim=True) / kept_per_group[:, None] + gn.eps)
-        return gn.weight * yg.view(y.shape)
-    gn.forward = forward
-
-
-def _masked_softmax_router(gate, drop):
-    """Softmax router that can never select a dropped expert: its logit is -inf, so the softmax runs
-    over the kept experts only -- what slicing the router rows computes."""
-    cfg = gate.cfg
-    def forward(x):
-        logits = F.linear(x.float(), gate.weight.float())
-        logits[:, drop] = float("-inf")
-        w, idx = logits.softmax(-1).topk(cfg.num_experts_per_tok, dim=-1)
-        if cfg.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        return logits, w * cfg.routed_scaling_factor, idx
-    gate.forward = forward
-
-
-@torch.no_grad()
-def masked_reference(model, keep):
-    ref = copy.deepcopy(model)
-    cfg = ref.cfg
-    if "hidden" in keep:
-        d = dropped(keep["hidden"], cfg.hidden_size)
-        ref.embeddings.weight[:, d] = 0  # the residual stream starts, and stays, zero on d
-        for layer in ref.layers:
-            m = layer.mixer
-            outs = {"M": [m.out_proj] if layer.kind == "M" else [], "*": [getattr(m, "o_proj", None)],
-                    "-": [getattr(m, "down_proj", None)]}.get(layer.kind)
-            if layer.kind == "E":
-                m.experts.down_proj[:, d, :] = 0
-                outs = [m.shared_experts.down_proj] if m.shared_experts is not None else []
-            for lin in outs:
-                lin.weight[d] = 0
-                if lin.bias is not None:
-                    lin.bias[d] = 0
-            _kept_mean_rmsnorm(layer.norm, len(keep["hidden"]))
-        _kept_mean_rmsnorm(ref.norm_f, len(keep["hidden"]))
-    for i, layer in enumerate(ref.layers):
-        m, p = layer.mixer, f"layers.{i}."
-        if layer.kind == "-" and p + "ffn" in keep:
-            m.down_proj.weight[:, dropped(keep[p + "ffn"], cfg.intermediate_size)] = 0
-        if layer.kind == "*" and p + "attn_heads" in keep:
-            for h in dropped(keep[p + "attn_heads"], cfg.num_attention_heads):
-                m.o_proj.weight[:, h * cfg.head_dim:(h + 1) * cfg.head_dim] = 0
-        if layer.kind == "M" and (p + "mamba_heads" in keep or p + "mamba_head_dim" in keep):
-            mask = torch.zeros(cfg.mamba_num_heads, cfg.mamba_head_dim)
-            heads = keep.get(p + "mamba_heads", torch.arange(cfg.mamba_num_heads))
-            chans = keep.get(p + "mamba_head_dim", torch.arange(cfg.mamba_head_dim))
-            mask[heads[:, None], chans[None, :]] = 1
-            mask = mask.reshape(-1)
-            m.out_proj.weight[:, mask == 0] = 0
-            _masked_group_norm(m.norm, mask)
-        if layer.kind == "E":
-            experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
-            if p + "experts" in keep and cfg.router == "softmax":
-                _masked_softmax_router(m.gate, dropped(experts, cfg.n_routed_experts))
-            elif p + "experts" in keep:
-                # the router must never select a dropped expert: selection runs on score + correction
-                # bias, so a -inf bias masks the selection logit (sigmoid(-inf logit) alone would leave
-                # the bias selectable); kept experts' weights use the unbiased scores, as when sliced
-                m.gate.e_score_correction_bias[dropped(experts, cfg.n_routed_experts)] = float("-inf")
-            if p + "expert_ffn" in keep:
-                for row, e in enumerate(experts.tolist()):
-                    m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe_intermediate_size)] = 0
-            if p + "shared_ffn" in keep:
-                S = cfg.moe_shared_expert_intermediate_size
-                m.shared_experts.down_proj.weight[:, dropped(keep[p + "shared_ffn"], S)] = 0
-    return ref
-
-
 @torch.no_grad()
 def logits(model, ids=IDS):
     return model(ids).float()
@@ -206,24 +102,6 @@ def test_axes_table_covers_every_tensor():
         model = make_model(cfg)
         pruned = prune_model(model, keep)  # strict load: every pruned tensor has the new config's shape
         assert pruned.cfg == new and sum(p.numel() for p in pruned.parameters()) < sum(p.numel() for p in model.parameters())
-
-
-WIDTH_CASES = [(f, a) for f in CFGS for a in list(AXIS_KEYS) + ["all"] if a == "all" or AXIS_KEYS[a] in ALL[f]]
-
-
-@pytest.mark.parametrize("family, axis", WIDTH_CASES)
-def test_width_pruning_equals_zero_masking(family, axis):
-    cfg = CFGS[family]
-    targets = ALL[family] if axis == "all" else {AXIS_KEYS[axis]: ALL[family][AXIS_KEYS[axis]]}
-    model = make_model(cfg)
-    keep = plan_keep(cfg, random_scores(cfg, seed=WIDTH_CASES.index((family, axis))), targets)
-    pruned = prune_model(model, keep)
-    ref = masked_reference(model, keep)
-    a, b, full = logits(pruned), logits(ref), logits(model)
-    diff, moved = (a - b).abs().max().item(), (a - full).abs().max().item()
-    print(f"{family} {axis}: pruned vs masked {diff:.2e}, pruned vs unpruned {moved:.2e}, |logits| {full.abs().max():.2f}")
-    assert diff <= 1e-5
-    assert moved > 1e-2  # the pruning did change the model: the comparison is not vacuous
 
 
 def test_group_aware_mamba_and_attention():

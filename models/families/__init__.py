@@ -1,23 +1,29 @@
 """The registry of Hugging Face model families (models/families/family.py: the spec each one fills in).
 
-Adding a family is one module and one line in FAMILIES (and in DEFAULT_ORDER when it should be the
-default export of some models); the CLI's `--to` choices and every check come from here.
+Adding a family is one module (ending in `REGISTER = (ITS_FAMILY,)`) and one line in MODULES (and its name
+in DEFAULT_ORDER when it should be the default export of some models); the CLI's `--to` choices and every
+check come from here.
 """
 from __future__ import annotations
 
+from importlib import import_module
+
 from remodel.models.errors import RemodelError
 
-from .bamba import BAMBA
-from .falcon_h1 import FALCON_H1
 from .family import Family, projected, scaled
-from .granite import GRANITE
-from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
-from .llama_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
-from .nemotron_h import NEMOTRON_H
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (NEMOTRON_H, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE,
-                                                   QWEN3_MOE, BAMBA, GRANITE, FALCON_H1)}
-DEFAULT_ORDER = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, QWEN3, LLAMA, BAMBA, GRANITE, FALCON_H1, NEMOTRON_H)  # the first that claims a config
+MODULES = (  # one line per family module, in registry order
+    "nemotron_h",
+    "llama",
+    "llama_moe",
+    "bamba",
+    "granite",
+    "falcon_h1",
+    "granite_dense",
+)
+FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}
+DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",
+                                             "granitemoehybrid", "falcon_h1", "nemotron_h"))  # the first that claims
 UPCYCLE_TARGETS = tuple(name for name, f in FAMILIES.items() if f.moe)
 
 

@@ -106,5 +106,15 @@ class Bamba(Family):
                            "but its RoPE spans whole heads, bamba's half (nemotron_h's experts are not gated)")
 
 
+_TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
 BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, mamba_width_from_hidden=True, block_types=BLOCK_TYPES,
-              upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)")
+              upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)",
+              # every bias, tied embeddings, an explicit head_dim, attention last, a dt clamp
+              tiny={"plain": _TINY, "biased_tied": dict(_TINY, attn_layer_indices=[0, 3], attention_bias=True,
+                                                        mlp_bias=True, mamba_proj_bias=True, mamba_conv_bias=False,
+                                                        tie_word_embeddings=True, head_dim=24, time_step_limit=(0.01, 5.0),
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})})
+
+REGISTER = (BAMBA,)  # the families this module adds to models.families.FAMILIES, in order

@@ -122,5 +122,24 @@ class FalconH1(Family):
                            "attention + Mamba mixers")
 
 
+# head_dim 12 (not hidden / heads), a Mamba width mamba_d_ssm 48 (not mamba_expand * hidden), every multiplier != 1
+_TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=12, intermediate_size=48, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_head=8, mamba_n_groups=2,
+             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, embedding_multiplier=3.0, lm_head_multiplier=0.4,
+             key_multiplier=0.6, attention_in_multiplier=1.3, attention_out_multiplier=0.7, ssm_in_multiplier=1.4,
+             ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[1.6, 0.6])
 FALCON_H1 = FalconH1("falcon_h1", "FalconH1ForCausalLM", depth=2, block_types=BLOCK_TYPES, multipliers=True,
-                     projections=True, upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)")
+                     projections=True, upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)",
+                     # no Mamba norm (transformers' default); gate then norm, multipliers the loss feels; norm then
+                     # gate with every bias, tied embeddings, a dt clamp
+                     tiny={"scaled": _TINY,
+                           "rms_norm": dict(_TINY, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                                            lm_head_multiplier=4.0, key_multiplier=2.5, ssm_out_multiplier=3.0),
+                           "norm_before_gate_biased_tied": dict(
+                               _TINY, mamba_rms_norm=True, mamba_norm_before_gate=True, attention_bias=True,
+                               mlp_bias=True, mamba_proj_bias=True, projectors_bias=True, mamba_conv_bias=False,
+                               tie_word_embeddings=True, time_step_limit=(0.01, 5.0), key_multiplier=1.7,
+                               rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                               ssm_multipliers=[1.2, 0.8, 1.1, 0.6, 1.3])})
+
+REGISTER = (FALCON_H1,)  # the families this module adds to models.families.FAMILIES, in order

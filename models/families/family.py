@@ -118,7 +118,10 @@ class Family:
     to be a multiple of the query heads; mamba_width_from_hidden: its config derives the Mamba width as
     mamba_expand * hidden_size (heads x head size a multiple of hidden); block_types: its config's per-layer type names, as our layer kinds;
     multipliers: it holds embedding_multiplier, residual_multiplier, attention_scale and logits_scaling
-    (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields."""
+    (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields;
+    tiny: named tiny config.json field sets (model_type left out) of this family, the conformance suite's
+    builders (tests/test_families.py): the first is its one model for every check, the rest variants whose
+    parity and round trips it checks too. A family brings its tests with it: no suite edit."""
     name: str
     arch: str
     depth: int = 1
@@ -131,7 +134,8 @@ class Family:
     block_types: dict = field(default_factory=dict)
     multipliers: bool = False  # its config holds ModelConfig's scalar multipliers (embedding, residual, ...)
     projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)
-    upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words  # HF per-layer type names -> our pattern characters
+    upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words
+    tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
 
     # ---- HF config ---------------------------------------------------------------------
     def required(self, h) -> list:

@@ -179,7 +179,25 @@ class Granite(Family):
         return self.name
 
 
+_TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+             num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+             num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
+             mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
+             embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
 GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, mamba_width_from_hidden=True,
                   block_types=BLOCK_TYPES,
                   multipliers=True, moe=True, routers=("topk-softmax",),
-                  upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)")
+                  upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)",
+                  # MoE + shared MLP without positions; the shared MLP alone; RoPE, every bias, tied, a dt clamp
+                  tiny={"moe": _TINY, "dense": {**{k: v for k, v in _TINY.items() if k not in ("intermediate_size", "num_experts_per_tok")},
+                                  "num_local_experts": 0},  # (the experts' fields: none here)
+                        "rope_biased_tied": dict(_TINY, layer_types=["full_attention", "linear_attention",
+                                                                     "linear_attention", "full_attention"],
+                                                 position_embedding_type="rope", attention_bias=True,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                                 mamba_proj_bias=True, mamba_conv_bias=False, tie_word_embeddings=True,
+                                                 head_dim=24, time_step_limit=(0.01, 5.0), embedding_multiplier=1.5,
+                                                 residual_multiplier=1.0, attention_multiplier=1.0, logits_scaling=0.5)})
+
+REGISTER = (GRANITE,)  # the families this module adds to models.families.FAMILIES, in order

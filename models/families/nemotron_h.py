@@ -121,5 +121,14 @@ class NemotronH(Family):
         return None
 
 
+_DENSE = dict(vocab_size=96, hidden_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=48, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=8, chunk_size=16)
+_TINY = dict(_DENSE, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+             moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 NEMOTRON_H = NemotronH("nemotron_h", "NemotronHForCausalLM", depth=1, moe=True, mtp=True, routers=("sigmoid", "sigmoid-raw"),
-                       block_types=BLOCK_TYPES, upcycle_help="nemotron_h")
+                       block_types=BLOCK_TYPES, upcycle_help="nemotron_h",
+                       tiny={"hybrid": dict(_TINY, hybrid_override_pattern="M*M-EM"),
+                             "latent": dict(_TINY, hybrid_override_pattern="ME*E", moe_latent_size=20, n_group=1),
+                             "dense": dict(_DENSE, hybrid_override_pattern="M*-M-")})  # an upcycling source
+
+REGISTER = (NEMOTRON_H,)  # the families this module adds to models.families.FAMILIES, in order
