@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from remodel.cli import main
 from remodel.compress.baselines import magnitude_scores, random_scores
@@ -21,6 +20,8 @@ from remodel.models.load import load_model, save_model
 from remodel.models.params import count_params
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import IDS, LATENT, SOFTMAX, random_model as make_model
+from tests.masking import _masked_softmax_router
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -41,18 +42,7 @@ def dropped(kept, n):
     return m.nonzero()[:, 0]
 
 
-def _softmax_router_without(gate, drop):
-    """Softmax router whose dropped experts have logit -inf: never selected, out of the softmax."""
-    cfg = gate.cfg
-
-    def forward(x):
-        logits = F.linear(x.float(), gate.weight.float())
-        logits[:, drop] = float("-inf")
-        w, idx = logits.softmax(-1).topk(cfg.num_experts_per_tok, dim=-1)
-        if cfg.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        return logits, w * cfg.routed_scaling_factor, idx
-    gate.forward = forward
+_softmax_router_without = _masked_softmax_router  # tests/masking.py: dropped experts' logits -inf
 
 
 @torch.no_grad()

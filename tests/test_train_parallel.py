@@ -6,9 +6,11 @@ cli.main, top-k distillation with TP 2; --fused-loss distillation under TP 2, DP
 each equal to one process with --fused-loss and to the logits path; --recompute selective and full under
 DP 2 and in one process; exact resume of a TP 2 checkpoint, the same checkpoint continued by one process; a
 DP 2 x TP 2 run one of whose ranks is SIGKILLed at step 3, its step-2 checkpoint continued under DP 4 and by
-one process; what each rank holds of the student and the teacher (bytes of its local shards, about 1/n); a
-SIGKILLed or SIGSTOPped rank of `torchrun cli.py distill` ends the job within 60 s. Distillation of every
-other family under DP 2 x TP 2 is the family suite's (tests/test_families.py).
+one process; what each rank holds of the student and the teacher (bytes of its local shards, about 1/n);
+distillation of tiny Granite 4.0-H (MoE + shared MLP), Falcon-H1 (parallel mixers) and Bamba models, every
+multiplier away from 1, under DP 2 x TP 2 equal to one process (kept at their per-tensor 1e-5 weight
+tolerance beside the family suite's distillation of every family, tests/test_families.py); a SIGKILLed or
+SIGSTOPped rank of `torchrun cli.py distill` ends the job within 60 s.
 
 This file is also the torchrun worker: `torchrun --nproc-per-node N tests/test_train_parallel.py DIR CASE...`
 calls pipelines.training.train.train(..., tp=, ep=) once per case (the process group outlives the calls).
@@ -39,12 +41,27 @@ if str(REPO) not in sys.path:
 
 COMMON = dict(steps=3, seq_len=32, batch=4, lr=1e-4, warmup=1, checkpoint_every=2, keep_last=2, log_every=0)
 KD = dict(hidden_loss_weight=0.5, lm_loss_weight=0.1, grad_accum=2)
-REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0), "kd_fused": dict(KD, fused_loss=True)}
+REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0), "kd_fused": dict(KD, fused_loss=True),
+        "kd_granite": KD, "kd_falcon": KD, "kd_bamba": KD}
+# the references' student / teacher checkpoints beyond nemotron_h: PREFIX + student / teacher
+MODELS = {"kd_granite": "g_", "kd_falcon": "f_", "kd_bamba": "b_"}
+HYBRIDS = {  # family: (reference, our tiny config's fields beyond the common ones), every multiplier away from 1
+    "granitemoehybrid": ("kd_granite", dict(pattern="ME*E", n_routed_experts=4, num_experts_per_tok=2,
+                                            router="softmax", norm_topk_prob=True, embedding_multiplier=2.0,
+                                            residual_multiplier=0.5, attention_scale=0.2, logits_scaling=1.5)),
+    "falcon_h1": ("kd_falcon", dict(pattern="P-P-", embedding_multiplier=3.0, lm_head_multiplier=1.5, key_multiplier=0.6,
+                                    attention_in_multiplier=1.3, attention_out_multiplier=0.7, ssm_in_multiplier=1.4,
+                                    ssm_out_multiplier=0.8, ssm_multipliers=(0.5, 1.5, 0.7, 1.2, 0.9),
+                                    mlp_multipliers=(1.6, 0.6), mamba_norm_before_gate=True, rope_theta=1e4)),
+    "bamba": ("kd_bamba", dict(pattern="M-*-", partial_rotary_factor=0.5, rope_theta=1e4, time_step_min=0.0)),
+}
 CASES = {  # name: (processes, tp, ep, reference)
     "lm_ep2": (2, 1, 2, "lm"), "lm_tp2_ep2": (2, 2, 2, "lm"), "kd_tp2": (2, 2, 1, "kd"),
     "kd_topk_tp2": (2, 2, 1, "kd_topk"), "lm_dp2_tp2": (4, 2, 1, "lm"), "kd_dp2_tp2_ep2": (4, 2, 2, "kd"),
     "kd_tp2_fused": (2, 2, 1, "kd_fused"), "kd_dp2_fused": (2, 1, 1, "kd_fused"),
     "kd_dp2_tp2_fused": (4, 2, 1, "kd_fused"), "lm_dp2_selective": (2, 1, 1, "lm"), "lm_dp2_full": (2, 1, 1, "lm"),
+    "kd_granite_dp2_tp2": (4, 2, 1, "kd_granite"), "kd_falcon_dp2_tp2": (4, 2, 1, "kd_falcon"),
+    "kd_bamba_dp2_tp2": (4, 2, 1, "kd_bamba"),
 }
 RECOMPUTE = {"lm_dp2_selective": "selective", "lm_dp2_full": "full"}  # --recompute through the trainer
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
@@ -53,15 +70,17 @@ LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
     "kd_tp2_fused": (2, 1, 1, None), "kd_dp2_fused": (1, 1, 2, None),
     "kd_dp2_tp2_fused": (2, 1, 2, None), "lm_dp2_selective": (1, 1, 2, None), "lm_dp2_full": (1, 1, 2, None),
+    "kd_granite_dp2_tp2": (2, 1, 2, None), "kd_falcon_dp2_tp2": (2, 1, 2, None), "kd_bamba_dp2_tp2": (2, 1, 2, None),
 }
 CLI_FLAGS = ["--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4", "--warmup", "1", "--checkpoint-every",
              "2", "--grad-accum", "2", "--hidden-loss-weight", "0.5", "--lm-loss-weight", "0.1"]
 
 
 def kwargs(d: Path, name: str, ref: str, **kw) -> dict:
-    base = dict(student_dir=str(d / "student"), out=str(d / name), data=str(d / "train.txt"), **COMMON, **REFS[ref])
+    m = MODELS.get(ref, "")
+    base = dict(student_dir=str(d / f"{m}student"), out=str(d / name), data=str(d / "train.txt"), **COMMON, **REFS[ref])
     if ref != "lm":
-        base["teacher_dir"] = str(d / "teacher")
+        base["teacher_dir"] = str(d / f"{m}teacher")
     return {**base, **kw}
 
 
@@ -125,20 +144,28 @@ from remodel.pipelines.training import train as T  # noqa: E402
 from remodel.pipelines.data.data import embedded_corpus  # noqa: E402
 
 
-def tiny(path: Path, H: int, seed: int, tied: bool, sharpen: float = 1.0):
-    """A tiny nemotron_h checkpoint (M*-E: MoE with a shared expert) with every width divisible by 2 (Mamba
-    groups, KV heads, FFN, experts, vocab), so TP 2 x DP 2 runs compare with one process."""
+def _fields(family: str, H: int) -> dict:
+    """The tiny config's fields beyond the common ones: nemotron_h's M*-E (MoE with a shared expert), or
+    HYBRIDS' (SwiGLU, Mamba width 2H as Granite and Bamba require, the family's own fields)."""
+    if family == "nemotron_h":
+        return dict(pattern="M*-E", mamba_num_heads=4, n_routed_experts=4, num_experts_per_tok=2)
+    return dict(mlp_gated=True, mlp_act="silu", mamba_num_heads=H // 4, **HYBRIDS[family][1])
+
+
+def tiny(path: Path, family: str, H: int, seed: int, tied: bool, sharpen: float = 1.0):
+    """A tiny `family` checkpoint with every width divisible by 2 (Mamba groups, KV heads, FFN, experts,
+    vocab), so TP 2 x DP 2 runs compare with one process through the family's layer kinds and multipliers."""
     cfg = ModelConfig(vocab_size=2048, hidden_size=H, tie_word_embeddings=tied, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=2 * H, mamba_head_dim=8, n_groups=2,
                       ssm_state_size=8, chunk_size=16, moe_intermediate_size=H, moe_shared_expert_intermediate_size=H,
-                      pattern="M*-E", mamba_num_heads=4, n_routed_experts=4, num_experts_per_tok=2)
+                      **_fields(family, H))
     model = init_weights(HybridLM(cfg), seed=seed)
     if sharpen != 1.0:  # a teacher with confident predictions (logits std ~3 instead of ~0.003)
         with torch.no_grad():
             model.embeddings.weight.mul_(sharpen)
             model.norm_f.weight.fill_(1.0)
     from tests.conftest import write_checkpoint  # here: the torchrun workers (this file) never import the test config
-    write_checkpoint(model, path, family="nemotron_h")
+    write_checkpoint(model, path, family=family)
 
 
 def launch(d: Path, n: int, cases, timeout=300):
@@ -216,8 +243,11 @@ def runs(tmp_path_factory):
     with __import__("gzip").open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
         lines = [x for x in f.read().splitlines() if x.strip()]
     (d / "train.txt").write_text("\n".join(lines[:400]) + "\n")
-    tiny(d / "student", 32, seed=0, tied=False)
-    tiny(d / "teacher", 48, seed=1, tied=True, sharpen=10.0)
+    tiny(d / "student", "nemotron_h", 32, seed=0, tied=False)
+    tiny(d / "teacher", "nemotron_h", 48, seed=1, tied=True, sharpen=10.0)
+    for family, (ref, _) in HYBRIDS.items():
+        tiny(d / f"{MODELS[ref]}student", family, 32, seed=2, tied=False)
+        tiny(d / f"{MODELS[ref]}teacher", family, 48, seed=3, tied=True, sharpen=10.0)
     res = {}
 
     def four():  # a rank of DP 2 x TP 2 really killed, then its checkpoint resumed under DP 4 (lm_dp4_resumed)
@@ -228,6 +258,7 @@ def runs(tmp_path_factory):
         jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2",
                                           "kd_tp2_fused", "kd_dp2_fused", "lm_dp2_selective", "lm_dp2_full"])
         jobs[4] = ex.submit(four)
+        jobs["hybrids"] = ex.submit(launch, d, 4, ["kd_granite_dp2_tp2", "kd_falcon_dp2_tp2", "kd_bamba_dp2_tp2"])
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:  # the one-process references, meanwhile, and --recompute through the one-process trainer
@@ -269,7 +300,7 @@ def compare(d: Path, name: str, ref: str):
             if exp.get(k) is not None:
                 loss_rel = max(loss_rel, rel(got[k], exp[k]))
     w, w_ref = load_file(d / name / "model.safetensors"), load_file(d / f"ref_{ref}" / "model.safetensors")
-    w0 = load_file(d / "student" / "model.safetensors")
+    w0 = load_file(d / f"{MODELS.get(ref, '')}student" / "model.safetensors")
     moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in w0)[len(w0) // 2]
     return rep, want, loss_rel, weights_rel(w, w_ref), moved
 
@@ -287,7 +318,7 @@ def _fp32_bytes(model_dir, replicated_by_tp: bool | None = None) -> int:
 
 
 def test_launches_succeed(runs):
-    for n in (2, 4):
+    for n in (2, 4, "hybrids"):
         rc, log = runs[n]
         assert rc == 0, log
 
@@ -295,7 +326,7 @@ def test_launches_succeed(runs):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_one_process(runs, name):
     n, tp, ep, ref = CASES[name]
-    launched = runs[n]
+    launched = runs["hybrids" if ref in MODELS else n]
     assert launched[0] == 0, launched[1]
     rep, want, loss_rel, (w_rel, worst), moved = compare(runs["dir"], name, ref)
     print(f"{name}: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e} ({worst}), moved {moved:.2e}")
@@ -309,7 +340,7 @@ def test_matches_one_process(runs, name):
         assert min(r["kl"] for r in rep["history"]) > 0.5  # a confident teacher: KL far from 0
         assert p["teacher"] == {"tp": tp, "ep": ep}  # the teacher is TP (and EP) sharded too
     for who in ("student", "teacher") if ref != "lm" else ("student",):  # what each rank holds, measured
-        model_dir = runs["dir"] / who
+        model_dir = runs["dir"] / f"{MODELS.get(ref, '')}{who}"
         held, full = p["held_bytes"][who], _fp32_bytes(model_dir)
         whole = _fp32_bytes(model_dir, replicated_by_tp=ep == 1)  # left whole on every tp rank
         bound = (full - whole) / n + whole / (n // tp)  # the rest split over all n ranks (TP / EP x FSDP)
@@ -320,7 +351,8 @@ def test_matches_one_process(runs, name):
         loss_rel, (w_rel, worst) = compare(runs["dir"], name, "kd")[2:4]
         print(f"{name} vs the unfused one process: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e}")
         assert loss_rel <= 1e-5 and w_rel <= 1e-5, worst
-    assert rep["history"][0]["lb"] > 0.5  # the load-balancing term ran over all dp ranks
+    if ref not in ("kd_bamba", "kd_falcon"):  # (those have no MoE) the load-balancing term ran over all dp ranks
+        assert rep["history"][0]["lb"] > 0.5
     d = runs["dir"] / name
     assert {"config.json", "model.safetensors", "tokenizer.json", "remodel_report.json", "metrics.csv",
             "loss.png"} <= {x.name for x in d.iterdir()}
