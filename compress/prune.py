@@ -139,7 +139,7 @@ def _check_groups(cfg: ModelConfig, t: dict) -> None:
         g = getattr(cfg, w.multiple_of) if w.multiple_of and name in t else None
         if g and t[name] % g:
             v = t[name]
-            raise RemodelError(f"--{name.replace('_', '-')} {v} is not a multiple of {w.multiple_of}={g}{w.why}; "
+            raise RemodelError(f"{flag(name)} {v} is not a multiple of {w.multiple_of}={g}{w.why}; "
                                f"nearest valid: {_nearest(v, g, getattr(cfg, w.field))}")
 
 
@@ -148,13 +148,12 @@ def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
     router can use, expert rows transformers can load), with the nearest widths that they allow."""
     kinds = used(cfg, mtp=False)
     for key, v in t.items():
-        if key not in AXES or v == getattr(cfg, AXES[key].field):
+        if key not in AXES or v == (src := getattr(cfg, AXES[key].field)):
             continue
         why = next((w for k in kinds if (w := k.target_problem(cfg, key, v))), None)
         if why:
             ok = lambda x: not any(k.target_problem(cfg, key, x) for k in kinds)  # noqa: E731
-            hi = getattr(cfg, AXES[key].field)
-            near = [x for x in range(v, 0, -1) if ok(x)][:1] + [x for x in range(v, hi + 1) if ok(x)][:1]
+            near = [x for x in range(v, 0, -1) if ok(x)][:1] + [x for x in range(v, src + 1) if ok(x)][:1]
             raise RemodelError(f"{flag(key)} {v} {why}; nearest valid: {' or '.join(map(str, near)) or 'none'}")
 
 

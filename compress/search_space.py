@@ -78,7 +78,7 @@ def step_for(size: int, divisor: int) -> int:
     return max(1, min(divisor, 2 ** int(math.log2(max(size // 8, 1)))))
 
 
-def _valid(cfg: ModelConfig, axis: str, v: int, family: str) -> bool:
+def _valid(cfg: ModelConfig, axis: str, v: int) -> bool:
     """Whether every trunk kind's own rules allow width v on this axis (LayerKind.target_problem)."""
     return not any(k.target_problem(cfg, axis, v) for k in used(cfg, mtp=False))
 
@@ -98,8 +98,7 @@ def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:
     return not (mamba and d["mamba_heads"] * d["mamba_head_dim"] % d["hidden_size"])
 
 
-def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None = None,
-                divisor: int | None = None) -> list[int]:
+def axis_values(cfg: ModelConfig, axis: str, max_cut: float, divisor: int | None = None) -> list[int]:
     """The widths searched on one axis, the source's first, then decreasing (`divisor` overrides the
     axis' reference divisor, e.g. scaled down with the widths of a miniature model)."""
     w = WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
@@ -107,7 +106,6 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
     size = getattr(cfg, w.field)
     if not size or (w.layer is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
-    family = family or default_family(cfg)
     if w.multiple_of:
         step = getattr(cfg, w.multiple_of)
     else:
@@ -117,7 +115,7 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, family: str | None 
     lo = max(math.ceil((1 - max_cut) * size - 1e-9), 1)
     step *= max(1, math.ceil(((size - 1) // step - (lo - 1) // step) / MAX_AXIS_VALUES))  # <= MAX_AXIS_VALUES
     top = (size - 1) // step * step  # multiples of the step only: never a loop over every width
-    return [size] + [v for v in range(top, lo - 1, -step) if v > 0 and _valid(cfg, axis, v, family)]
+    return [size] + [v for v in range(top, lo - 1, -step) if v > 0 and _valid(cfg, axis, v)]
 
 
 @dataclass
@@ -176,7 +174,7 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     for name, v in (("max_width_cut", max_width_cut), ("max_depth_cut", max_depth_cut), ("max_type_cut", max_type_cut)):
         if not 0 <= v < 1:
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
-    values = {a: axis_values(cfg, a, max_width_cut, family, divisors.get(a)) if a in axes
+    values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes
               else [getattr(cfg, WIDTHS[a].field)]
               for a in WIDTHS}
     by_type: dict = {}

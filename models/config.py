@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .errors import RemodelError
 from .kinds import KINDS, used
-from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, reals
+from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, plain, reals
 
 __all__ = ["ModelConfig", "Scales", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
 
@@ -50,10 +50,6 @@ def _owners() -> dict:
 
 SECTIONS = section_classes()
 FLAT = _owners()
-_TRUNK = {"vocab_size": ints(None, 1, MAX_VOCAB), "hidden_size": ints(None, 1, MAX_WIDTH),
-          "mtp_layers": ints(0, 0, MAX_MTP), "norm_eps": reals(1e-5, gt=0, lt=1)}
-for _n, _f in _TRUNK.items():
-    _f.name = _n  # check_field names the field in its message
 
 
 @dataclass(init=False)
@@ -62,14 +58,14 @@ class ModelConfig:
     module) and the trunk's `scales`. Every section field also reads and writes under its flat name
     (cfg.num_attention_heads is cfg.sections["attention"].num_attention_heads), and the constructor and
     replace() take flat names, so a kind's fields are named once, by the kind."""
-    vocab_size: int
-    hidden_size: int
-    pattern: str
-    norm_eps: float = 1e-5
+    vocab_size: int = ints(dataclasses.MISSING, 1, MAX_VOCAB)
+    hidden_size: int = ints(dataclasses.MISSING, 1, MAX_WIDTH)
+    pattern: str = plain(dataclasses.MISSING)
+    norm_eps: float = reals(1e-5, gt=0, lt=1)
     tie_word_embeddings: bool = False
     # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
-    mtp_layers: int = 0
+    mtp_layers: int = ints(0, 0, MAX_MTP)
     mtp_pattern: str = ""
     extra: dict = field(default_factory=dict)  # HF fields carried through untouched (bos/eos ids, ...)
     sections: dict = field(default_factory=dict)
@@ -111,10 +107,6 @@ class ModelConfig:
             self.__dict__["sections"] = {**self.sections, n: self.sections[n].replace(**{name: value})}
         else:
             object.__setattr__(self, name, value)
-
-    def section(self, name: str) -> Section:
-        """The config section `name` (a kind's name, or 'scales')."""
-        return self.sections[name]
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -195,8 +187,8 @@ class ModelConfig:
     def _check_numbers(self, need) -> None:
         """Every size an int (not bool) within its field's bounds, every float finite and in range, the
         pattern bounded: before anything is allocated from them."""
-        for name, f in _TRUNK.items():
-            check_field(f, getattr(self, name), need)
+        for f in dataclasses.fields(self):
+            check_field(f, getattr(self, f.name), need)
         for name in ("pattern", "mtp_pattern"):
             need(isinstance(getattr(self, name), str), f"{name} must be a string")
         need(len(self.pattern) <= MAX_LAYERS and len(self.mtp_pattern) <= MAX_LAYERS,

@@ -10,7 +10,7 @@ from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
-from .spec import TRUNK_WIDTHS, WIDTHS, LayerKind, Width
+from .spec import WIDTHS, LayerKind
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL)}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}

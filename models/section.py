@@ -2,7 +2,7 @@
 
 Each kind module declares `Config(Section)` with its fields; ModelConfig holds one instance per kind
 (models/config.py). A field's metadata says how it is checked (`ints`, `reals`, `vector`), so the bounds
-live with the field and validation, the raw config.json checks and the flat names all read them.
+live with the field, and ModelConfig's validation reads them there.
 """
 from __future__ import annotations
 
@@ -80,12 +80,6 @@ def check_field(f: dataclasses.Field, v, need) -> None:
         ok = isinstance(v, tuple) and len(v) == spec[1] and all(
             not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x) and x > 0 for x in v)
         need(ok, f"{f.name} must be {spec[1]} finite numbers > 0, got {v!r}")
-
-
-def int_bounds(cls) -> dict:
-    """{field: (lo, hi)} of the int fields of a section (or dataclass) class."""
-    return {f.name: f.metadata["check"][1:3] for f in dataclasses.fields(cls)
-            if f.metadata.get("check", ("",))[0] == "int"}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from remodel.compress.axes import tensor_axes
 from remodel.compress.prune import new_config, plan_keep, prune_model
 from remodel.compress.scores import save_scores
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter
-from remodel.models.config import ModelConfig
+from remodel.models.config import FLAT, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_to_hf, our_shapes
 from remodel.models.load import iter_hf_tensors, load_model, save_model
@@ -275,8 +276,10 @@ def test_scores_of_another_model_are_refused(checkpoints):
     root, ck = checkpoints
     _, src, _, _ = ck["nemotron_h"]
     _, _, llama_scores, _ = ck["llama"]
-    with pytest.raises(RemodelError, match="different model"):
+    with pytest.raises(RemodelError, match="different model") as e:
         prune(src, root / "wrong", llama_scores, ffn_size=32)
+    named = re.search(r"differs in ([^)]*)\)", str(e.value)).group(1).split(", ")
+    assert "pattern" in named and set(named) <= set(FLAT) | set(ModelConfig.__dataclass_fields__), named
     assert not (root / "wrong").exists()
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from remodel.models.errors import RemodelError
-from ..training.train_config import MAX_COUNT, ints
+from ..training.train_config import MAX_COUNT, field_type, ints
 
 WIDTH_RULE = ints(1, 2**24)  # a width target (prune --ffn-size ...)
 
@@ -109,13 +109,8 @@ def _argument(f: dataclasses.Field) -> dict:
     if "flag" in md:
         kw["metavar"] = md["flag"].upper()
     parse = [fn for key, fn in (("count", parse_count), ("ints", parse_ints), ("names", parse_names)) if md.get(key)]
-    kw["type"] = parse[0] if parse else _type(f)
+    kw["type"] = parse[0] if parse else field_type(f)
     return kw
-
-
-def _type(f: dataclasses.Field):
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    return float if t.startswith("float") else int if t.startswith("int") else str
 
 
 def from_args(cls, a: argparse.Namespace, **fixed):

@@ -35,7 +35,7 @@ def check_scores_match(cfg: ModelConfig, meta: dict, where) -> None:
     except (RemodelError, TypeError) as e:
         raise RemodelError(f"{where}: scores.json has no usable model config ({e})".splitlines()[0]) from None
     if our_shapes(theirs) != our_shapes(cfg):  # same tensors, same shapes: the scores fit (extra etc. aside)
-        a, b = theirs.to_dict(), cfg.to_dict()
+        a, b = theirs.flat(), cfg.flat()  # field names, not the sections holding them
         diff = [k for k in b if k != "extra" and a.get(k) != b[k]]
         raise RemodelError(f"{where}: scores were computed for a different model (differs in {', '.join(diff[:4])}); "
                            f"re-run `remodel score` on this model")

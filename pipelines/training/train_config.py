@@ -184,15 +184,16 @@ def add_train_flags(p: argparse.ArgumentParser, distill: bool, count=int):
         if isinstance(f.default, bool):
             kw["action"] = "store_true"
         else:
-            kw["type"] = count if md.get("count") else _type(f)
+            kw["type"] = count if md.get("count") else field_type(f)
             if "choices" in md:
                 kw["choices"] = md["choices"]
             kw["metavar"] = name.upper() if "choices" not in md else None
         p.add_argument(flag(name), **{k: v for k, v in kw.items() if v is not None or k == "default"})
 
 
-def _type(f):
-    t = f.type if isinstance(f.type, str) else f.type.__name__
+def field_type(f: dataclasses.Field):
+    """The argparse type of an options field from its annotation: float, int, else str."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return float if t.startswith("float") else int if t.startswith("int") else str
 
 
