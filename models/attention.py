@@ -21,18 +21,19 @@ class AttentionConfig(Section):
     """The attention kind's fields. Variants default to off: rope_theta None (no positional encoding,
     Nemotron-H), biases, per-head q/k norm (Qwen3), a sliding window (Mistral), attention_scale None
     (1/sqrt(head_dim); Granite's attention_multiplier otherwise), keys times key_multiplier (Falcon-H1)."""
-    num_attention_heads: int = ints(0, 0, MAX_SMALL)
-    num_key_value_heads: int = ints(0, 0, MAX_SMALL)
-    head_dim: int = ints(0, 0, MAX_SMALL)
-    rope_theta: float | None = reals(None, gt=0, none_ok=True)
+    num_attention_heads: int = ints(0, 0, MAX_SMALL, raw={"num_attention_heads": 1})
+    num_key_value_heads: int = ints(0, 0, MAX_SMALL, raw={"num_key_value_heads": 1})
+    head_dim: int = ints(0, 0, MAX_SMALL, raw={"head_dim": 1})
+    rope_theta: float | None = reals(None, gt=0, none_ok=True, raw=("rope_theta",))
     rope_scaling: dict | None = plain(None, "HF rope_parameters beyond 'default' (only 'llama3' supported)")
     partial_rotary_factor: float = reals(1.0, gt=0, doc="RoPE on the first int(head_dim * this) channels")
     attention_bias: bool = plain(False, "q/k/v bias (Qwen2)")
     attention_out_bias: bool = plain(False)
     qk_norm: bool = plain(False, "per-head RMSNorm on q and k (Qwen3)")
-    sliding_window: int | None = ints(None, 1, 2**40, none_ok=True)
-    attention_scale: float | None = reals(None, gt=0, none_ok=True, variant="multipliers")
-    key_multiplier: float = reals(1.0, gt=0, variant="projections")
+    sliding_window: int | None = ints(None, 1, 2**40, none_ok=True, raw={"sliding_window": 0})
+    attention_scale: float | None = reals(None, gt=0, none_ok=True, variant="multipliers",
+                                         raw=("attention_multiplier",))
+    key_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("key_multiplier",))
 
 
 def rope_dim(cfg) -> int:

@@ -26,10 +26,10 @@ class Scales(Section):
     embedding_multiplier, every layer's output times residual_multiplier before it joins the residual
     stream, the logits times lm_head_multiplier and divided by logits_scaling. Part of the model, not of
     its weights: training keeps them as they are."""
-    embedding_multiplier: float = reals(1.0, gt=0, variant="multipliers")
-    residual_multiplier: float = reals(1.0, gt=0, variant="multipliers")
-    logits_scaling: float = reals(1.0, gt=0, variant="multipliers")
-    lm_head_multiplier: float = reals(1.0, gt=0, variant="projections")
+    embedding_multiplier: float = reals(1.0, gt=0, variant="multipliers", raw=("embedding_multiplier",))
+    residual_multiplier: float = reals(1.0, gt=0, variant="multipliers", raw=("residual_multiplier",))
+    logits_scaling: float = reals(1.0, gt=0, variant="multipliers", raw=("logits_scaling",))
+    lm_head_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("lm_head_multiplier",))
 
 
 def section_classes() -> dict:
@@ -58,14 +58,14 @@ class ModelConfig:
     module) and the trunk's `scales`. Every section field also reads and writes under its flat name
     (cfg.num_attention_heads is cfg.sections["attention"].num_attention_heads), and the constructor and
     replace() take flat names, so a kind's fields are named once, by the kind."""
-    vocab_size: int = ints(dataclasses.MISSING, 1, MAX_VOCAB)
-    hidden_size: int = ints(dataclasses.MISSING, 1, MAX_WIDTH)
+    vocab_size: int = ints(dataclasses.MISSING, 1, MAX_VOCAB, raw={"vocab_size": 1})
+    hidden_size: int = ints(dataclasses.MISSING, 1, MAX_WIDTH, raw={"hidden_size": 1})
     pattern: str = plain(dataclasses.MISSING)
-    norm_eps: float = reals(1e-5, gt=0, lt=1)
+    norm_eps: float = reals(1e-5, gt=0, lt=1, raw=("rms_norm_eps", "layer_norm_epsilon"))
     tie_word_embeddings: bool = False
     # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
-    mtp_layers: int = ints(0, 0, MAX_MTP)
+    mtp_layers: int = ints(0, 0, MAX_MTP, raw={"num_nextn_predict_layers": 0})
     mtp_pattern: str = ""
     extra: dict = field(default_factory=dict)  # HF fields carried through untouched (bos/eos ids, ...)
     sections: dict = field(default_factory=dict)

@@ -11,12 +11,13 @@ import json
 
 import math
 
-from .config import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, ModelConfig
+from .config import MAX_LAYERS, SECTIONS, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
 from .families.family import ROPE_TYPES, cfg_choice, cfg_float, projected, scaled
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
+from .section import raw_bounds
 
 __all__ = ["FAMILIES", "KEY_MAPS", "check_exportable", "config_from_hf", "config_to_hf", "default_family",
            "from_hf_name", "our_shapes", "to_hf_name", "weight_table", "without_absent_mtp"]
@@ -26,25 +27,13 @@ _BLOCK_TYPES = {t for f in FAMILIES.values() for t in f.block_types}  # per-laye
 
 
 # config.json keys -> (lo, hi), checked on the raw JSON before transformers sees it (a string, list, bool
-# or an unbounded value there would otherwise reach list allocations such as ["full_attention"] * layers)
-_RAW_INTS = {"vocab_size": (1, MAX_VOCAB), "hidden_size": (1, MAX_WIDTH), "intermediate_size": (1, MAX_WIDTH),
-             "moe_intermediate_size": (1, MAX_WIDTH), "moe_shared_expert_intermediate_size": (0, MAX_WIDTH),
-             "shared_expert_intermediate_size": (0, MAX_WIDTH), "moe_latent_size": (1, MAX_WIDTH),
-             **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "head_dim", "mamba_num_heads",
-                              "mamba_head_dim", "n_groups", "ssm_state_size", "n_routed_experts",
-                              "num_experts", "num_experts_per_tok", "n_group", "topk_group"), (1, MAX_SMALL)),
-             "num_local_experts": (0, MAX_SMALL), "shared_intermediate_size": (1, MAX_WIDTH),  # 0 experts: dense
-             **dict.fromkeys(("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_expand"),
-                             (1, MAX_SMALL)), "mamba_d_conv": (1, 1024), "mamba_chunk_size": (1, MAX_WIDTH),
-             "conv_kernel": (1, 1024), "chunk_size": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_LAYERS // 2),
-             "decoder_sparse_step": (1, MAX_LAYERS), "num_nextn_predict_layers": (0, MAX_MTP),
-             "max_position_embeddings": (1, 2**40), "sliding_window": (0, 2**40), "mamba_d_ssm": (1, MAX_WIDTH)}
-# key -> smallest value (excluded); every one finite (time_step_max may be inf)
-_RAW_FLOATS = {"rms_norm_eps": 0, "layer_norm_epsilon": 0, "rope_theta": 0, "routed_scaling_factor": 0,
-               "time_step_min": -1e-300, "time_step_max": 0, "embedding_multiplier": 0, "residual_multiplier": 0,
-               "attention_multiplier": 0, "logits_scaling": 0,
-               **dict.fromkeys(("key_multiplier", "attention_in_multiplier", "attention_out_multiplier",
-                                "ssm_in_multiplier", "ssm_out_multiplier", "lm_head_multiplier"), 0)}
+# or an unbounded value there would otherwise reach list allocations such as ["full_attention"] * layers):
+# the keys each config field declares (models.section.raw_bounds), the shape keys a family holds beyond
+# them (Family.raw) and the trunk's own. _RAW_FLOATS: key -> (excluded low, +inf allowed), every one finite
+# unless allowed (time_step_max).
+_TRUNK_RAW = {"num_hidden_layers": (1, MAX_LAYERS // 2), "max_position_embeddings": (1, 2**40)}
+_RAW_INTS, _RAW_FLOATS = raw_bounds([ModelConfig, *SECTIONS.values()])
+_RAW_INTS.update({**_TRUNK_RAW, **{k: v for f in FAMILIES.values() for k, v in f.raw.items()}})
 _RAW_LISTS = {"layers_block_type": MAX_LAYERS, "hybrid_override_pattern": MAX_LAYERS,
               "mtp_layers_block_type": MAX_LAYERS}
 
@@ -65,13 +54,13 @@ def check_raw_config(d: dict, where: str = "config.json") -> None:
             bad(key, f"must be in {lo}..{hi:,}, got {v}")
     rope = d.get("rope_parameters")
     floats = {**d, "rope_theta": rope.get("rope_theta") if isinstance(rope, dict) else d.get("rope_theta")}
-    for key, lo in _RAW_FLOATS.items():
+    for key, (lo, inf_ok) in _RAW_FLOATS.items():
         v = floats.get(key)
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             bad(key, f"expected a number, got {type(v).__name__} {v!r}")
-        if math.isnan(v) or v <= lo or (math.isinf(v) and key != "time_step_max"):
+        if math.isnan(v) or v <= lo or (math.isinf(v) and not inf_ok):
             bad(key, f"must be finite and {'>= 0' if lo < 0 else '> 0'}, got {v!r}")
     _check_raw_rope(d, where)
     for key, most in _RAW_LISTS.items():

@@ -16,7 +16,7 @@ from .spec import LayerKind, Site, Width, mlp_params, sq, top
 class MLPConfig(Section):
     """The dense MLP kind's fields: its width, activation, gating and biases; mlp_multipliers scale the
     gate_proj and down_proj outputs (Falcon-H1; 1 elsewhere)."""
-    intermediate_size: int = ints(0, 0, MAX_WIDTH)
+    intermediate_size: int = ints(0, 0, MAX_WIDTH, raw={"intermediate_size": 1})
     mlp_act: str = plain("relu2")
     mlp_gated: bool = plain(False, "SwiGLU-style: down(act(gate(x)) * up(x))")
     mlp_bias: bool = plain(False)

@@ -28,16 +28,18 @@ class MoEConfig(Section):
     """The MoE kind's fields: routed experts (top-k of E, grouped top-k with n_group > 1: DeepSeek-V3),
     whose FFNs are the MLP kind's (its section's mlp_act / mlp_gated), a shared expert (0: none;
     shared_expert_gate scales it by sigmoid(w.x), Qwen2-MoE) and a LatentMoE latent (None: none)."""
-    n_routed_experts: int = ints(0, 0, MAX_SMALL)
-    num_experts_per_tok: int = ints(0, 0, MAX_SMALL)
-    moe_intermediate_size: int = ints(0, 0, MAX_WIDTH)
-    moe_shared_expert_intermediate_size: int = ints(0, 0, MAX_WIDTH)
-    moe_latent_size: int | None = ints(None, 1, MAX_WIDTH, none_ok=True)
+    n_routed_experts: int = ints(0, 0, MAX_SMALL, raw={"n_routed_experts": 1, "num_experts": 1,
+                                                                "num_local_experts": 0})  # 0 experts: dense
+    num_experts_per_tok: int = ints(0, 0, MAX_SMALL, raw={"num_experts_per_tok": 1})
+    moe_intermediate_size: int = ints(0, 0, MAX_WIDTH, raw={"moe_intermediate_size": 1})
+    moe_shared_expert_intermediate_size: int = ints(0, 0, MAX_WIDTH, raw={
+        "moe_shared_expert_intermediate_size": 0, "shared_expert_intermediate_size": 0, "shared_intermediate_size": 1})
+    moe_latent_size: int | None = ints(None, 1, MAX_WIDTH, none_ok=True, raw={"moe_latent_size": 1})
     router: str = plain("sigmoid", "sigmoid (Nemotron-H / DeepSeek-V3) or softmax (Mixtral / Qwen)")
     norm_topk_prob: bool = plain(True)
-    routed_scaling_factor: float = reals(1.0, gt=0)
-    n_group: int = ints(1, 1, MAX_SMALL)
-    topk_group: int = ints(1, 1, MAX_SMALL)
+    routed_scaling_factor: float = reals(1.0, gt=0, raw=("routed_scaling_factor",))
+    n_group: int = ints(1, 1, MAX_SMALL, raw={"n_group": 1})
+    topk_group: int = ints(1, 1, MAX_SMALL, raw={"topk_group": 1})
     shared_expert_gate: bool = plain(False)
 
 

@@ -24,10 +24,10 @@ _PARTS = (("attn.", ATTENTION), ("mamba.", MAMBA))  # submodule prefix, its kind
 class ParallelConfig(Section):
     """The parallel mixer's own fields (its attention and Mamba read theirs): the input and output
     multipliers of each branch (Falcon-H1; 1: off)."""
-    attention_in_multiplier: float = reals(1.0, gt=0, variant="projections")
-    attention_out_multiplier: float = reals(1.0, gt=0, variant="projections")
-    ssm_in_multiplier: float = reals(1.0, gt=0, variant="projections")
-    ssm_out_multiplier: float = reals(1.0, gt=0, variant="projections")
+    attention_in_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("attention_in_multiplier",))
+    attention_out_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("attention_out_multiplier",))
+    ssm_in_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("ssm_in_multiplier",))
+    ssm_out_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("ssm_out_multiplier",))
 
 
 def _scaled(t, m: float):

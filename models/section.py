@@ -20,18 +20,20 @@ MAX_LAYERS = 8192  # pattern characters (a Llama decoder layer is two)
 MAX_MTP = 64
 
 
-def ints(default, lo: int, hi: int, none_ok: bool = False, doc: str = ""):
-    """An int field in lo..hi (None allowed when none_ok)."""
-    return dataclasses.field(default=default, metadata={"check": ("int", lo, hi, none_ok), "doc": doc})
+def ints(default, lo: int, hi: int, none_ok: bool = False, doc: str = "", raw: dict | None = None):
+    """An int field in lo..hi (None allowed when none_ok). raw: {config.json key: its lowest value} of the
+    Hugging Face keys that hold this field in some family (checked on the raw JSON up to hi: `raw_bounds`)."""
+    return dataclasses.field(default=default, metadata={"check": ("int", lo, hi, none_ok), "doc": doc,
+                                                        "raw": raw or {}})
 
 
 def reals(default, gt=None, lt=None, inf_ok: bool = False, none_ok: bool = False, ge0: bool = False, doc: str = "",
-          variant: str = ""):
+          variant: str = "", raw: tuple = ()):
     """A finite float field > gt (>= 0 when ge0) and < lt; inf_ok allows +inf (stored as "inf" in JSON).
     variant: the group of family numerics it belongs to (its default is 'off'; models.families asks
-    which families hold each group)."""
+    which families hold each group). raw: the config.json keys that hold it (`raw_bounds`)."""
     return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, none_ok, ge0), "doc": doc,
-                                                        "variant": variant})
+                                                        "variant": variant, "raw": dict.fromkeys(raw)})
 
 
 def vector(default: tuple, doc: str = "", variant: str = ""):
@@ -48,6 +50,21 @@ def plain(default, doc: str = "", variant: str = ""):
 def variants(classes, group: str) -> dict:
     """{field: default} of the fields of the section classes whose metadata names `group`."""
     return {f.name: f.default for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("variant") == group}
+
+
+def raw_bounds(classes) -> tuple[dict, dict]:
+    """The config.json bounds the fields of `classes` declare (metadata "raw"): ({key: (lo, hi)} of the int
+    keys, {key: (excluded low, +inf allowed)} of the float keys); a key two fields name gets the wider bound."""
+    ints_, floats = {}, {}
+    for f in (f for cls in classes for f in dataclasses.fields(cls)):
+        spec = f.metadata.get("check")
+        for key, lo in f.metadata.get("raw", {}).items():
+            if spec[0] == "int":
+                old = ints_.get(key, (lo, spec[2]))
+                ints_[key] = (min(old[0], lo), max(old[1], spec[2]))
+            else:
+                floats[key] = (-1e-300 if spec[5] else spec[1], spec[3])
+    return ints_, floats
 
 
 def _int_ok(name, v, lo, hi, none_ok, need):

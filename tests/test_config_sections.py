@@ -90,3 +90,33 @@ def test_family_numerics_are_the_sections_variants(group, words):
         odd = cfg.replace(**{name: _away(plain_value)})
         with pytest.raises(RemodelError, match=f"{words}.*{name}"):
             check_exportable(odd, "bamba")
+
+
+def test_raw_config_json_bounds_come_from_the_fields_that_hold_them():
+    """models.hf checks the raw config.json against the bounds the kinds' fields declare (metadata "raw"),
+    the families' own shape keys (Family.raw) and the trunk's; no other table. A field's bound moves the
+    raw check with it."""
+    import dataclasses
+
+    from remodel.models import hf
+    from remodel.models.families import FAMILIES
+    from remodel.models.mamba import MambaConfig
+    from remodel.models.section import Section, ints, raw_bounds, reals
+
+    @dataclasses.dataclass(frozen=True)
+    class Toy(Section):
+        toy_heads: int = ints(0, 0, 7, raw={"toy_heads": 1, "toy_n_heads": 1})
+        toy_eps: float = reals(1.0, gt=0, raw=("toy_eps",))
+
+    assert raw_bounds([Toy]) == ({"toy_heads": (1, 7), "toy_n_heads": (1, 7)}, {"toy_eps": (0, False)})
+    ints_, floats = raw_bounds([ModelConfig, *SECTIONS.values()])
+    families = {k for f in FAMILIES.values() for k in f.raw}
+    assert set(hf._RAW_INTS) == set(ints_) | families | set(hf._TRUNK_RAW)
+    assert hf._RAW_FLOATS == floats
+    field = MambaConfig.__dataclass_fields__["mamba_num_heads"]
+    assert hf._RAW_INTS["mamba_n_heads"] == (1, field.metadata["check"][2])  # Bamba's name, Mamba's field
+    with pytest.raises(RemodelError, match=r"config.json: 'mamba_n_heads' must be in 1\.\.65,536, got 70000"):
+        hf.check_raw_config({"mamba_n_heads": 70000})
+    with pytest.raises(RemodelError, match=r"'time_step_max' must be finite"):
+        hf.check_raw_config({"time_step_max": float("nan")})
+    hf.check_raw_config({"time_step_max": float("inf"), "num_local_experts": 0})  # +inf and 0 experts allowed

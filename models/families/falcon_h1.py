@@ -13,7 +13,7 @@ import math
 import numbers
 
 from remodel.models.attention import ATTENTION
-from remodel.models.config import ModelConfig
+from remodel.models.config import MAX_SMALL, MAX_WIDTH, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.mamba import MAMBA
 from remodel.models.mlp import MLP_KIND
@@ -129,6 +129,7 @@ _TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_
              key_multiplier=0.6, attention_in_multiplier=1.3, attention_out_multiplier=0.7, ssm_in_multiplier=1.4,
              ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[1.6, 0.6])
 FALCON_H1 = FalconH1("falcon_h1", "FalconH1ForCausalLM", depth=2, block_types=BLOCK_TYPES, multipliers=True,
+                     raw={"mamba_expand": (1, MAX_SMALL), "mamba_d_ssm": (1, MAX_WIDTH)},
                      projections=True, upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)",
                      # no Mamba norm (transformers' default); gate then norm, multipliers the loss feels; norm then
                      # gate with every bias, tied embeddings, a dt clamp

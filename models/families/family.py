@@ -121,7 +121,8 @@ class Family:
     (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields;
     tiny: named tiny config.json field sets (model_type left out) of this family, the conformance suite's
     builders (tests/test_families.py): the first is its one model for every check, the rest variants whose
-    parity and round trips it checks too. A family brings its tests with it: no suite edit."""
+    parity and round trips it checks too. raw: bounds of its config.json keys that no kind's field holds
+    (the fields' own keys are declared by the fields: models.section.raw_bounds). A family brings its tests with it: no suite edit."""
     name: str
     arch: str
     depth: int = 1
@@ -136,6 +137,7 @@ class Family:
     projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)
     upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
+    raw: dict = field(default_factory=dict)  # {config.json key: (lo, hi)} of its shape keys no config field holds
 
     # ---- HF config ---------------------------------------------------------------------
     def required(self, h) -> list:

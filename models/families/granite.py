@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from remodel.models.attention import ATTENTION
-from remodel.models.config import ModelConfig
+from remodel.models.config import MAX_SMALL, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed, used
 from remodel.models.layout import BLOCK_NORM
@@ -186,7 +186,7 @@ _TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
              mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
              embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
 GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, mamba_width_from_hidden=True,
-                  block_types=BLOCK_TYPES,
+                  block_types=BLOCK_TYPES, raw={"mamba_expand": (1, MAX_SMALL)},
                   multipliers=True, moe=True, routers=("topk-softmax",),
                   upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)",
                   # MoE + shared MLP without positions; the shared MLP alone; RoPE, every bias, tied, a dt clamp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remodel.models.config import ModelConfig
+from remodel.models.config import MAX_LAYERS, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import layer_kinds
 
@@ -102,10 +102,11 @@ MIXTRAL = MoEFamily("mixtral", "MixtralForCausalLM", window=True, routers=("topk
                     tiny={"plain": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)})
 _QWEN_MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"},  # (the dense MLPs' size: none here)
              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12}
+SPARSE_STEP = {"decoder_sparse_step": (1, MAX_LAYERS)}  # every layer must be MoE (checked by from_hf)
 QWEN2_MOE = MoEFamily("qwen2_moe", "Qwen2MoeForCausalLM", attn=QWEN2_ATTN, qkv_bias="qkv_bias", qwen_window=True,
-                      shared=True, shared_expert_gate=True,
+                      shared=True, shared_expert_gate=True, raw=SPARSE_STEP,
                       tiny={"plain": dict(_QWEN_MOE, shared_expert_intermediate_size=20, norm_topk_prob=False)})
-QWEN3_MOE = MoEFamily("qwen3_moe", "Qwen3MoeForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True,
+QWEN3_MOE = MoEFamily("qwen3_moe", "Qwen3MoeForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True, raw=SPARSE_STEP,
                       tiny={"plain": dict(_QWEN_MOE, norm_topk_prob=True)})
 
 REGISTER = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)  # the families this module adds to models.families.FAMILIES, in order
