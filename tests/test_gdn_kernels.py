@@ -1,0 +1,235 @@
+"""The Gated DeltaNet numerics (models/gdn_kernels.py) against transformers' qwen3_5 torch path (the oracle),
+the chunked rule against its token-by-token reference (values and gradients, float64), and the CUDA
+dispatch to fla-core's Triton kernel through a stand-in with its signature installed as the module it is
+imported from (as tests/test_gpu_paths.py does for mamba-ssm); the real kernel's parity runs where CUDA
+and fla-core are present."""
+import functools
+import sys
+import types
+
+import pytest
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5RMSNormGated, torch_chunk_gated_delta_rule,
+                                                          torch_recurrent_gated_delta_rule)
+
+import remodel.models.gdn_kernels as gdn
+from remodel.models.gdn_kernels import (chunk_gated_delta_rule, chunk_gated_delta_rule_torch, gated_rms_norm,
+                                        recurrent_gated_delta_rule)
+
+
+def inputs(group=2, hk=2, length=45, dk=8, dv=12, dtype=torch.float32, seed=0, device="cpu"):
+    """q, k [2, length, hk, dk], v [2, length, hk * group, dv], g (log decay, in [-2, 0]), beta in (0, 1),
+    an initial state: random, each key head's value heads on different gates and values."""
+    gen = torch.Generator().manual_seed(seed)
+    hv = hk * group
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+
+    q, k, v = rnd(2, length, hk, dk), rnd(2, length, hk, dk), rnd(2, length, hv, dv)
+    g = -2 * torch.rand(2, length, hv, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+    beta = torch.rand(2, length, hv, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+    return q, k, v, g, beta, rnd(2, hv, dk, dv)
+
+
+def max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_transformers(group, chunk, with_state):
+    """fp32, 45 steps (no whole number of chunks of 16 or 64): output and final state equal transformers'
+    torch_chunk_gated_delta_rule with use_qk_l2norm_in_kernel within 1e-5, for Hv = 1, 2, 3 x Hk."""
+    q, k, v, g, beta, s0 = inputs(group=group)
+    s0 = s0 if with_state else None
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, initial_state=s0)
+    ref, ref_state = torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, initial_state=s0,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert out.shape == ref.shape == v.shape and out.dtype == torch.float32
+    assert max_diff(out, ref) < 1e-5 and max_diff(state, ref_state) < 1e-5
+    assert ref.abs().max() > 0.1 and ref_state.abs().max() > 0.1
+
+
+def test_recurrent_equals_transformers():
+    """The token-by-token reference equals transformers' torch_recurrent_gated_delta_rule (fp32, 1e-5)."""
+    q, k, v, g, beta, s0 = inputs(group=3, length=20)
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    ref, ref_state = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+    assert max_diff(out, ref) < 1e-5 and max_diff(state, ref_state) < 1e-5
+
+
+def _weighted(out, state):
+    """A scalar that weighs every output and state entry differently (so every gradient entry counts)."""
+    w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    w_state = torch.linspace(1, -0.5, state.numel(), dtype=state.dtype).view(state.shape)
+    return (out * w_out).sum() + (state * w_state).sum()
+
+
+def _values_and_grads(fn, tensors):
+    tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out, state = fn(*tensors)
+    _weighted(out, state).backward()
+    return [out.detach(), state.detach()] + [t.grad for t in tensors]
+
+
+@pytest.mark.parametrize("group,chunk", [(1, 16), (2, 16), (3, 8)])
+def test_chunked_equals_recurrent_values_and_gradients(group, chunk):
+    """float64: the chunked rule's output, final state and gradients for q, k, v, g, beta and the initial
+    state equal the token-by-token reference's within 1e-10 (40 steps: 2.5 chunks of 16, 5 of 8)."""
+    tensors = inputs(group=group, length=40, dtype=torch.float64)
+    got = _values_and_grads(lambda *t: chunk_gated_delta_rule(*t[:5], chunk_size=chunk, initial_state=t[5]), tensors)
+    ref = _values_and_grads(lambda *t: recurrent_gated_delta_rule(*t[:5], initial_state=t[5]), tensors)
+    names = ["out", "state", "q", "k", "v", "g", "beta", "initial_state"]
+    for name, a, b in zip(names, got, ref):
+        assert a.shape == b.shape and b.abs().max() > 1e-3, name
+        assert max_diff(a, b) < 1e-10, name
+
+
+def test_bf16_in_bf16_out():
+    """bf16 inputs: the output comes back in bf16, the state in fp32, both within bf16 rounding of fp32."""
+    tensors = inputs(group=2)
+    out, state = chunk_gated_delta_rule(*(t.bfloat16() for t in tensors[:5]), initial_state=tensors[5])
+    ref, ref_state = chunk_gated_delta_rule(*tensors[:5], initial_state=tensors[5])
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert max_diff(out, ref) < 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_equals_transformers(dtype):
+    """gated_rms_norm equals Qwen3_5RMSNormGated with a random weight (in the input's dtype): fp32 within
+    1e-6, bf16 bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    x, gate = (torch.randn(2, 7, 3, 16, generator=gen).to(dtype) for _ in range(2))
+    norm = Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(16, generator=gen))
+        ref = norm(x, gate)
+        got = gated_rms_norm(x, gate, norm.weight, 1e-6)
+    assert got.dtype == dtype
+    assert max_diff(got, ref) <= (1e-6 if dtype == torch.float32 else 0.0)
+
+
+# ---- the fla-core dispatch ---------------------------------------------------------------------------
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                               allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                               chunk_indices=None, cp_context=None, **kwargs):
+    """fla.ops.gated_delta_rule.chunk_gated_delta_rule (fla-core 0.6) in torch: q, k [B, T, H, K],
+    v [B, T, HV, V] with HV a multiple of H (value head h reads key head h // (HV // H), native GVA),
+    g, beta [B, T, HV], initial_state [B, HV, K, V]; q scaled by `scale` (default K**-0.5) after the
+    optional L2 norm -> (o [B, T, HV, V] in q's dtype, final state or None)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    assert k.shape == q.shape and HV % H == 0 and v.shape[:2] == (B, T)
+    assert g.shape == beta.shape == (B, T, HV) and not kwargs
+    assert initial_state is None or initial_state.shape == (B, HV, K, v.shape[3])
+    assert not (use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first) and cu_seqlens is None
+    if use_qk_l2norm_in_kernel:
+        q, k = gdn.l2norm(q.float()), gdn.l2norm(k.float())
+    scale = K ** -0.5 if scale is None else scale
+    q = q * (scale * K ** 0.5)  # transformers' reference scales by K**-0.5 itself
+    o, state = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=output_final_state)
+    return o.to(v.dtype), state
+
+
+@pytest.fixture
+def install(monkeypatch):
+    """install(fn) puts fn (recording each call's arguments and result) in place of fla's kernel, as the
+    module gdn_kernels imports it from, and forces the kernel branch on CPU tensors (`_on_gpu`).
+    -> the call log [(args, kwargs, result)]."""
+    calls = []
+
+    def put(fn=fla_chunk_gated_delta_rule):
+        @functools.wraps(fn)
+        def logged(*args, **kw):
+            calls.append((args, kw, fn(*args, **kw)))
+            return calls[-1][2]
+        mod = types.ModuleType(gdn.FLA_KERNEL[0])
+        setattr(mod, gdn.FLA_KERNEL[1], logged)
+        monkeypatch.setitem(sys.modules, gdn.FLA_KERNEL[0], mod)
+        gdn.fla_kernel.cache_clear()
+        return calls
+
+    monkeypatch.setattr(gdn, "USE_KERNEL", True)
+    monkeypatch.setattr(gdn, "_on_gpu", lambda t: True)
+    yield put
+    gdn.fla_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_fla_call_layout_and_result(group, install):
+    """The kernel branch calls fla once with q, k unexpanded [b, l, Hk, dk] (fla's native GVA), v, g, beta
+    and the initial state as given, an explicit dk**-0.5 scale, its in-kernel q/k L2 norm and the final state
+    asked for; fla's own result is what comes back, and it equals the pure path (1e-5, fp32)."""
+    calls = install()
+    q, k, v, g, beta, s0 = inputs(group=group)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    [(args, kw, result)] = calls
+    assert all(a is b for a, b in zip(args, (q, k, v, g, beta))) and len(args) == 5
+    assert kw == dict(scale=8 ** -0.5, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert kw["initial_state"] is s0 and got is result
+    ref = chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=s0)
+    assert max_diff(got[0], ref[0]) < 1e-5 and max_diff(got[1], ref[1]) < 1e-5
+
+
+def _forcing(fn, **forced):
+    """fn with some keyword arguments forced (a dispatch that forgot or changed them)."""
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        return fn(*args, **{**kw, **forced})
+    return call
+
+
+@pytest.mark.parametrize("mutant", [dict(use_qk_l2norm_in_kernel=False), dict(scale=1.0), dict(initial_state=None)])
+def test_fla_comparison_catches_a_wrong_call(mutant, install):
+    """The equality above can fail: a call without the L2 norm, with another scale or without the initial
+    state is far from the pure path."""
+    install(_forcing(fla_chunk_gated_delta_rule, **mutant))
+    q, k, v, g, beta, s0 = inputs(group=2)
+    got, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    ref, _ = chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=s0)
+    assert max_diff(got, ref) > 1e-2
+
+
+@pytest.mark.parametrize("case", ["USE_KERNEL off", "float64", "key dim 264", "not on CUDA"])
+def test_pure_path_where_fla_is_off_or_unfit(case, install, monkeypatch):
+    """USE_KERNEL = False, float64 inputs, a key head dim over fla's 256 and CPU tensors take the pure path
+    (the installed kernel is not called)."""
+    calls = install()
+    dtype, dk = (torch.float64 if case == "float64" else torch.float32), (264 if case == "key dim 264" else 8)
+    if case == "USE_KERNEL off":
+        monkeypatch.setattr(gdn, "USE_KERNEL", False)
+    if case == "not on CUDA":
+        monkeypatch.setattr(gdn, "_on_gpu", lambda t: t.is_cuda)
+    q, k, v, g, beta, s0 = inputs(dtype=dtype, dk=dk, length=10)
+    out, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    assert not calls and gdn.fla_kernel() is not None and out.shape == v.shape
+
+
+def _fla_on_cuda():
+    return torch.cuda.is_available() and gdn._import(*gdn.FLA_KERNEL) is not None
+
+
+@pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("group", [1, 2])
+def test_fla_kernel_equals_pure_path_on_gpu(group, monkeypatch):
+    """On the GPU, fla-core's Triton kernel (bf16 q, k, v, beta; fp32 g and state) equals the pure path on
+    the same inputs within bf16 rounding (2% of the largest value): output, final state and the gradients
+    of q, k, v, g, beta and the initial state; 300 steps, dk = dv = 64."""
+    tensors = inputs(group=group, hk=2, length=300, dk=64, dv=64, device="cuda")
+    tensors = [t.bfloat16() if i in (0, 1, 2, 4) else t for i, t in enumerate(tensors)]
+
+    def run(*t):
+        return chunk_gated_delta_rule(*t[:5], initial_state=t[5])
+
+    monkeypatch.setattr(gdn, "USE_KERNEL", True)
+    got = _values_and_grads(run, tensors)
+    monkeypatch.setattr(gdn, "USE_KERNEL", False)
+    ref = _values_and_grads(run, tensors)
+    for name, a, b in zip(["out", "state", "q", "k", "v", "g", "beta", "initial_state"], got, ref):
+        assert a.shape == b.shape and max_diff(a, b) < 0.02 * b.abs().max().item(), name
