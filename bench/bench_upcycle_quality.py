@@ -175,7 +175,7 @@ def main():
         steps = -(-a.tokens // (a.batch * a.seq_len))
         res["checkpoint_every"] = every = max(1, steps // a.evals)
         for name in ("moe", "dense") if a.arm == "both" else (a.arm,):  # the MoE first: it is the one shipped
-            runs[name] = r = train_arm(tmp, name, data, a.tokens, a.seq_len, a.batch, a.lr, a.seed, every)
+            runs[name] = r = train_arm(tmp, name, data, {k: getattr(a, k) for k in RECIPE}, every)
             res["curves"][name] = [[0, r["eval"]["before"]["loss"]]] + curve(
                 tmp / name, run_dir_for(tmp / f"{name}-trained"), blocks, r["tokens_per_step"], a.batch)
             res[name] = {k: r[k] for k in ("steps", "tokens", "data_tokens", "epochs", "final_loss", "tokens_per_s",

@@ -36,9 +36,9 @@ Fused experts have no per-expert module: while attached, an expert hook of the d
 (models.moe.Experts.register_expert_hook) records each expert's activation and output. The padding mask comes from each Block's `attention_mask` (or Scorer.update).
 
 Two runners give identical numbers: `score_model` (whole model in memory, batch by batch) and
-`score_streaming` (one layer's weights at a time; calibration hidden states kept in a StateStore that
-spills to safetensors files past a byte budget). loss_increase over k batches: whole mode runs L full
-forwards; streaming L(L-1)/2 layer passes (each layer loaded once), keeping L+1 branches of states.
+compress.streaming's `score_streaming` (one layer's weights at a time; calibration hidden states kept in a
+StateStore that spills to safetensors files past a byte budget). loss_increase over k batches: whole mode
+runs L full forwards; streaming L(L-1)/2 layer passes (each layer loaded once), keeping L+1 branches of states.
 """
 from __future__ import annotations
 
@@ -47,17 +47,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from remodel.models.checkpoint import CheckpointReader
 from remodel.models.config import ModelConfig
-from remodel.models.hf import config_from_hf, our_shapes
 from remodel.models.layout import axis_size
-from remodel.models.load import iter_our_tensors
-from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
-from remodel.models.mtp import MTPBlock, mtp_block_roles
+from remodel.models.model import Block
+from remodel.models.mtp import MTPBlock
 from remodel.models.norm import RMSNorm
 
 from .expert_select import RoutedSample
-from .state_store import StateStore
 
 LOGITS_BYTES = 256 * 1024**2  # fp32 logits materialised at once by lm_loss_sums
 
@@ -283,7 +279,8 @@ def lm_loss_sums(h, weight, ids, mask=None) -> tuple[torch.Tensor, int]:
     return total, len(y)
 
 
-def _mean(sums) -> float:
+def mean_loss(sums) -> float:
+    """Mean LM loss over (loss sum, token count) pairs (lm_loss_sums of each batch)."""
     return float(sum(s for s, _ in sums)) / max(1, sum(n for _, n in sums))
 
 
@@ -313,7 +310,7 @@ def model_loss(model, batches, masks=None) -> float:
         mask = None if mask is None else mask.to(dev)
         h, _ = model.hidden(ids.to(dev), mask)
         sums.append(lm_loss_sums(h, W, ids, mask))
-    return _mean(sums)
+    return mean_loss(sums)
 
 
 def mtp_mask(mask, k: int):
@@ -368,120 +365,5 @@ def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, 
     k = min(loss_batches, len(batches)) if loss_increase else 0
     if k:
         lm = None if masks is None else masks[:k]
-        scores["loss_increase"] = layer_loss_increase(model, batches[:k], lm, _mean(sums[:k]), progress)
-    return scores, {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k}
-
-
-# ---- layer streaming ----------------------------------------------------------------------
-
-def _load(reader, cfg, names, device, dtype) -> dict[str, torch.Tensor]:
-    return {n: t.to(device=device, dtype=dtype if t.is_floating_point() and not n.endswith("correction_bias")
-                    else t.dtype) for n, t in iter_our_tensors(reader, cfg, names=set(names))}
-
-
-def load_block(reader: CheckpointReader, cfg: ModelConfig, i: int, device="cpu", dtype=torch.float32,
-               mtp: bool = False) -> Block:
-    """Layer i alone (MTP block i when mtp): built on the meta device, then given exactly its own
-    tensors from the checkpoint."""
-    prefix = f"mtp.layers.{i}." if mtp else f"layers.{i}."
-    state = _load(reader, cfg, [n for n in our_shapes(cfg) if n.startswith(prefix)], device, dtype)
-    with torch.device("meta"):
-        block = (MTPBlock(cfg, cfg.mtp_full_pattern[i], *mtp_block_roles(cfg, i)) if mtp
-                 else Block(cfg, cfg.pattern[i]))
-    block.load_state_dict({n[len(prefix):]: t for n, t in state.items()}, assign=True)
-    return init_buffers(block, device).eval()
-
-
-def _trunk_streaming(reader, cfg, scorer, store, n, mask_of, k, device, dtype, progress):
-    """The trunk's layers, one at a time, over store['main', b] (b < n), scored; the k loss batches'
-    skipped-layer branches (store[i, b]: without layer i) go through every later layer too."""
-    for i in tqdm(range(cfg.num_layers), desc="layers", disable=not progress):
-        block = load_block(reader, cfg, i, device, dtype)
-        scorer.attach_layer(i, block)
-        try:
-            for b in range(n):
-                x = store["main", b].to(device)
-                if b < k:
-                    store[i, b] = x  # the branch without layer i starts from layer i's input
-                store["main", b] = block(x, mask_of[b])
-        finally:
-            scorer.detach()
-        for j in range(i):  # branches that skipped an earlier layer go through this one
-            for b in range(k):
-                store[j, b] = block(store[j, b].to(device), mask_of[b])
-        del block
-
-
-def _mtp_streaming(reader, cfg, scorer, store, batches, mask_of, device, dtype):
-    """The MTP head on the trunk's outputs (store['mtp', b], after norm_f), one block at a time,
-    as run_mtp does it whole: each block's units are scored from its own activations."""
-    emb = _load(reader, cfg, ["embeddings.weight"], device, dtype)["embeddings.weight"]
-    P = len(cfg.mtp_pattern)
-    for j in range(len(cfg.mtp_full_pattern)):
-        k, block = j // P, load_block(reader, cfg, j, device, dtype, mtp=True)
-        scorer.attach_mtp(j, block)
-        try:
-            for b, ids in enumerate(batches):
-                x = store["mtp", b].to(device)
-                if j % P == 0:  # a step starts: drop the last row, fuse the tokens k + 1 further on
-                    x = block(x[:, :-1], F.embedding(ids[:, k + 1:].to(device), emb), mtp_mask(mask_of[b], k))
-                else:
-                    x = block(x, None, mtp_mask(mask_of[b], k))
-                store["mtp", b] = x
-        finally:
-            scorer.detach()
-        del block
-    for b in range(len(batches)):
-        store.pop(("mtp", b))
-
-
-@torch.no_grad()
-def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, max_memory_bytes=None,
-                    spill_dir=None, device="cpu", dtype=torch.float32, progress=False):
-    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info).
-    Hidden states of every calibration batch (and of the k loss batches for every skipped-layer
-    branch) live in a StateStore of max_memory_bytes; the rest is spilled to spill_dir."""
-    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
-    cfg = config_from_hf(reader.config)
-    L, dev = cfg.num_layers, torch.device(device)
-    k = min(loss_batches, len(batches)) if loss_increase else 0
-    mask_of = [None if _get(masks, b) is None else masks[b].to(dev) for b in range(len(batches))]
-    store, scorer = StateStore(max_memory_bytes, spill_dir), Scorer(cfg=cfg)
-    try:
-        emb = _load(reader, cfg, ["embeddings.weight"], dev, dtype)["embeddings.weight"]
-        for b, ids in enumerate(batches):
-            store["main", b] = scale_embedding(cfg, F.embedding(ids.to(dev), emb))
-        del emb
-        _trunk_streaming(reader, cfg, scorer, store, len(batches), mask_of, k, dev, dtype, progress)
-        final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        w = _load(reader, cfg, final, dev, dtype)
-        norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps).to(dev)
-        norm_f.weight.data = w["norm_f.weight"]
-        W = w[final[1]]
-        scorer.attach_final(norm_f)
-        sums = []
-        try:
-            for b, ids in enumerate(batches):
-                scorer.update(mask_of[b])
-                h = final_hidden(cfg, norm_f, store["main", b].to(dev))
-                store.pop(("main", b))
-                sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
-                if cfg.mtp_layers:
-                    store["mtp", b] = h
-        finally:
-            scorer.detach()
-        if cfg.mtp_layers:
-            _mtp_streaming(reader, cfg, scorer, store, batches, mask_of, dev, dtype)
-        scores = scorer.result()
-        if k:
-            base = _mean(sums[:k])
-            scores["loss_increase"] = torch.tensor(
-                [_mean([lm_loss_sums(final_hidden(cfg, norm_f, store[j, b].to(dev)), W,
-                                     batches[b], mask_of[b])
-                        for b in range(k)]) - base
-                 for j in range(L)], dtype=torch.float32)
-        info = {"baseline_loss": _mean(sums), "tokens": int(scorer.tokens), "loss_batches": k,
-                "spilled_bytes": store.spilled}
-    finally:
-        store.close()
-    return scores, info
+        scores["loss_increase"] = layer_loss_increase(model, batches[:k], lm, mean_loss(sums[:k]), progress)
+    return scores, {"baseline_loss": mean_loss(sums), "tokens": int(scorer.tokens), "loss_batches": k}

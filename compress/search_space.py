@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -160,9 +161,18 @@ class Space:
         return n
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What the memory metric counts: weights at dtype_bytes, the inference cache of `batch` sequences of
+    `seq_len` tokens (models.params.memory_bytes)."""
+    batch: int = 1
+    seq_len: int = 4096
+    dtype_bytes: int = 2
+
+
 def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2,
-                max_type_cut: float = 0.5, batch: int = 1, seq_len: int = 4096, dtype_bytes: int = 2,
-                family: str | None = None, divisors: dict | None = None) -> Space:
+                max_type_cut: float = 0.5, serving: Serving = Serving(), family: str | None = None,
+                divisors: dict | None = None) -> Space:
     """divisors: {axis: divisor} overriding WIDTHS' divisors (hidden, FFN, head_dim, experts, expert FFN, shared)."""
     family = family or default_family(cfg)
     axes = parse_axes(axes)
@@ -185,7 +195,8 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
                  for t, js in by_type.items()}
     n_units = sum(len(js) for js in by_type.values())
     sp = Space(cfg, family, axes, values, list(by_type), by_type, removable,
-               int(max_depth_cut * n_units + 1e-9) if deep else 0, batch, seq_len, dtype_bytes)
+               int(max_depth_cut * n_units + 1e-9) if deep else 0, serving.batch, serving.seq_len,
+               serving.dtype_bytes)
     _check_size(sp)
     return sp
 
@@ -275,6 +286,15 @@ def extremes(sp: Space) -> dict:
 
 # ---- the search ------------------------------------------------------------------------------------
 
+class _Grid(NamedTuple):
+    """The search's tables: the outer points Gs, outer point -> its index, each point's per-type options
+    (_options) and each type's one-step-larger option indices (_step_ups)."""
+    Gs: list
+    at: dict
+    opts: list
+    ups: list
+
+
 def _step_ups(sp: Space, rows: list) -> list[np.ndarray]:
     """For one type's option rows: per knob (each searched width axis, then depth), the index of the
     option one step larger on that knob alone (-1: already the source's)."""
@@ -318,6 +338,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
     opts = [[_options(sp, t, G) for t in sp.types] for G in Gs]
     ups = [_step_ups(sp, rows) for _, _, rows in opts[0]]
     radix = [len(o[1]) for o in opts[0]]
+    grid = _Grid(Gs, at, opts, ups)
 
     def fits(m):  # [n, 3] metrics -> meets every budget
         return np.all(~on | (m <= lim), axis=1)
@@ -330,7 +351,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
         stats["window"] += int(win.sum())
         o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
             if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
-        keep = ~_can_grow(sp, opts, Gs, at, gi, acc, o, ups, fits)
+        keep = ~_can_grow(sp, grid, gi, acc, o, fits)
         stats["maximal"] += int((keep & win).sum())
         sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
         found.append((gi, acc[sel], rem[sel], o[sel], dist[sel]))
@@ -360,9 +381,10 @@ def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
     return acc, rem, idx
 
 
-def _can_grow(sp: Space, opts: list, Gs: list, at: dict, gi: int, acc, o, ups, fits):
+def _can_grow(sp: Space, grid: _Grid, gi: int, acc, o, fits):
     """Per candidate: can a single knob (one type's width or layer count, or an outer width) grow by one
     step within every budget? Those are not maximal."""
+    opts, Gs, at, ups = grid.opts, grid.Gs, grid.at, grid.ups
     grow = np.zeros(len(acc), dtype=bool)
     for k, (mets, _, _) in enumerate(opts[gi]):
         for up in ups[k]:

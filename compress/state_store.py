@@ -1,5 +1,5 @@
 """Tensors by key, in memory up to a byte budget and spilled to safetensors files past it: the
-calibration hidden states of compress.importance.score_streaming."""
+calibration hidden states of compress.streaming.score_streaming."""
 from __future__ import annotations
 
 import shutil

@@ -43,16 +43,18 @@ RECIPE = {"experts": 8, "granularity": 4, "top_k": 4, "tokens": 1_572_864, "seq_
 def upcycle_embedded(tmp: Path, experts: int, granularity: int, top_k: int, seed: int) -> dict:
     """tmp/dense: fp32 copy of data/embedded; tmp/moe: its exact upcycle. -> upcycle's report."""
     save_model(load_model(EMBEDDED), tmp / "dense", dtype=torch.float32, aux_from=EMBEDDED)
-    return upcycle(tmp / "dense", tmp / "moe", experts, granularity, top_k, router="sigmoid", exact=True, seed=seed)
+    return upcycle(tmp / "dense", tmp / "moe", experts=experts, granularity=granularity, top_k=top_k, router="sigmoid",
+                   exact=True, seed=seed)
 
 
-def train_arm(tmp: Path, name: str, data, tokens: int, seq_len: int, batch: int, lr: float, seed: int,
-              checkpoint_every: int) -> dict:
-    """Continue tmp/name on `data` into tmp/name-trained, keeping every checkpoint (for curves)."""
+def train_arm(tmp: Path, name: str, data, recipe: dict, checkpoint_every: int) -> dict:
+    """Continue tmp/name on `data` into tmp/name-trained with the training values of `recipe` (RECIPE's
+    keys: tokens, seq_len, batch, lr, seed), keeping every checkpoint (for curves)."""
     t = time.time()
-    rep = train(tmp / name, tmp / f"{name}-trained", data=data, tokens=tokens, seq_len=seq_len, batch=batch,
-                lr=lr, seed=seed, eval_data=embedded_corpus()[1], checkpoint_every=checkpoint_every,
-                keep_last=0, log_every=0)
+    r = recipe
+    rep = train(tmp / name, tmp / f"{name}-trained", data=data, tokens=r["tokens"], seq_len=r["seq_len"],
+                batch=r["batch"], lr=r["lr"], seed=r["seed"], eval_data=embedded_corpus()[1],
+                checkpoint_every=checkpoint_every, keep_last=0, log_every=0)
     rep["wall_s"] = time.time() - t
     return rep
 
@@ -155,7 +157,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         up = upcycle_embedded(tmp, a.experts, a.granularity, a.top_k, a.seed)
-        rep = train_arm(tmp, "moe", embedded_corpus()[0], a.tokens, a.seq_len, a.batch, a.lr, a.seed, 10**9)
+        rep = train_arm(tmp, "moe", embedded_corpus()[0], args, 10**9)
         cmd = "python " + " ".join(["data/make_embedded_moe.py"] + sys.argv[1:])
         log = ship(tmp / "moe-trained", Path(a.out), record_of(up, rep, args, cmd))
     print(f"wrote {a.out}: held-out loss {log['valid_loss']} (transformers {log['valid_loss_transformers']})")

@@ -76,7 +76,8 @@ def test_drop_reinitialises_round_r_f_neurons_per_expert(pair):
         assert len(set(subsets)) == N  # a different subset per expert
     assert moe_layers == 2
     # the streamed checkpoint is the in-memory drop-upcycle, bit for bit (the same seeded draws)
-    mem = upcycle_model(dense, N, G, T, router=rep["router"]["mode"], family=rep["to"], seed=7, drop_ratio=R)[0]
+    plan = make_plan(dense.cfg, N, G, T, router=rep["router"]["mode"])
+    mem = upcycle_model(dense, plan, family=rep["to"], seed=7, drop_ratio=R)[0]
     assert all(torch.equal(v, drop[k]) for k, v in mem.state_dict().items())
 
 

@@ -151,11 +151,12 @@ def test_activation_scores_then_prune(root):
 
 def test_streaming_scores_equal_whole_model_scores(root, tmp_path):
     """Layer-streaming scoring applies the embedding and lm_head multipliers as the whole model does."""
-    from remodel.compress.importance import score_model, score_streaming
+    from remodel.compress.importance import score_model
+    from remodel.compress.streaming import Streaming, score_streaming
     _, ours, d = build("rms_norm", root)
     batches = [ids(50 + s) for s in range(3)]
     whole, wi = score_model(ours, batches, loss_batches=2)
-    got, gi = score_streaming(d, batches, loss_batches=2, spill_dir=tmp_path)
+    got, gi = score_streaming(d, batches, loss_batches=2, run=Streaming(spill_dir=tmp_path))
     assert got.keys() == whole.keys() and "loss_increase" in got
     for k in whole:
         assert torch.allclose(got[k], whole[k], rtol=1e-5, atol=1e-7), k

@@ -66,6 +66,23 @@ def test_product_functions_and_files_are_short():
     assert not long, long
 
 
+def test_no_product_function_takes_more_than_8_parameters():
+    """Issue 40 Deliver 4: no product function takes more than 8 parameters (positional-only, ordinary and
+    keyword-only ones, *args and **kwargs each one; a leading self / cls / ctx not counted): long lists
+    become an options dataclass or a small group of values that travel together."""
+    many = []
+    for path in [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))] + [ROOT / "cli.py"]:
+        for n in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = n.args
+                names = [x.arg for x in a.posonlyargs + a.args]
+                count = len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None) \
+                    - (names[:1] in (["self"], ["cls"], ["ctx"]))
+                if count > 8:
+                    many.append(f"{path.relative_to(ROOT)}:{n.lineno} {n.name}: {count} parameters")
+    assert not many, many
+
+
 def _product_trees():
     for path in [p for pkg in ("models", "compress", "upcycle", "pipelines") for p in sorted((ROOT / pkg).rglob("*.py"))] \
             + [ROOT / "cli.py"]:

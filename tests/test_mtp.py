@@ -13,7 +13,8 @@ from safetensors import safe_open
 from remodel.cli import main
 from remodel.compress.baselines import random_scores
 from remodel.compress.expert_scores import rank_experts
-from remodel.compress.importance import score_model, score_streaming
+from remodel.compress.importance import score_model
+from remodel.compress.streaming import score_streaming
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.compress.scores import save_scores
 from remodel.models.config import ModelConfig

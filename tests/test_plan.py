@@ -8,7 +8,7 @@ import torch
 
 from remodel.compress.prune import layer_units, new_config, plan_keep, validate_targets
 from remodel.compress.scores import save_scores
-from remodel.compress.search_space import WIDTHS, axis_values, build_space, depth_units, extremes, search
+from remodel.compress.search_space import WIDTHS, Serving, axis_values, build_space, depth_units, extremes, search
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import check_exportable, config_from_hf
@@ -263,7 +263,7 @@ def test_infeasible_budgets_refused():
         plan("no-such-model", params=5e9)
     # each budget reachable alone, not both: at 1M tokens the smallest memory drops attention (KV),
     # the smallest parameter count drops MLPs
-    ex2 = extremes(build_space(shipped("nemotron-h-8b"), seq_len=2**20))
+    ex2 = extremes(build_space(shipped("nemotron-h-8b"), serving=Serving(seq_len=2**20)))
     with pytest.raises(RemodelError, match="no candidate meets every budget together") as e:
         plan("nemotron-h-8b", params=ex2["params"][0], memory_gb=ex2["memory_bytes"][0] / 1e9, seq_len=2**20)
     assert "\n" not in str(e.value) and f"{ex2['memory_bytes'][0] / 1e9:.2f} GB" in str(e.value)

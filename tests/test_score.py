@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remodel.compress.importance import Scorer, score_model, score_streaming
+from remodel.compress.importance import Scorer, score_model
+from remodel.compress.streaming import Streaming, score_streaming
 from remodel.compress.scores import load_scores
 from remodel.models.attention import rope_inv_freq, rotate_half
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter
@@ -284,8 +285,8 @@ def test_streaming_equals_whole_model(saved, name, tmp_path):
     for budget in (None, 0, 3 * 24 * 32 * 4):  # all in memory, everything spilled, some spilled
         spill = tmp_path / f"spill{budget}"
         spill.mkdir()
-        got, gi = score_streaming(saved[name], batches, masks, loss_batches=2, max_memory_bytes=budget,
-                                  spill_dir=spill)
+        got, gi = score_streaming(saved[name], batches, masks, loss_batches=2,
+                                  run=Streaming(max_memory_bytes=budget, spill_dir=spill))
         assert (gi["spilled_bytes"] > 0) == (budget is not None)
         assert list(spill.iterdir()) == []  # spill files removed
         assert got.keys() == whole.keys() and "loss_increase" in got

@@ -82,7 +82,8 @@ def test_relu2_virtual_groups_exact_in_our_model(nemo, router):
         ref = dense(ids)
     for G in (1, 2, 4, 8):
         for S in (0, 32):
-            moe, p = upcycle_model(dense, experts=4 * G, granularity=G, top_k=2 * G, shared=S, router=router)
+            moe, p = upcycle_model(dense, make_plan(dense.cfg, experts=4 * G, granularity=G, top_k=2 * G, shared=S,
+                                                    router=router))
             out, sel = _selections(moe, ids)
             assert p.exact and math.isclose(p.s ** 3, G, rel_tol=1e-12)
             assert (out - ref).abs().max().item() < TOL, (G, S)
@@ -98,14 +99,14 @@ def test_inexact_settings_deviate(nemo):
     ids = _ids()
     with torch.no_grad():
         ref = dense(ids)
-        moe, _ = upcycle_model(dense, experts=16, granularity=4, top_k=8, router="sigmoid")
+        moe, _ = upcycle_model(dense, make_plan(dense.cfg, experts=16, granularity=4, top_k=8, router="sigmoid"))
         for m in moe.moe_layers():  # undo the s^3 = G scaling
             m.experts.up_proj.div_(4 ** (1 / 3))
             m.experts.down_proj.div_(4 ** (1 / 3))
         assert (moe(ids) - ref).abs().max().item() > 1e-2
-        moe, p = upcycle_model(dense, experts=16, granularity=4, top_k=6, router="sigmoid")  # 4 does not divide 6
+        moe, p = upcycle_model(dense, make_plan(dense.cfg, 16, 4, 6, router="sigmoid"))  # 4 does not divide 6
         assert not p.exact and (moe(ids) - ref).abs().max().item() > 1e-2
-        moe, p = upcycle_model(dense, experts=16, granularity=4, top_k=8, router="softmax-topk")
+        moe, p = upcycle_model(dense, make_plan(dense.cfg, experts=16, granularity=4, top_k=8, router="softmax-topk"))
         assert not p.exact and p.a == 4 * 16 / 8 and (moe(ids) - ref).abs().max().item() > 1e-3
 
 
@@ -149,8 +150,8 @@ def test_sigmoid_raw_router_learns_which_group(nemo):
     ids = _ids()
     with torch.no_grad():
         ref = dense(ids)
-    norm, _ = upcycle_model(dense, experts=16, granularity=4, top_k=4, router="sigmoid")
-    raw, p = upcycle_model(dense, experts=16, granularity=4, top_k=4, router="sigmoid-raw")
+    norm, _ = upcycle_model(dense, make_plan(dense.cfg, experts=16, granularity=4, top_k=4, router="sigmoid"))
+    raw, p = upcycle_model(dense, make_plan(dense.cfg, experts=16, granularity=4, top_k=4, router="sigmoid-raw"))
     assert not p.exact and p.a == 2.0 and p.why_not_exact
     for group, rows in _group_router_grads(norm.train(), 4, ids):
         assert rows > 1e-6 and group < 1e-4 * rows  # members share out, the group as a whole gets nothing
@@ -185,7 +186,8 @@ def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
     rep = upcycle(src, tmp_path / "o", experts=8, granularity=2, top_k=4, shared_expert_size=16, seed=5)
     got = load_model(tmp_path / "o", dtype=dtype).state_dict()
     dense = load_model(src, dtype=dtype)
-    want = upcycle_model(dense, experts=8, granularity=2, top_k=4, shared=16, router="sigmoid", seed=5)[0].state_dict()
+    plan = make_plan(dense.cfg, experts=8, granularity=2, top_k=4, shared=16, router="sigmoid")
+    want = upcycle_model(dense, plan, seed=5)[0].state_dict()
     assert set(got) == set(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
@@ -195,8 +197,7 @@ def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
     assert dev["rel_diff"] < (1e-5 if dtype == torch.float32 else 1e-2)
     # the streamed check gives the figure of a whole-model fp32 forward of both checkpoints
     dense32 = load_model(src)
-    moe32 = upcycle_model(dense32, experts=8, granularity=2, top_k=4, shared=16, router="sigmoid", seed=5,
-                          round_to=dtype)[0]
+    moe32 = upcycle_model(dense32, plan, seed=5, round_to=dtype)[0]
     ids = torch.randint(0, 64, pipeline.DEVIATION_TOKENS, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         whole = (moe32(ids) - dense32(ids)).abs().max().item()
@@ -322,9 +323,9 @@ def test_gated_gelu_split_pairs_gate_and_up():
         want = mlp(x)
         assert (parts - want).abs().max().item() < 1e-5 * want.abs().max().item()
         dense = _model(**{**LLAMA, "mlp_act": "gelu"})
-        moe, p1 = upcycle_model(dense, experts=4, granularity=1, top_k=2)
+        moe, p1 = upcycle_model(dense, make_plan(dense.cfg, experts=4, granularity=1, top_k=2))
         assert p1.exact and (moe(_ids()) - dense(_ids())).abs().max().item() < TOL
-        moe, p4 = upcycle_model(dense, experts=8, granularity=4, top_k=4)
+        moe, p4 = upcycle_model(dense, make_plan(dense.cfg, experts=8, granularity=4, top_k=4))
         assert not p4.exact and (moe(_ids()) - dense(_ids())).abs().max().item() > 1e-3
 
 

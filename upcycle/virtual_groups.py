@@ -242,17 +242,15 @@ def drop_upcycle(moe: dict, up: torch.Tensor, down: torch.Tensor, gate: torch.Te
 
 
 @torch.no_grad()
-def upcycle_model(model, experts: int, granularity: int, top_k: int, shared: int = 0,
-                  router: str = "topk-softmax", family: str | None = None, seed: int = 0, round_to=None,
-                  placement: str = "balanced", drop_ratio: float = 0.0):
-    """In-memory upcycling of a HybridLM (tests and experiments; the pipeline streams): -> (new model, Plan).
-    Non-MLP weights are shared with `model`, not copied. `round_to`: the dtype the MoE weights are
-    made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the streamed checkpoint.
-    drop_ratio > 0: Drop-Upcycling (drop_upcycle) after the copies."""
+def upcycle_model(model, p: Plan, family: str | None = None, seed: int = 0, round_to=None,
+                  drop_ratio: float = 0.0):
+    """In-memory upcycling of a HybridLM by plan `p` (make_plan of model.cfg; tests and experiments, the
+    pipeline streams): -> (new model, p). Non-MLP weights are shared with `model`, not copied. `round_to`:
+    the dtype the MoE weights are made in (a checkpoint's, e.g. bf16), then cast back: the same bits as the
+    streamed checkpoint. drop_ratio > 0: Drop-Upcycling (drop_upcycle) after the copies."""
     from remodel.models.model import HybridLM
 
     cfg = model.cfg
-    p = make_plan(cfg, experts, granularity, top_k, shared, router, placement)
     new_cfg = moe_config(cfg, p, family or "")
     dtype = next(model.parameters()).dtype
     state = dict(model.state_dict())

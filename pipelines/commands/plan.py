@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 
-from remodel.compress.search_space import METRICS, WIDTHS, build_space, depth_units, extremes, search
+from remodel.compress.search_space import METRICS, WIDTHS, Serving, build_space, depth_units, extremes, search
 from remodel.models.config import ModelConfig
 from remodel.models.kinds import KINDS, routed
 from remodel.models.errors import RemodelError
@@ -209,8 +209,8 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         raise RemodelError(f"tol must be in [0, 1), got {tol}")
     if top < 1:
         raise RemodelError(f"top must be >= 1, got {top}")
-    sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut, batch=batch, seq_len=seq_len,
-                     divisors=o.divisors)
+    sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut,
+                     Serving(batch=batch, seq_len=seq_len), divisors=o.divisors)
     unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}

@@ -12,7 +12,8 @@ import torch
 
 from remodel.compress.baselines import METHODS, weight_scores
 from remodel.compress.expert_scores import check_expert_method, rank_experts
-from remodel.compress.importance import score_model, score_streaming
+from remodel.compress.importance import score_model
+from remodel.compress.streaming import Streaming, score_streaming
 from remodel.compress.scores import write_scores
 from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
 from remodel.models.errors import RemodelError
@@ -115,9 +116,9 @@ def _score(o: ScoreOptions) -> dict:
             del model
         else:
             budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
+            run = Streaming(max_memory_bytes=budget, spill_dir=tmp, device=device, progress=o.progress)
             scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
-                                           loss_batches=o.loss_batches, max_memory_bytes=budget, spill_dir=tmp,
-                                           device=device, progress=o.progress)
+                                           loss_batches=o.loss_batches, run=run)
         scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "samples": len(blocks), "seq_len": seq_len,
                 "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,

@@ -158,15 +158,14 @@ class Prefetch:
         self.close()
 
 
-def sequences(data, seq_len: int, batch_size: int, *, seed: int | None = 0, start: int = 0,
-              stop: int | None = None, dp_rank: int = 0, dp_size: int = 1, prefetch: int = 2,
-              vocab_size: int | None = None):
+def sequences(data, seq_len: int, batch_size: int, *, start: int = 0, stop: int | None = None, prefetch: int = 2,
+              **sampling):
     """This rank's [batch_size / dp_size, seq_len] int64 batches from global batch `start` on (forever
-    when stop is None). `data`: a TokenSet, a Blend, a token set path or a blend spec. prefetch > 0
-    returns a Prefetch (close it when done), 0 a plain generator. An id >= vocab_size (the model's; the
-    set's own vocab_size in any case) raises a RemodelError when its batch is read."""
+    when stop is None). `data`: a TokenSet, a Blend, a token set path or a blend spec. `sampling`: the
+    SequenceSampler keywords seed (default 0), dp_rank, dp_size and vocab_size. prefetch > 0 returns a
+    Prefetch (close it when done), 0 a plain generator. An id >= vocab_size (the model's; the set's own
+    vocab_size in any case) raises a RemodelError when its batch is read."""
     if isinstance(data, (str, Path, list, tuple)):
         data = open_tokens(data)
-    sampler = SequenceSampler(data, seq_len, batch_size, seed=seed, dp_rank=dp_rank, dp_size=dp_size,
-                              vocab_size=vocab_size)
+    sampler = SequenceSampler(data, seq_len, batch_size, **sampling)
     return Prefetch(sampler, start, stop, prefetch) if prefetch > 0 else sampler(start, stop)

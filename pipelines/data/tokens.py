@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,12 +81,28 @@ def _check_args(data: Path, out: Path | None, num_proc, doc_split, overwrite, gl
         raise RemodelError(f"{out}: output exists and is not empty (pass --overwrite to replace it)")
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """tokenize's keywords, as one value for its body (which tokenize_megatron calls for its work set)."""
+    num_proc: int = 1
+    doc_split: str = "line"
+    eos: bool = True
+    overwrite: bool = False
+    shard_tokens: int = shards.SHARD_TOKENS
+
+
 def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
-             overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS, _work: bool = False) -> dict:
+             overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS) -> dict:
     """Tokenize DATA (what pipelines.data.data.load_texts reads, or a glob of such files) into the token
     set OUT, atomically, streaming: see pipelines.data.shards. A killed run rerun with the same arguments
     keeps its finished shards of about `shard_tokens` tokens (report["resumed_shards"]); the result is the
     same bytes. Returns the report (meta and run figures)."""
+    return _tokenize(data, out, tokenizer, _Settings(num_proc, doc_split, eos, overwrite, shard_tokens))
+
+
+def _tokenize(data, out, tokenizer, o: _Settings, work_set: bool = False) -> dict:
+    """tokenize; work_set: OUT is a work set of tokenize_megatron, marked as remodel's before it appears."""
+    num_proc, doc_split, eos, overwrite, shard_tokens = o.num_proc, o.doc_split, o.eos, o.overwrite, o.shard_tokens
     data, out = Path(data).expanduser(), Path(out).expanduser()
     is_glob = not data.exists() and glob.has_magic(str(data))
     _check_args(data, out, num_proc, doc_split, overwrite, glob=is_glob)
@@ -127,7 +144,7 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
                                                       "hash": tokenizer_hash(tok)},
                 "source": source, "fingerprint": fingerprint}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if _work:  # a work set of tokenize_megatron: marked as remodel's, so only it is ever removed
+        if work_set:  # a work set of tokenize_megatron: marked as remodel's, so only it is ever removed
             mark_dir(tmp, shards.WORK_MARKER, kind="megatron work token set")
         report = {**meta, "output": str(out), "seconds": round(time.perf_counter() - t0, 3), "num_proc": num_proc,
                   "shards": len(done), "resumed_shards": resumed}
@@ -137,7 +154,7 @@ def tokenize(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line"
 
 
 def tokenize_megatron(data, out, tokenizer, *, num_proc: int = 1, doc_split: str = "line", eos: bool = True,
-                      overwrite: bool = False, **kw) -> dict:
+                      overwrite: bool = False, shard_tokens: int = shards.SHARD_TOKENS) -> dict:
     """`remodel tokenize --format megatron`: DATA tokenized (resumably, in the work token set `.OUT.tokens`
     beside OUT) and written atomically as OUT/data.bin + OUT/data.idx (the prefix OUT/data, or OUT itself,
     is what --data and Megatron take). The work set is removed whatever the outcome; a folder at its name
@@ -149,8 +166,8 @@ def tokenize_megatron(data, out, tokenizer, *, num_proc: int = 1, doc_split: str
     check_owned(work, shards.WORK_MARKER, "the megatron work token set", _legacy_work_set)
     t0 = time.perf_counter()
     try:
-        report = tokenize(data, work, tokenizer, num_proc=num_proc, doc_split=doc_split, eos=eos, overwrite=True,
-                          _work=True, **kw)
+        report = _tokenize(data, work, tokenizer, _Settings(num_proc, doc_split, eos, True, shard_tokens),
+                           work_set=True)
         src = TokenSet(work)
         with atomic_output_dir(out, overwrite=overwrite, inputs=[data]) as tmp:
             megatron.write_megatron(src, tmp / megatron.NAME)
