@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mamba_kernels import Spans, compute_dtype, gated_rms_norm, mamba_core, ssd_scan
+from .mamba_kernels import CoreLayout, Spans, compute_dtype, gated_rms_norm, mamba_core, ssd_scan
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals, vector
 from .spec import LayerKind, Param, Site, Width, sq, top, top_per_group
@@ -236,14 +236,14 @@ class Mamba2Mixer(nn.Module):
             cfg = self.cfg
             groups = (rows - nh * (2 * cfg.mamba_head_dim + 1)) // (2 * cfg.ssm_state_size)
             local = cfg.replace(mamba_num_heads=nh, n_groups=groups)
-            self._local_key, self._local_val = (nh, rows), (local, layout_spans(local))
+            self._local_key, self._local_val = (nh, rows), CoreLayout(local, layout_spans(local))
         return self._local_val
 
     def _fused_core(self, proj, A, attention_mask):
         """CPU: conv + dt + scan as one cache-blocked kernel, then the gated norm (in_proj output ->
         out_proj input)."""
         mask = attention_mask.to(compute_dtype(proj)) if attention_mask is not None else None
-        y, z = mamba_core(proj, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, mask, *self._local())
+        y, z = mamba_core(proj, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A, self.D, mask, self._local())
         return self.norm(y, z)
 
     def _core(self, proj, A, attention_mask):

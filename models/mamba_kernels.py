@@ -5,8 +5,8 @@ of scan chunks small enough to stay in a core's cache (BLOCK_ELEMS), with hand-w
 that keep only the state entering each chunk and the state->output term and recompute the rest
 block by block, so memory is linear in length and no full-length intermediate is materialised:
 `mamba_core` (causal conv + silu, dt and the SSD scan as one autograd function, reading the in_proj
-output in place and writing its whole gradient into one tensor), `ssd_scan` (the chunked scan alone;
-the CUDA path's scan when mamba-ssm is missing), `gated_rms_norm` (over cache-sized row blocks).
+output in place and writing its whole gradient into one tensor), `ssd_scan` / `ssd_scan_state` (the chunked
+scan alone; the CUDA path's scan when mamba-ssm is missing), `gated_rms_norm` (over cache-sized row blocks).
 models.mamba hooks up the optional GPU kernels (mamba-ssm, causal-conv1d) on CUDA.
 
 Column offsets of the in_proj output and the conv channels come from the Mamba spec (models.mamba.layout_spans).
@@ -14,6 +14,7 @@ Column offsets of the in_proj output and the conv channels come from the Mamba s
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
 from typing import NamedTuple
 
 import torch
@@ -35,17 +36,35 @@ class Spans(NamedTuple):
     C: slice
 
 
+class CoreLayout(NamedTuple):
+    """`mamba_core`'s non-tensor input: the config with this mixer's (local) head and group counts, its `Spans`."""
+    cfg: object
+    spans: Spans
+
+
+# A block of whole scan chunks: x [b, cb*Q, h, p], dt [b, cb*Q, h], B, C [b, cb*Q, g, n] (views of its steps), A [h],
+# D [h] or None, the chunk length Q; its gradients: dx, ddt, dB, dC (views as in Block), the sums dA [g, r], dD [h].
+Block = namedtuple("Block", "x dt A B C D Q")
+BlockGrads = namedtuple("BlockGrads", "dx ddt dB dC dA dD")
+
+
 def compute_dtype(t) -> torch.dtype:
     """The kernels' arithmetic dtype: float64 stays float64, everything else runs in float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, return_state=False):
+def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None):
+    """Chunked selective-state-space scan from a zero state: y [b, l, h, p] (`ssd_scan_state`'s arguments
+    and output, without the states)."""
+    return ssd_scan_state(x, dt, A, B, C, chunk_size, D)[0]
+
+
+def ssd_scan_state(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None):
     """Chunked selective-state-space scan.
 
     x [b, l, h, p], dt [b, l, h] (already softplus'ed and clamped), A [h] (negative),
-    B, C [b, l, g, n], D [h] or None, initial_state [b, h, p, n] or None.
-    Returns y [b, l, h, p] (and the final state [b, h, p, n]), computed in `compute_dtype`.
+    B, C [b, l, g, n], D [h] or None, initial_state [b, h, p, n] or None (zero).
+    Returns (y [b, l, h, p], the final state [b, h, p, n]), computed in `compute_dtype`.
     Any chunk size gives the same result; memory and time are linear in length.
     """
     b, l, h, p = x.shape
@@ -53,20 +72,19 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, return
     if l == 0:
         y = x.new_zeros(b, 0, h, p, dtype=dtype)
         s0 = x.new_zeros(b, h, p, B.shape[3], dtype=dtype) if initial_state is None else initial_state.to(dtype)
-        return (y, s0) if return_state else y
+        return y, s0
     x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B, C))
     D = D.to(dtype) if D is not None else None
     s0 = initial_state.to(dtype) if initial_state is not None else None
-    y, s = _SSD.apply(x, dt, A, B, C, D, s0, min(chunk_size, l))
-    return (y, s) if return_state else y
+    return _SSD.apply(x, dt, A, B, C, D, s0, min(chunk_size, l))
 
 
-def mamba_core(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans: Spans):
+def mamba_core(proj, conv_w, conv_b, dt_bias, A, D, mask, layout: CoreLayout):
     """The mixer between in_proj and the gated norm on CPU: the in_proj output proj [b, l, :] ->
     (scan output y [b, l, inner] in `compute_dtype`, gate z [b, l, inner]). mask [b, l] or None
-    zeroes the conv output of padded steps; spans: models.mamba.layout_spans(cfg). Same
+    zeroes the conv output of padded steps; layout: the (local) config and its spans. Same
     arithmetic as conv -> dt -> `ssd_scan`."""
-    return _MambaCore.apply(proj, conv_w, conv_b, dt_bias, A, D, mask, cfg, spans)
+    return _MambaCore.apply(proj, conv_w, conv_b, dt_bias, A, D, mask, layout)
 
 
 def gated_rms_norm(y, z, w, groups: int, eps: float):
@@ -100,8 +118,8 @@ class _SSD(torch.autograd.Function):
         y_off = []  # per block exp(Acum) C.state_in, kept for backward
         for k0, k1 in _chunk_blocks(c, b * h * Q * max(p, Q), _elems(x)):
             t0, t1 = k0 * Q, k1 * Q
-            s, T = _fwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, s, prev[:, k0:k1],
-                              _heads(y, k0, k1, Q, g))
+            blk = Block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q)
+            s, T = _fwd_block(blk, s, prev[:, k0:k1], _heads(y, k0, k1, Q, g))
             y_off.append(T)
         ctx.save_for_backward(x, dt, A, B, C, D, s0, prev, *y_off)  # saved, not ctx fields: checkpoint drops them
         ctx.dims = (l, Q)
@@ -125,21 +143,21 @@ class _SSD(torch.autograd.Function):
         for i in reversed(range(len(blocks))):
             k0, k1 = blocks[i]
             t0, t1 = k0 * Q, k1 * Q
-            G = _bwd_block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q, prev[:, k0:k1],
-                           y_off[i], dy[:, t0:t1], G, dx[:, t0:t1], ddt[:, t0:t1], dB[:, t0:t1], dC[:, t0:t1],
-                           dA, dD)
+            blk = Block(x[:, t0:t1], dt[:, t0:t1], A, B[:, t0:t1], C[:, t0:t1], D, Q)
+            out = BlockGrads(dx[:, t0:t1], ddt[:, t0:t1], dB[:, t0:t1], dC[:, t0:t1], dA, dD)
+            G = _bwd_block(blk, prev[:, k0:k1], y_off[i], dy[:, t0:t1], G, out)
         ds0 = G.reshape(b, h, p, n) if s0 is not None else None
         return dx[:, :l], ddt[:, :l], dA.view(h), dB[:, :l], dC[:, :l], dD, ds0, None
 
 
-def _fwd_block(x, dt, A, B, C, D, Q, s, prev, yv):
-    """Scan forward over one block of whole chunks. x [b, cb*Q, h, p], dt [b, cb*Q, h], B, C [b, cb*Q, g, n]
-    are this block's time steps (views), s [b, g, r, p, n] the state entering it. Writes the output (D skip
-    included) to yv [b, cb, g, r, Q, p] and the state entering each chunk to prev [b, cb, g, r, p, n];
-    returns the state after the block and the state->output term (kept for backward)."""
+def _fwd_block(blk: Block, s, prev, yv):
+    """Scan forward over one block of whole chunks (`Block`), s [b, g, r, p, n] the state entering it. Writes
+    the output (D skip included) to yv [b, cb, g, r, Q, p] and the state entering each chunk to prev
+    [b, cb, g, r, p, n]; returns the state after the block and the state->output term (kept for backward)."""
+    x, B, D, Q = blk.x, blk.B, blk.D, blk.Q
     g, p = B.shape[2], x.shape[3]
     cb, r = x.shape[1] // Q, x.shape[2] // g
-    Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, 0, cb, Q, g)
+    Acum, X, Bh, Ch, CB, L, M = _ssd_block(blk)
     Alast = Acum[..., -1:]
     W = X * torch.exp(Alast - Acum)[..., None]
     S = torch.matmul(W.transpose(-1, -2), Bh)  # [b, cb, g, r, p, n]
@@ -156,15 +174,16 @@ def _fwd_block(x, dt, A, B, C, D, Q, s, prev, yv):
     return s, T
 
 
-def _bwd_block(x, dt, A, B, C, D, Q, prev, y_off, dy, G, dx, ddt, dB, dC, dA, dD):
-    """Scan backward over one block (the arguments of `_fwd_block`, its saved prev and state->output term,
-    the output gradient dy [b, cb*Q, h, p] and the gradient G of the state leaving the block). Writes dx,
-    ddt, dB, dC (views of this block's steps), accumulates dA [g, r] and dD [h]; returns the gradient of
+def _bwd_block(blk: Block, prev, y_off, dy, G, out: BlockGrads):
+    """Scan backward over one block (`_fwd_block`'s block, its saved prev and state->output term, the output
+    gradient dy [b, cb*Q, h, p] and the gradient G of the state leaving the block). Writes dx, ddt, dB, dC
+    of `out` (views of this block's steps), accumulates its dA [g, r] and dD [h]; returns the gradient of
     the state entering the block."""
+    (x, dt, A, B, _, D, Q), (dx, ddt, dB, dC, dA, dD) = blk, out
     b, _, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     cb, r = x.shape[1] // Q, h // g
-    Acum, X, Bh, Ch, CB, L, M = _ssd_block(x, dt, A, B, C, 0, cb, Q, g)
+    Acum, X, Bh, Ch, CB, L, M = _ssd_block(blk)
     dY = _heads(dy, 0, cb, Q, g).contiguous()
     if D is not None:
         dD += (dy * x).sum((0, 1, 3))
@@ -236,17 +255,19 @@ def _heads_bc(t, k0, k1, Q):
     return t[:, k0 * Q:k1 * Q].view(b, k1 - k0, Q, g, n).transpose(2, 3)
 
 
-def _ssd_block(x, dt, A, B, C, k0, k1, Q, g):
-    """Per-block quantities shared by forward and backward: cumulative log-decays Acum [b, cb, g, r, Q],
-    X = dt x [b, cb, g, r, Q, p], B and C per head [b, cb, g, r, Q, n], C.B per group [b, cb, g, Q, Q],
-    the decay mask L and M = C.B o L [b, cb, g, r, Q, Q]."""
+def _ssd_block(blk: Block):
+    """Per-block quantities shared by forward and backward (over the block's cb chunks): cumulative
+    log-decays Acum [b, cb, g, r, Q], X = dt x [b, cb, g, r, Q, p], B and C per head [b, cb, g, r, Q, n],
+    C.B per group [b, cb, g, Q, Q], the decay mask L and M = C.B o L [b, cb, g, r, Q, Q]."""
+    x, dt, A, B, C, _, Q = blk
     b, _, h, p = x.shape
-    n, r, cb, t0 = B.shape[3], h // g, k1 - k0, k0 * Q
-    dt_h = dt[:, t0:t0 + cb * Q].view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2)
+    g, n = B.shape[2], B.shape[3]
+    r, cb = h // g, x.shape[1] // Q
+    dt_h = dt[:, :cb * Q].view(b, cb, Q, g, r).permute(0, 1, 3, 4, 2)
     Acum = (dt_h * A.view(g, r, 1)).cumsum(-1)
-    X = torch.mul(_heads(x, k0, k1, Q, g), dt_h[..., None], out=x.new_empty(b, cb, g, r, Q, p))
-    Bh = _heads_bc(B, k0, k1, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
-    Ch = _heads_bc(C, k0, k1, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
+    X = torch.mul(_heads(x, 0, cb, Q, g), dt_h[..., None], out=x.new_empty(b, cb, g, r, Q, p))
+    Bh = _heads_bc(B, 0, cb, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
+    Ch = _heads_bc(C, 0, cb, Q)[:, :, :, None].expand(b, cb, g, r, Q, n).contiguous()
     CB = torch.matmul(Ch[:, :, :, 0], Bh[:, :, :, 0].transpose(-1, -2))
     L = (Acum[..., :, None] - Acum[..., None, :]).clamp_(-LOG_TINY, 0.0).exp_().mul_(_tril(Q, x.device, x.dtype))
     M = L * CB[:, :, :, None]
@@ -277,8 +298,8 @@ class _MambaCore(torch.autograd.Function):
     the whole in_proj-output gradient into one tensor."""
 
     @staticmethod
-    def forward(ctx, proj, w, conv_b, dt_bias, A, D, mask, cfg, sp):
-        b, l, _ = proj.shape
+    def forward(ctx, proj, w, conv_b, dt_bias, A, D, mask, layout):
+        (cfg, sp), (b, l, _) = layout, proj.shape
         h, g, n, p, Q = _core_dims(cfg, l)
         cd = compute_dtype(proj)
         ctx.dtypes = [t.dtype if t is not None else None for t in (w, conv_b, dt_bias, A, D)]
@@ -295,7 +316,7 @@ class _MambaCore(torch.autograd.Function):
             t0, t1, Tp = k0 * Q, min(k1 * Q, l), (k1 - k0) * Q
             x, B, C = _scan_views(_core_conv(src, wk, conv_b, mask, t0, t1, Tp), sp, h, g)
             y = x.new_empty(b, Tp, h, p)
-            s, T = _fwd_block(x, _pad_to(dt[:, t0:t1], Tp), A, B, C, D, Q, s, prev[:, k0:k1],
+            s, T = _fwd_block(Block(x, _pad_to(dt[:, t0:t1], Tp), A, B, C, D, Q), s, prev[:, k0:k1],
                               _heads(y, 0, k1 - k0, Q, g))
             y_off.append(T)
             ys[:, t0:t1] = y.view(b, Tp, -1)[:, :t1 - t0]
@@ -337,8 +358,8 @@ class _MambaCore(torch.autograd.Function):
             # scan
             dconv, ddt = torch.empty_like(conv_out), conv_out.new_empty(b, Tp, h)
             (x, B, C), (dx, dB, dC) = _scan_views(conv_out, sp, h, g), _scan_views(dconv, sp, h, g)
-            G = _bwd_block(x, _pad_to(spl.clamp(tmin, tmax), Tp), A, B, C, D, Q, prev[:, k0:k1], y_off[i], dY, G,
-                           dx, ddt, dB, dC, dA, dD)
+            G = _bwd_block(Block(x, _pad_to(spl.clamp(tmin, tmax), Tp), A, B, C, D, Q), prev[:, k0:k1], y_off[i], dY,
+                           G, BlockGrads(dx, ddt, dB, dC, dA, dD))
             # dt = clamp(softplus(raw + dt_bias))
             ddt = ddt[:, :t1 - t0] * ((spl >= tmin) & (spl <= tmax))
             ddt = torch.ops.aten.softplus_backward(ddt, rawb, 1.0, 20.0)
@@ -352,7 +373,7 @@ class _MambaCore(torch.autograd.Function):
                 look = _conv_backward(src, wk, gr, look, s0, dproj[:, s0:s1, sp.conv], dwk, db)
         grads = (dwk.t().reshape(-1, 1, K), db, ddt_bias, dA.view(h), dD)
         grads = [x.to(dt) if x is not None else None for x, dt in zip(grads, ctx.dtypes)]
-        return (dproj, *grads, None, None, None)
+        return (dproj, *grads, None, None)
 
 
 class _GatedRMSNorm(torch.autograd.Function):

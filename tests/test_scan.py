@@ -9,7 +9,7 @@ import remodel.models.mamba as mamba
 import remodel.models.mamba_kernels as kernels
 from remodel.models.config import ModelConfig
 from remodel.models.mamba import Mamba2Mixer, ssd_reference
-from remodel.models.mamba_kernels import ssd_scan
+from remodel.models.mamba_kernels import ssd_scan, ssd_scan_state
 
 
 def make(b=2, l=37, h=4, p=3, g=2, n=5, seed=0, dtype=torch.float64):
@@ -56,11 +56,11 @@ def test_initial_and_final_state(chunk):
     x, dt, A, B, C, D = make(l=45, g=2, seed=7)
     s0 = torch.randn(2, 4, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref, s_ref = reference_with_state(x, dt, A, B, C, s0)
-    y, s = ssd_scan(x, dt, A, B, C, chunk, initial_state=s0, return_state=True)
+    y, s = ssd_scan_state(x, dt, A, B, C, chunk, initial_state=s0)
     assert (y - ref).abs().max().item() < 1e-10 and (s - s_ref).abs().max().item() < 1e-10
     # two halves chained through the state equal one pass
-    y1, s1 = ssd_scan(x[:, :20], dt[:, :20], A, B[:, :20], C[:, :20], chunk, D=D, return_state=True)
-    y2 = ssd_scan(x[:, 20:], dt[:, 20:], A, B[:, 20:], C[:, 20:], chunk, D=D, initial_state=s1)
+    y1, s1 = ssd_scan_state(x[:, :20], dt[:, :20], A, B[:, :20], C[:, :20], chunk, D=D)
+    y2 = ssd_scan_state(x[:, 20:], dt[:, 20:], A, B[:, 20:], C[:, 20:], chunk, D=D, initial_state=s1)[0]
     full = ssd_reference(x, dt, A, B, C, D)
     assert (torch.cat([y1, y2], 1) - full).abs().max().item() < 1e-10
 
@@ -71,7 +71,7 @@ def test_gradcheck_tiny():
     args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, s0)]
 
     def fn(x, dt, A, B, C, D, s0):
-        return ssd_scan(x, dt, A, B, C, 3, D=D, initial_state=s0, return_state=True)
+        return ssd_scan_state(x, dt, A, B, C, 3, D=D, initial_state=s0)
 
     assert torch.autograd.gradcheck(fn, args)
 
@@ -117,7 +117,7 @@ def test_blocked_scan_equals_recurrence(block, monkeypatch):
     s0 = torch.randn(1, 4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     args = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, s0)]
     assert torch.autograd.gradcheck(
-        lambda x, dt, A, B, C, D, s0: ssd_scan(x, dt, A, B, C, 3, D=D, initial_state=s0, return_state=True), args)
+        lambda x, dt, A, B, C, D, s0: ssd_scan_state(x, dt, A, B, C, 3, D=D, initial_state=s0), args)
 
 
 def perturbed_mixer(chunk, seed, **changes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +15,14 @@ from remodel.models.load import load_config, load_model
 
 from .losses import lm_loss
 from ..distributed.runtime import load_tokenizer, pick_device
+
+
+class EvalRun(NamedTuple):
+    """How the forward passes run: bf16 autocast on CUDA ("auto" or True: on, False: off) and the loss
+    (None: losses.lm_loss; e.g. the vocab-parallel CE of a sharded model, whose ranks then all evaluate the
+    same blocks together)."""
+    bf16: bool | str = "auto"
+    loss_fn: Callable | None = None
 
 
 def _check_positive(**kw):
@@ -34,11 +43,9 @@ def _check_block(seq_len: int, max_tokens: int | None):
 
 @torch.no_grad()
 def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens: int | None = None,
-             tokenizer=None, device="auto", bf16="auto", loss_fn=None) -> dict:
+             tokenizer=None, device="auto", run: EvalRun = EvalRun()) -> dict:
     """Next-token loss (nats/token), perplexity and forward tokens/s over packed blocks of `data`
-    (a DATA path, a datasets.Dataset with 'text', or a LongTensor [N, L] of ids).
-    loss_fn: replaces losses.lm_loss, e.g. the vocab-parallel CE of a sharded model (whose ranks then
-    all evaluate the same blocks together).
+    (a DATA path, a datasets.Dataset with 'text', or a LongTensor [N, L] of ids); run: autocast and loss.
     A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
     from ..data.data import load_texts, pack
 
@@ -66,7 +73,7 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
                            f"({blocks.numel()} tokens): nothing to evaluate")
     if int(blocks.max()) >= model.cfg.vocab_size:
         raise RemodelError(f"token id {int(blocks.max())} is outside the model's vocabulary ({model.cfg.vocab_size})")
-    use_bf16 = dev.type == "cuda" and (bf16 is True or bf16 == "auto")
+    use_bf16 = dev.type == "cuda" and (run.bf16 is True or run.bf16 == "auto")
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -79,7 +86,7 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
                 logits = model(ids)
             n = ids[:, 1:].numel()
-            total += (loss_fn or lm_loss)(logits[:, :-1], ids[:, 1:]).item() * n
+            total += (run.loss_fn or lm_loss)(logits[:, :-1], ids[:, 1:]).item() * n
             count += n
         sync()
     finally:

@@ -31,6 +31,8 @@ unfused F.linear would), the softmax arithmetic in fp32.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,15 @@ from ..distributed.collectives import group_rank, group_size
 CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
 ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
 BLOCK_ALIGN = 64  # vocabulary rows per block, a multiple of this (aligned GEMM operands)
+
+
+class _Run(NamedTuple):
+    """How a fused loss runs: token rows per chunk (None: `_plan`'s default), the vocab group, and which
+    gradients (w.r.t. the hidden states, the weight) the forward computes."""
+    chunk: int | None
+    group: object
+    need_h: bool
+    need_w: bool
 
 
 def lm_head_weight(model):
@@ -155,9 +166,10 @@ def _label_in_block(idx, inside, a: int, b: int, v0: int, width: int):
     return inside[a:b, None] & (i >= 0) & (i < width), i.clamp(0, width - 1)
 
 
-def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
+def _ce_chunks(h, w, labels, ignore_index, run: _Run, cd):
     """-> (loss, grad_h, grad_W) of the mean CE: per token chunk, the log-sum-exp over vocabulary blocks,
     then (with gradients) the blocks again for softmax - onehot."""
+    chunk, group = run.chunk, run.group
     hc, wc = h.detach().to(cd), w.detach().to(cd)
     N, Vl = h.shape[0], w.shape[0]
     keep = labels != ignore_index
@@ -166,7 +178,7 @@ def _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd):
     inside = (local >= 0) & (local < Vl) & keep
     idx = torch.where(inside, local, torch.zeros_like(local))
     rows, vb = _plan(chunk, N, Vl, cuda=h.is_cuda)
-    grads = _Grads(h, w, cd, need_h, need_w, rows >= N)
+    grads = _Grads(h, w, cd, run.need_h, run.need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     for a in range(0, N, rows):
         b, cache = min(a + rows, N), ({} if grads.wanted() else None)
@@ -210,12 +222,12 @@ class _GradsInForward(torch.autograd.Function):
 
 class _FusedLMLoss(_GradsInForward):
     @staticmethod
-    def forward(ctx, h, w, labels, chunk, ignore_index, group, need_h, need_w):
+    def forward(ctx, h, w, labels, ignore_index, run):
         cd = _compute_dtype(h, w)
         with torch.autocast(h.device.type, enabled=False):
-            loss, gh, gw = _ce_chunks(h, w, labels, chunk, ignore_index, group, need_h, need_w, cd)
+            loss, gh, gw = _ce_chunks(h, w, labels, ignore_index, run, cd)
         ctx.save_for_backward(gh, gw)
-        ctx.n_rest = 6
+        ctx.n_rest = 3
         return loss
 
 
@@ -225,7 +237,7 @@ def fused_lm_loss(h, weight, labels, chunk: int | None = None, ignore_index: int
     labels [N] (already shifted by the caller). Equals losses.lm_loss(h @ weight.T, labels)."""
     need_h = torch.is_grad_enabled() and h.requires_grad
     need_w = torch.is_grad_enabled() and weight.requires_grad
-    return _FusedLMLoss.apply(h, weight, labels, chunk, ignore_index, group, need_h, need_w)
+    return _FusedLMLoss.apply(h, weight, labels, ignore_index, _Run(chunk, group, need_h, need_w))
 
 
 def _teacher_shard(w_t, Vl: int, group):
@@ -250,17 +262,19 @@ def _group_sum(x, group):
     return x
 
 
-def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w, cd, cdt):
+def _kl_chunks(h_s, w_s, h_t, w_t, temperature, keep, run: _Run, cds):
     """-> (loss, grad_h_s, grad_W_s) of the mean KL: per token chunk, both log-sum-exps over vocabulary
-    blocks, then the block pairs again for p (log p - log q) and (q - p) / T."""
+    blocks, then the block pairs again for p (log p - log q) and (q - p) / T. cds: the student's and the
+    teacher's matmul dtypes."""
+    (cd, cdt), group = cds, run.group
     hs, ws = h_s.detach().to(cd), w_s.detach().to(cd)
     w_t = _teacher_shard(w_t, w_s.shape[0], group)
     ht, wt = h_t.detach().to(cdt), w_t.detach().to(cdt)
     N, Vl, T = h_s.shape[0], w_s.shape[0], temperature
     keep = torch.ones(N, dtype=torch.float32, device=h_s.device) if keep is None else keep.to(torch.float32)
     n = keep.sum().clamp(min=1)
-    rows, vb = _plan(chunk, N, Vl, blocks=2, cuda=h_s.is_cuda)
-    grads = _Grads(h_s, w_s, cd, need_h, need_w, rows >= N)
+    rows, vb = _plan(run.chunk, N, Vl, blocks=2, cuda=h_s.is_cuda)
+    grads = _Grads(h_s, w_s, cd, run.need_h, run.need_w, rows >= N)
     total = torch.zeros((), dtype=torch.float64, device=h_s.device)
     one = vb >= Vl  # one block: both kept raw for the second pass
     for a in range(0, N, rows):
@@ -284,12 +298,12 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need
 
 class _FusedKL(_GradsInForward):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w):
-        cd, cdt = _compute_dtype(h_s, w_s), _compute_dtype(h_t, w_t)
+    def forward(ctx, h_s, w_s, h_t, w_t, temperature, keep, run):
+        cds = _compute_dtype(h_s, w_s), _compute_dtype(h_t, w_t)
         with torch.autocast(h_s.device.type, enabled=False):
-            loss, gh, gw = _kl_chunks(h_s, w_s, h_t, w_t, temperature, chunk, group, keep, need_h, need_w, cd, cdt)
+            loss, gh, gw = _kl_chunks(h_s, w_s, h_t, w_t, temperature, keep, run, cds)
         ctx.save_for_backward(gh, gw)
-        ctx.n_rest = 8
+        ctx.n_rest = 5
         return loss
 
 
@@ -301,4 +315,4 @@ def fused_kl_div(h_s, w_s, h_t, w_t, temperature: float = 1.0, chunk: int | None
     need_h = torch.is_grad_enabled() and h_s.requires_grad
     need_w = torch.is_grad_enabled() and w_s.requires_grad
     keep = None if mask is None else mask.reshape(-1).bool()
-    return _FusedKL.apply(h_s, w_s, h_t, w_t, float(temperature), chunk, group, keep, need_h, need_w)
+    return _FusedKL.apply(h_s, w_s, h_t, w_t, float(temperature), keep, _Run(chunk, group, need_h, need_w))

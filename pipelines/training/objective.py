@@ -23,7 +23,17 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     autocast = autocast or torch.autocast("cpu", enabled=False)
     need_states = teacher is not None and w["hidden"] > 0
     if w.get("fused"):
-        return _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states)
+        total, parts, s_states, t_states = _fused_losses(student, teacher, ids, w, autocast, need_states)
+    else:
+        total, parts, s_states, t_states = _logit_losses(student, teacher, ids, w, autocast, fns, need_states)
+    states = (s_states, t_states, layer_map, projections) if need_states else None
+    return _other_losses(student, w, fns, total, parts, states, autocast)
+
+
+def _logit_losses(student, teacher, ids, w, autocast, fns, need_states):
+    """compute_losses' forwards and vocabulary losses (KL, CE) from the logits. -> (total, parts, the
+    student's residual stream, the teacher's) (streams None without need_states)."""
+    t_states = None
     with autocast:
         s_logits, s_states = _forward(student, ids, need_states)
         if teacher is not None:
@@ -40,15 +50,15 @@ def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=N
     if w["lm"] > 0:
         total = total + w["lm"] * lm
     parts["lm"] = lm.item()
-    states = (s_states, t_states, layer_map, projections) if need_states else None
-    return _other_losses(student, w, fns, total, parts, states, autocast)
+    return total, parts, s_states, t_states
 
 
-def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fns, need_states):
-    """compute_losses with the vocabulary losses fused (pipelines.training.fused_loss): CE and KL from the final
-    hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher."""
+def _fused_losses(student, teacher, ids, w, autocast, need_states):
+    """compute_losses' forwards and vocabulary losses, fused (pipelines.training.fused_loss): CE and KL from the
+    final hidden states in token chunks, so no [tokens, vocab] logits exist for the student or the teacher.
+    -> as `_logit_losses`."""
     from .fused_loss import fused_kl_div, fused_lm_loss, lm_head_weight
-    g = w.get("vocab_group")
+    g, t_states = w.get("vocab_group"), None
     with autocast:  # through forward: FSDP's root hooks gather the lm_head read below (and reduce its grad)
         s_h, s_states = _forward(student, ids, need_states, return_hidden=True)
         if teacher is not None:
@@ -68,8 +78,7 @@ def _fused_losses(student, teacher, ids, w, layer_map, projections, autocast, fn
     if w["lm"] > 0:
         total = total + w["lm"] * lm
     parts["lm"] = lm.item()
-    states = (s_states, t_states, layer_map, projections) if need_states else None
-    return _other_losses(student, w, fns, total, parts, states, autocast)
+    return total, parts, s_states, t_states
 
 
 def _forward(model, ids, need_states, return_hidden=False):

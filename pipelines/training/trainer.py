@@ -32,7 +32,7 @@ from remodel.models.load import load_config, load_model, read_config_dict
 
 from . import metrics
 from . import train_state as state
-from .evaluate import evaluate
+from .evaluate import EvalRun, evaluate
 from .objective import compute_losses
 from ..distributed.parallel import check_layout, clip_grad_norm_, local_tensor, parallel_info
 from ..distributed.runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
@@ -333,8 +333,8 @@ class _Training:
         self.peak = metrics.measure_matmul_flops(self.procs.dev, dtype) * self.procs.world
 
     def _evaluate(self) -> dict:
-        return evaluate(self.student, self.eval_blocks, batch=self.c.batch, bf16=self.p.use_bf16,
-                        loss_fn=self.fns.get("lm_loss"))
+        return evaluate(self.student, self.eval_blocks, batch=self.c.batch,
+                        run=EvalRun(self.p.use_bf16, self.fns.get("lm_loss")))
 
     def checkpoint(self, step: int):
         meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
