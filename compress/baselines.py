@@ -37,6 +37,7 @@ import torch
 from remodel.models.config import ModelConfig
 from remodel.models.kinds import KINDS, layer_kinds
 from remodel.models.layout import axis_size
+from remodel.models.norm import scale_of
 from remodel.models.spec import sq
 
 from .axes import layer_of, tensor_axes
@@ -77,7 +78,7 @@ def _hidden_terms(cfg, name, t, axes, i, acc) -> None:
     reading site (layer index or 'f'), squared output rows written to the residual stream."""
     gamma, read = acc["gamma"], acc["read"]
     if name == "norm_f.weight" or name == f"layers.{i}.norm.weight":
-        gamma["f" if i is None else i] = t
+        gamma["f" if i is None else i] = scale_of(t, cfg.norm_offset)  # the gain the channel meets
     elif name == "embeddings.weight":
         acc["write"] += sq(t, 1)
         if cfg.tie_word_embeddings:

@@ -294,6 +294,7 @@ def prune_model(model, keep: dict):
     from remodel.models.model import HybridLM
 
     cfg, state = prune_state(model.state_dict(), model.cfg, keep)
-    new = HybridLM(cfg).to(next(model.parameters()).device)
+    like = next(model.parameters())
+    new = HybridLM(cfg).to(device=like.device, dtype=like.dtype)  # the source's device and dtype
     new.load_state_dict(state, strict=True)
     return new.eval()

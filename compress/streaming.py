@@ -19,7 +19,7 @@ from remodel.models.hf import config_from_hf, our_shapes
 from remodel.models.load import iter_our_tensors
 from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
 from remodel.models.mtp import MTPBlock, mtp_block_roles
-from remodel.models.norm import RMSNorm
+from remodel.models.norm import trunk_norm
 
 from .importance import Scorer, lm_loss_sums, mean_loss, mtp_mask
 from .state_store import StateStore
@@ -138,7 +138,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         _trunk_streaming(ps, len(batches), k, run.progress)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         w = ps.load(final)
-        norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps).to(dev)
+        norm_f = trunk_norm(cfg).to(dev)
         norm_f.weight.data = w["norm_f.weight"]
         W = w[final[1]]
         scorer.attach_final(norm_f)

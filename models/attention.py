@@ -1,6 +1,7 @@
 """The attention layer kind ('*'): grouped-query self-attention through SDPA, with RoPE (Llama family;
 on the first `partial_rotary_factor` of each head's channels, Bamba: half) or none (Nemotron-H); its
-module and its spec (ATTENTION)."""
+module and its spec (ATTENTION). The gated variant (attn_output_gate) reads [query | gate] per head from q_proj
+and multiplies the attention output by sigmoid(gate) before o_proj."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm
+from .norm import trunk_norm
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top_per_group
@@ -24,16 +25,18 @@ class AttentionConfig(Section):
     num_attention_heads: int = ints(0, 0, MAX_SMALL, raw={"num_attention_heads": 1})
     num_key_value_heads: int = ints(0, 0, MAX_SMALL, raw={"num_key_value_heads": 1})
     head_dim: int = ints(0, 0, MAX_SMALL, raw={"head_dim": 1})
-    rope_theta: float | None = reals(None, gt=0, none_ok=True, raw=("rope_theta",))
+    rope_theta: float | None = reals(None, gt=0, raw=("rope_theta",))
     rope_scaling: dict | None = plain(None, "HF rope_parameters beyond 'default' (only 'llama3' supported)")
     partial_rotary_factor: float = reals(1.0, gt=0, doc="RoPE on the first int(head_dim * this) channels")
     attention_bias: bool = plain(False, "q/k/v bias (Qwen2)")
     attention_out_bias: bool = plain(False)
     qk_norm: bool = plain(False, "per-head RMSNorm on q and k (Qwen3)")
     sliding_window: int | None = ints(None, 1, 2**40, none_ok=True, raw={"sliding_window": 0})
-    attention_scale: float | None = reals(None, gt=0, none_ok=True, variant="multipliers",
+    attention_scale: float | None = reals(None, gt=0, variant="multipliers",
                                          raw=("attention_multiplier",))
     key_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("key_multiplier",))
+    attn_output_gate: bool = plain(False, "q_proj also yields a per-head output gate: o * sigmoid(gate) (Qwen3.5)",
+                                   variant="attention_gate")
 
 
 def rope_dim(cfg) -> int:
@@ -79,13 +82,13 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(H, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(H, ATTENTION.axis_size(cfg, "attn_qg"), bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=cfg.attention_out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+            self.q_norm = trunk_norm(cfg, hd)
+            self.k_norm = trunk_norm(cfg, hd)
         if cfg.rope_theta is not None:
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -98,10 +101,14 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
-        q, k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.k_proj(x), self.v_proj(x)))
+        q = self.q_proj(x).view(b, l, -1, hd * (2 if cfg.attn_output_gate else 1))
+        if cfg.attn_output_gate:  # per head [query | gate]
+            q, gate = q.chunk(2, dim=-1)
         if cfg.key_multiplier != 1:  # this kind's key-multiplier variant (AttentionConfig; 1: off)
             k = k * cfg.key_multiplier
-        return self.o_proj(maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids))
+        o = maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(o.shape)) if cfg.attn_output_gate else o)
 
     def _core(self, q, k, v, attention_mask, position_ids):
         """q, k, v [b, l, heads, hd] (projection outputs) -> the o_proj input [b, l, heads * hd]."""
@@ -174,8 +181,11 @@ class AttentionKind(LayerKind):
         return {p + "attn_heads": top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])}
 
     def magnitude(self, cfg, local, t):
-        if local in ("q_proj.weight", "q_proj.bias", "o_proj.weight"):
-            return [("attn", sq(t, 1 if local == "o_proj.weight" else 0))]
+        if local == "o_proj.weight":
+            return [("attn", sq(t, 1))]
+        if local in ("q_proj.weight", "q_proj.bias"):  # a gated head's query and gate rows add up
+            s = sq(t, 0)
+            return [("attn", s.view(cfg.num_attention_heads, -1, cfg.head_dim).sum(1).flatten())]
         return []
 
     def check_tp(self, cfg, tp, need):
@@ -185,20 +195,24 @@ class AttentionKind(LayerKind):
 
 ATTENTION = AttentionKind(
     "*", "attention",
-    (Param("q_proj.weight", ("attn_q", "hidden")), Param("q_proj.bias", ("attn_q",), ("attention_bias",)),
+    (Param("q_proj.weight", ("attn_qg", "hidden")), Param("q_proj.bias", ("attn_qg",), ("attention_bias",)),
      Param("k_proj.weight", ("attn_kv", "hidden")), Param("k_proj.bias", ("attn_kv",), ("attention_bias",)),
      Param("v_proj.weight", ("attn_kv", "hidden")), Param("v_proj.bias", ("attn_kv",), ("attention_bias",)),
      Param("o_proj.weight", ("hidden", "attn_q")), Param("o_proj.bias", ("hidden",), ("attention_out_bias",)),
      Param("q_norm.weight", ("head_dim",), ("qk_norm",)), Param("k_norm.weight", ("head_dim",), ("qk_norm",))),
+    # q_proj rows: per head its query (and, gated, then its gate): heads x attn_qg_head
     sizes={"attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
+           "attn_qg": lambda cfg, w: w["attn_heads"] * w["head_dim"] * (2 if cfg.attn_output_gate else 1),
+           "attn_qg_head": lambda cfg, w: w["head_dim"] * (2 if cfg.attn_output_gate else 1),
            "head_dim": lambda cfg, w: w["head_dim"], "attn_heads": lambda cfg, w: w["attn_heads"]},
-    units={"attn_heads": "num_attention_heads"}, products={"attn_q": ("attn_heads", "head_dim")},
+    units={"attn_heads": "num_attention_heads"},
+    products={"attn_q": ("attn_heads", "head_dim"), "attn_qg": ("attn_heads", "attn_qg_head")},
     scored={"attn": ("attn_heads", "head_dim")}, widths=("attn_heads", "kv_heads", "head_dim"),
     declares=(Width("attn_heads", "num_attention_heads", None, "attn_heads", None, "a.heads",
                     "query heads per attention layer (a multiple of num_key_value_heads)",
                     multiple_of="num_key_value_heads", why=" (every KV group keeps the same number of query heads)"),
               Width("kv_heads", "num_key_value_heads", None, None, None, "kv", "key/value heads"),
               Width("head_dim", "head_dim", None, None, None, "hd", "attention head size")),
-    tp_axes=("attn_q", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
+    tp_axes=("attn_q", "attn_qg", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
     tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
              "q_norm": "shared_norm", "k_norm": "shared_norm"}, config=AttentionConfig)

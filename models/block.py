@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .kinds import KINDS
-from .norm import RMSNorm
+from .norm import trunk_norm
 
 
 class Block(nn.Module):
@@ -17,7 +17,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind, self.spec = kind, KINDS[kind]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = trunk_norm(cfg)
         self.mixer = self.spec.build(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # the mixer's output joins the stream scaled
 

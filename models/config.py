@@ -62,6 +62,8 @@ class ModelConfig:
     hidden_size: int = ints(dataclasses.MISSING, 1, MAX_WIDTH, raw={"hidden_size": 1})
     pattern: str = plain(dataclasses.MISSING)
     norm_eps: float = reals(1e-5, gt=0, lt=1, raw=("rms_norm_eps", "layer_norm_epsilon"))
+    norm_offset: float = reals(0.0, ge0=True, lt=2, doc="every RMSNorm scales by (offset + w); 1: zero-centred weights",
+                               variant="zero_centred_norm")
     tie_word_embeddings: bool = False
     # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none

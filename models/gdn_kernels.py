@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .mamba import _import
+from .mamba import optional_import
 from .mamba_kernels import compute_dtype
 
 USE_KERNEL = True  # False: the pure-PyTorch chunked rule on CUDA even with fla-core installed
@@ -26,7 +26,7 @@ FLA_MAX_KEY_DIM = 256  # fla's chunk kernels assert K <= 256
 @functools.lru_cache(maxsize=None)
 def fla_kernel():
     """fla-core's Triton `chunk_gated_delta_rule`, or None where it does not import (imported on first use)."""
-    return _import(*FLA_KERNEL)
+    return optional_import(*FLA_KERNEL)
 
 
 def _on_gpu(t) -> bool:

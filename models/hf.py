@@ -14,7 +14,7 @@ import math
 from .config import MAX_LAYERS, SECTIONS, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
-from .families.family import ROPE_TYPES, cfg_choice, cfg_float, projected, scaled
+from .families.family import GROUPS, ROPE_TYPES, cfg_choice, cfg_float, projected, scaled, varied
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
 from .section import raw_bounds
@@ -164,6 +164,10 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
     odd = projected(cfg)
     need(FAMILIES[family].projections or not odd, f"{family} has no per-projection multipliers or Mamba norm "
          f"variants ({', '.join(odd)}; supported by {', '.join(n for n, f in FAMILIES.items() if f.projections)})")
+    for group in GROUPS:
+        odd = varied(cfg, group)
+        need(group in FAMILIES[family].variants or not odd, f"{family} has no {group.replace('_', ' ')} variant "
+             f"({', '.join(odd)}; supported by {', '.join(n for n, f in FAMILIES.items() if group in f.variants) or 'none'})")
     FAMILIES[family].check(cfg, need)
 
 

@@ -71,7 +71,7 @@ GPU_KERNELS = (("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"
                ("fla.modules.causal_conv1d", "causal_conv1d"))
 
 
-def _import(module: str, name: str):
+def optional_import(module: str, name: str):
     try:
         return getattr(importlib.import_module(module), name)
     except Exception:  # an optional GPU extra: missing, or built for another torch / CUDA
@@ -83,8 +83,8 @@ def gpu_kernels() -> GpuKernels:
     """The `GpuKernels` installed here, imported on first use (only the CUDA path asks); fla-core is only
     imported where causal-conv1d is missing."""
     *first, fla = GPU_KERNELS
-    found = [_import(*m) for m in first]
-    return GpuKernels(*found, conv_fla=None if found[-1] is not None else _import(*fla))
+    found = [optional_import(*m) for m in first]
+    return GpuKernels(*found, conv_fla=None if found[-1] is not None else optional_import(*fla))
 
 
 def _on_gpu(t) -> bool:

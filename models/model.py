@@ -14,7 +14,7 @@ from .block import Block
 from .config import ModelConfig
 from .mamba import init_a_log
 from .mtp import MTP
-from .norm import RMSNorm
+from .norm import trunk_norm
 
 __all__ = ["Block", "HybridLM", "final_hidden", "scale_embedding"]
 
@@ -30,7 +30,7 @@ class HybridLM(nn.Module):
         if not self.embeddings.weight.is_meta:
             nn.init.normal_(self.embeddings.weight)
         self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm_f = trunk_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_input = nn.Identity()  # what the output projection reads (tensor parallelism puts its entry here)
         if cfg.mtp_layers:  # only when the checkpoint has an MTP head; the trunk never reads it

@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .block import Block
-from .norm import RMSNorm
+from .norm import trunk_norm
 
 
 def mtp_block_roles(cfg: ModelConfig, j: int) -> tuple[bool, bool]:
@@ -29,10 +29,10 @@ class MTPBlock(Block):
         super().__init__(cfg, kind)
         H = cfg.hidden_size
         if start:
-            self.enorm, self.hnorm = RMSNorm(H, cfg.norm_eps), RMSNorm(H, cfg.norm_eps)
+            self.enorm, self.hnorm = trunk_norm(cfg), trunk_norm(cfg)
             self.eh_proj = nn.Linear(2 * H, H, bias=False)
         if end:
-            self.final_layernorm = RMSNorm(H, cfg.norm_eps)
+            self.final_layernorm = trunk_norm(cfg)
 
     def forward(self, x, emb=None, attention_mask=None, position_ids=None):
         if hasattr(self, "eh_proj"):

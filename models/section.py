@@ -27,12 +27,13 @@ def ints(default, lo: int, hi: int, none_ok: bool = False, doc: str = "", raw: d
                                                         "raw": raw or {}})
 
 
-def reals(default, gt=None, lt=None, inf_ok: bool = False, none_ok: bool = False, ge0: bool = False, doc: str = "",
-          variant: str = "", raw: tuple = ()):
-    """A finite float field > gt (>= 0 when ge0) and < lt; inf_ok allows +inf (stored as "inf" in JSON).
+def reals(default, gt=None, lt=None, inf_ok: bool = False, ge0: bool = False, doc: str = "", variant: str = "",
+          raw: tuple = ()):
+    """A finite float field > gt (>= 0 when ge0) and < lt, or None where that is its default; inf_ok allows +inf
+    (stored as "inf" in JSON).
     variant: the group of family numerics it belongs to (its default is 'off'; models.families asks
     which families hold each group). raw: the config.json keys that hold it (`raw_bounds`)."""
-    return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, none_ok, ge0), "doc": doc,
+    return dataclasses.field(default=default, metadata={"check": ("real", gt, lt, inf_ok, default is None, ge0), "doc": doc,
                                                         "variant": variant, "raw": dict.fromkeys(raw)})
 
 

@@ -114,6 +114,7 @@ class LayerKind:
     widths: tuple = ()
     declares: tuple = ()  # the Widths this kind owns (their layer is filled in by models/kinds.py)
     tp_axes: tuple = ()
+    fixed: tuple = ()  # its axes pruning never cuts (a conv kernel, SSM B/C groups)
     inputs: tuple = ()
     routed: bool = False
     upcycles_to: str | None = None  # the kind (pattern character) its layers become when upcycled to MoE

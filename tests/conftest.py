@@ -144,7 +144,8 @@ def write_checkpoint(model, path, tokenizer=True, **save_kw):
 
 @torch.no_grad()
 def randomise(model, seed=0):
-    """Move every weight away from its init: norms ~N(1, .1), linears N(0, .15), Mamba scalars random."""
+    """Move every weight away from its init: norms ~N(1, .1) (zero-centred ones, initialised to 0, ~N(0, .1)),
+    linears N(0, .15), Mamba scalars random."""
     g = torch.Generator().manual_seed(seed)
 
     def normal(p, mean, std):
@@ -153,7 +154,7 @@ def randomise(model, seed=0):
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and p.dim() == 1:
-            normal(p, 1.0, 0.1)
+            normal(p, 0.0 if not p.any() else 1.0, 0.1)
         elif leaf == "dt_bias":
             normal(p, -2.0, 1.5)
             p[0] = -9.0  # softplus falls below time_step_min for head 0: the clamp is exercised

@@ -21,10 +21,10 @@ def _kept_mean_rmsnorm(norm, n_kept):
     dropped channels, so sum(x^2) is the kept channels' sum; the pruned model divides it by H', the
     unpruned one would divide by H. This patch divides by H' (what pruning does), nothing else."""
     def forward(x):
-        dtype = x.dtype
-        x = x.float()
+        dtype, cd = x.dtype, torch.promote_types(x.dtype, torch.float32)
+        x = x.to(cd)
         x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / n_kept + norm.eps)
-        return (norm.weight.float() * x).to(dtype)
+        return ((norm.weight.to(cd) + norm.offset) * x).to(dtype)
     norm.forward = forward
 
 
@@ -76,7 +76,7 @@ def _outputs(layer):
         if c == "E":
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
         else:
-            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "-": "down_proj"}[c]))
+            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "-": "down_proj", "D": "out_proj"}[c]))
     return outs
 
 
@@ -105,6 +105,35 @@ def _mask_mamba(cfg, m, keep, p):
     _masked_group_norm(m.norm, mask)
 
 
+def _mask_gdn(cfg, m, keep, p):
+    """Gated DeltaNet: dropped value heads (a dropped key-head group's among them) and value channels write
+    nothing through out_proj; dropped value channels and key channels are zero inputs of the rule (zero rows of
+    in_proj_qkv: the state never holds them, the L2 norms do not see them). The per-head gated norm then
+    averages over the kept value channels, and q's scale dk**-0.5 becomes dk'**-0.5: the rule's output is
+    linear in q, so the norm's input is scaled by sqrt(dk / dk') -- what the sliced model computes."""
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    heads = keep.get(p + "lin_v_heads", torch.arange(hv))
+    vch, kch = keep.get(p + "lin_dv", torch.arange(dv)), keep.get(p + "lin_dk", torch.arange(dk))
+    mask = torch.zeros(hv, dv)
+    mask[heads[:, None], vch[None, :]] = 1
+    m.out_proj.weight[:, mask.reshape(-1) == 0] = 0
+    w = m.in_proj_qkv.weight
+    for h in range(hv):
+        w[2 * hk * dk + h * dv + dropped(vch, dv)] = 0
+    for h in range(hk):
+        w[h * dk + dropped(kch, dk)] = 0
+        w[hk * dk + h * dk + dropped(kch, dk)] = 0
+    norm, n, c = m.norm, len(vch), (dk / len(kch)) ** 0.5
+
+    def forward(x, gate):
+        cd = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(cd) * c
+        xf = xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / n + norm.eps)
+        return (norm.weight * xf.to(x.dtype) * F.silu(gate.to(cd))).to(x.dtype)
+    norm.forward = forward
+
+
 def _mask_moe(cfg, m, keep, p):
     experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
     if p + "experts" in keep and cfg.router == "softmax":
@@ -122,7 +151,8 @@ def _mask_moe(cfg, m, keep, p):
         m.shared_experts.down_proj.weight[:, dropped(keep[p + "shared_ffn"], S)] = 0
 
 
-KNOWN = {"hidden", "ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn"}
+KNOWN = {"hidden", "ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn",
+         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv"}
 
 
 @torch.no_grad()
@@ -146,5 +176,7 @@ def masked_reference(model, keep):
                 _mask_mamba(cfg, m, keep, p)
             if c == "E":
                 _mask_moe(cfg, m, keep, p)
-            assert c in "*M-E", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            if c == "D" and any(p + a in keep for a in ("lin_v_heads", "lin_dk", "lin_dv")):
+                _mask_gdn(cfg, m, keep, p)
+            assert c in "*M-ED", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref

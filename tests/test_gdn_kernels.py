@@ -212,7 +212,7 @@ def test_pure_path_where_fla_is_off_or_unfit(case, install, monkeypatch):
 
 
 def _fla_on_cuda():
-    return torch.cuda.is_available() and gdn._import(*gdn.FLA_KERNEL) is not None
+    return torch.cuda.is_available() and gdn.optional_import(*gdn.FLA_KERNEL) is not None
 
 
 @pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")

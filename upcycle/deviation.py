@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from remodel.models.kinds import KINDS
 from remodel.models.mlp import ACT, ffn
 from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
-from remodel.models.norm import RMSNorm
+from remodel.models.norm import trunk_norm
 
 from .virtual_groups import LazyExperts
 
@@ -186,7 +186,7 @@ class StreamCheck:
 
     def _finish(self, head: torch.Tensor):
         b = self.b
-        norm = RMSNorm(self.cfg.hidden_size, self.cfg.norm_eps)
+        norm = trunk_norm(self.cfg)
         norm.weight.data = self.norm_f
         h = final_hidden(self.cfg, norm, self.x)
         dmax = dense_max = sq_diff = sq_ref = 0.0

@@ -6,11 +6,12 @@ lists them. A new family is one such module and one registry line.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from remodel.models.attention import ATTENTION
-from remodel.models.config import SECTIONS
+from remodel.models.config import SECTIONS, ModelConfig
 from remodel.models.section import variants
 from remodel.models.kinds import used
 
@@ -19,6 +20,15 @@ from remodel.models.kinds import used
 # and Mamba norm variants (a family without `projections` needs these plain)
 MULTIPLIERS = variants(SECTIONS.values(), "multipliers")
 PROJECTIONS = variants(SECTIONS.values(), "projections")
+# every other variant group (a family holds it when it names it in Family.variants): {group: {field: plain}}
+_CLASSES = (ModelConfig, *SECTIONS.values())
+GROUPS = {g: variants(_CLASSES, g) for g in sorted({f.metadata.get("variant") for c in _CLASSES
+                                                     for f in dataclasses.fields(c)} - {None, "", "multipliers", "projections"})}
+
+
+def varied(cfg, group: str) -> list[str]:
+    """The fields of variant group `group` that `cfg` holds away from their plain values, as 'name=value'."""
+    return [f"{k}={getattr(cfg, k)}" for k, plain in GROUPS[group].items() if getattr(cfg, k) != plain]
 
 
 def projected(cfg) -> list[str]:
@@ -138,6 +148,7 @@ class Family:
     upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
     raw: dict = field(default_factory=dict)  # {config.json key: (lo, hi)} of its shape keys no config field holds
+    variants: tuple = ()  # the variant groups it holds beyond multipliers / projections (family.GROUPS)
 
     # ---- HF config ---------------------------------------------------------------------
     def required(self, h) -> list:

@@ -5,7 +5,8 @@ Stock styles where they express the layout: `ColwiseParallel` (q/k/v, MLP up/gat
 input replicated, output this rank's columns) and `RowwiseParallel` (o_proj, down_proj, Mamba out_proj;
 Shard(1), partial sums all-reduced); torchao's Float8 versions for FP8 Linears. Custom styles where they
 cannot: `SegmentShard` (Mamba's concatenated in_proj and conv1d are cut segment by segment, and
-the mixer reads its local head counts from these plain shards), `SharedNorm` (q_norm / k_norm: one
+the mixer reads its local head counts from these plain shards), `SharedNorm` (q_norm / k_norm, the Gated
+DeltaNet's gated head norm: one
 replicated weight serving this rank's heads, gradient summed over the group), `VocabParallel` and
 `ParallelEntry` (the embedding's and lm_head's rows, the output projection's input; tied or not).
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from remodel.models.errors import RemodelError
+from remodel.models.gdn_kernels import gated_rms_norm
 from remodel.models.layout import layer_params, tp_split
 
 from .collectives import copy_to_group, group_rank, group_size, reduce_from_group
@@ -69,20 +71,33 @@ class SharedWeightRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, group):
         super().__init__()
-        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+        self.weight, self.eps, self.group, self.offset = norm.weight, norm.eps, group, norm.offset
 
     def forward(self, x):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (copy_to_group(self.weight, self.group).float() * x).to(dtype)
+        return ((copy_to_group(self.weight, self.group).float() + self.offset) * x).to(dtype)
+
+
+class SharedWeightGatedNorm(nn.Module):
+    """A gated per-head RMSNorm (the Gated DeltaNet's) whose weight serves only this rank's value heads."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+
+    def forward(self, x, gate):
+        return gated_rms_norm(x, gate, copy_to_group(self.weight, self.group), self.eps)
 
 
 class SharedNorm(ParallelStyle):
-    """A replicated norm weight applied to this rank's heads only: the module becomes SharedWeightRMSNorm."""
+    """A replicated norm weight applied to this rank's heads only: the module becomes SharedWeightRMSNorm
+    (SharedWeightGatedNorm for a norm that takes a gate)."""
 
     def _apply(self, module, mesh):
-        return SharedWeightRMSNorm(module, mesh.get_group())
+        shared = SharedWeightGatedNorm if getattr(module, "gated", False) else SharedWeightRMSNorm
+        return shared(module, mesh.get_group())
 
 
 class VocabParallelEmbedding(nn.Module):
