@@ -6,13 +6,14 @@ import dataclasses
 
 from .attention import ATTENTION
 from .errors import RemodelError
+from .gated_deltanet import GATED_DELTANET
 from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
 from .spec import WIDTHS, LayerKind
 
-KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL)}
+KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET)}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 
 

@@ -1,0 +1,220 @@
+"""The Gated DeltaNet layer kind ('D'): linear attention by the gated delta rule (Qwen3-Next, Qwen3.5,
+OLMo-hybrid); its config section, module and spec (GATED_DELTANET).
+
+in_proj_qkv -> causal depthwise conv + silu over [q | k | v] -> per value head the gated delta rule
+(models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b), log decay g = -exp(A_log) *
+softplus(in_proj_a + dt_bias)) -> a gated RMSNorm per value head (gate in_proj_z) -> out_proj. Value heads
+are grouped under key heads as query heads under KV heads: value head h reads key head h // (Hv // Hk).
+The module stores Qwen3.5's tensors; other families' layouts are their key maps' business. Numerics follow
+transformers' `qwen3_5` torch path; on CUDA the rule runs fla-core's kernel when it imports.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import RemodelError
+from .gdn_kernels import chunk_gated_delta_rule, gated_rms_norm
+from .mamba_kernels import compute_dtype
+from .recompute import maybe_checkpoint
+from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain
+from .spec import LayerKind, Param, Site, Width, sq, top
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(Section):
+    """The Gated DeltaNet kind's fields (transformers' names): key heads of linear_key_head_dim channels,
+    value heads (a multiple of the key heads) of linear_value_head_dim, the conv's kernel; the chunk
+    size of the chunked rule (numerics do not depend on it)."""
+    linear_num_key_heads: int = ints(0, 0, MAX_SMALL, raw={"linear_num_key_heads": 1})
+    linear_num_value_heads: int = ints(0, 0, MAX_SMALL, raw={"linear_num_value_heads": 1})
+    linear_key_head_dim: int = ints(0, 0, MAX_SMALL, raw={"linear_key_head_dim": 1})
+    linear_value_head_dim: int = ints(0, 0, MAX_SMALL, raw={"linear_value_head_dim": 1})
+    linear_conv_kernel_dim: int = ints(4, 1, 1024, raw={"linear_conv_kernel_dim": 1})
+    linear_chunk_size: int = ints(64, 1, MAX_WIDTH)
+    linear_conv_bias: bool = plain(False)
+
+
+class GatedHeadNorm(nn.Module):
+    """RMSNorm over each value head's channels, times silu(gate) (one weight shared by every head)."""
+    gated = True  # tensor parallelism: a shared weight serving this rank's heads, with a gate
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """u [b, l, hidden] -> [b, l, hidden]; attention_mask [b, l] (0: padding) zeroes padded inputs."""
+    recompute_core = False  # models.recompute "selective": conv + rule + norm recomputed in backward
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        H, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        conv, v = GATED_DELTANET.axis_size(cfg, "lin_qkv"), GATED_DELTANET.axis_size(cfg, "lin_v")
+        self.in_proj_qkv = nn.Linear(H, conv, bias=False)
+        self.in_proj_z = nn.Linear(H, v, bias=False)
+        self.in_proj_b = nn.Linear(H, hv, bias=False)
+        self.in_proj_a = nn.Linear(H, hv, bias=False)
+        self.conv1d = nn.Conv1d(conv, conv, cfg.linear_conv_kernel_dim, groups=conv, bias=cfg.linear_conv_bias)
+        self.conv_out = nn.Identity()  # the activation scores read q and k channels here
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.empty(hv))
+        if not self.A_log.is_meta:
+            with torch.no_grad():
+                self.A_log.copy_(torch.empty(hv).uniform_(0.01, 16).log())
+        self.norm = GatedHeadNorm(cfg.linear_value_head_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(v, H, bias=False)
+
+    def forward(self, u, attention_mask=None):
+        if attention_mask is not None:
+            u = u * attention_mask[:, :, None].to(u.dtype)
+        b, l, _ = u.shape
+        a, beta = self.in_proj_a(u), self.in_proj_b(u).sigmoid()
+        cd = compute_dtype(a)  # fp32 (transformers' float()), float64 stays float64
+        g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
+        z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.linear_value_head_dim))
+        out = maybe_checkpoint(self, self._core, self.in_proj_qkv(u), g, beta, z)
+        return self.out_proj(out.flatten(2))
+
+    def _core(self, mixed, g, beta, z):
+        """in_proj_qkv output, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""
+        cfg, hv = self.cfg, self.A_log.shape[0]  # head counts from the shapes (a TP rank holds fewer)
+        K, l = self.conv1d.weight.shape[-1], mixed.shape[1]
+        x = F.conv1d(mixed.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=K - 1,
+                     groups=mixed.shape[-1])[..., :l]
+        x = self.conv_out(F.silu(x).transpose(1, 2))
+        kd = (x.shape[-1] - hv * cfg.linear_value_head_dim) // 2
+        q, k, v = x.split([kd, kd, x.shape[-1] - 2 * kd], dim=-1)
+        q, k = (t.unflatten(-1, (-1, cfg.linear_key_head_dim)) for t in (q, k))
+        o, _ = chunk_gated_delta_rule(q, k, v.unflatten(-1, (hv, -1)), g, beta, cfg.linear_chunk_size)
+        return self.norm(o, z)
+
+
+class GatedDeltaNetKind(LayerKind):
+    def build(self, cfg):
+        return GatedDeltaNet(cfg)
+
+    def validate(self, cfg, need):
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        need(hk > 0 and hv > 0 and cfg.linear_key_head_dim > 0 and cfg.linear_value_head_dim > 0,
+             "Gated DeltaNet layers need linear_num_key_heads, linear_num_value_heads and both head dims > 0")
+        need(hv % hk == 0, f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+
+    def summary(self, cfg):
+        return {k: getattr(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                             "linear_value_head_dim", "linear_conv_kernel_dim")}
+
+    def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
+        """The conv state keeps its kernel's columns of q, k, v; the recurrent state is dk x dv per value head."""
+        conv = self.axis_size(cfg, "lin_qkv", w)
+        return {"gdn_conv_state": batch * conv * cfg.linear_conv_kernel_dim * conv_bytes,
+                "gdn_recurrent_state": batch * w["linear_value_heads"] * w["linear_key_head_dim"]
+                * w["linear_value_head_dim"] * state_bytes}
+
+    def mixing_flops(self, cfg, seq_len):
+        """Per token: the state's read, correction and write (3 dk x dv products per value head) and the
+        chunk's intra-block attention (64 steps of q.k and of the values)."""
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        return 2 * hv * (3 * dk * dv + min(seq_len, cfg.linear_chunk_size) * (dk + dv))
+
+    def sites(self, cfg):
+        qk = self.axis_size(cfg, "lin_qk")
+        return (Site("lin_q", "conv_out", "output", slice(0, qk)), Site("lin_k", "conv_out", "output", slice(qk, 2 * qk)),
+                Site("lin_v", "out_proj", "input", None, "out_proj.weight"))
+
+    def keep(self, cfg, score, t, p):
+        names = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        if not any(n in t for n in names):
+            return {}
+        hk, hv, dk, dv = (getattr(cfg, WIDTH_FIELDS[n]) for n in names)
+        flags = "--linear-key-heads/--linear-value-heads/--linear-key-head-dim/--linear-value-head-dim"
+        qk = torch.stack([score(p + s, (hk, dk), flags) for s in ("lin_q", "lin_k")]).norm(dim=0)  # [hk, dk]
+        sv = score(p + "lin_v", (hv, dv), flags)
+        keep = {}
+        vch = top(sv.norm(dim=0), t["linear_value_head_dim"]) if "linear_value_head_dim" in t else torch.arange(dv)
+        if "linear_key_head_dim" in t:
+            keep[p + "lin_dk"] = top(qk.norm(dim=0), t["linear_key_head_dim"])
+        if "linear_value_head_dim" in t:
+            keep[p + "lin_dv"] = vch
+        if "linear_key_heads" in t or "linear_value_heads" in t:
+            keep.update(self._keep_heads(cfg, sv[:, vch].norm(dim=1), t, p))
+        return keep
+
+    def _keep_heads(self, cfg, heads, t, p):
+        """Key-head groups by the norm of their value heads' scores, then the same number of value heads in
+        every kept group (value heads of a dropped group go with it)."""
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        r, nk = hv // hk, t.get("linear_key_heads", hk)
+        nv = t.get("linear_value_heads", nk * r)
+        if nv % nk or nv // nk > r:
+            raise RemodelError(f"--linear-value-heads {nv} must be a multiple of the {nk} kept key heads and at most "
+                               f"{nk * r} (each key head has {r} value heads); nearest valid: {nk * min(r, max(1, nv // nk))}")
+        groups = top(heads.view(hk, r).norm(dim=1), nk) if nk != hk else torch.arange(hk)
+        per = nv // nk
+        kept = torch.cat([g * r + top(heads[g * r:(g + 1) * r], per) for g in groups.tolist()])
+        out = {p + "lin_v_heads": kept}
+        if nk != hk:
+            out[p + "lin_k_heads"] = groups
+        return out
+
+    def magnitude(self, cfg, local, t):
+        """q and k rows of in_proj_qkv per key channel; v and z rows, out_proj columns per value channel."""
+        if local == "in_proj_qkv.weight":
+            q, k, v = sq(t, 0).split(list(self.segment_sizes(cfg, "lin_qkv").values()))
+            return [("lin_q", q), ("lin_k", k), ("lin_v", v)]
+        if local == "in_proj_z.weight":
+            return [("lin_v", sq(t, 0))]
+        if local == "out_proj.weight":
+            return [("lin_v", sq(t, 1))]
+        return []
+
+    def check_tp(self, cfg, tp, need):
+        need(cfg.linear_num_key_heads % tp == 0, f"tensor parallelism: linear_num_key_heads="
+             f"{cfg.linear_num_key_heads} is not divisible by tp={tp} (heads are split by key-head group)")
+
+
+WIDTH_FIELDS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
+                "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim"}
+GATED_DELTANET = GatedDeltaNetKind(
+    "D", "gated_deltanet",
+    (Param("in_proj_qkv.weight", ("lin_qkv", "hidden")), Param("in_proj_z.weight", ("lin_v", "hidden")),
+     Param("in_proj_b.weight", ("lin_v_heads", "hidden")), Param("in_proj_a.weight", ("lin_v_heads", "hidden")),
+     Param("conv1d.weight", ("lin_qkv", "one", "lin_conv_kernel")), Param("conv1d.bias", ("lin_qkv",), ("linear_conv_bias",)),
+     Param("dt_bias", ("lin_v_heads",)), Param("A_log", ("lin_v_heads",)), Param("norm.weight", ("lin_dv",)),
+     Param("out_proj.weight", ("hidden", "lin_v"))),
+    # in_proj_qkv rows and the conv channels are [q | k | v]: key heads x dk twice, then value heads x dv
+    segments={"lin_qkv": (("q", "lin_qk"), ("k", "lin_qk"), ("v", "lin_v"))},
+    sizes={"lin_k_heads": lambda cfg, w: w["linear_key_heads"], "lin_v_heads": lambda cfg, w: w["linear_value_heads"],
+           "lin_dk": lambda cfg, w: w["linear_key_head_dim"], "lin_dv": lambda cfg, w: w["linear_value_head_dim"],
+           "lin_qk": lambda cfg, w: w["linear_key_heads"] * w["linear_key_head_dim"],
+           "lin_v": lambda cfg, w: w["linear_value_heads"] * w["linear_value_head_dim"],
+           "lin_conv_kernel": lambda cfg, w: cfg.linear_conv_kernel_dim},
+    units={"lin_k_heads": "linear_num_key_heads", "lin_v_heads": "linear_num_value_heads",
+           "lin_dk": "linear_key_head_dim", "lin_dv": "linear_value_head_dim"},
+    products={"lin_qk": ("lin_k_heads", "lin_dk"), "lin_v": ("lin_v_heads", "lin_dv")},
+    scored={"lin_q": ("lin_k_heads", "lin_dk"), "lin_k": ("lin_k_heads", "lin_dk"), "lin_v": ("lin_v_heads", "lin_dv")},
+    widths=tuple(WIDTH_FIELDS),
+    declares=(Width("linear_key_heads", "linear_num_key_heads", None, "lin_k_heads", None, "l.kh",
+                    "Gated DeltaNet key heads (whole groups: each takes its value heads with it)"),
+              Width("linear_value_heads", "linear_num_value_heads", None, "lin_v_heads", None, "l.vh",
+                    "Gated DeltaNet value heads (a multiple of the key heads)", multiple_of="linear_num_key_heads",
+                    why=" (every key-head group keeps the same number of value heads)"),
+              Width("linear_key_head_dim", "linear_key_head_dim", None, "lin_dk", 8, "l.dk",
+                    "Gated DeltaNet key/query head size"),
+              Width("linear_value_head_dim", "linear_value_head_dim", None, "lin_dv", 8, "l.dv",
+                    "Gated DeltaNet value head size")),
+    fixed=("lin_conv_kernel",),
+    tp_axes=("lin_qkv", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
+    tp_plan={"in_proj_qkv": "shard_entry", "in_proj_z": "colwise", "in_proj_b": "colwise", "in_proj_a": "colwise",
+             "conv1d": "shard", "": "shard", "norm": "shared_norm", "out_proj": "rowwise"},
+    config=GatedDeltaNetConfig)
