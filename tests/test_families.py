@@ -231,11 +231,19 @@ PRUNE_CASES = [(f, a) for f in MAIN for a in [*prune_axes(tiny_config(f)), "all"
 @pytest.mark.parametrize("family,axis", PRUNE_CASES)
 def test_pruned_equals_masked(family, axis, root):
     """Width pruning (random scores: the test is about the slicing) gives the logits of the unpruned model
-    with the dropped units zero-masked, on every axis alone and on all at once."""
+    with the dropped units zero-masked, on every axis alone and on all at once. A model with Gated DeltaNet
+    layers is compared in float64 (within 1e-10): its per-head gated norm rescales the rule's small outputs,
+    so fp32 rounding alone moves these tiny random models' logits by ~2e-5 (fp32 vs fp64, unpruned)."""
+    import copy
+
     from remodel.compress.baselines import random_scores
     from remodel.compress.prune import plan_keep, prune_model
+    from remodel.models.gated_deltanet import GATED_DELTANET
+    from remodel.models.kinds import used
     _, model, _ = build(family, MAIN[family], root)
     cfg = model.cfg
+    fp64 = GATED_DELTANET in used(cfg)
+    model = copy.deepcopy(model).double() if fp64 else model
     axes = prune_axes(cfg)
     targets = axes if axis == "all" else {axis: axes[axis]}
     keep = plan_keep(cfg, random_scores(cfg, seed=PRUNE_CASES.index((family, axis))), targets)
@@ -245,7 +253,7 @@ def test_pruned_equals_masked(family, axis, root):
         a, b, full = pruned(x), masked_reference(model, keep)(x), model(x)
     diff, moved = (a - b).abs().max().item(), (a - full).abs().max().item()
     print(f"{family} {axis}: pruned vs masked {diff:.2e}, pruned vs unpruned {moved:.2e}, |logits| {full.abs().max():.2f}")
-    assert diff <= 1e-5
+    assert diff <= (1e-10 if fp64 else 1e-5)
     assert moved > 1e-2  # the pruning did change the model: the comparison is not vacuous
 
 
