@@ -21,6 +21,7 @@ from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
+from remodel.models.kinds import KINDS
 from remodel.models.load import iter_hf_tensors, iter_our_tensors
 from remodel.models.params import count_params
 
@@ -47,11 +48,8 @@ def _params(cfg: ModelConfig, family: str) -> dict:
 
 
 def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
-    full = {"hidden": cfg.hidden_size, "ffn": cfg.intermediate_size, "attn_heads": cfg.num_attention_heads,
-            "mamba_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim,
-            "experts": cfg.n_routed_experts, "expert_ffn": cfg.moe_intermediate_size,
-            "shared_ffn": cfg.moe_shared_expert_intermediate_size, "latent": cfg.moe_latent_size,
-            "layers": cfg.num_layers}
+    full = {"hidden": cfg.hidden_size, "layers": cfg.num_layers,  # and each kind's units (its spec)
+            **{unit: getattr(cfg, field) for k in KINDS.values() for unit, field in k.units.items()}}
     return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
             for k, v in keep.items()}
 

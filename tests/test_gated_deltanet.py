@@ -1,0 +1,137 @@
+"""The Gated DeltaNet kind beyond the family suite (tests/test_families.py runs logits, gradients, export,
+pruned == masked and TP on every family that holds it): its activation scores against a direct computation
+on transformers' own modules, and a tiny Qwen3.5 taken through score -> prune on every GDN width -> eval by
+the CLI alone, the pruned checkpoint reloaded by transformers with the logits of the in-memory pruning."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remodel import cli
+from remodel.compress.importance import score_model
+from remodel.compress.prune import plan_keep, prune_model
+from remodel.compress.scores import load_scores
+from remodel.models.families import FAMILIES
+from remodel.models.load import load_model
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from tests.conftest import hf_pair
+
+CASE = dict(FAMILIES["qwen3_5_text"].tiny["grouped_biased_tied"], vocab_size=2048)  # 3 value heads per key head
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf, ours, d = hf_pair("qwen3_5_text", tmp_path_factory.mktemp("gdn"), "model", 3, **CASE)
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    return hf, ours, d
+
+
+def _direct(hf, batches):
+    """{HF layer j: (q [hk*dk], k, out_proj input [hv*dv])} of sqrt(sum over sequences of the squared
+    sequence mean of |x|): the post-conv q and k channels by hand from linear_attn's input, its out_proj
+    input as transformers computes it."""
+    got, out = {}, {}
+
+    def pre(j):
+        def hook(mod, args, kwargs):
+            got.setdefault(j, []).append(("in", kwargs.get("hidden_states", args[0] if args else None)))
+        return hook
+
+    def pre_out(j):
+        return lambda mod, args: got.setdefault(j, []).append(("out", args[0]))
+    hooks = []
+    for j, layer in enumerate(hf.model.layers):
+        if hasattr(layer, "linear_attn"):
+            hooks += [layer.linear_attn.register_forward_pre_hook(pre(j), with_kwargs=True),
+                      layer.linear_attn.out_proj.register_forward_pre_hook(pre_out(j))]
+    with torch.no_grad():
+        for ids in batches:
+            hf(ids)
+    for h in hooks:
+        h.remove()
+    agg = lambda x: x.abs().mean(1).square().sum(0)  # noqa: E731
+    for j, events in got.items():
+        la = hf.model.layers[j].linear_attn
+        qk = la.key_dim
+        acc = {"q": 0, "k": 0, "v": 0}
+        for what, x in events:
+            if what == "out":
+                acc["v"] = acc["v"] + agg(x)
+                continue
+            mixed = la.in_proj_qkv(x).transpose(1, 2)
+            conv = F.silu(F.conv1d(mixed, la.conv1d.weight, la.conv1d.bias, padding=la.conv_kernel_size - 1,
+                                   groups=mixed.shape[1])[..., :x.shape[1]]).transpose(1, 2)
+            acc["q"], acc["k"] = acc["q"] + agg(conv[..., :qk]), acc["k"] + agg(conv[..., qk:2 * qk])
+        out[j] = {k: v.sqrt() for k, v in acc.items()}
+        out[j]["v"] = out[j]["v"] * la.out_proj.weight.detach().norm(dim=0)
+    return out
+
+
+def test_activation_scores_equal_a_direct_computation(pair):
+    hf, ours, _ = pair
+    cfg = ours.cfg
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 19), generator=g) for _ in range(2)]
+    scores, _ = score_model(ours, batches, loss_increase=False)
+    want = _direct(hf, batches)
+    assert want
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    for j, w in want.items():
+        p = f"layers.{2 * j}."
+        assert scores[p + "lin_q"].shape == (hk, dk) and scores[p + "lin_v"].shape == (hv, dv)
+        for site, key in (("lin_q", "q"), ("lin_k", "k"), ("lin_v", "v")):
+            torch.testing.assert_close(scores[p + site].flatten(), w[key].float(), rtol=1e-4, atol=1e-6)
+
+
+def test_cli_score_prune_every_gdn_width_and_eval(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+    _, ours, d = pair
+    data = str(embedded_corpus()[1])
+    assert cli.main(["inspect", str(d)]) == 0
+    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
+                     "--seq-len", "32"]) == 0
+    targets = {"linear_key_heads": 1, "linear_value_heads": 2, "linear_key_head_dim": 4, "linear_value_head_dim": 4}
+    flags = [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    out = tmp_path / "pruned"
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s")] + flags) == 0
+    assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32"]) == 0
+    pruned = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    c = pruned.config
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (1, 2, 4, 4)
+    scores, _ = load_scores(tmp_path / "s")
+    want_model = prune_model(ours, plan_keep(ours.cfg, scores, targets))
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want, reloaded = pruned(x).logits, want_model(x), load_model(out)(x)
+    assert (got - want).abs().max() <= 1e-4 and (reloaded - want).abs().max() <= 1e-5
+    # a value-head target the kept key-head groups cannot hold evenly: one line, nothing written
+    assert cli.main(["prune", str(d), str(tmp_path / "bad"), "--scores", str(tmp_path / "s"),
+                     "--linear-key-heads", "1", "--linear-value-heads", "4"]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_keep_is_group_aware():
+    """Key-head groups go whole (ranked by their value heads' scores) and every kept group keeps the same
+    number of its own value heads; channels are ranked over all heads."""
+    from remodel.models.config import ModelConfig
+    from remodel.models.gated_deltanet import GATED_DELTANET
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, pattern="D", linear_num_key_heads=2, linear_num_value_heads=6,
+                      linear_key_head_dim=4, linear_value_head_dim=4)
+    sv = torch.ones(6, 4)
+    sv[3:] = 5.0  # group 1 (value heads 3..5) matters most, its head 4 least
+    sv[4] = 2.0
+    sv[0] = 3.0
+    sv[:, 2] = 0.1  # value channel 2 matters least everywhere
+    qk = torch.ones(2, 4)
+    qk[:, 1] = 0.1  # key channel 1 matters least
+    scores = {"p.lin_q": qk, "p.lin_k": qk, "p.lin_v": sv}
+    score = lambda name, shape, why: scores[name]  # noqa: E731
+    keep = GATED_DELTANET.keep(cfg, score, {"linear_key_heads": 1, "linear_value_heads": 2}, "p.")
+    assert keep["p.lin_k_heads"].tolist() == [1] and keep["p.lin_v_heads"].tolist() == [3, 5]
+    keep = GATED_DELTANET.keep(cfg, score, {"linear_value_heads": 4, "linear_key_head_dim": 3,
+                                            "linear_value_head_dim": 3}, "p.")
+    assert "p.lin_k_heads" not in keep and keep["p.lin_v_heads"].tolist() == [0, 1, 3, 5]
+    assert keep["p.lin_dk"].tolist() == [0, 2, 3] and keep["p.lin_dv"].tolist() == [0, 1, 3]
