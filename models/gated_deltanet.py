@@ -1,11 +1,12 @@
 """The Gated DeltaNet layer kind ('D'): linear attention by the gated delta rule (Qwen3-Next, Qwen3.5,
 OLMo-hybrid); its config section, module and spec (GATED_DELTANET).
 
-in_proj_qkv -> causal depthwise conv + silu over [q | k | v] -> per value head the gated delta rule
+in_proj_q, _k, _v -> causal depthwise conv + silu over [q | k | v] -> per value head the gated delta rule
 (models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b), log decay g = -exp(A_log) *
 softplus(in_proj_a + dt_bias)) -> a gated RMSNorm per value head (gate in_proj_z) -> out_proj. Value heads
 are grouped under key heads as query heads under KV heads: value head h reads key head h // (Hv // Hk).
-The module stores Qwen3.5's tensors; other families' layouts are their key maps' business. Numerics follow
+The module stores every projection apart (as OLMo-hybrid does); Qwen3.5's fused in_proj_qkv and Qwen3-Next's
+per-key-head in_proj_qkvz are parts of one HF tensor in their key maps (models.families.family.Part). Numerics follow
 transformers' `qwen3_5` torch path; on CUDA the rule runs fla-core's kernel when it imports.
 """
 from __future__ import annotations
@@ -61,7 +62,9 @@ class GatedDeltaNet(nn.Module):
         self.cfg = cfg
         H, hv = cfg.hidden_size, cfg.linear_num_value_heads
         conv, v = GATED_DELTANET.axis_size(cfg, "lin_qkv"), GATED_DELTANET.axis_size(cfg, "lin_v")
-        self.in_proj_qkv = nn.Linear(H, conv, bias=False)
+        qk = GATED_DELTANET.axis_size(cfg, "lin_qk")
+        self.in_proj_q, self.in_proj_k = nn.Linear(H, qk, bias=False), nn.Linear(H, qk, bias=False)
+        self.in_proj_v = nn.Linear(H, v, bias=False)
         self.in_proj_z = nn.Linear(H, v, bias=False)
         self.in_proj_b = nn.Linear(H, hv, bias=False)
         self.in_proj_a = nn.Linear(H, hv, bias=False)
@@ -83,11 +86,12 @@ class GatedDeltaNet(nn.Module):
         cd = compute_dtype(a)  # fp32 (transformers' float()), float64 stays float64
         g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
         z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.linear_value_head_dim))
-        out = maybe_checkpoint(self, self._core, self.in_proj_qkv(u), g, beta, z)
+        mixed = torch.cat([self.in_proj_q(u), self.in_proj_k(u), self.in_proj_v(u)], dim=-1)
+        out = maybe_checkpoint(self, self._core, mixed, g, beta, z)
         return self.out_proj(out.flatten(2))
 
     def _core(self, mixed, g, beta, z):
-        """in_proj_qkv output, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""
+        """[q | k | v] projections, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""
         cfg, hv = self.cfg, self.A_log.shape[0]  # head counts from the shapes (a TP rank holds fewer)
         K, l = self.conv1d.weight.shape[-1], mixed.shape[1]
         x = F.conv1d(mixed.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=K - 1,
@@ -168,12 +172,11 @@ class GatedDeltaNetKind(LayerKind):
         return out
 
     def magnitude(self, cfg, local, t):
-        """q and k rows of in_proj_qkv per key channel; v and z rows, out_proj columns per value channel."""
-        if local == "in_proj_qkv.weight":
-            q, k, v = sq(t, 0).split(list(self.segment_sizes(cfg, "lin_qkv").values()))
-            return [("lin_q", q), ("lin_k", k), ("lin_v", v)]
-        if local == "in_proj_z.weight":
-            return [("lin_v", sq(t, 0))]
+        """q and k rows per key channel; v and z rows, out_proj columns per value channel."""
+        site = {"in_proj_q.weight": "lin_q", "in_proj_k.weight": "lin_k", "in_proj_v.weight": "lin_v",
+                "in_proj_z.weight": "lin_v"}.get(local)
+        if site:
+            return [(site, sq(t, 0))]
         if local == "out_proj.weight":
             return [("lin_v", sq(t, 1))]
         return []
@@ -187,12 +190,13 @@ WIDTH_FIELDS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads"
                 "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim"}
 GATED_DELTANET = GatedDeltaNetKind(
     "D", "gated_deltanet",
-    (Param("in_proj_qkv.weight", ("lin_qkv", "hidden")), Param("in_proj_z.weight", ("lin_v", "hidden")),
+    (Param("in_proj_q.weight", ("lin_qk", "hidden")), Param("in_proj_k.weight", ("lin_qk", "hidden")),
+     Param("in_proj_v.weight", ("lin_v", "hidden")), Param("in_proj_z.weight", ("lin_v", "hidden")),
      Param("in_proj_b.weight", ("lin_v_heads", "hidden")), Param("in_proj_a.weight", ("lin_v_heads", "hidden")),
      Param("conv1d.weight", ("lin_qkv", "one", "lin_conv_kernel")), Param("conv1d.bias", ("lin_qkv",), ("linear_conv_bias",)),
      Param("dt_bias", ("lin_v_heads",)), Param("A_log", ("lin_v_heads",)), Param("norm.weight", ("lin_dv",)),
      Param("out_proj.weight", ("hidden", "lin_v"))),
-    # in_proj_qkv rows and the conv channels are [q | k | v]: key heads x dk twice, then value heads x dv
+    # the conv's channels are [q | k | v]: key heads x dk twice, then value heads x dv
     segments={"lin_qkv": (("q", "lin_qk"), ("k", "lin_qk"), ("v", "lin_v"))},
     sizes={"lin_k_heads": lambda cfg, w: w["linear_key_heads"], "lin_v_heads": lambda cfg, w: w["linear_value_heads"],
            "lin_dk": lambda cfg, w: w["linear_key_head_dim"], "lin_dv": lambda cfg, w: w["linear_value_head_dim"],
@@ -214,7 +218,7 @@ GATED_DELTANET = GatedDeltaNetKind(
               Width("linear_value_head_dim", "linear_value_head_dim", None, "lin_dv", 8, "l.dv",
                     "Gated DeltaNet value head size")),
     fixed=("lin_conv_kernel",),
-    tp_axes=("lin_qkv", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
-    tp_plan={"in_proj_qkv": "shard_entry", "in_proj_z": "colwise", "in_proj_b": "colwise", "in_proj_a": "colwise",
+    tp_axes=("lin_qkv", "lin_qk", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
+    tp_plan={"in_proj_q": "colwise", "in_proj_k": "colwise", "in_proj_v": "colwise", "in_proj_z": "colwise", "in_proj_b": "colwise", "in_proj_a": "colwise",
              "conv1d": "shard", "": "shard", "norm": "shared_norm", "out_proj": "rowwise"},
     config=GatedDeltaNetConfig)

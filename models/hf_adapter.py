@@ -97,7 +97,21 @@ def to_hf_part(cfg: ModelConfig, family: str, our_name: str, expert: int | None 
     several of ours, which part of it. RemodelError when the family has no such tensor."""
     hf, values, part = _lookup(cfg, family, our_name)
     _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
-    return replace(part, name=hf.fill({**values, "e": expert}))
+    blocks = getattr(cfg, part.blocks) if isinstance(part.blocks, str) else part.blocks
+    return replace(part, name=hf.fill({**values, "e": expert}), blocks=blocks,
+                   sizes=_sibling_sizes(cfg, family, hf, values, part) if part.sized else ())
+
+
+def _sibling_sizes(cfg: ModelConfig, family: str, hf, values: dict, part: Part) -> tuple:
+    """The sizes along part.dim of every one of our tensors that the HF tensor concatenates, in part order."""
+    have, sizes = shapes(cfg), [0] * part.count
+    ours_values = {k: _INDEX[k][1](v) for k, v in values.items()}
+    for entries in _compiled(family, 0).values():
+        for ours, other, p in entries:
+            if other.text == hf.text and p.count == part.count:
+                name = ours.fill(ours_values)
+                sizes[p.index] = have[name][part.dim] if name in have else 0
+    return tuple(sizes)
 
 
 def to_hf_name(cfg: ModelConfig, family: str, our_name: str, expert: int | None = None) -> str:

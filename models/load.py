@@ -188,7 +188,7 @@ def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch
             got[part.index] = t
             if any(x is None for x in got):
                 continue
-            t = torch.cat(parts.pop(hf), dim=part.dim - (e is not None))
+            t = part.join(parts.pop(hf), part.dim - (e is not None))
         yield hf, t
     if parts:
         raise RemodelError(f"internal: HF tensors left without all their parts: {sorted(parts)[:3]}")

@@ -89,8 +89,8 @@ class RegionReader:
         idx = [torch.arange(n) if i is None else i for n, i in zip(shape, index)]
         out = torch.empty([len(i) for i in idx], dtype=dtype)
         rows, part = self.rows[name], self.parts[name]
-        if part.count > 1:  # our part of a concatenation: its indices start at part.index * our size
-            idx = [i + part.index * shape[d] if d == part.dim else i for d, i in enumerate(idx)]
+        if part.count > 1:  # our part of a concatenation: where our indices lie in the HF tensor
+            idx = [part.hf_index(i, shape[d]) if d == part.dim else i for d, i in enumerate(idx)]
         if rows[0][1] is not None:  # dim 0 = experts, one HF tensor each
             for pos, e in enumerate(idx[0].tolist()):
                 self._fill(out[pos], self._entry(rows[e][0], e), idx[1:])

@@ -108,7 +108,7 @@ def _mask_mamba(cfg, m, keep, p):
 def _mask_gdn(cfg, m, keep, p):
     """Gated DeltaNet: dropped value heads (a dropped key-head group's among them) and value channels write
     nothing through out_proj; dropped value channels and key channels are zero inputs of the rule (zero rows of
-    in_proj_qkv: the state never holds them, the L2 norms do not see them). The per-head gated norm then
+    q / k / v projections: the state never holds them, the L2 norms do not see them). The per-head gated norm then
     averages over the kept value channels, and q's scale dk**-0.5 becomes dk'**-0.5: the rule's output is
     linear in q, so the norm's input is scaled by sqrt(dk / dk') -- what the sliced model computes."""
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -118,12 +118,11 @@ def _mask_gdn(cfg, m, keep, p):
     mask = torch.zeros(hv, dv)
     mask[heads[:, None], vch[None, :]] = 1
     m.out_proj.weight[:, mask.reshape(-1) == 0] = 0
-    w = m.in_proj_qkv.weight
     for h in range(hv):
-        w[2 * hk * dk + h * dv + dropped(vch, dv)] = 0
+        m.in_proj_v.weight[h * dv + dropped(vch, dv)] = 0
     for h in range(hk):
-        w[h * dk + dropped(kch, dk)] = 0
-        w[hk * dk + h * dk + dropped(kch, dk)] = 0
+        m.in_proj_q.weight[h * dk + dropped(kch, dk)] = 0
+        m.in_proj_k.weight[h * dk + dropped(kch, dk)] = 0
     norm, n, c = m.norm, len(vch), (dk / len(kch)) ** 0.5
 
     def forward(x, gate):

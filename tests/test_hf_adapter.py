@@ -143,3 +143,25 @@ def test_unknown_hf_names_are_refused():
             from_hf_name(cfg, "llama", hf)
     with pytest.raises(RemodelError):
         to_hf_name(cfg, "gpt2", "embeddings.weight")
+
+
+def test_part_of_unequal_and_interleaved_parts_round_trips():
+    """A Part of unequal sizes (Qwen3.5's in_proj_qkv: q, k, v) and of per-group blocks (Qwen3-Next's
+    in_proj_qkvz: per key head q, k, v, z): narrowing every part and joining them gives the HF tensor back,
+    and hf_index maps our indices to the rows narrow reads."""
+    import torch
+
+    from remodel.models.families.family import Part
+    sizes = (4, 4, 12, 12)  # 2 groups: per group q 2, k 2, v 6, z 6
+    hf = torch.arange(32 * 3).view(32, 3)
+    for blocks in (1, 2):
+        parts = [Part("x", 0, i, 4, sized=True, blocks=blocks, sizes=sizes) for i in range(4)]
+        got = [p.narrow(hf) for p in parts]
+        assert [t.shape[0] for t in got] == list(sizes)
+        assert torch.equal(parts[0].join(got, 0), hf)
+        for p, t in zip(parts, got):
+            assert torch.equal(hf[p.hf_index(torch.arange(t.shape[0]), t.shape[0])], t)
+            assert p.hf_shape(tuple(t.shape)) == (32, 3)
+    per_group = Part("x", 0, 2, 4, sized=True, blocks=2, sizes=sizes).narrow(hf)
+    assert torch.equal(per_group, torch.cat([hf[4:10], hf[20:26]]))  # group 0's v rows, then group 1's
+    assert torch.equal(Part("x", 0, 1, 2).narrow(hf), hf[16:])  # equal halves (granite's gate/up) unchanged

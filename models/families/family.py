@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import torch
 from dataclasses import dataclass, field
 
 from remodel.models.attention import ATTENTION
@@ -211,23 +213,43 @@ class Family:
 
 @dataclass(frozen=True)
 class Part:
-    """A key-map value (and what `to_hf_part` returns): our tensor is part `index` of `count` equal parts,
-    along our tensor's dimension `dim`, of the HF tensor `name`, which concatenates them in index order.
-    A plain tensor is part 0 of 1."""
+    """A key-map value (and what `to_hf_part` returns): our tensor is part `index` of `count` parts, along our
+    tensor's dimension `dim`, of the HF tensor `name`, which concatenates them in index order. A plain
+    tensor is part 0 of 1. Parts are equal unless `sized` (then to_hf_part fills `sizes`, every part's size
+    read from our shapes); `blocks` (an int or a config field, resolved by to_hf_part): the HF tensor is
+    that many groups each concatenating one equal block of every part (Qwen3-Next's per-key-head qkvz)."""
     name: str
     dim: int = 0
     index: int = 0
     count: int = 1
+    sized: bool = False
+    blocks: int | str = 1
+    sizes: tuple = ()
+
+    def _sizes(self, ours: int) -> tuple:
+        return self.sizes or (ours,) * self.count
 
     def narrow(self, hf_tensor, expert: int | None = None):
         """Our part of the HF tensor (of one expert's HF tensor when `expert` is given: dim counts ours)."""
         if self.count == 1:
             return hf_tensor
-        d = self.dim - (expert is not None)
-        size = hf_tensor.shape[d] // self.count
-        return hf_tensor.narrow(d, self.index * size, size)
+        d, b = self.dim - (expert is not None), self.blocks
+        sizes = self.sizes or (hf_tensor.shape[d] // self.count,) * self.count
+        grouped = hf_tensor.unflatten(d, (b, -1))
+        return grouped.narrow(d + 1, sum(sizes[:self.index]) // b, sizes[self.index] // b).flatten(d, d + 1)
 
     def hf_shape(self, shape: tuple, expert: int | None = None) -> tuple:
         """The HF tensor's shape given our part's `shape` (one expert's, when `expert` is given)."""
         d = self.dim - (expert is not None)
-        return tuple(n * self.count if k == d else n for k, n in enumerate(shape))
+        return tuple(sum(self._sizes(n)) if k == d else n for k, n in enumerate(shape))
+
+    def hf_index(self, i, ours: int):
+        """The HF tensor's indices along dim of our indices `i` (a LongTensor) along our dim of size `ours`."""
+        sizes, b = self._sizes(ours), self.blocks
+        per = sizes[self.index] // b
+        return (i // per) * (sum(sizes) // b) + sum(sizes[:self.index]) // b + i % per
+
+    def join(self, parts: list, dim: int):
+        """The HF tensor from all its parts (ours, in index order) along `dim`."""
+        b = self.blocks
+        return torch.cat([t.unflatten(dim, (b, -1)) for t in parts], dim + 1).flatten(dim, dim + 1)

@@ -12,7 +12,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.gated_deltanet import GATED_DELTANET
 from remodel.models.kinds import used
 
-from .family import Family, read_rope
+from .family import Family, Part, read_rope
 
 BLOCK_TYPES = {"linear_attention": "D", "full_attention": "*"}  # HF layer type -> our mixer layer
 _MLP = "-"
@@ -81,6 +81,8 @@ class Qwen35(Family):
                     for p in ("gate_proj", "up_proj", "down_proj")})
         for k, module in _HF_MIXER:
             out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}" for p in k.params})
+        fused = "model.layers.{a}.linear_attn.in_proj_qkv.weight"  # our q, k, v projections, unequal parts
+        out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(fused, 0, i, 3, sized=True) for i, x in enumerate("qkv")})
         return out
 
     def claims(self, cfg):
