@@ -13,6 +13,7 @@ from remodel.pipelines.commands.plan import candidate_config, plan
 from tests.conftest import hf_meta_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+README = (CONFIGS / "README.md").read_text()
 # name -> (our total, the size in the name as (value, decimals of 1e9) it is rounded to)
 SIZES = {"qwen3.5-0.8b": (752_393_024, (0.8, 1)), "qwen3.5-2b": (1_881_825_088, (2, 0)),
          "qwen3.5-4b": (4_205_751_296, (4, 0)), "qwen3.5-9b": (8_953_803_264, (9, 0)),
@@ -36,6 +37,7 @@ def test_inspect_equals_transformers_and_the_name(name):
     total, (card, digits) = SIZES[name]
     assert p["total"] == p["active"] == p["hf_total"] == hf_total(d) == total
     assert round(total / 1e9, digits) == card
+    assert f"`{name}.json`" in README and f"{total:,}" in README  # the provenance table states this count
 
 
 def test_plan_27b_to_20b_counts_exactly_in_transformers():
