@@ -1,0 +1,55 @@
+"""The released dense Qwen3.5 text models (models/configs/qwen3.5-*.json, provenance in its README): `inspect`
+by name counts exactly what transformers' Qwen3_5ForCausalLM built from each file holds, that total rounds to
+the size in the model's name, and `plan` over the 27B at full size (-> 20B) returns candidates whose exported
+configs transformers counts exactly as plan does."""
+import json
+from pathlib import Path
+
+import pytest
+
+from remodel.models.hf import config_from_hf, config_to_hf
+from remodel.pipelines.commands.inspection import inspect
+from remodel.pipelines.commands.plan import candidate_config, plan
+from tests.conftest import hf_meta_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+README = (CONFIGS / "README.md").read_text()
+# name -> (our total, the size in the name as (value, decimals of 1e9) it is rounded to)
+SIZES = {"qwen3.5-0.8b": (752_393_024, (0.8, 1)), "qwen3.5-2b": (1_881_825_088, (2, 0)),
+         "qwen3.5-4b": (4_205_751_296, (4, 0)), "qwen3.5-9b": (8_953_803_264, (9, 0)),
+         "qwen3.5-27b": (26_895_998_464, (27, 0))}
+
+
+def load(name) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def hf_total(d: dict) -> int:
+    return sum(p.numel() for p in hf_meta_model(d).parameters())
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_inspect_equals_transformers_and_the_name(name):
+    """Dense: active == total; the text model alone (no vision tower, no MTP layer) rounds to the name."""
+    d = load(name)
+    assert d["model_type"] == "qwen3_5_text" and len(d["layer_types"]) == d["num_hidden_layers"]
+    p = inspect(name)["params"]
+    total, (card, digits) = SIZES[name]
+    assert p["total"] == p["active"] == p["hf_total"] == hf_total(d) == total
+    assert round(total / 1e9, digits) == card
+    assert f"`{name}.json`" in README and f"{total:,}" in README  # the provenance table states this count
+
+
+def test_plan_27b_to_20b_counts_exactly_in_transformers():
+    """Plan at full size: 3 candidates within 2% under 20B, some dropping decoder layers; each exported as a
+    qwen3_5_text config.json builds a transformers model of exactly plan's count."""
+    budget = 20e9
+    d = plan("qwen3.5-27b", params=budget, top=3, verbose=False)
+    cands, src = d["candidates"], config_from_hf(load("qwen3.5-27b"))
+    assert d["family"] == "qwen3_5_text" and d["source_params"]["params"] == SIZES["qwen3.5-27b"][0]
+    assert len(cands) == 3 and all(0.98 * budget <= c["params"] <= budget for c in cands)
+    assert any(c["prune_targets"].get("drop_layers") for c in cands)
+    for c in cands:
+        hf = config_to_hf(candidate_config(src, c, d["family"]), d["family"])
+        assert hf["model_type"] == "qwen3_5_text"
+        assert hf_total(hf) == c["params"] == c["active_params"], c["widths"]
