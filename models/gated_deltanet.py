@@ -7,11 +7,11 @@ softplus(in_proj_a + dt_bias)) -> a gated RMSNorm per value head (gate in_proj_z
 are grouped under key heads as query heads under KV heads: value head h reads key head h // (Hv // Hk).
 The module stores every projection apart (as OLMo-hybrid does); Qwen3.5's fused in_proj_qkv and Qwen3-Next's
 per-key-head in_proj_qkvz are parts of one HF tensor in their key maps (models.families.family.Part). Numerics follow
-transformers' `qwen3_5` torch path; on CUDA the rule runs fla-core's kernel when it imports.
+transformers' `qwen3_5` torch path; on CUDA the rule runs fla-core's kernel and the conv causal-conv1d's or
+fla-core's when they import.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import RemodelError
+from . import gdn_kernels
 from .gdn_kernels import chunk_gated_delta_rule, gated_rms_norm
+from .mamba import GpuKernels, causal_conv_silu, gpu_kernels
 from .mamba_kernels import compute_dtype
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain
@@ -38,6 +40,12 @@ class GatedDeltaNetConfig(Section):
     linear_conv_kernel_dim: int = ints(4, 1, 1024, raw={"linear_conv_kernel_dim": 1})
     linear_chunk_size: int = ints(64, 1, MAX_WIDTH)
     linear_conv_bias: bool = plain(False)
+
+
+def conv_kernels(x) -> GpuKernels:
+    """The Mamba path's GPU convs (causal-conv1d's, else fla-core's Triton conv) for a CUDA x where they
+    import and gdn_kernels.USE_KERNEL is on; none elsewhere (one F.conv1d)."""
+    return gpu_kernels() if x.is_cuda and gdn_kernels.USE_KERNEL else GpuKernels()
 
 
 class GatedHeadNorm(nn.Module):
@@ -93,10 +101,8 @@ class GatedDeltaNet(nn.Module):
     def _core(self, mixed, g, beta, z):
         """[q | k | v] projections, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""
         cfg, hv = self.cfg, self.A_log.shape[0]  # head counts from the shapes (a TP rank holds fewer)
-        K, l = self.conv1d.weight.shape[-1], mixed.shape[1]
-        x = F.conv1d(mixed.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=K - 1,
-                     groups=mixed.shape[-1])[..., :l]
-        x = self.conv_out(F.silu(x).transpose(1, 2))
+        k = conv_kernels(mixed)
+        x = self.conv_out(causal_conv_silu(mixed, self.conv1d, k.conv, k.conv_fla))
         kd = (x.shape[-1] - hv * cfg.linear_value_head_dim) // 2
         q, k, v = x.split([kd, kd, x.shape[-1] - 2 * kd], dim=-1)
         q, k = (t.unflatten(-1, (-1, cfg.linear_key_head_dim)) for t in (q, k))

@@ -135,3 +135,57 @@ def test_keep_is_group_aware():
                                             "linear_value_head_dim": 3}, "p.")
     assert "p.lin_k_heads" not in keep and keep["p.lin_v_heads"].tolist() == [0, 1, 3, 5]
     assert keep["p.lin_dk"].tolist() == [0, 2, 3] and keep["p.lin_dv"].tolist() == [0, 1, 3]
+
+
+def _mixer(seed=0):
+    from remodel.models.config import ModelConfig
+    from remodel.models.gated_deltanet import GatedDeltaNet
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=8, hidden_size=16, pattern="D", linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8)
+    return GatedDeltaNet(cfg).eval()
+
+
+def test_gpu_conv_kernel_gets_the_conv_and_its_output_is_used(monkeypatch):
+    """On CUDA the conv goes through the Mamba path's GPU conv (causal-conv1d's, else fla-core's): a stand-in
+    with fla's signature, forced in on CPU, receives x [b, l, C] and the depthwise weight, and the mixer's
+    output is computed from what it returns (break: the kernel's result ignored -> the doubled output is not seen)."""
+    import remodel.models.gated_deltanet as G
+    from remodel.models.mamba import GpuKernels
+    m = _mixer()
+    u = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        want = m(u)
+    calls = []
+
+    def fla(x, w, b, activation):
+        calls.append((tuple(x.shape), tuple(w.shape), activation))
+        y = F.conv1d(x.transpose(1, 2), w[:, None], b, padding=w.shape[-1] - 1, groups=w.shape[0])[..., :x.shape[1]]
+        return F.silu(y.transpose(1, 2)), None
+    monkeypatch.setattr(G, "conv_kernels", lambda x: GpuKernels(conv_fla=fla))
+    with torch.no_grad():
+        got = m(u)
+    assert calls == [((2, 9, 64), (64, 4), "silu")]  # conv channels: q, k 2 x 8 each, v 4 x 8
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(G, "conv_kernels", lambda x: GpuKernels(conv_fla=lambda *a, **k: (2 * fla(*a, **k)[0], None)))
+    with torch.no_grad():
+        assert (m(u) - want).abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixer_with_gpu_kernels_equals_pure_path_on_gpu(monkeypatch):
+    """On a GPU: the mixer with fla-core's rule and the GPU conv (where installed) against the pure-PyTorch path,
+    forward and every gradient, in fp32 (bf16-sized tolerance: the Triton kernels' own accumulation)."""
+    from remodel.models import gdn_kernels
+    m = _mixer().cuda()
+    u = torch.randn(2, 70, 16, device="cuda", requires_grad=True)
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(gdn_kernels, "USE_KERNEL", on)
+        m.zero_grad()
+        u.grad = None
+        y = m(u)
+        y.square().sum().backward()
+        outs.append([y.detach(), u.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-5
