@@ -241,3 +241,35 @@ def test_whole_tensor_path_equals_transformers(case, root, monkeypatch):
     with torch.no_grad():
         ref, out = hf(ids(4)).logits, ours(ids(4))
     assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_upcycle_deviation_check_is_the_forward_with_every_multiplier(root):
+    """Issue 40 Deliver 3, Falcon-H1's half: `remodel upcycle` refuses Falcon-H1 in one line (no MoE family
+    holds parallel mixers), so no written checkpoint exists; the deviation check itself (upcycle.deviation's
+    StreamCheck, which the command runs layer by layer as weights stream) is run here on the tensors of a
+    Falcon-H1 model with every multiplier != 1, its MLP layers upcycled in memory. Its logit deviation equals
+    the difference of two whole forwards: the in-memory MoE model's and transformers' Falcon-H1 (the source),
+    so the streamed forward applies the embedding, key, attention / SSM in-out, per-segment SSM and lm_head
+    multipliers as transformers does (break: final_hidden without lm_head_multiplier -> fails)."""
+    from remodel.upcycle.deviation import StreamCheck
+    from remodel.upcycle.virtual_groups import layer_seed, make_plan, router_weight, upcycle_mlp, upcycle_model
+    hf, ours, _ = build("scaled", root)
+    cfg = ours.cfg
+    assert all(CASES["scaled"][k] != 1 for k in SCALARS)
+    p = make_plan(cfg, 8, 2, 2)
+    moe, _ = upcycle_model(ours, p, seed=3)
+    check = StreamCheck(cfg, moe.cfg, seed=1, sequences=2, seq_len=24)
+    state = ours.state_dict()
+    for key in ["embeddings.weight"] + [f"layers.{i}" for i in range(cfg.num_layers)] + ["norm_f.weight", "lm_head.weight"]:
+        group = {k: v for k, v in state.items() if k == key or k.startswith(key + ".")}
+        upcycled = None
+        if key.startswith("layers.") and ours.layers[int(key.split(".")[1])].spec.upcycles_to:
+            m, i = key + ".mixer.", int(key.split(".")[1])
+            upcycled = upcycle_mlp(p, state[m + "up_proj.weight"], state[m + "down_proj.weight"],
+                                   state[m + "gate_proj.weight"], router_weight(p, cfg.hidden_size, layer_seed(3, i)))
+        check.feed(key, group, upcycled)
+    with torch.no_grad():
+        want = (moe(check.ids) - hf(check.ids).logits).abs().max().item()
+    assert want > 1e-3  # a deviation worth comparing (the experts drop the MLP multipliers, the split is not exact)
+    got = check.result["max_abs_logit_diff"]
+    assert abs(got - want) <= 1e-4 * want + 1e-5, (got, want)

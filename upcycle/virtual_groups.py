@@ -269,8 +269,5 @@ def upcycle_model(model, p: Plan, family: str | None = None, seed: int = 0, roun
     with torch.device("meta"):
         new = HybridLM(new_cfg)
     new.load_state_dict(state, strict=True, assign=True)
-    for old, layer in zip(model.layers, new.layers):  # non-persistent buffers (RoPE frequencies)
-        for name, buf in old.mixer.named_buffers(recurse=False):
-            if name not in layer.mixer.state_dict():
-                setattr(layer.mixer, name, buf)
+    new.init_buffers(next(model.parameters()).device)  # non-persistent buffers (RoPE frequencies), every module's
     return new.eval(), p
