@@ -62,7 +62,7 @@ class Qwen35Moe(Qwen35):
 
 
 _MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"},  # (the dense MLPs' size: none here)
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20}
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}
 QWEN3_5_MOE_TEXT = Qwen35Moe(
     "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", depth=2, moe=True, routers=("topk-softmax",), shared_expert_gate=True,
     block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"),
