@@ -68,9 +68,10 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x):
-        """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k])."""
+        """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k]); fp64 stays fp64."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        dt = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dt), self.weight.to(dt))
         k = cfg.num_experts_per_tok
         if cfg.router == "sigmoid":
             scores = logits.sigmoid()
@@ -217,8 +218,8 @@ class Experts(nn.Module):
             rows, local, back = ex.dispatch(rows, counts)
             y = ex.combine(self._run(rows, local, every=True), back)
         w = weights.reshape(-1).index_select(0, order)
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-        out = out.index_add(0, token, (y * w[:, None]).float()).to(x.dtype)
+        out = torch.zeros(T, x.shape[-1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        out = out.index_add(0, token, (y * w[:, None]).to(out.dtype)).to(x.dtype)
         return out if ex is None else ex.leave(out, T_all)
 
 

@@ -54,7 +54,8 @@ def _masked_softmax_router(gate, drop):
     cfg = gate.cfg
 
     def forward(x):
-        logits = F.linear(x.float(), gate.weight.float())
+        dt = torch.promote_types(x.dtype, torch.float32)  # as models.moe.Router: fp64 stays fp64
+        logits = F.linear(x.to(dt), gate.weight.to(dt))
         logits[:, drop] = float("-inf")
         w, idx = logits.softmax(-1).topk(cfg.num_experts_per_tok, dim=-1)
         if cfg.norm_topk_prob:

@@ -22,34 +22,40 @@ _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_di
 
 
 class Qwen35(Family):
+    """FFN: our layer kind of every odd layer (the dense member's MLP; the MoE member's in qwen3_5_moe.py)."""
+    FFN = _MLP
+
     def required(self, h):
         return [("num_hidden_layers",), ("intermediate_size",), ("layer_types",)]
 
-    def from_hf(self, h, extra):
+    def common(self, h, extra: dict) -> dict:
+        """The ModelConfig fields the dense and MoE members read alike: every field but the FFN sizes."""
         if h.hidden_act != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
         if unknown:
             raise RemodelError(f"'layer_types' has unknown types {unknown} (known: {', '.join(BLOCK_TYPES)})")
         theta, _, rotary = read_rope(h, self.name, partial=True)
-        return ModelConfig(
+        return dict(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps, norm_offset=1.0,
-            pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
+            pattern="".join(BLOCK_TYPES[t] + self.FFN for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
             num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
             head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
             rope_theta=theta, partial_rotary_factor=rotary, qk_norm=True, attn_output_gate=True,
             attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
-            intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True,
-            **{k: getattr(h, k) for k in _LINEAR}, extra=extra)
+            mlp_act="silu", mlp_gated=True, **{k: getattr(h, k) for k in _LINEAR}, extra=extra)
+
+    def from_hf(self, h, extra):
+        return ModelConfig(intermediate_size=h.intermediate_size, **self.common(h, extra))
 
     def check(self, cfg, need):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
         mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
-        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {_MLP},
-             f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {self.FFN},
+             f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + {self.FFN!r} pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3.5 RMSNorm is zero-centred (norm_offset 1)")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
+        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs / experts without bias")
         if ATTENTION in used(cfg):
             need(cfg.attn_output_gate and cfg.qk_norm, "Qwen3.5 attention has an output gate and q/k norms")
             need(cfg.rope_theta is not None and cfg.rope_scaling is None, f"{self.name} attention uses default RoPE")
@@ -68,8 +74,10 @@ class Qwen35(Family):
             attention_bias=cfg.attention_bias,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0,
                              "partial_rotary_factor": cfg.partial_rotary_factor},
-            intermediate_size=cfg.intermediate_size,
-            **{k: getattr(cfg, k) or 1 for k in _LINEAR})
+            **{k: getattr(cfg, k) or 1 for k in _LINEAR}, **self.ffn_to_hf(cfg))
+
+    def ffn_to_hf(self, cfg) -> dict:
+        return {"intermediate_size": cfg.intermediate_size}
 
     def key_map(self):
         """Our layer 2j's mixer is HF layer j's `linear_attn` or `self_attn`, 2j+1's MLP its `mlp`."""
@@ -77,28 +85,34 @@ class Qwen35(Family):
                "layers.{a}.norm.weight": "model.layers.{a}.input_layernorm.weight",
                "layers.{m}.norm.weight": "model.layers.{m}.post_attention_layernorm.weight",
                "norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-        out.update({f"layers.{{m}}.mixer.{p}.weight": f"model.layers.{{m}}.mlp.{p}.weight"
-                    for p in ("gate_proj", "up_proj", "down_proj")})
         for k, module in _HF_MIXER:
             out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}" for p in k.params})
         fused = "model.layers.{a}.linear_attn.in_proj_qkv.weight"  # our q, k, v projections, unequal parts
         out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(fused, 0, i, 3, sized=True) for i, x in enumerate("qkv")})
-        return out
+        return {**out, **self.ffn_keys()}
+
+    def ffn_keys(self) -> dict:
+        """The key map of the odd layers' FFN (HF layer j's `mlp`)."""
+        return {f"layers.{{m}}.mixer.{p}.weight": f"model.layers.{{m}}.mlp.{p}.weight"
+                for p in ("gate_proj", "up_proj", "down_proj")}
 
     def claims(self, cfg):
         return self.holds(cfg)
 
+    def upcycle_into(self, cfg, router, shared):
+        return "qwen3_5_moe_text"
 
-_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
+
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
              linear_value_head_dim=6, linear_conv_kernel_dim=4,
              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 QWEN3_5_TEXT = Qwen35("qwen3_5_text", "Qwen3_5ForCausalLM", depth=2, block_types=BLOCK_TYPES,
                       variants=("attention_gate", "zero_centred_norm"),
-                      upcycle_help="none yet (qwen3_5_moe is not read yet)",
+                      upcycle_help="qwen3_5_moe_text (its shared expert is gated)",
                       # three value heads per key head, attention first with every bias, tied, half the head rotated
-                      tiny={"plain": _TINY,
-                            "grouped_biased_tied": dict(_TINY, linear_num_value_heads=6, linear_conv_kernel_dim=3,
+                      tiny={"plain": TINY,
+                            "grouped_biased_tied": dict(TINY, linear_num_value_heads=6, linear_conv_kernel_dim=3,
                                                         attention_bias=True, tie_word_embeddings=True,
                                                         layer_types=["full_attention", "linear_attention"] * 2,
                                                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
