@@ -18,7 +18,7 @@ part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; local s=$S
   tar czf $OUT/run.tgz -C /tmp/o . ; }
 stages=${*:-windows loss profile tests}
 for st in $stages; do case $st in
-  tests) PYTHONPATH=/tmp/pkg:/tmp/site part 150 tests python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py tests/test_moe_grouped.py ;;  # no mamba-ssm: transformers would compile its Triton kernels per tiny width (>100 s)
+  tests) PYTHONPATH=/tmp/pkg:/tmp/site part 150 tests python3 -m pytest -v -p no:cacheprovider tests/test_cuda.py tests/test_moe_grouped.py tests/test_gdn_kernels.py::test_fla_kernel_equals_pure_path_on_gpu tests/test_gated_deltanet.py::test_mixer_with_gpu_kernels_equals_pure_path_on_gpu ;;  # no mamba-ssm: transformers would compile its Triton kernels per tiny width (>100 s)
   profile) part 170 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   profile8b) part 60 profile python3 bench/gpu_profile.py --windows 8b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   windows) part 90 windows python3 bench/bench_gpu.py --parts windows --windows nemotron_h_8b_window --reps 3 --json /tmp/o/gpu_windows.json ;;
