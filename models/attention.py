@@ -102,7 +102,9 @@ class Attention(nn.Module):
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.k_proj(x), self.v_proj(x)))
-        q = self.q_proj(x).view(b, l, -1, hd * (2 if cfg.attn_output_gate else 1))
+        q = self.q_proj(x)
+        per = 2 * hd if cfg.attn_output_gate else hd  # a gated head's rows: [query | gate]
+        q = q.view(b, l, q.shape[-1] // per, per)
         if cfg.attn_output_gate:  # per head [query | gate]
             q, gate = q.chunk(2, dim=-1)
         if cfg.key_multiplier != 1:  # this kind's key-multiplier variant (AttentionConfig; 1: off)
