@@ -26,13 +26,17 @@ class Qwen35(Family):
         return [("num_hidden_layers",), ("intermediate_size",), ("layer_types",)]
 
     def from_hf(self, h, extra):
+        return ModelConfig(**self.fields(h, extra))
+
+    def fields(self, h, extra) -> dict:
+        """The ModelConfig fields of the HF config `h` (Qwen3-Next adds its MoE ones to these)."""
         if h.hidden_act != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
         if unknown:
             raise RemodelError(f"'layer_types' has unknown types {unknown} (known: {', '.join(BLOCK_TYPES)})")
         theta, _, rotary = read_rope(h, self.name, partial=True)
-        return ModelConfig(
+        return dict(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps, norm_offset=1.0,
             pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
@@ -50,6 +54,10 @@ class Qwen35(Family):
              f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3.5 RMSNorm is zero-centred (norm_offset 1)")
         need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
+        self.check_mixers(cfg, need)
+
+    def check_mixers(self, cfg, need):
+        """need(ok, why) for the attention and Gated DeltaNet layers (Qwen3-Next's are the same)."""
         if ATTENTION in used(cfg):
             need(cfg.attn_output_gate and cfg.qk_norm, "Qwen3.5 attention has an output gate and q/k norms")
             need(cfg.rope_theta is not None and cfg.rope_scaling is None, f"{self.name} attention uses default RoPE")
