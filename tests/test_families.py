@@ -383,7 +383,8 @@ def test_distill_dp2_tp2_equals_one_process(family, distilled):
         err = (w[k].double() - w_ref[k].double()).abs() / max(float(w_ref[k].abs().max()), scale)
         if k.endswith("k_proj.bias"):  # softmax ignores it: its gradient is 0 in exact arithmetic, its
             continue  # Adam update sign(rounding noise) (DP vs one process: two different noises)
-        # isolated elements where Adam's m / sqrt(v) amplifies reduction-order noise: 0.1% of the tensor
-        assert err.max() <= 1e-4 and (err > 1e-5).float().mean() <= 1e-3, (k, float(err.max()))
+        # isolated elements where Adam's m / sqrt(v) amplifies reduction-order noise: 0.1% of the tensor, and
+        # one element in a tensor under 1,000 (qwen3_next's 768-element out_proj: one at 7e-5)
+        assert err.max() <= 1e-4 and (err > 1e-5).sum() <= max(1, err.numel() // 1000), (k, float(err.max()))
     moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in w0)[len(w0) // 2]
     assert moved > 100 * 1e-5  # the 3 Adam steps moved the median tensor by far more than the tolerance

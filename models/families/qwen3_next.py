@@ -32,7 +32,8 @@ class Qwen3Next(Qwen35):
     def from_hf(self, h, extra):
         f = self.fields(h, extra)
         if not any(_sparse(h)):
-            raise RemodelError(f"{self.name} without MoE layers (mlp_only_layers / decoder_sparse_step) is qwen3_5_text")
+            raise RemodelError(f"{self.name} without MoE layers (every layer dense by mlp_only_layers / decoder_sparse_step) "
+                               "is not supported")
         f["pattern"] = "".join(m + (_MOE if s else _MLP) for m, s in zip(f["pattern"][0::2], _sparse(h)))
         return ModelConfig(**f, n_routed_experts=h.num_experts, num_experts_per_tok=h.num_experts_per_tok,
                            moe_intermediate_size=h.moe_intermediate_size,
