@@ -15,7 +15,7 @@ from remodel.models.kinds import used
 from .family import Family, Part, read_rope
 
 BLOCK_TYPES = {"linear_attention": "D", "full_attention": "*"}  # HF layer type -> our mixer layer
-_MLP = "-"
+MLP_LAYER = "-"
 _HF_MIXER = ((GATED_DELTANET, "linear_attn"), (ATTENTION, "self_attn"))  # our mixer kind, the HF module
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
            "linear_conv_kernel_dim")
@@ -38,7 +38,7 @@ class Qwen35(Family):
         theta, _, rotary = read_rope(h, self.name, partial=True)
         return dict(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps, norm_offset=1.0,
-            pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
+            pattern="".join(BLOCK_TYPES[t] + MLP_LAYER for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
             num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
             head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
@@ -50,7 +50,7 @@ class Qwen35(Family):
     def check(self, cfg, need):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
         mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
-        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {_MLP},
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {MLP_LAYER},
              f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3.5 RMSNorm is zero-centred (norm_offset 1)")
         need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
@@ -97,16 +97,16 @@ class Qwen35(Family):
         return self.holds(cfg)
 
 
-_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=6, linear_conv_kernel_dim=4,
-             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 QWEN3_5_TEXT = Qwen35("qwen3_5_text", "Qwen3_5ForCausalLM", depth=2, block_types=BLOCK_TYPES,
                       variants=("attention_gate", "zero_centred_norm"),
                       upcycle_help="none yet (qwen3_5_moe is not read yet)",
                       # three value heads per key head, attention first with every bias, tied, half the head rotated
-                      tiny={"plain": _TINY,
-                            "grouped_biased_tied": dict(_TINY, linear_num_value_heads=6, linear_conv_kernel_dim=3,
+                      tiny={"plain": TINY,
+                            "grouped_biased_tied": dict(TINY, linear_num_value_heads=6, linear_conv_kernel_dim=3,
                                                         attention_bias=True, tie_word_embeddings=True,
                                                         layer_types=["full_attention", "linear_attention"] * 2,
                                                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0,

@@ -10,7 +10,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import layer_kinds
 
 from .family import Part
-from .qwen3_5 import _MLP, _TINY, BLOCK_TYPES, Qwen35
+from .qwen3_5 import BLOCK_TYPES, MLP_LAYER, TINY, Qwen35
 
 _MOE = "E"
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
@@ -32,9 +32,9 @@ class Qwen3Next(Qwen35):
     def from_hf(self, h, extra):
         f = self.fields(h, extra)
         if not any(_sparse(h)):
-            raise RemodelError(f"{self.name} without MoE layers (every layer dense by mlp_only_layers / decoder_sparse_step) "
-                               "is not supported")
-        f["pattern"] = "".join(m + (_MOE if s else _MLP) for m, s in zip(f["pattern"][0::2], _sparse(h)))
+            raise RemodelError(f"{self.name} without MoE layers (every layer dense by mlp_only_layers / "
+                               "decoder_sparse_step) is not supported")
+        f["pattern"] = "".join(m + (_MOE if s else MLP_LAYER) for m, s in zip(f["pattern"][0::2], _sparse(h)))
         return ModelConfig(**f, n_routed_experts=h.num_experts, num_experts_per_tok=h.num_experts_per_tok,
                            moe_intermediate_size=h.moe_intermediate_size,
                            moe_shared_expert_intermediate_size=h.shared_expert_intermediate_size or 0,
@@ -43,7 +43,7 @@ class Qwen3Next(Qwen35):
     def check(self, cfg, need):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
         mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
-        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) <= {_MOE, _MLP}
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) <= {_MOE, MLP_LAYER}
              and _MOE in mlps, "needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + (MoE 'E' or "
              f"MLP '-') pairs with at least one MoE, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3-Next RMSNorm is zero-centred (norm_offset 1)")
@@ -57,10 +57,11 @@ class Qwen3Next(Qwen35):
 
     def to_hf(self, cfg):
         mlps = cfg.pattern[1::2]
-        return {**super().to_hf(cfg), "num_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-                "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+        return {**super().to_hf(cfg), "num_experts": cfg.n_routed_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
+                "norm_topk_prob": cfg.norm_topk_prob,
                 "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size or 1,
-                "decoder_sparse_step": 1, "mlp_only_layers": [j for j, m in enumerate(mlps) if m == _MLP],
+                "decoder_sparse_step": 1, "mlp_only_layers": [j for j, m in enumerate(mlps) if m == MLP_LAYER],
                 "intermediate_size": cfg.intermediate_size or cfg.moe_intermediate_size}
 
     def key_map(self):
@@ -70,7 +71,8 @@ class Qwen3Next(Qwen35):
         qkvz, ba = "model.layers.{a}.linear_attn.in_proj_qkvz.weight", "model.layers.{a}.linear_attn.in_proj_ba.weight"
         out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(qkvz, 0, i, 4, sized=True, blocks=_BLOCKS)
                     for i, x in enumerate("qkvz")})
-        out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(ba, 0, i, 2, blocks=_BLOCKS) for i, x in enumerate("ba")})
+        out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(ba, 0, i, 2, blocks=_BLOCKS)
+                    for i, x in enumerate("ba")})
         hf = "model.layers.{m}.mlp."
         out["layers.{m}.mixer.gate.weight"] = hf + "gate.weight"
         out.update({f"layers.{{m}}.mixer.experts.{p}": f"{hf}experts.{{e}}.{p}.weight" for p in _SWIGLU})
@@ -94,10 +96,11 @@ class Qwen3Next(Qwen35):
         return f"upcycling into {self.name} is not supported yet"
 
 
-_MOE_TINY = dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
-QWEN3_NEXT = Qwen3Next("qwen3_next", "Qwen3NextForCausalLM", depth=2, moe=True, shared_expert_gate=True, block_types=BLOCK_TYPES,
-                       variants=("attention_gate", "zero_centred_norm"), upcycle_help="none (already MoE)",
-                       raw={"decoder_sparse_step": (1, MAX_LAYERS)},
+_MOE_TINY = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                 shared_expert_intermediate_size=20)
+QWEN3_NEXT = Qwen3Next("qwen3_next", "Qwen3NextForCausalLM", depth=2, moe=True, shared_expert_gate=True,
+                       block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"),
+                       upcycle_help="none (already MoE)", raw={"decoder_sparse_step": (1, MAX_LAYERS)},
                        # three value heads per key head, attention first, top-k weights not renormalised, decoder
                        # layer 1 dense, attention bias, tied, half the head rotated
                        tiny={"plain": _MOE_TINY,
