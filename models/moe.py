@@ -55,6 +55,11 @@ def router_probs(logits: torch.Tensor, router: str) -> torch.Tensor:
     raise ValueError(f"unknown router kind {router!r}")
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32, or as it is when already wider (a float64 model routes and sums its experts in float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 class Router(nn.Module):
     """sigmoid: Nemotron-H / DeepSeek-V3 (select on score + correction bias, optional expert groups,
     weight with the unbiased score). softmax: Mixtral / Qwen (softmax over all, keep top-k).
@@ -70,8 +75,7 @@ class Router(nn.Module):
     def forward(self, x):
         """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k]); fp64 stays fp64."""
         cfg = self.cfg
-        dt = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(dt), self.weight.to(dt))
+        logits = F.linear(wide(x), wide(self.weight))
         k = cfg.num_experts_per_tok
         if cfg.router == "sigmoid":
             scores = logits.sigmoid()
@@ -218,8 +222,8 @@ class Experts(nn.Module):
             rows, local, back = ex.dispatch(rows, counts)
             y = ex.combine(self._run(rows, local, every=True), back)
         w = weights.reshape(-1).index_select(0, order)
-        out = torch.zeros(T, x.shape[-1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-        out = out.index_add(0, token, (y * w[:, None]).to(out.dtype)).to(x.dtype)
+        yw = wide(y * w[:, None])
+        out = torch.zeros(T, x.shape[-1], dtype=yw.dtype, device=x.device).index_add(0, token, yw).to(x.dtype)
         return out if ex is None else ex.leave(out, T_all)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from remodel.models.mamba import Gate, RMSNormThenGate
+from remodel.models.moe import wide
 
 
 def dropped(kept, n):
@@ -54,8 +55,7 @@ def _masked_softmax_router(gate, drop):
     cfg = gate.cfg
 
     def forward(x):
-        dt = torch.promote_types(x.dtype, torch.float32)  # as models.moe.Router: fp64 stays fp64
-        logits = F.linear(x.to(dt), gate.weight.to(dt))
+        logits = F.linear(wide(x), wide(gate.weight))  # (as the router: fp32, or fp64 for a float64 model)
         logits[:, drop] = float("-inf")
         w, idx = logits.softmax(-1).topk(cfg.num_experts_per_tok, dim=-1)
         if cfg.norm_topk_prob:

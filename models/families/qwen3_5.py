@@ -15,7 +15,7 @@ from remodel.models.kinds import used
 from .family import Family, Part, read_rope
 
 BLOCK_TYPES = {"linear_attention": "D", "full_attention": "*"}  # HF layer type -> our mixer layer
-_MLP = "-"
+MLP_LAYER = "-"
 _HF_MIXER = ((GATED_DELTANET, "linear_attn"), (ATTENTION, "self_attn"))  # our mixer kind, the HF module
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
            "linear_conv_kernel_dim")
@@ -23,13 +23,17 @@ _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_di
 
 class Qwen35(Family):
     """FFN: our layer kind of every odd layer (the dense member's MLP; the MoE member's in qwen3_5_moe.py)."""
-    FFN = _MLP
+    FFN = MLP_LAYER
 
     def required(self, h):
         return [("num_hidden_layers",), ("intermediate_size",), ("layer_types",)]
 
+    def fields(self, h, extra) -> dict:
+        """The ModelConfig fields of the HF config `h` (the MoE members add their expert fields to these)."""
+        return {**self.common(h, extra), "intermediate_size": h.intermediate_size}
+
     def common(self, h, extra: dict) -> dict:
-        """The ModelConfig fields the dense and MoE members read alike: every field but the FFN sizes."""
+        """The ModelConfig fields every member reads alike: every field but the FFN sizes."""
         if h.hidden_act != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
@@ -47,7 +51,7 @@ class Qwen35(Family):
             mlp_act="silu", mlp_gated=True, **{k: getattr(h, k) for k in _LINEAR}, extra=extra)
 
     def from_hf(self, h, extra):
-        return ModelConfig(intermediate_size=h.intermediate_size, **self.common(h, extra))
+        return ModelConfig(**self.fields(h, extra))
 
     def check(self, cfg, need):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
@@ -56,6 +60,10 @@ class Qwen35(Family):
              f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + {self.FFN!r} pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3.5 RMSNorm is zero-centred (norm_offset 1)")
         need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs / experts without bias")
+        self.check_mixers(cfg, need)
+
+    def check_mixers(self, cfg, need):
+        """need(ok, why) for the attention and Gated DeltaNet layers (Qwen3-Next's are the same)."""
         if ATTENTION in used(cfg):
             need(cfg.attn_output_gate and cfg.qk_norm, "Qwen3.5 attention has an output gate and q/k norms")
             need(cfg.rope_theta is not None and cfg.rope_scaling is None, f"{self.name} attention uses default RoPE")
@@ -102,11 +110,10 @@ class Qwen35(Family):
     def upcycle_into(self, cfg, router, shared):
         return "qwen3_5_moe_text"
 
-
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=6, linear_conv_kernel_dim=4,
-             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 QWEN3_5_TEXT = Qwen35("qwen3_5_text", "Qwen3_5ForCausalLM", depth=2, block_types=BLOCK_TYPES,
                       variants=("attention_gate", "zero_centred_norm"),
                       upcycle_help="qwen3_5_moe_text (its shared expert is gated)",
