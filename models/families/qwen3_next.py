@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from remodel.models.config import MAX_LAYERS, ModelConfig
 from remodel.models.errors import RemodelError
-from remodel.models.kinds import layer_kinds
 
 from .family import Part
+from .llama_moe import QWEN2_MOE
 from .qwen3_5 import BLOCK_TYPES, MLP_LAYER, TINY, Qwen35
 
 _MOE = "E"
@@ -81,16 +81,8 @@ class Qwen3Next(Qwen35):
         return out
 
     def extra_tensors(self, cfg):
-        """transformers always builds the shared expert and its gate: size-1 zeros stand for 'none'."""
-        if cfg.moe_shared_expert_intermediate_size:
-            return {}
-        H, out = cfg.hidden_size, {}
-        for i, k in enumerate(layer_kinds(cfg)):
-            if k.routed:
-                p = f"layers.{i}.mixer."
-                out.update({p + "shared_experts.gate_proj.weight": (1, H), p + "shared_experts.up_proj.weight": (1, H),
-                            p + "shared_experts.down_proj.weight": (H, 1), p + "shared_expert_gate.weight": (1, H)})
-        return out
+        """transformers always builds the shared expert and its gate: as for qwen2_moe, size-1 zeros stand for 'none'."""
+        return QWEN2_MOE.extra_tensors(cfg)
 
     def upcycle_check(self, cfg, router):
         return f"upcycling into {self.name} is not supported yet"
