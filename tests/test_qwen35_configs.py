@@ -53,3 +53,22 @@ def test_plan_27b_to_20b_counts_exactly_in_transformers():
         hf = config_to_hf(candidate_config(src, c, d["family"]), d["family"])
         assert hf["model_type"] == "qwen3_5_text"
         assert hf_total(hf) == c["params"] == c["active_params"], c["widths"]
+
+
+def test_qwen3_next_80b_counts_and_plan_to_50b():
+    """Qwen3-Next-80B-A3B (qwen3_next; provenance in models/configs/README.md): inspect == transformers'
+    Qwen3NextForCausalLM built from the file == the total published for Qwen3-Coder-Next, the same shape
+    (79,674,391,296); plan at full size to 50B returns candidates transformers counts exactly (total and
+    active: the routed experts' top-k share, counted by our plan, checked here on the total)."""
+    d = load("qwen3-next-80b-a3b")
+    p = inspect("qwen3-next-80b-a3b")["params"]
+    assert p["total"] == p["hf_total"] == hf_total(d) == 79_674_391_296 and round(p["total"] / 1e9) == 80
+    assert p["active"] < p["total"] / 15  # A3B: ~3.9B active with the embeddings and lm_head
+    budget = 50e9
+    plan_d = plan("qwen3-next-80b-a3b", params=budget, top=3, verbose=False)
+    cands, src = plan_d["candidates"], config_from_hf(d)
+    assert plan_d["family"] == "qwen3_next" and len(cands) == 3
+    assert all(0.98 * budget <= c["params"] <= budget for c in cands)
+    for c in cands:
+        hf = config_to_hf(candidate_config(src, c, plan_d["family"]), plan_d["family"])
+        assert hf["model_type"] == "qwen3_next" and hf_total(hf) == c["params"], c["widths"]

@@ -202,7 +202,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     o = make(PlanOptions, opts, **given(model=model, params=params), **kw)
     model, params, active_params, memory_gb, scores = o.model, o.params, o.active_params, o.memory_gb, o.scores
     tol, top, batch, seq_len = o.tol, o.top, o.batch, o.seq_len
-    cfg, _, _, where = resolve_source(model)
+    cfg, hf, _, where = resolve_source(model)
     t0 = time.time()
     budgets = _budgets(params, active_params, memory_gb)
     if not 0 <= tol < 1:
@@ -210,7 +210,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     if top < 1:
         raise RemodelError(f"top must be >= 1, got {top}")
     sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut,
-                     Serving(batch=batch, seq_len=seq_len), divisors=o.divisors)
+                     Serving(batch=batch, seq_len=seq_len), family=(hf or {}).get("model_type"), divisors=o.divisors)
     unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}
