@@ -215,6 +215,7 @@ ATTENTION = AttentionKind(
                     multiple_of="num_key_value_heads", why=" (every KV group keeps the same number of query heads)"),
               Width("kv_heads", "num_key_value_heads", None, None, None, "kv", "key/value heads"),
               Width("head_dim", "head_dim", None, None, None, "hd", "attention head size")),
+    fixed=("attn_kv", "head_dim"),
     tp_axes=("attn_q", "attn_qg", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
     tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
              "q_norm": "shared_norm", "k_norm": "shared_norm"}, config=AttentionConfig)

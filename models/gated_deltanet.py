@@ -143,10 +143,10 @@ class GatedDeltaNetKind(LayerKind):
                 Site("lin_v", "out_proj", "input", None, "out_proj.weight"))
 
     def keep(self, cfg, score, t, p):
-        names = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-        if not any(n in t for n in names):
+        if not any(n in t for n in self.widths):
             return {}
-        hk, hv, dk, dv = (getattr(cfg, WIDTH_FIELDS[n]) for n in names)
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
         flags = "--linear-key-heads/--linear-value-heads/--linear-key-head-dim/--linear-value-head-dim"
         qk = torch.stack([score(p + s, (hk, dk), flags) for s in ("lin_q", "lin_k")]).norm(dim=0)  # [hk, dk]
         sv = score(p + "lin_v", (hv, dv), flags)
@@ -192,8 +192,15 @@ class GatedDeltaNetKind(LayerKind):
              f"{cfg.linear_num_key_heads} is not divisible by tp={tp} (heads are split by key-head group)")
 
 
-WIDTH_FIELDS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
-                "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim"}
+_DECLARES = (Width("linear_key_heads", "linear_num_key_heads", None, "lin_k_heads", None, "l.kh",
+                   "Gated DeltaNet key heads (whole groups: each takes its value heads with it)"),
+             Width("linear_value_heads", "linear_num_value_heads", None, "lin_v_heads", None, "l.vh",
+                   "Gated DeltaNet value heads (a multiple of the key heads)", multiple_of="linear_num_key_heads",
+                   why=" (every key-head group keeps the same number of value heads)"),
+             Width("linear_key_head_dim", "linear_key_head_dim", None, "lin_dk", 8, "l.dk",
+                   "Gated DeltaNet key/query head size"),
+             Width("linear_value_head_dim", "linear_value_head_dim", None, "lin_dv", 8, "l.dv",
+                   "Gated DeltaNet value head size"))  # its widths, each declared once
 GATED_DELTANET = GatedDeltaNetKind(
     "D", "gated_deltanet",
     (Param("in_proj_q.weight", ("lin_qk", "hidden")), Param("in_proj_k.weight", ("lin_qk", "hidden")),
@@ -213,18 +220,10 @@ GATED_DELTANET = GatedDeltaNetKind(
            "lin_dk": "linear_key_head_dim", "lin_dv": "linear_value_head_dim"},
     products={"lin_qk": ("lin_k_heads", "lin_dk"), "lin_v": ("lin_v_heads", "lin_dv")},
     scored={"lin_q": ("lin_k_heads", "lin_dk"), "lin_k": ("lin_k_heads", "lin_dk"), "lin_v": ("lin_v_heads", "lin_dv")},
-    widths=tuple(WIDTH_FIELDS),
-    declares=(Width("linear_key_heads", "linear_num_key_heads", None, "lin_k_heads", None, "l.kh",
-                    "Gated DeltaNet key heads (whole groups: each takes its value heads with it)"),
-              Width("linear_value_heads", "linear_num_value_heads", None, "lin_v_heads", None, "l.vh",
-                    "Gated DeltaNet value heads (a multiple of the key heads)", multiple_of="linear_num_key_heads",
-                    why=" (every key-head group keeps the same number of value heads)"),
-              Width("linear_key_head_dim", "linear_key_head_dim", None, "lin_dk", 8, "l.dk",
-                    "Gated DeltaNet key/query head size"),
-              Width("linear_value_head_dim", "linear_value_head_dim", None, "lin_dv", 8, "l.dv",
-                    "Gated DeltaNet value head size")),
+    widths=tuple(w.name for w in _DECLARES),
+    declares=_DECLARES,
     fixed=("lin_conv_kernel",),
     tp_axes=("lin_qkv", "lin_qk", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
-    tp_plan={"in_proj_q": "colwise", "in_proj_k": "colwise", "in_proj_v": "colwise", "in_proj_z": "colwise", "in_proj_b": "colwise", "in_proj_a": "colwise",
-             "conv1d": "shard", "": "shard", "norm": "shared_norm", "out_proj": "rowwise"},
+    tp_plan={**{f"in_proj_{x}": "colwise" for x in "qkvzba"}, "conv1d": "shard", "": "shard", "norm": "shared_norm",
+             "out_proj": "rowwise"},
     config=GatedDeltaNetConfig)

@@ -14,8 +14,8 @@ from .config import ModelConfig
 from .kinds import KINDS
 from .spec import LayerKind, Param, widths
 
-FIXED_AXES = ("vocab", "attn_kv", "head_dim", "conv_kernel", "one", "mamba_bc") + tuple(
-    a for k in KINDS.values() for a in k.fixed)  # never pruned: the model's and each kind's own
+FIXED_AXES = ("vocab", "one") + tuple(dict.fromkeys(
+    a for k in KINDS.values() for a in k.fixed))  # never pruned: the model's and each kind's own
 # Around a block's mixer: its pre-norm; an MTP step's first block also fuses [embedding | hidden]
 # (enorm, hnorm, eh_proj) and its last block ends with final_layernorm.
 BLOCK_NORM = Param("norm.weight", ("hidden",))

@@ -348,6 +348,7 @@ MAMBA = MambaKind(
                     "Mamba heads per layer (a multiple of n_groups)", multiple_of="n_groups"),
               Width("mamba_head_dim", "mamba_head_dim", None, "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
               Width("ssm_state_size", "ssm_state_size", None, None, None, "state", "Mamba SSM state size")),
+    fixed=("conv_kernel", "mamba_bc"),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
     tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"},
     config=MambaConfig)

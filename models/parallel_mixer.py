@@ -108,6 +108,6 @@ def _merged(attr: str):
 PARALLEL = ParallelKind(
     "P", "parallel",
     tuple(Param(p + q.leaf, q.axes, q.when) for p, k in _PARTS for q in k.params),
-    **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "tp_axes", "inputs",
-                               "tp_plan")},
+    **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "fixed", "tp_axes",
+                               "inputs", "tp_plan")},
     color="tab:cyan", config=ParallelConfig)
