@@ -97,7 +97,7 @@ def test_cli_score_prune_every_gdn_width_and_eval(pair, tmp_path):
     flags = [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
     out = tmp_path / "pruned"
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s")] + flags) == 0
-    assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32"]) == 0
+    assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
     pruned = AutoModelForCausalLM.from_pretrained(out).float().eval()
     c = pruned.config
     assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (1, 2, 4, 4)

@@ -1,0 +1,73 @@
+"""Qwen3.5-MoE and Qwen3-Next by the CLI alone, as a new user runs them (issue 41 acceptance): tiny models
+built and saved by transformers' own classes in their non-default variants (grouped value heads, partial
+RoPE, biases, tied embeddings; Qwen3-Next with a dense MLP layer and unnormalised top-k) go through inspect,
+score, prune on every width at once (Gated DeltaNet widths, attention heads, experts, expert and shared
+expert sizes, hidden) and by decoder layer, and eval; transformers reloads each pruned checkpoint with the
+logits of the same pruning done in memory. (Qwen3.5 dense: tests/test_gated_deltanet.py; convert, export
+and upcycling of every family: tests/test_families.py.)"""
+import json
+import shutil
+
+import pytest
+import torch
+
+from remodel import cli
+from remodel.compress.prune import plan_keep, prune_model
+from remodel.compress.scores import load_scores
+from remodel.models.families import FAMILIES
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from tests.conftest import hf_pair
+from tests.test_families import prune_axes
+
+CASES = {"qwen3_5_moe_text": "grouped_biased_tied", "qwen3_next": "grouped_dense_layer"}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    family = request.param
+    tiny = dict(FAMILIES[family].tiny[CASES[family]], vocab_size=2048)  # the embedded tokenizer's vocabulary
+    hf, ours, d = hf_pair(family, tmp_path_factory.mktemp(family), "model", 5, **tiny)
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    return family, ours, d
+
+
+def _flags(targets):
+    return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def _reloaded_equals_in_memory(out, model):
+    """transformers' model from `out` and ours from `out` give the in-memory pruned model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from remodel.models.load import load_model
+    x = torch.randint(0, model.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want, ours = AutoModelForCausalLM.from_pretrained(out).float().eval()(x).logits, model(x), load_model(out)(x)
+    assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
+
+
+def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, capsys):
+    family, ours, d = pair
+    data = str(embedded_corpus()[1])
+    assert cli.main(["inspect", str(d)]) == 0
+    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
+    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
+                     "--seq-len", "32"]) == 0
+    scores, _ = load_scores(tmp_path / "s")
+    targets = {**prune_axes(ours.cfg), "linear_key_heads": 1, "linear_value_heads": 2}  # one group of 3 -> 2
+    assert {"experts", "expert_ffn_size", "shared_expert_size", "attn_heads", "hidden_size", "linear_key_heads",
+            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim"} <= set(targets)
+    out = tmp_path / "widths"
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *_flags(targets)]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["model_type"] == family and hf["num_experts"] == targets["experts"]
+    assert (hf["linear_num_value_heads"], hf["hidden_size"]) == (targets["linear_value_heads"], targets["hidden_size"])
+    _reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
+    assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
+    # depth by decoder layer: HF layer 2 (its mixer with its MoE / MLP) dropped whole
+    out = tmp_path / "depth"
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "2"]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["num_hidden_layers"] == ours.cfg.num_layers // 2 - 1
+    assert hf["layer_types"] == [t for j, t in enumerate(FAMILIES[family].tiny[CASES[family]]["layer_types"]) if j != 2]
