@@ -65,6 +65,7 @@ CASES = {  # name: (processes, tp, ep, reference)
 }
 RECOMPUTE = {"lm_dp2_selective": "selective", "lm_dp2_full": "full"}  # --recompute through the trainer
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
+EVAL = {"lm_dp2_full"}  # evaluated on held-out text before step 1 (a no-grad FSDP forward) and after the last
 LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "lm_ep2": (1, 2, 2, "dp"), "lm_tp2_ep2": (2, 2, 1, "tp"), "kd_tp2": (2, 1, 1, None),
     "kd_topk_tp2": (2, 1, 1, None), "lm_dp2_tp2": (2, 1, 2, None), "kd_dp2_tp2_ep2": (2, 2, 2, "tp"),
@@ -121,7 +122,8 @@ def worker(d: Path, cases):
         else:
             n, tp, ep, ref = CASES[name]
             train(**kwargs(d, name, ref, tp=tp, ep=ep, async_checkpoint=name in ASYNC,
-                           fused_loss=name.endswith("fused"), recompute=RECOMPUTE.get(name, "none")))
+                           fused_loss=name.endswith("fused"), recompute=RECOMPUTE.get(name, "none"),
+                           **(dict(eval_data=str(d / "train.txt"), eval_tokens=64) if name in EVAL else {})))
         if dist.get_rank() == 0:
             print(f"CASE {name} {time.time() - t0:.1f} s", flush=True)
     sys.stdout.flush()
@@ -336,6 +338,8 @@ def test_matches_one_process(runs, name):
     assert w_rel <= 1e-5
     assert moved > 100 * 1e-5  # the 3 Adam steps moved the median tensor by far more than the tolerance
     assert rep["tokens"] == want["tokens"] == 3 * 4 * 32 * (2 if ref != "lm" else 1)
+    if name in EVAL:  # evaluating first changed nothing (FSDP resharded the root after its no-grad forward)
+        assert rep["eval"]["before"]["loss"] > rep["eval"]["after"]["loss"] > 0, rep["eval"]
     if ref != "lm":  # the teacher really taught: a large KL that the student reduced
         assert min(r["kl"] for r in rep["history"]) > 0.5  # a confident teacher: KL far from 0
         assert p["teacher"] == {"tp": tp, "ep": ep}  # the teacher is TP (and EP) sharded too

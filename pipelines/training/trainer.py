@@ -333,8 +333,10 @@ class _Training:
         self.peak = metrics.measure_matmul_flops(self.procs.dev, dtype) * self.procs.world
 
     def _evaluate(self) -> dict:
-        return evaluate(self.student, self.eval_blocks, batch=self.c.batch,
-                        run=EvalRun(self.p.use_bf16, self.fns.get("lm_loss")))
+        out = evaluate(self.student, self.eval_blocks, batch=self.c.batch,
+                       run=EvalRun(self.p.use_bf16, self.fns.get("lm_loss")))
+        _reshard(self.student)
+        return out
 
     def checkpoint(self, step: int):
         meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
@@ -435,6 +437,15 @@ class _Training:
         if self.moe is not None:
             report["moe"] = metrics.moe_summary(self.history, self.moe_init, self.moe.granularity, self.moe_every)
         return report
+
+
+def _reshard(model):
+    """Shard FSDP modules again after a no-grad forward: with no backward to reshard it, the root module keeps
+    its parameters unsharded, and an optimizer built then holds tensors the next step no longer uses."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _clear(run_dir: Path):
