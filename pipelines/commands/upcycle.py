@@ -293,7 +293,8 @@ def _upcycle(o: UpcycleOptions) -> dict:
     with atomic_output_dir(o.out, overwrite=o.overwrite, inputs=[model_dir]) as tmp, \
             ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as layers.pool:
         w = CheckpointWriter(tmp)
-        for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
+        for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family, source=reader), total=n_out, desc="upcycle",
+                          unit="tensor"):
             w.add(hf, t if dtype is None else _cast(hf, t, dtype))
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0
