@@ -24,7 +24,8 @@ __all__ = ["FAMILIES", "KEY_MAPS", "check_exportable", "config_from_hf", "config
            "from_hf_name", "our_shapes", "to_hf_name", "weight_table", "without_absent_mtp"]
 
 PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-_OWN = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings")  # written here
+# config.json fields around a nested text model's config that the writers set themselves (models.families.tower)
+_OWN = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings")
 _BLOCK_TYPES = {t for f in FAMILIES.values() for t in f.block_types}  # per-layer type names of any family
 
 
@@ -158,7 +159,8 @@ def config_from_hf(d: dict, source=None) -> ModelConfig:
     text = getattr(h, nested) if nested else h
     extra = {k: getattr(text, k) for k in PASSTHROUGH if getattr(text, k, None) is not None}
     if nested:  # every field around the text model's config, as transformers reads it, written back on export
-        extra[OUTER] = {k: v for k, v in json.loads(h.to_json_string()).items() if k not in _OWN + (nested,)}
+        around = json.loads(h.to_json_string())  # (transformers' non-default fields)
+        extra[OUTER] = {k: v for k, v in around.items() if k not in _OWN + (nested,)}
     try:
         return FAMILIES[h.model_type].from_hf(h, extra)
     except RemodelError as e:

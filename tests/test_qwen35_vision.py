@@ -93,3 +93,44 @@ def test_cli_prunes_every_axis_but_hidden_and_keeps_the_tower(vl, tmp_path):
     # the hidden size: one line naming why, nothing written
     assert cli.main(["prune", str(d), str(tmp_path / "bad"), "--scores", str(scores), "--hidden-size", "24"]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+def test_upcycle_into_the_moe_family_keeps_the_tower(vl, tmp_path):
+    """Dense Qwen3.5 -> Qwen3.5-MoE (--exact): transformers reloads it as the MoE ForConditionalGeneration with
+    the dense text logits and the tower byte-identical; an MoE source is refused in one line."""
+    from transformers import AutoModelForImageTextToText
+    family, hf, d = vl
+    flags = ["--experts", "4", "--granularity", "1", "--top-k", "2", "--exact"]
+    if FAMILIES[family].moe:
+        assert cli.main(["upcycle", str(d), str(tmp_path / "up")] + flags) == 2
+        assert not (tmp_path / "up").exists()
+        return
+    assert cli.main(["upcycle", str(d), str(tmp_path / "up")] + flags) == 0
+    moe = AutoModelForImageTextToText.from_pretrained(tmp_path / "up").float().eval()
+    assert type(moe).__name__ == FAMILIES[FAMILIES[family].upcycles_to].arch
+    assert _tensors(tmp_path / "up", TOWER) == _tensors(d, TOWER)
+    x = torch.randint(0, 2048, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (moe(input_ids=x).logits - hf(input_ids=x).logits).abs().max() <= 1e-5
+
+
+def test_text_model_export_and_refusals(vl, tmp_path, capsys):
+    """--to the text family writes the text model alone (transformers' CausalLM reloads it with the same
+    logits); a text checkpoint cannot become the tower family (no tower to carry) and plan holds the hidden
+    size: each refusal one line, nothing written."""
+    from transformers import AutoModelForCausalLM
+    family, hf, d = vl
+    text = FAMILIES[family].text.name
+    assert cli.main(["convert", str(d), str(tmp_path / "t"), "--to", text]) == 0
+    assert not any(k.startswith(TOWER) for k in _tensors(tmp_path / "t"))
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "t").float().eval()
+    x = torch.randint(0, 2048, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (lm(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-5
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "t"), str(tmp_path / "back"), "--to", family]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "vision tower this model was not read with" in err, err
+    assert not (tmp_path / "back").exists()
+    assert cli.main(["plan", str(d), "--params", str(sum(p.numel() for p in lm.parameters()) * 9 // 10)]) in (0, 2)
+    assert "hidden" not in capsys.readouterr().out.split("space:")[-1].split("\n")[0]  # held: one value, not searched

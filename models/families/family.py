@@ -182,6 +182,10 @@ class Family:
         """{our name: shape} the family's checkpoint holds but our model lacks (written as zeros)."""
         return {}
 
+    def fixed_fields(self, cfg) -> tuple:
+        """Config fields no pruning may change in this family (its check refuses them; the search holds them)."""
+        return ()
+
     def passthrough_params(self, cfg) -> int:
         """Parameters of the tensors it carries through (counted apart from our model's; 0: none)."""
         return 0

@@ -60,6 +60,9 @@ class WithTower(Family):
             need(getattr(cfg, field) == v, f"{self.why} ({path}={v}) and the tower passes through unpruned: "
                                            f"{field} must stay {v}, got {getattr(cfg, field)}")
 
+    def fixed_fields(self, cfg) -> tuple:
+        return tuple(self.feeds or ())
+
     def key_map(self):
         """The text family's map, its HF names under this family's prefix (the lm_head's stays)."""
         old, new = self.prefix
