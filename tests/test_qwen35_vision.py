@@ -69,7 +69,7 @@ def test_inspect_counts_the_tower_and_convert_is_byte_identical(vl, tmp_path, ca
     assert a == b and a["architectures"] == [type(hf).__name__] and a["vision_config"]["out_hidden_size"] == 32
 
 
-def test_cli_prunes_every_axis_but_hidden_and_keeps_the_tower(vl, tmp_path):
+def test_cli_prunes_every_axis_but_hidden_and_keeps_the_tower(vl, tmp_path, capsys):
     from transformers import AutoModelForImageTextToText
     family, hf, d = vl
     data, scores = str(embedded_corpus()[1]), tmp_path / "s"
@@ -91,7 +91,10 @@ def test_cli_prunes_every_axis_but_hidden_and_keeps_the_tower(vl, tmp_path):
         got, want = pruned(input_ids=x).logits, want_model(x)
     assert (got - want).abs().max() <= 1e-4
     # the hidden size: one line naming why, nothing written
+    capsys.readouterr()
     assert cli.main(["prune", str(d), str(tmp_path / "bad"), "--scores", str(scores), "--hidden-size", "24"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "merger" in err and "hidden_size must stay 32" in err, err
     assert not (tmp_path / "bad").exists()
 
 
