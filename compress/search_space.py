@@ -184,7 +184,8 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     for name, v in (("max_width_cut", max_width_cut), ("max_depth_cut", max_depth_cut), ("max_type_cut", max_type_cut)):
         if not 0 <= v < 1:
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
-    values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes
+    fixed = family_of(family).fixed_fields(cfg)  # e.g. the hidden size a vision tower's merger projects into
+    values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes and WIDTHS[a].field not in fixed
               else [getattr(cfg, WIDTHS[a].field)]
               for a in WIDTHS}
     by_type: dict = {}

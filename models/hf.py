@@ -14,6 +14,7 @@ import math
 from .config import MAX_LAYERS, SECTIONS, ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES, default_family
+from .families.tower import OUTER
 from .families.family import GROUPS, ROPE_TYPES, cfg_choice, cfg_float, projected, scaled, varied
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .layout import shapes
@@ -23,6 +24,8 @@ __all__ = ["FAMILIES", "KEY_MAPS", "check_exportable", "config_from_hf", "config
            "from_hf_name", "our_shapes", "to_hf_name", "weight_table", "without_absent_mtp"]
 
 PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# config.json fields around a nested text model's config that the writers set themselves (models.families.tower)
+_OWN = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings")
 _BLOCK_TYPES = {t for f in FAMILIES.values() for t in f.block_types}  # per-layer type names of any family
 
 
@@ -106,13 +109,30 @@ def _hf_config(d: dict, where: str = "config.json"):
         raise RemodelError(f"unsupported model_type {mt!r} (supported: {', '.join(FAMILIES)})")
     d = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version")}
     check_raw_config(d, where)
+    inner = _nested(d, mt, where)
     try:
         h = AutoConfig.for_model(mt, **d)
     except Exception as e:  # transformers' own validation ("Validation error for field 'x':\n  TypeError: ...")
         msg = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         raise RemodelError(f"invalid {mt} config: {msg}") from None
-    _require(d, h, mt)
+    if inner is None:
+        _require(d, h, mt)
+    else:  # the text model's config, nested: its fields are required and bounded there
+        _require(inner, getattr(h, FAMILIES[mt].nested), FAMILIES[mt].text.name)
     return h
+
+
+def _nested(d: dict, mt: str, where: str) -> dict | None:
+    """The text model's config.json object of a family that nests it (Family.nested), checked as a config.json
+    of its own (check_raw_config); None for a family that does not nest it."""
+    key = FAMILIES[mt].nested
+    if not key:
+        return None
+    inner = d.get(key)
+    if not isinstance(inner, dict):
+        raise RemodelError(f"{where}: {mt} config has no {key!r} object (the text model's config), got {inner!r}")
+    check_raw_config(inner, f"{where} {key}")
+    return inner
 
 
 def _require(d: dict, h, mt: str):
@@ -135,7 +155,12 @@ def config_from_hf(d: dict, source=None) -> ModelConfig:
     (check_raw_config), by transformers' config class, then by ModelConfig.validate: before any weight."""
     where = str(source) if source is not None else "config.json"
     h = _hf_config(d, where)
-    extra = {k: getattr(h, k) for k in PASSTHROUGH if getattr(h, k, None) is not None}
+    nested = FAMILIES[h.model_type].nested
+    text = getattr(h, nested) if nested else h
+    extra = {k: getattr(text, k) for k in PASSTHROUGH if getattr(text, k, None) is not None}
+    if nested:  # every field around the text model's config, as transformers reads it, written back on export
+        around = json.loads(h.to_json_string())  # (transformers' non-default fields)
+        extra[OUTER] = {k: v for k, v in around.items() if k not in _OWN + (nested,)}
     try:
         return FAMILIES[h.model_type].from_hf(h, extra)
     except RemodelError as e:
@@ -174,6 +199,8 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
 def config_to_hf(cfg: ModelConfig, family: str) -> dict:
     """ModelConfig -> HF config.json dict, built and checked by transformers' config class."""
     check_exportable(cfg, family)
+    if FAMILIES[family].nested:
+        return _nested_to_hf(cfg, family)
     d = {k: v for k, v in cfg.extra.items() if k in PASSTHROUGH}
     d.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tie_word_embeddings=cfg.tie_word_embeddings,
              architectures=[FAMILIES[family].arch])
@@ -181,6 +208,17 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
     h = _hf_config({"model_type": family, **d})
     out = json.loads(h.to_json_string(use_diff=False))
     out["architectures"] = [FAMILIES[family].arch]
+    return out
+
+
+def _nested_to_hf(cfg: ModelConfig, family: str) -> dict:
+    """The config.json of a family that nests its text model's config (Family.nested): the fields read around
+    it (ModelConfig.extra[OUTER]) with the text model's config as its own family writes it."""
+    fam = FAMILIES[family]
+    text = {k: v for k, v in config_to_hf(cfg, fam.text.name).items() if k not in ("architectures", "dtype")}
+    d = {**cfg.extra[OUTER], fam.nested: text, "tie_word_embeddings": cfg.tie_word_embeddings}
+    out = json.loads(_hf_config({"model_type": family, **d}).to_json_string(use_diff=False))
+    out["architectures"] = [fam.arch]
     return out
 
 

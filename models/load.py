@@ -194,10 +194,44 @@ def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch
         raise RemodelError(f"internal: HF tensors left without all their parts: {sorted(parts)[:3]}")
 
 
+def passthrough_names(source, family: str) -> list[str]:
+    """The tensors of checkpoint `source` (a directory or an open CheckpointReader) that `family` carries through
+    byte-identical (Family.passthrough: a vision tower and its merger); [] for a family without any. One line
+    when the family has them and `source` holds none (nothing written yet)."""
+    prefixes = FAMILIES[family].passthrough
+    if not prefixes:
+        return []
+    if source is None:
+        raise RemodelError(f"{family} checkpoints hold tensors remodel carries through ({', '.join(prefixes)}*) "
+                           f"from the source checkpoint, and none was given")
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    names = [k for k in reader.keys() if k.startswith(prefixes)]
+    if not names:
+        raise RemodelError(f"{reader.path} holds no {', '.join(prefixes)}* tensors, which {family} carries through "
+                           f"from its source: export the text model to another family")
+    return names
+
+
+def passthrough_tensors(source, family: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor as stored) of every tensor `family` carries through from `source` (passthrough_names)."""
+    names = passthrough_names(source, family)
+    if names and isinstance(source, CheckpointReader):
+        yield from ((k, source.get(k)) for k in names)
+    elif names:
+        with CheckpointReader(source) as reader:
+            yield from ((k, reader.get(k)) for k in names)
+
+
 def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family: str,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None, source=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) for a family, reading our tensors through `get(our_name)` once each, in
-    weight_table order (join_parts: an HF tensor concatenating several of ours comes with its last part)."""
+    weight_table order (join_parts: an HF tensor concatenating several of ours comes with its last part), then
+    the tensors the family carries through from checkpoint `source` as stored (checked here, before any)."""
+    passthrough_names(source, family)
+    return _iter_hf_tensors(get, cfg, family, dtype, source)
+
+
+def _iter_hf_tensors(get, cfg: ModelConfig, family: str, dtype, source) -> Iterator[tuple[str, torch.Tensor]]:
     def rows():
         cur_name, cur = None, None
         for ours, hf, e in weight_table(cfg, family):
@@ -212,20 +246,23 @@ def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family
         yield hf, t.contiguous()
     for hf, shape in extra_hf_tensors(cfg, family).items():
         yield hf, torch.zeros(shape, dtype=dtype or torch.float32)
+    yield from passthrough_tensors(source, family)
 
 
 def save_model(model: HybridLM, out, family: str | None = None, aux_from=None, overwrite=False,
                dtype=None, max_shard_bytes: int = 2 * 1024**3, inputs=()) -> Path:
-    """Write a HF checkpoint atomically (temporary sibling renamed at the end)."""
+    """Write a HF checkpoint atomically (temporary sibling renamed at the end); a family that carries tensors
+    through takes them from `aux_from` (the source checkpoint)."""
     from .checkpoint import CheckpointWriter, atomic_output_dir
 
     cfg = model.cfg
     family = family or default_family(cfg)
     hf_cfg = config_to_hf(cfg, family)
     state = model.state_dict()
+    tensors = iter_hf_tensors(lambda n: state[n].detach().cpu(), cfg, family, dtype, source=aux_from)
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
-        for name, t in iter_hf_tensors(lambda n: state[n].detach().cpu(), cfg, family, dtype):
+        for name, t in tensors:
             w.add(name, t)
         if dtype is not None:
             hf_cfg["dtype"] = str(dtype).replace("torch.", "")

@@ -13,7 +13,7 @@ import functools
 import math
 
 from .config import ModelConfig
-from .hf import default_family, our_shapes
+from .hf import FAMILIES, default_family, our_shapes
 from .kinds import KINDS, WIDTHS, count, kind as kind_of, used
 from .layout import BUFFERS, axis_size, layer_table
 from .spec import widths
@@ -119,7 +119,9 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
     buffers: e_score_correction_bias elements (fp32 buffers, saved in checkpoints, not parameters);
     hf_total: parameters of the model transformers builds from the `family` export (default
       `default_family(cfg)`): a family that always builds a shared expert adds a size-1 zero one per MoE
-      layer of a model without (its extra_tensors, models.load.extra_hf_tensors);
+      layer of a model without (its extra_tensors, models.load.extra_hf_tensors), and a family that carries
+      tensors through (a vision tower) adds them;
+    passthrough: the parameters of those carried-through tensors (Family.passthrough_params);
     by_axis: see `_axis_table`; per_layer: params of one layer of each kind present (norm included).
     """
     from .load import extra_hf_tensors
@@ -131,9 +133,10 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
     active = _active(cfg, total, routed)
     family = family or default_family(cfg)
     extra = sum(_numel(s) for s in extra_hf_tensors(cfg, family).values())
+    passed = FAMILIES[family].passthrough_params(cfg)
     return {
         "total": total, "active": active, "routed": routed, "buffers": buffers,
-        "hf_total": total + extra, "family": family,
+        "hf_total": total + extra + passed, "passthrough": passed, "family": family,
         "by_type": by_type,
         "by_axis": _axis_table(cfg),
         "per_layer": {k.name: layer_params(cfg, k.name) for k in used(cfg, mtp=False)},

@@ -186,12 +186,14 @@ def tensors(d):
 
 
 def hf_meta_model(d: dict):
-    """transformers' CausalLM of an HF config.json dict, on the meta device (parameter counts and names)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    """transformers' CausalLM of an HF config.json dict, on the meta device (parameter counts and names); of a
+    family nesting its text model beside a vision tower (Family.nested), its ForConditionalGeneration."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
     d = PretrainedConfig._decode_special_floats(d)  # config_to_hf writes inf as {"__float__": "Infinity"}
     h = AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    fam = FAMILIES.get(d["model_type"])
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(h)
+        return (AutoModelForImageTextToText if fam is not None and fam.nested else AutoModelForCausalLM).from_config(h)
 
 
 def assert_same_tensors(a_dir, b_dir, what=""):

@@ -63,8 +63,11 @@ from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair  # 
 from tests.masking import masked_reference  # noqa: E402
 
 B, L = 2, 37
-CASES = [(f, c) for f, fam in FAMILIES.items() for c in fam.tiny]
-MAIN = {f: next(iter(fam.tiny)) for f, fam in FAMILIES.items() if fam.tiny}
+# a family nesting another's text model beside a tower it carries through (Family.nested: Qwen3.5 as released)
+# runs its text family's suite; its own CLI flow is tests/test_qwen35_vision.py
+SUITE = {f: fam for f, fam in FAMILIES.items() if not fam.nested}
+CASES = [(f, c) for f, fam in SUITE.items() for c in fam.tiny]
+MAIN = {f: next(iter(fam.tiny)) for f, fam in SUITE.items() if fam.tiny}
 
 
 def tiny_config(family: str, case: str | None = None):

@@ -23,6 +23,7 @@ MODULES = (  # one line per family module, in registry order
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "qwen3_5_vision",
 )
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}
 DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",

@@ -151,6 +151,11 @@ class Family:
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
     raw: dict = field(default_factory=dict)  # {config.json key: (lo, hi)} of its shape keys no config field holds
     variants: tuple = ()  # the variant groups it holds beyond multipliers / projections (family.GROUPS)
+    # a checkpoint holding another family's text model: its config.json key of the text model's config
+    # ("text_config"; models.hf reads and writes the text model there), and the HF name prefixes of the tensors
+    # carried through byte-identical (a vision tower and its merger; models.load.passthrough_tensors)
+    nested: str = ""
+    passthrough: tuple = ()
 
     # ---- HF config ---------------------------------------------------------------------
     def required(self, h) -> list:
@@ -176,6 +181,14 @@ class Family:
     def extra_tensors(self, cfg) -> dict:
         """{our name: shape} the family's checkpoint holds but our model lacks (written as zeros)."""
         return {}
+
+    def fixed_fields(self, cfg) -> tuple:
+        """Config fields no pruning may change in this family (its check refuses them; the search holds them)."""
+        return ()
+
+    def passthrough_params(self, cfg) -> int:
+        """Parameters of the tensors it carries through (counted apart from our model's; 0: none)."""
+        return 0
 
     def depth_units(self, cfg) -> list:
         """The family's decoder layers as lists of our layer indices (removed together by depth pruning)."""

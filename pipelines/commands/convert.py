@@ -10,7 +10,7 @@ from tqdm import tqdm
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output
 from remodel.models.errors import RemodelError
 from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
-from remodel.models.load import extra_hf_tensors, join_parts, source_plan
+from remodel.models.load import extra_hf_tensors, join_parts, passthrough_names, passthrough_tensors, source_plan
 
 from .report import write_report
 
@@ -109,6 +109,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
         raise RemodelError(f"unknown target {family!r} (supported: {', '.join(FAMILIES)})")
     check_exportable(cfg, family)
     hf_cfg = config_to_hf(cfg, family)
+    passthrough_names(aux_from, family)  # a family carrying tensors through: the source holds them
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -124,6 +125,8 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
             w.add(hf, t)
         for hf, shape in extra_hf_tensors(cfg, family).items():
             w.add(hf, torch.zeros(shape, dtype=dtype or torch.float32))
+        for hf, t in passthrough_tensors(aux_from, family):  # as stored (a vision tower: byte-identical)
+            w.add(hf, t)
         n = len(rows)
         w.close(hf_cfg, aux_from=aux_from)
         report = {"command": "convert", "input": str(model_dir), "output": str(out), "from": src, "to": family,

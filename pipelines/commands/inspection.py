@@ -139,8 +139,11 @@ def format_inspect(d: dict) -> str:
     row("total", f"{p['total']:,} ({fmt_count(p['total'])})")
     if p["routed"]:
         row("active per token", f"{p['active']:,} ({fmt_count(p['active'])})")
+    if p.get("passthrough"):
+        row("tower (passed through)", f"{p['passthrough']:,} ({fmt_count(p['passthrough'])})")
     if p["hf_total"] != p["total"]:
-        row(f"as exported to {p['family']}", f"{p['hf_total']:,}")
+        row(f"as exported to {p['family']}" + (" (with the tower)" if p.get("passthrough") else ""),
+            f"{p['hf_total']:,}")
     if p["buffers"]:
         row("buffers (router bias, fp32)", f"{p['buffers']:,}")
     for t, n in p["by_type"].items():

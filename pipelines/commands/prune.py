@@ -149,7 +149,7 @@ def _write_tensors(w: CheckpointWriter, reader, cfg: ModelConfig, family: str, k
         return prune_tensor(old, tensor, cfg, keep, table)
 
     n = 0
-    for name, tensor in tqdm(iter_hf_tensors(get, new, family), desc="prune", unit="tensor",
+    for name, tensor in tqdm(iter_hf_tensors(get, new, family, source=reader), desc="prune", unit="tensor",
                              total=len(weight_table(new, family)), leave=False):
         w.add(name, tensor)
         n += 1

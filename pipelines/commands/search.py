@@ -116,7 +116,7 @@ def _search(o: SearchOptions) -> dict:
         work = tmp / "work"
         eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, o.eval_tokens)
         used_scores, scores_note = _scores(model_dir, o.scores, work, tmp, out, o.score_samples, settings)
-        d = plan(cfg, **budget, scores=used_scores, top=o.top, verbose=progress, **popts)
+        d = plan(model_dir, **budget, scores=used_scores, top=o.top, verbose=progress, **popts)
         tensors, _ = load_scores(used_scores)
         model = load_model(model_dir)
         src, rows = _rank_candidates(model, cfg, family, tensors, d["candidates"], eval_blocks, batch, progress)
@@ -173,7 +173,7 @@ def _check_all(o: SearchOptions, model_dir: Path, out: Path, budget: dict):
     is written before."""
     cfg, family = _check_inputs(model_dir, out, o.data, o.eval_data, o.scores, o.overwrite)
     popts = _plan_options(o.plan_options)
-    plan(cfg, **budget, scores=o.scores, top=o.top, verbose=False, **popts)
+    plan(model_dir, **budget, scores=o.scores, top=o.top, verbose=False, **popts)  # (the file: its family's space)
     return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit)
 
 

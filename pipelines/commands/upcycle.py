@@ -29,7 +29,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import KINDS, layer_kinds
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
-from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors
+from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors, passthrough_names
 from remodel.upcycle.deviation import StreamCheck
 from remodel.upcycle.drop import drop_count, drop_report
 from remodel.upcycle.similarity import UPCYCLE_KEY, expert_similarity
@@ -289,11 +289,12 @@ def _upcycle(o: UpcycleOptions) -> dict:
     hf_cfg[UPCYCLE_KEY] = {"experts": p.experts, "granularity": p.granularity, "expert_shard": "e mod granularity",
                            "drop_ratio": o.drop_ratio, "seed": o.seed}  # read by training's expert-similarity figures
     layers = _LayerStream(reader, o, cfg, new_cfg, p, src_family, family)
-    n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family))
+    n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family)) + len(passthrough_names(reader, family))
     with atomic_output_dir(o.out, overwrite=o.overwrite, inputs=[model_dir]) as tmp, \
             ThreadPoolExecutor(1, thread_name_prefix="deviation-check") as layers.pool:
         w = CheckpointWriter(tmp)
-        for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family), total=n_out, desc="upcycle", unit="tensor"):
+        for hf, t in tqdm(iter_hf_tensors(layers.get, new_cfg, family, source=reader), total=n_out, desc="upcycle",
+                          unit="tensor"):
             w.add(hf, t if dtype is None else _cast(hf, t, dtype))
         w.close(hf_cfg, aux_from=model_dir)
         t_write = time.perf_counter() - t0

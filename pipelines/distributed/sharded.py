@@ -122,7 +122,7 @@ def export_sharded(model, out, family: str | None = None, aux_from=None, overwri
     hf_cfg = config_to_hf(cfg, family)
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         w = CheckpointWriter(tmp)
-        for name, t in iter_hf_tensors(get, cfg, family, dtype):
+        for name, t in iter_hf_tensors(get, cfg, family, dtype, source=aux_from):
             w.add(name, t)
         if dtype is not None:
             hf_cfg["dtype"] = str(dtype).replace("torch.", "")
