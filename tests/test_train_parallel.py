@@ -351,6 +351,7 @@ def test_matches_one_process(runs, name):
         print(f"{name} {who}: bytes per rank {held}, whole model {full}, bound {bound:.0f}")
         assert len(held) == n and sum(held) >= full  # together the ranks hold all of it
         assert max(held) <= bound + 1024 and max(held) < 0.6 * full  # no rank holds the whole model
+        assert p["held_bytes"][f"{who}_end"] == held  # and after the last step and evaluation still no more
     if name.endswith("fused"):  # the fused loss equals the logits path too, whatever the layout
         loss_rel, (w_rel, worst) = compare(runs["dir"], name, "kd")[2:4]
         print(f"{name} vs the unfused one process: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e}")

@@ -382,6 +382,7 @@ class _Training:
             ids = next(it).to(dev, non_blocking=True)
             loss, parts = compute_losses(self.student, self.teacher, ids, self.w, p.layer_map, self.projections,
                                          self.autocast, self.fns)
+            _reshard(self.teacher)  # its no-grad forward left the FSDP root (embeddings, lm_head) whole
             (loss / c.grad_accum).backward()
             if self.moe is not None:
                 self.moe.collect()
@@ -416,6 +417,8 @@ class _Training:
             self.moe.close()
         if self.eval_blocks is not None:
             self.evals["after"] = self._evaluate()
+        for who, model in (("student", self.student), ("teacher", self.teacher)):  # still sharded at the end
+            self.held[f"{who}_end"] = held_bytes(model, self.procs.group)
         report = self.report() if self.procs.lead else None
         _write_outputs(self.p, self.student, report)
         self.rss.mark("export")
@@ -440,10 +443,10 @@ class _Training:
 
 
 def _reshard(model):
-    """Shard FSDP modules again after a no-grad forward: with no backward to reshard it, the root module keeps
+    """Shard FSDP modules (of `model`, if any) again after a no-grad forward: with no backward to reshard it, the root module keeps
     its parameters unsharded, and an optimizer built then holds tensors the next step no longer uses."""
     from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
+    for m in model.modules() if model is not None else ():
         if isinstance(m, FSDPModule):
             m.reshard()
 
