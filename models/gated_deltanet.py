@@ -24,7 +24,7 @@ from .gdn_kernels import chunk_gated_delta_rule, gated_rms_norm
 from .mamba import GpuKernels, causal_conv_silu, gpu_kernels
 from .mamba_kernels import compute_dtype
 from .recompute import maybe_checkpoint
-from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain
+from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top
 
 
@@ -40,6 +40,10 @@ class GatedDeltaNetConfig(Section):
     linear_conv_kernel_dim: int = ints(4, 1, 1024, raw={"linear_conv_kernel_dim": 1})
     linear_chunk_size: int = ints(64, 1, MAX_WIDTH)
     linear_conv_bias: bool = plain(False)
+    linear_allow_neg_eigval: bool = plain(False, "beta = 2 * sigmoid(in_proj_b), in (0, 2) (OLMo-hybrid)",
+                                          variant="delta_rule")
+    linear_norm_eps: float | None = reals(None, gt=0, variant="delta_rule",
+                                          doc="the gated output norm's eps (None: norm_eps; OLMo-hybrid: 1e-5)")
 
 
 def conv_kernels(x) -> GpuKernels:
@@ -83,7 +87,8 @@ class GatedDeltaNet(nn.Module):
         if not self.A_log.is_meta:
             with torch.no_grad():
                 self.A_log.copy_(torch.empty(hv).uniform_(0.01, 16).log())
-        self.norm = GatedHeadNorm(cfg.linear_value_head_dim, cfg.norm_eps)
+        self.norm = GatedHeadNorm(cfg.linear_value_head_dim,
+                                  cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps)
         self.out_proj = nn.Linear(v, H, bias=False)
 
     def forward(self, u, attention_mask=None):
@@ -91,6 +96,8 @@ class GatedDeltaNet(nn.Module):
             u = u * attention_mask[:, :, None].to(u.dtype)
         b, l, _ = u.shape
         a, beta = self.in_proj_a(u), self.in_proj_b(u).sigmoid()
+        if self.cfg.linear_allow_neg_eigval:  # this kind's delta_rule variant (off: beta in (0, 1))
+            beta = beta * 2.0
         cd = compute_dtype(a)  # fp32 (transformers' float()), float64 stays float64
         g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
         z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.linear_value_head_dim))
