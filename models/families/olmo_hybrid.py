@@ -77,11 +77,15 @@ class OlmoHybrid(Family):
     def key_map(self):
         """Layer 2j is HF layer j's `linear_attn` (input_layernorm before it) or `self_attn`
         (post_attention_layernorm after it); 2j+1 its `mlp` (post_attention_layernorm before it, or
-        post_feedforward_layernorm after it)."""
+        post_feedforward_layernorm after it). Checkpoint names, as transformers saves and the released
+        checkpoints hold them (its conversion_mapping): input_layernorm is attention_layer_norm,
+        post_attention_layernorm feedforward_layer_norm. Not yet: the checkpoint splits the conv into
+        q_conv1d, k_conv1d, v_conv1d; the map names transformers' in-memory conv1d (one of ours to several HF
+        tensors is no Part)."""
         out = {"embeddings.weight": "model.embed_tokens.weight",
-               "layers.{a}.norm.weight": "model.layers.{a}.input_layernorm.weight",
-               "layers.{a}.post_norm.weight": "model.layers.{a}.post_attention_layernorm.weight",
-               "layers.{m}.norm.weight": "model.layers.{m}.post_attention_layernorm.weight",
+               "layers.{a}.norm.weight": "model.layers.{a}.attention_layer_norm.weight",
+               "layers.{a}.post_norm.weight": "model.layers.{a}.feedforward_layer_norm.weight",
+               "layers.{m}.norm.weight": "model.layers.{m}.feedforward_layer_norm.weight",
                "layers.{m}.post_norm.weight": "model.layers.{m}.post_feedforward_layernorm.weight",
                "norm_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
         out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.self_attn.{p.leaf}" for p in ATTENTION.params})
