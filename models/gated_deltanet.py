@@ -2,7 +2,7 @@
 OLMo-hybrid); its config section, module and spec (GATED_DELTANET).
 
 in_proj_q, _k, _v -> causal depthwise conv + silu over [q | k | v] -> per value head the gated delta rule
-(models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b), log decay g = -exp(A_log) *
+(models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b) (doubled: OLMo-hybrid), log decay g = -exp(A_log) *
 softplus(in_proj_a + dt_bias)) -> a gated RMSNorm per value head (gate in_proj_z) -> out_proj. Value heads
 are grouped under key heads as query heads under KV heads: value head h reads key head h // (Hv // Hk).
 The module stores every projection apart (as OLMo-hybrid does); Qwen3.5's fused in_proj_qkv and Qwen3-Next's
