@@ -57,3 +57,32 @@ def test_full_qk_norm_refuses_tensor_parallelism():
     with pytest.raises(RemodelError, match="qk_norm_full"):
         ModelConfig(vocab_size=32, hidden_size=16, pattern="A=", num_attention_heads=2, num_key_value_heads=2,
                     head_dim=8, intermediate_size=8, qk_norm_full=True, qk_norm=True).validate()
+
+
+@pytest.mark.parametrize("axis", ["attn_heads", "hidden_size", "ffn_size", "all"])
+def test_pruned_equals_masked_in_memory(axis):
+    """Width pruning of the post-norm layers and the all-heads q norm (tests/masking.py's qk_norm_full
+    masking: the dropped heads' queries zeroed, the norm's mean over the kept heads), float64."""
+    import copy
+
+    from remodel.compress.baselines import random_scores
+    from remodel.compress.prune import plan_keep, prune_model
+    from tests.masking import masked_reference
+    from tests.test_families import _smaller, ids
+
+    torch.manual_seed(0)
+    hc = transformers.OlmoHybridConfig(**OLMO_HYBRID.tiny["plain"])
+    cfg = config_from_hf(hc.to_dict() | {"model_type": "olmo_hybrid"})
+    model = _ours(transformers.OlmoHybridForCausalLM(hc).float().eval(), cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    model = copy.deepcopy(model).double()
+    names = ["attn_heads", "hidden_size", "ffn_size"] if axis == "all" else [axis]
+    keep = plan_keep(cfg, random_scores(cfg, seed=3), {n: _smaller(cfg, n) for n in names})
+    x = ids(cfg.vocab_size, 1)
+    with torch.no_grad():
+        a, b, full = prune_model(model, keep)(x), masked_reference(model, keep)(x), model(x)
+    assert (a - b).abs().max().item() <= 1e-10
+    assert (a - full).abs().max().item() > 1e-2
