@@ -18,13 +18,23 @@ from remodel.models.model import HybridLM
 RUNTIME = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
 
 
-def _ours(hf, cfg):
-    """Our model holding transformers' in-memory weights (their names as the checkpoint spells them)."""
-    sd = {}
-    for n, v in hf.state_dict().items():
+def _checkpoint_tensors(hf):
+    """transformers' in-memory weights under the checkpoint's names: its norms renamed, its one conv1d over
+    [q | k | v] split into q_conv1d, k_conv1d, v_conv1d (what save_pretrained writes)."""
+    c = hf.config
+    qk, v = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    for n, t in hf.state_dict().items():
         for a, b in RUNTIME.items():
             n = n.replace(f".{a}.", f".{b}.")
-        sd[from_hf_name(cfg, "olmo_hybrid", n)[0]] = v
+        if n.endswith("linear_attn.conv1d.weight"):
+            yield from zip([n.replace(".conv1d", f".{x}_conv1d") for x in "qkv"], t.split([qk, qk, v]))
+        else:
+            yield n, t
+
+
+def _ours(hf, cfg):
+    """Our model holding transformers' in-memory weights (their names as the checkpoint spells them)."""
+    sd = {from_hf_name(cfg, "olmo_hybrid", n)[0]: t for n, t in _checkpoint_tensors(hf)}
     m = HybridLM(cfg).float().eval()
     m.load_state_dict(sd, strict=False)
     return m

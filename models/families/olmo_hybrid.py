@@ -21,7 +21,7 @@ GDN_NORM_EPS = 1e-5  # transformers' OlmoHybridRMSNormGated(eps=1e-5), FLA's def
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
            "linear_conv_kernel_dim")
 _GDN = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj",
-        "in_proj_b": "b_proj", "in_proj_a": "a_proj", "conv1d": "conv1d", "norm": "o_norm", "out_proj": "o_proj"}
+        "in_proj_b": "b_proj", "in_proj_a": "a_proj", "norm": "o_norm", "out_proj": "o_proj"}  # q/k/v_conv1d: the same
 
 
 class OlmoHybrid(Family):
@@ -79,9 +79,8 @@ class OlmoHybrid(Family):
         (post_attention_layernorm after it); 2j+1 its `mlp` (post_attention_layernorm before it, or
         post_feedforward_layernorm after it). Checkpoint names, as transformers saves and the released
         checkpoints hold them (its conversion_mapping): input_layernorm is attention_layer_norm,
-        post_attention_layernorm feedforward_layer_norm. Not yet: the checkpoint splits the conv into
-        q_conv1d, k_conv1d, v_conv1d; the map names transformers' in-memory conv1d (one of ours to several HF
-        tensors is no Part)."""
+        post_attention_layernorm feedforward_layer_norm; the conv is q_conv1d, k_conv1d, v_conv1d (ours too;
+        transformers concatenates them into one conv1d in memory)."""
         out = {"embeddings.weight": "model.embed_tokens.weight",
                "layers.{a}.norm.weight": "model.layers.{a}.attention_layer_norm.weight",
                "layers.{a}.post_norm.weight": "model.layers.{a}.feedforward_layer_norm.weight",
