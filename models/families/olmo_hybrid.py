@@ -80,7 +80,10 @@ class OlmoHybrid(Family):
         post_feedforward_layernorm after it). Checkpoint names, as transformers saves and the released
         checkpoints hold them (its conversion_mapping): input_layernorm is attention_layer_norm,
         post_attention_layernorm feedforward_layer_norm; the conv is q_conv1d, k_conv1d, v_conv1d (ours too;
-        transformers concatenates them into one conv1d in memory)."""
+        transformers concatenates them into one conv1d in memory). Where q/k and v differ in size, transformers'
+        own save_pretrained writes three equal chunks of that conv under these names instead: such a checkpoint
+        is refused by its shapes (our exports hold the true q, k, v convs, as FLA's layer, where the released
+        checkpoints come from, stores them; not checked against a released file here)."""
         out = {"embeddings.weight": "model.embed_tokens.weight",
                "layers.{a}.norm.weight": "model.layers.{a}.attention_layer_norm.weight",
                "layers.{a}.post_norm.weight": "model.layers.{a}.feedforward_layer_norm.weight",
@@ -100,8 +103,10 @@ class OlmoHybrid(Family):
         return self.holds(cfg)
 
 
+# q, k and v convs of one size (2 x 12 = 4 x 6 channels): transformers' save_pretrained writes its in-memory conv
+# as three equal chunks (torch.chunk), q_conv1d / k_conv1d / v_conv1d only where the three are equal (see key_map)
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
             linear_value_head_dim=6, linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             pad_token_id=0, eos_token_id=1,  # the defaults lie outside a tiny vocab
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
@@ -110,7 +115,8 @@ OLMO_HYBRID = OlmoHybrid("olmo_hybrid", "OlmoHybridForCausalLM", depth=2, block_
                          # beta in (0, 1), three value heads per key head, attention first with every bias, tied, NoPE
                          tiny={"plain": TINY,
                                "grouped_biased_tied_nope": dict(
-                                   TINY, linear_num_value_heads=6, linear_conv_kernel_dim=3, attention_bias=True,
+                                   TINY, linear_num_value_heads=6, linear_key_head_dim=18, linear_conv_kernel_dim=3,
+                                   attention_bias=True,
                                    tie_word_embeddings=True, linear_allow_neg_eigval=False, rope_parameters=None,
                                    rms_norm_eps=1e-5 * 3, layer_types=["full_attention", "linear_attention"] * 2)})
 
