@@ -1,7 +1,7 @@
 """OLMo-hybrid's variants against transformers' own OlmoHybridForCausalLM, in memory (its runtime tensor names):
 the GDN delta_rule variant (beta doubled, the gated norm's own eps), the attention's q/k norms over all heads
-(qk_norm_full) and the post-norm kinds 'A' / '=' (norm after the mixer). The checkpoint round trips are the
-family suite's (tests/test_families.py)."""
+(qk_norm_full) and the post-norm kinds 'A' / '=' (norm after the mixer); a checkpoint transformers saved
+(three conv tensors) pruned by the CLI. The checkpoint round trips are the family suite's (tests/test_families.py)."""
 from __future__ import annotations
 
 import pytest
@@ -96,3 +96,42 @@ def test_pruned_equals_masked_in_memory(axis):
         a, b, full = prune_model(model, keep)(x), masked_reference(model, keep)(x), model(x)
     assert (a - b).abs().max().item() <= 1e-10
     assert (a - full).abs().max().item() > 1e-2
+
+
+def test_cli_prunes_a_checkpoint_transformers_saved(tmp_path, capsys):
+    """transformers' own save_pretrained checkpoint (its conv as q_conv1d, k_conv1d, v_conv1d) through the CLI:
+    score, prune two Gated DeltaNet widths (the q/k and v convs then differ in size), transformers reloading
+    the pruned checkpoint with the in-memory pruning's logits; upcycling refused in one line, nothing written."""
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from remodel import cli
+    from remodel.compress.prune import plan_keep, prune_model
+    from remodel.compress.scores import load_scores
+    from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+    from tests.conftest import hf_pair
+    _, ours, d = hf_pair("olmo_hybrid", tmp_path, "src", 5, **dict(OLMO_HYBRID.tiny["plain"], vocab_size=2048))
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    with safe_open(d / "model.safetensors", "pt") as f:
+        convs = sorted(k.rsplit(".", 2)[-2] for k in f.keys() if k.startswith("model.layers.0.linear_attn.") and "conv" in k)
+    assert convs == ["k_conv1d", "q_conv1d", "v_conv1d"]
+    data, s, out = str(embedded_corpus()[1]), str(tmp_path / "s"), tmp_path / "pruned"
+    assert cli.main(["score", str(d), "--data", data, "--out", s, "--samples", "4", "--seq-len", "16"]) == 0
+    targets = {"linear_value_heads": 2, "linear_key_head_dim": 8}
+    assert cli.main(["prune", str(d), str(out), "--scores", s, "--linear-value-heads", "2",
+                     "--linear-key-head-dim", "8"]) == 0
+    pruned = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert [f.get_slice(f"model.layers.0.linear_attn.{c}.weight").get_shape()[0] for c in sorted(convs)] == [16, 16, 12]
+    want_model = prune_model(ours, plan_keep(ours.cfg, load_scores(s)[0], targets))
+    x = torch.randint(0, 2048, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = pruned(x).logits, want_model(x)
+    assert (got - want).abs().max() <= 1e-4 and (want - ours(x)).abs().max() > 1e-2
+    capsys.readouterr()
+    assert cli.main(["upcycle", str(d), str(tmp_path / "up"), "--experts", "4", "--granularity", "1", "--top-k", "2",
+                     "--exact"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "up").exists()
