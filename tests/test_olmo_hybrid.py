@@ -116,7 +116,8 @@ def test_cli_prunes_a_checkpoint_transformers_saved(tmp_path, capsys):
     for f in embedded_tokenizer_path().iterdir():
         shutil.copy(f, d / f.name)
     with safe_open(d / "model.safetensors", "pt") as f:
-        convs = sorted(k.rsplit(".", 2)[-2] for k in f.keys() if k.startswith("model.layers.0.linear_attn.") and "conv" in k)
+        convs = sorted(k.rsplit(".", 2)[-2] for k in f.keys() if k.startswith("model.layers.0.linear_attn.")
+                       and "conv" in k)
     assert convs == ["k_conv1d", "q_conv1d", "v_conv1d"]
     data, s, out = str(embedded_corpus()[1]), str(tmp_path / "s"), tmp_path / "pruned"
     assert cli.main(["score", str(d), "--data", data, "--out", s, "--samples", "4", "--seq-len", "16"]) == 0
@@ -125,7 +126,8 @@ def test_cli_prunes_a_checkpoint_transformers_saved(tmp_path, capsys):
                      "--linear-key-head-dim", "8"]) == 0
     pruned = AutoModelForCausalLM.from_pretrained(out).float().eval()
     with safe_open(out / "model.safetensors", "pt") as f:
-        assert [f.get_slice(f"model.layers.0.linear_attn.{c}.weight").get_shape()[0] for c in sorted(convs)] == [16, 16, 12]
+        sizes = [f.get_slice(f"model.layers.0.linear_attn.{c}.weight").get_shape()[0] for c in convs]
+    assert sizes == [16, 16, 12]  # k, q: 2 key heads x 8; v: 2 value heads x 6
     want_model = prune_model(ours, plan_keep(ours.cfg, load_scores(s)[0], targets))
     x = torch.randint(0, 2048, (2, 23), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
