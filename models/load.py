@@ -76,7 +76,8 @@ def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: s
     shape, get = src.shape_and_get(hf, e)
     want = part.hf_shape(shapes[ours][1:] if e is not None else shapes[ours], e)
     if tuple(shape) != tuple(want):
-        return f"{hf} has shape {list(shape)} but the config implies {list(want)}", None
+        note = FAMILIES[family].shape_note(hf)
+        return f"{hf} has shape {list(shape)} but the config implies {list(want)}{note}", None
     return None, (get if part.count == 1 else lambda: part.narrow(get(), e).clone())
 
 

@@ -137,3 +137,16 @@ def test_cli_prunes_a_checkpoint_transformers_saved(tmp_path, capsys):
     assert cli.main(["upcycle", str(d), str(tmp_path / "up"), "--experts", "4", "--granularity", "1", "--top-k", "2",
                      "--exact"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "up").exists()
+
+
+def test_transformers_chunked_conv_refused_in_one_line(tmp_path, capsys):
+    """Where the q/k and v convs differ in size, transformers' save_pretrained writes three equal chunks of its
+    conv under q_conv1d / k_conv1d / v_conv1d: convert refuses in one line saying so, nothing written."""
+    from remodel import cli
+    hc = transformers.OlmoHybridConfig(**dict(OLMO_HYBRID.tiny["plain"], linear_key_head_dim=8))  # 16, 16, 24
+    transformers.OlmoHybridForCausalLM(hc).save_pretrained(tmp_path / "src")
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "olmo_hybrid"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "[19, 1, 4]" in err and "save_pretrained" in err, err
+    assert not (tmp_path / "out").exists()

@@ -182,6 +182,11 @@ class Family:
         d = self.depth
         return [list(range(j * d, (j + 1) * d)) for j in range(cfg.num_layers // d)]
 
+    def shape_note(self, hf_name: str) -> str:
+        """Why a checkpoint tensor may hold another shape than the config implies (appended to that one-line
+        refusal; e.g. a layout another writer produces that remodel does not read)."""
+        return ""
+
     # ---- what it becomes -------------------------------------------------------------------
     def claims(self, cfg) -> bool:
         """Whether this family is the default export of `cfg` (asked in models.families.DEFAULT_ORDER)."""

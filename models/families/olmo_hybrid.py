@@ -99,6 +99,14 @@ class OlmoHybrid(Family):
                     for p in ("gate_proj", "up_proj", "down_proj")})
         return out
 
+    def shape_note(self, hf_name):
+        """transformers' save_pretrained writes its one in-memory conv as three equal chunks under the three
+        names; where q/k and v differ in size those are not the q, k, v convs (see key_map)."""
+        if hf_name.endswith("_conv1d.weight"):
+            return (" (transformers' save_pretrained writes OLMo-hybrid's conv as three equal chunks of [q | k | v]"
+                    " when the q/k and v convs differ in size; remodel reads the q, k, v convs themselves)")
+        return ""
+
     def claims(self, cfg):
         return self.holds(cfg)
 
