@@ -139,14 +139,28 @@ def test_cli_prunes_a_checkpoint_transformers_saved(tmp_path, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "up").exists()
 
 
-def test_transformers_chunked_conv_refused_in_one_line(tmp_path, capsys):
+def test_transformers_chunked_conv_is_read(tmp_path):
     """Where the q/k and v convs differ in size, transformers' save_pretrained writes three equal chunks of its
-    conv under q_conv1d / k_conv1d / v_conv1d: convert refuses in one line saying so, nothing written."""
+    conv under q_conv1d / k_conv1d / v_conv1d: remodel reads our convs from their concatenation (our logits are
+    transformers'), and convert writes the q, k, v convs themselves, which transformers reloads alike."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
     from remodel import cli
+    from remodel.models.load import load_model
+    torch.manual_seed(0)
     hc = transformers.OlmoHybridConfig(**dict(OLMO_HYBRID.tiny["plain"], linear_key_head_dim=8))  # 16, 16, 24
-    transformers.OlmoHybridForCausalLM(hc).save_pretrained(tmp_path / "src")
-    capsys.readouterr()
-    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "olmo_hybrid"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "[19, 1, 4]" in err and "save_pretrained" in err, err
-    assert not (tmp_path / "out").exists()
+    hf = transformers.OlmoHybridForCausalLM(hc).float().eval()
+    hf.save_pretrained(tmp_path / "src")
+    conv = "model.layers.0.linear_attn.{}_conv1d.weight"
+    with safe_open(tmp_path / "src" / "model.safetensors", "pt") as f:
+        assert [f.get_slice(conv.format(x)).get_shape()[0] for x in "qkv"] == [19, 19, 18]  # torch.chunk's
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "olmo_hybrid"]) == 0
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert [f.get_slice(conv.format(x)).get_shape()[0] for x in "qkv"] == [16, 16, 24]
+    x = torch.randint(0, hc.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(x).logits
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()(x).logits
+        ours = load_model(tmp_path / "src")(x)
+    assert (back - want).abs().max() <= 1e-6 * want.abs().max() and (ours - want).abs().max() <= 1e-4

@@ -182,10 +182,10 @@ class Family:
         d = self.depth
         return [list(range(j * d, (j + 1) * d)) for j in range(cfg.num_layers // d)]
 
-    def shape_note(self, hf_name: str) -> str:
-        """Why a checkpoint tensor may hold another shape than the config implies (appended to that one-line
-        refusal; e.g. a layout another writer produces that remodel does not read)."""
-        return ""
+    def regrouped(self, ours: str, hf_name: str) -> tuple[list, list] | None:
+        """(our tensors, HF tensors) where the HF tensors concatenate (dim 0) what ours do, cut elsewhere (another
+        writer's layout, read when `hf_name` is not our tensor's shape); None: no such group."""
+        return None
 
     # ---- what it becomes -------------------------------------------------------------------
     def claims(self, cfg) -> bool:
