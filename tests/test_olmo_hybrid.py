@@ -166,3 +166,10 @@ def test_transformers_chunked_conv_is_read(tmp_path):
         back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()(x).logits
         ours = load_model(tmp_path / "src")(x)
     assert (back - want).abs().max() <= 1e-6 * want.abs().max() and (ours - want).abs().max() <= 1e-4
+    # sharded loading reads regions of the stored tensors as they lie: the chunked layout refused in one line
+    from remodel.models.regions import RegionReader
+    with pytest.raises(RemodelError, match="remodel convert"):
+        RegionReader(tmp_path / "src")
+    name = "layers.0.mixer.k_conv1d.weight"
+    region = RegionReader(tmp_path / "out").read(name, [torch.tensor([3, 4, 9]), None, None])
+    assert torch.equal(region, load_model(tmp_path / "out").state_dict()[name][[3, 4, 9]])
