@@ -37,6 +37,8 @@ class AttentionConfig(Section):
     key_multiplier: float = reals(1.0, gt=0, variant="projections", raw=("key_multiplier",))
     attn_output_gate: bool = plain(False, "q_proj also yields a per-head output gate: o * sigmoid(gate) (Qwen3.5)",
                                    variant="attention_gate")
+    qk_norm_full: bool = plain(False, "RMSNorm on the whole q and k projections, weights [heads * head_dim] "
+                               "(OLMo 2, OLMo-hybrid)", variant="qk_norm_full")
 
 
 def rope_dim(cfg) -> int:
@@ -86,9 +88,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=cfg.attention_out_bias)
-        if cfg.qk_norm:
-            self.q_norm = trunk_norm(cfg, hd)
-            self.k_norm = trunk_norm(cfg, hd)
+        if cfg.qk_norm or cfg.qk_norm_full:
+            self.q_norm = trunk_norm(cfg, hd * (cfg.num_attention_heads if cfg.qk_norm_full else 1))
+            self.k_norm = trunk_norm(cfg, hd * (cfg.num_key_value_heads if cfg.qk_norm_full else 1))
         if cfg.rope_theta is not None:
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -101,8 +103,10 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
-        k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (self.k_proj(x), self.v_proj(x)))
-        q = self.q_proj(x)
+        k, v, q = self.k_proj(x), self.v_proj(x), self.q_proj(x)
+        if cfg.qk_norm_full:  # this kind's qk_norm_full variant: one norm over all heads (no TP: check_tp)
+            q, k = self.q_norm(q), self.k_norm(k)
+        k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (k, v))
         per = 2 * hd if cfg.attn_output_gate else hd  # a gated head's rows: [query | gate]
         q = q.view(b, l, q.shape[-1] // per, per)
         if cfg.attn_output_gate:  # per head [query | gate]
@@ -150,6 +154,8 @@ class AttentionKind(LayerKind):
     def validate(self, cfg, need):
         need(cfg.num_attention_heads > 0 and cfg.num_key_value_heads > 0 and cfg.head_dim > 0,
              "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
+        need(not cfg.qk_norm_full or not (cfg.qk_norm or cfg.attn_output_gate),
+             "qk_norm_full (q/k norms over all heads) excludes per-head qk_norm and attn_output_gate")
         need(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
              f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={cfg.num_key_value_heads}")
@@ -191,6 +197,8 @@ class AttentionKind(LayerKind):
         return []
 
     def check_tp(self, cfg, tp, need):
+        need(not cfg.qk_norm_full, f"tensor parallelism: q/k norms over all heads (qk_norm_full) need every "
+             f"head's variance, tp={tp} splits the heads")
         need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
              f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
 
@@ -201,7 +209,8 @@ ATTENTION = AttentionKind(
      Param("k_proj.weight", ("attn_kv", "hidden")), Param("k_proj.bias", ("attn_kv",), ("attention_bias",)),
      Param("v_proj.weight", ("attn_kv", "hidden")), Param("v_proj.bias", ("attn_kv",), ("attention_bias",)),
      Param("o_proj.weight", ("hidden", "attn_q")), Param("o_proj.bias", ("hidden",), ("attention_out_bias",)),
-     Param("q_norm.weight", ("head_dim",), ("qk_norm",)), Param("k_norm.weight", ("head_dim",), ("qk_norm",))),
+     Param("q_norm.weight", ("head_dim",), ("qk_norm",)), Param("k_norm.weight", ("head_dim",), ("qk_norm",)),
+     Param("q_norm.weight", ("attn_q",), ("qk_norm_full",)), Param("k_norm.weight", ("attn_kv",), ("qk_norm_full",))),
     # q_proj rows: per head its query (and, gated, then its gate): heads x attn_qg_head
     sizes={"attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
            "attn_qg": lambda cfg, w: w["attn_heads"] * w["head_dim"] * (2 if cfg.attn_output_gate else 1),

@@ -1,4 +1,4 @@
-"""One residual layer: x + mixer(norm(x)) (the mixer's output times cfg.residual_multiplier), the mixer built
+"""One residual layer: x + mixer(norm(x)) (x + norm(mixer(x)) for a post_norm kind) (the mixer's output times cfg.residual_multiplier), the mixer built
 by the layer kind of its pattern character."""
 from __future__ import annotations
 
@@ -17,9 +17,17 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind, self.spec = kind, KINDS[kind]
-        self.norm = trunk_norm(cfg)
+        self.add_module(self.spec.norm_name, trunk_norm(cfg))  # 'post_norm' after the mixer
         self.mixer = self.spec.build(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # the mixer's output joins the stream scaled
+
+    @property
+    def norm(self):
+        """The block's RMSNorm, before or after the mixer as its kind says."""
+        m = self._modules.get(self.spec.norm_name) if "_modules" in self.__dict__ else None
+        if m is None:  # before __init__ registers it (nn.Module.add_module asks hasattr)
+            raise AttributeError("norm")
+        return m
 
     def forward(self, x, attention_mask=None, position_ids=None):
         """Hooks on the Block (FSDP2's, per layer) stay outside the checkpointed region."""
@@ -29,6 +37,8 @@ class Block(nn.Module):
 
     def _forward(self, x, attention_mask, position_ids):
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if self.spec.post_norm:  # the kind's norm placement: after the mixer (OLMo 2)
+            return self.join(x, self.norm(self.mixer(x, *(given[a] for a in self.spec.inputs))))
         return self.join(x, self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs)))
 
     def join(self, x, y):

@@ -148,7 +148,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         """JSON: the trunk's fields and the sections of the kinds present (or away from their defaults)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
-        present = {k.name for k in used(self)}
+        present = {k.section_name for k in used(self)}
         for n, s in self.sections.items():
             if n in present or s != SECTIONS[n]():
                 d[n] = s.to_dict()

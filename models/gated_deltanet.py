@@ -1,18 +1,21 @@
 """The Gated DeltaNet layer kind ('D'): linear attention by the gated delta rule (Qwen3-Next, Qwen3.5,
 OLMo-hybrid); its config section, module and spec (GATED_DELTANET).
 
-in_proj_q, _k, _v -> causal depthwise conv + silu over [q | k | v] -> per value head the gated delta rule
-(models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b), log decay g = -exp(A_log) *
+in_proj_q, _k, _v -> causal depthwise conv + silu over [q | k | v] (q_conv1d, k_conv1d, v_conv1d: stored apart, as
+OLMo-hybrid's checkpoints do; run as one conv) -> per value head the gated delta rule
+(models.gdn_kernels: q, k L2-normalised, beta = sigmoid(in_proj_b) (doubled: OLMo-hybrid), log decay g = -exp(A_log) *
 softplus(in_proj_a + dt_bias)) -> a gated RMSNorm per value head (gate in_proj_z) -> out_proj. Value heads
 are grouped under key heads as query heads under KV heads: value head h reads key head h // (Hv // Hk).
 The module stores every projection apart (as OLMo-hybrid does); Qwen3.5's fused in_proj_qkv and Qwen3-Next's
-per-key-head in_proj_qkvz are parts of one HF tensor in their key maps (models.families.family.Part). Numerics follow
+per-key-head in_proj_qkvz, and their one conv1d, are parts of one HF tensor in their key maps
+(models.families.family.Part). Numerics follow
 transformers' `qwen3_5` torch path; on CUDA the rule runs fla-core's kernel and the conv causal-conv1d's or
 fla-core's when they import.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +27,7 @@ from .gdn_kernels import chunk_gated_delta_rule, gated_rms_norm
 from .mamba import GpuKernels, causal_conv_silu, gpu_kernels
 from .mamba_kernels import compute_dtype
 from .recompute import maybe_checkpoint
-from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain
+from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top
 
 
@@ -40,12 +43,22 @@ class GatedDeltaNetConfig(Section):
     linear_conv_kernel_dim: int = ints(4, 1, 1024, raw={"linear_conv_kernel_dim": 1})
     linear_chunk_size: int = ints(64, 1, MAX_WIDTH)
     linear_conv_bias: bool = plain(False)
+    linear_allow_neg_eigval: bool = plain(False, "beta = 2 * sigmoid(in_proj_b), in (0, 2) (OLMo-hybrid)",
+                                          variant="delta_rule")
+    linear_norm_eps: float | None = reals(None, gt=0, variant="delta_rule",
+                                          doc="the gated output norm's eps (None: norm_eps; OLMo-hybrid: 1e-5)")
 
 
 def conv_kernels(x) -> GpuKernels:
     """The Mamba path's GPU convs (causal-conv1d's, else fla-core's Triton conv) for a CUDA x where they
     import and gdn_kernels.USE_KERNEL is on; none elsewhere (one F.conv1d)."""
     return gpu_kernels() if x.is_cuda and gdn_kernels.USE_KERNEL else GpuKernels()
+
+
+class _Conv(NamedTuple):
+    """The three convs as one depthwise conv over [q | k | v] (what causal_conv_silu reads of an nn.Conv1d)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
 
 class GatedHeadNorm(nn.Module):
@@ -69,21 +82,22 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, hv = cfg.hidden_size, cfg.linear_num_value_heads
-        conv, v = GATED_DELTANET.axis_size(cfg, "lin_qkv"), GATED_DELTANET.axis_size(cfg, "lin_v")
-        qk = GATED_DELTANET.axis_size(cfg, "lin_qk")
+        qk, v = GATED_DELTANET.axis_size(cfg, "lin_qk"), GATED_DELTANET.axis_size(cfg, "lin_v")
         self.in_proj_q, self.in_proj_k = nn.Linear(H, qk, bias=False), nn.Linear(H, qk, bias=False)
         self.in_proj_v = nn.Linear(H, v, bias=False)
         self.in_proj_z = nn.Linear(H, v, bias=False)
         self.in_proj_b = nn.Linear(H, hv, bias=False)
         self.in_proj_a = nn.Linear(H, hv, bias=False)
-        self.conv1d = nn.Conv1d(conv, conv, cfg.linear_conv_kernel_dim, groups=conv, bias=cfg.linear_conv_bias)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(n, n, cfg.linear_conv_kernel_dim, groups=n, bias=cfg.linear_conv_bias) for n in (qk, qk, v))
         self.conv_out = nn.Identity()  # the activation scores read q and k channels here
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.empty(hv))
         if not self.A_log.is_meta:
             with torch.no_grad():
                 self.A_log.copy_(torch.empty(hv).uniform_(0.01, 16).log())
-        self.norm = GatedHeadNorm(cfg.linear_value_head_dim, cfg.norm_eps)
+        self.norm = GatedHeadNorm(cfg.linear_value_head_dim,
+                                  cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps)
         self.out_proj = nn.Linear(v, H, bias=False)
 
     def forward(self, u, attention_mask=None):
@@ -91,6 +105,8 @@ class GatedDeltaNet(nn.Module):
             u = u * attention_mask[:, :, None].to(u.dtype)
         b, l, _ = u.shape
         a, beta = self.in_proj_a(u), self.in_proj_b(u).sigmoid()
+        if self.cfg.linear_allow_neg_eigval:  # this kind's delta_rule variant (off: beta in (0, 1))
+            beta = beta * 2.0
         cd = compute_dtype(a)  # fp32 (transformers' float()), float64 stays float64
         g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
         z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.linear_value_head_dim))
@@ -98,11 +114,17 @@ class GatedDeltaNet(nn.Module):
         out = maybe_checkpoint(self, self._core, mixed, g, beta, z)
         return self.out_proj(out.flatten(2))
 
+    def conv(self) -> _Conv:
+        """q_conv1d, k_conv1d, v_conv1d concatenated: one depthwise conv over [q | k | v]."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
+        return _Conv(torch.cat([c.weight for c in convs]), bias)
+
     def _core(self, mixed, g, beta, z):
         """[q | k | v] projections, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""
         cfg, hv = self.cfg, self.A_log.shape[0]  # head counts from the shapes (a TP rank holds fewer)
         k = conv_kernels(mixed)
-        x = self.conv_out(causal_conv_silu(mixed, self.conv1d, k.conv, k.conv_fla))
+        x = self.conv_out(causal_conv_silu(mixed, self.conv(), k.conv, k.conv_fla))
         kd = (x.shape[-1] - hv * cfg.linear_value_head_dim) // 2
         q, k, v = x.split([kd, kd, x.shape[-1] - 2 * kd], dim=-1)
         q, k = (t.unflatten(-1, (-1, cfg.linear_key_head_dim)) for t in (q, k))
@@ -126,7 +148,7 @@ class GatedDeltaNetKind(LayerKind):
 
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps its kernel's columns of q, k, v; the recurrent state is dk x dv per value head."""
-        conv = self.axis_size(cfg, "lin_qkv", w)
+        conv = 2 * self.axis_size(cfg, "lin_qk", w) + self.axis_size(cfg, "lin_v", w)
         return {"gdn_conv_state": batch * conv * cfg.linear_conv_kernel_dim * conv_bytes,
                 "gdn_recurrent_state": batch * w["linear_value_heads"] * w["linear_key_head_dim"]
                 * w["linear_value_head_dim"] * state_bytes}
@@ -192,6 +214,7 @@ class GatedDeltaNetKind(LayerKind):
              f"{cfg.linear_num_key_heads} is not divisible by tp={tp} (heads are split by key-head group)")
 
 
+_CONVS = (("q", "lin_qk"), ("k", "lin_qk"), ("v", "lin_v"))  # each conv's channels follow its projection's rows
 _DECLARES = (Width("linear_key_heads", "linear_num_key_heads", None, "lin_k_heads", None, "l.kh",
                    "Gated DeltaNet key heads (whole groups: each takes its value heads with it)"),
              Width("linear_value_heads", "linear_num_value_heads", None, "lin_v_heads", None, "l.vh",
@@ -206,11 +229,10 @@ GATED_DELTANET = GatedDeltaNetKind(
     (Param("in_proj_q.weight", ("lin_qk", "hidden")), Param("in_proj_k.weight", ("lin_qk", "hidden")),
      Param("in_proj_v.weight", ("lin_v", "hidden")), Param("in_proj_z.weight", ("lin_v", "hidden")),
      Param("in_proj_b.weight", ("lin_v_heads", "hidden")), Param("in_proj_a.weight", ("lin_v_heads", "hidden")),
-     Param("conv1d.weight", ("lin_qkv", "one", "lin_conv_kernel")), Param("conv1d.bias", ("lin_qkv",), ("linear_conv_bias",)),
+     *(p for x, a in _CONVS for p in (Param(f"{x}_conv1d.weight", (a, "one", "lin_conv_kernel")),
+                                      Param(f"{x}_conv1d.bias", (a,), ("linear_conv_bias",)))),
      Param("dt_bias", ("lin_v_heads",)), Param("A_log", ("lin_v_heads",)), Param("norm.weight", ("lin_dv",)),
      Param("out_proj.weight", ("hidden", "lin_v"))),
-    # the conv's channels are [q | k | v]: key heads x dk twice, then value heads x dv
-    segments={"lin_qkv": (("q", "lin_qk"), ("k", "lin_qk"), ("v", "lin_v"))},
     sizes={"lin_k_heads": lambda cfg, w: w["linear_key_heads"], "lin_v_heads": lambda cfg, w: w["linear_value_heads"],
            "lin_dk": lambda cfg, w: w["linear_key_head_dim"], "lin_dv": lambda cfg, w: w["linear_value_head_dim"],
            "lin_qk": lambda cfg, w: w["linear_key_heads"] * w["linear_key_head_dim"],
@@ -223,7 +245,7 @@ GATED_DELTANET = GatedDeltaNetKind(
     widths=tuple(w.name for w in _DECLARES),
     declares=_DECLARES,
     fixed=("lin_conv_kernel",),
-    tp_axes=("lin_qkv", "lin_qk", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
-    tp_plan={**{f"in_proj_{x}": "colwise" for x in "qkvzba"}, "conv1d": "shard", "": "shard", "norm": "shared_norm",
-             "out_proj": "rowwise"},
+    tp_axes=("lin_qk", "lin_v", "lin_v_heads"), inputs=("attention_mask",), color="tab:purple",
+    tp_plan={**{f"in_proj_{x}": "colwise" for x in "qkvzba"}, **{f"{x}_conv1d": "shard" for x in "qkv"},
+             "": "shard", "norm": "shared_norm", "out_proj": "rowwise"},
     config=GatedDeltaNetConfig)

@@ -13,7 +13,17 @@ from .moe import MOE
 from .parallel_mixer import PARALLEL
 from .spec import WIDTHS, LayerKind
 
-KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET)}
+
+
+def post_norm(k: LayerKind, char: str) -> LayerKind:
+    """Kind k with its norm after the mixer (OLMo 2 / OLMo-hybrid): the same module, widths and config
+    section (declared once, by k), under its own pattern character; it does not upcycle."""
+    return dataclasses.replace(k, char=char, name=k.name + "_post_norm", post_norm=True, declares=(), config=None,
+                               section=k.name, upcycles_to=None)
+
+
+KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET,
+                                                   post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 
 

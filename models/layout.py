@@ -94,15 +94,20 @@ def segment_span(cfg: ModelConfig, axis: str, first: str, last: str | None = Non
     return owner(axis).segment_span(cfg, axis, first, last)
 
 
+def block_norm(kind: str) -> Param:
+    """The norm of a block of `kind`: BLOCK_NORM, or 'post_norm.weight' after a post_norm kind's mixer."""
+    return Param(KINDS[kind].norm_name + ".weight", ("hidden",))
+
+
 def blocks(cfg: ModelConfig) -> list[tuple[str, str, list[Param]]]:
     """(block prefix, layer kind, its parameters incl. norms, axes resolved) for the trunk, then the MTP blocks."""
     mixers = {c: [Param("mixer." + p.leaf, resolve(cfg, p.axes), p.when) for p in layer_params(cfg, c)]
               for c in set(cfg.pattern + cfg.mtp_pattern)}
-    out = [(f"layers.{i}.", c, [BLOCK_NORM] + mixers[c]) for i, c in enumerate(cfg.pattern)]
+    out = [(f"layers.{i}.", c, [block_norm(c)] + mixers[c]) for i, c in enumerate(cfg.pattern)]
     P = len(cfg.mtp_pattern)
     for j, c in enumerate(cfg.mtp_full_pattern):
         ps = list(MTP_FIRST) if j % P == 0 else []
-        ps += [BLOCK_NORM] + mixers[c] + (list(MTP_LAST) if j % P == P - 1 else [])
+        ps += [block_norm(c)] + mixers[c] + (list(MTP_LAST) if j % P == P - 1 else [])
         out.append((f"mtp.layers.{j}.", c, ps))
     return out
 

@@ -76,8 +76,21 @@ def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: s
     shape, get = src.shape_and_get(hf, e)
     want = part.hf_shape(shapes[ours][1:] if e is not None else shapes[ours], e)
     if tuple(shape) != tuple(want):
-        return f"{hf} has shape {list(shape)} but the config implies {list(want)}", None
+        group = FAMILIES[family].regrouped(ours, hf)
+        get = group and _regrouped(src, shapes, ours, *group)
+        return (None, get) if get else (f"{hf} has shape {list(shape)} but the config implies {list(want)}", None)
     return None, (get if part.count == 1 else lambda: part.narrow(get(), e).clone())
+
+
+def _regrouped(src: _Source, shapes: dict, ours: str, our_names: list, hf_names: list) -> Callable | None:
+    """read() of our tensor `ours` as its rows of the concatenation of `hf_names` (Family.regrouped); None
+    where those do not concatenate to our group's shape."""
+    got = [src.shape_and_get(h, None) for h in hf_names]
+    sizes, rest = [shapes[o][0] for o in our_names], tuple(shapes[ours][1:])
+    if any(tuple(s[1:]) != rest for s, _ in got) or sum(s[0] for s, _ in got) != sum(sizes):
+        return None
+    start = sum(sizes[:our_names.index(ours)])
+    return lambda: torch.cat([g() for _, g in got]).narrow(0, start, shapes[ours][0]).clone()
 
 
 def source_plan(reader: CheckpointReader, cfg: ModelConfig, family: str | None = None,

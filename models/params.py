@@ -31,7 +31,7 @@ def _type_of(name: str, cfg: ModelConfig) -> str:
         return "embeddings"
     if name == "lm_head.weight":
         return "lm_head"
-    if name == "norm_f.weight" or (name.endswith(".norm.weight") and name.count(".") == 3):
+    if name == "norm_f.weight" or (name.endswith((".norm.weight", ".post_norm.weight")) and name.count(".") == 3):
         return "norms"  # layers.i.norm.weight (the mixer's own gated norm is layers.i.mixer.norm.weight)
     return KINDS[cfg.pattern[int(name.split(".")[1])]].name
 

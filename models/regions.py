@@ -21,6 +21,7 @@ import torch
 from .checkpoint import DTYPES, INDEX, SINGLE, read_header, read_index
 from .files import check_weight_dtype, read_json
 from .errors import RemodelError
+from .families import FAMILIES
 from .hf import config_from_hf, our_shapes, weight_table
 from .hf_adapter import to_hf_part
 
@@ -65,7 +66,21 @@ class RegionReader:
         for ours, hf, e in weight_table(self.cfg, self.family):
             self.rows.setdefault(ours, []).append((hf, e))
             self.parts.setdefault(ours, to_hf_part(self.cfg, self.family, ours, e))
+        self._check_shapes()
         self._fds: dict[Path, int] = {}
+
+    def _check_shapes(self):
+        """Every (non-expert) HF tensor in the shape the config implies, before any read: a region read
+        trusts the shape, so a mismatch would read the wrong rows. One line; a layout that load.py reads
+        by regrouping (Family.regrouped) is named, with the command that rewrites it."""
+        for ours, ((hf, e), *_) in self.rows.items():
+            if e is not None or hf not in self.where:
+                continue
+            have, want = list(self.where[hf][3]), list(self.parts[ours].hf_shape(self.shapes[ours]))
+            if have != want:
+                fix = ("; `remodel convert` rewrites it in the layout sharded loading reads"
+                       if FAMILIES[self.family].regrouped(ours, hf) else "")
+                raise RemodelError(f"{self.path}: tensor {hf} has shape {have} but the config implies {want}{fix}")
 
     def _entry(self, hf: str, expert: int | None):
         """(file, data offset, dtype, shape, leading index) of one HF tensor, whatever its on-disk variant."""

@@ -125,6 +125,18 @@ class LayerKind:
     tp_plan: dict = field(default_factory=dict)
     color: str = "tab:gray"  # in the per-layer figures
     config: type | None = None  # its config section (models/section.py); ModelConfig holds one instance
+    post_norm: bool = False  # the block normalises the mixer's output (x + norm(mixer(x)), OLMo 2) not its input
+    section: str = ""  # the config section it reads when another kind declares it (default: its own name)
+
+    @property
+    def section_name(self) -> str:
+        """The name of the config section this kind reads (its own, or the kind it derives from)."""
+        return self.section or self.name
+
+    @property
+    def norm_name(self) -> str:
+        """The block's norm module: 'norm' before the mixer, 'post_norm' after it (its own checkpoint name)."""
+        return "post_norm" if self.post_norm else "norm"
 
     # ---- axes ---------------------------------------------------------------------------
     def axis_size(self, cfg, axis: str, w: dict | None = None) -> int:

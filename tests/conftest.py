@@ -37,6 +37,8 @@ KIND_CONFIGS = {
     "parallel": ModelConfig(pattern="PP", **_BASE, **_ATTN, **_MAMBA),
     "gated_deltanet": ModelConfig(pattern="DD", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                   linear_value_head_dim=6, **_BASE),
+    "attention_post_norm": ModelConfig(pattern="AA", **_BASE, **_ATTN),
+    "mlp_post_norm": ModelConfig(pattern="==", intermediate_size=40, **_BASE),
 }
 FAMILY_CONFIGS = {
     "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,

@@ -77,7 +77,8 @@ def _outputs(layer):
         if c == "E":
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
         else:
-            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "-": "down_proj", "D": "out_proj"}[c]))
+            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "-": "down_proj",
+                                       "=": "down_proj", "D": "out_proj"}[c]))
     return outs
 
 
@@ -134,6 +135,17 @@ def _mask_gdn(cfg, m, keep, p):
     norm.forward = forward
 
 
+def _mask_full_q_norm(cfg, m, heads):
+    """An all-heads q norm (qk_norm_full) of a pruned model sees only the kept heads: the dropped heads' query
+    rows are zeroed and the norm divides by the kept channels."""
+    hd = cfg.head_dim
+    for h in dropped(heads, cfg.num_attention_heads):
+        m.q_proj.weight[h * hd:(h + 1) * hd] = 0
+        if m.q_proj.bias is not None:
+            m.q_proj.bias[h * hd:(h + 1) * hd] = 0
+    _kept_mean_rmsnorm(m.q_norm, len(heads) * hd)
+
+
 def _mask_moe(cfg, m, keep, p):
     experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
     if p + "experts" in keep and cfg.router == "softmax":
@@ -167,16 +179,18 @@ def masked_reference(model, keep):
     for i, layer in enumerate(ref.layers):
         p = f"layers.{i}."
         for c, m in _parts(layer).items():
-            if c == "-" and p + "ffn" in keep:
+            if c in "-=" and p + "ffn" in keep:
                 m.down_proj.weight[:, dropped(keep[p + "ffn"], cfg.intermediate_size)] = 0
-            if c == "*" and p + "attn_heads" in keep:
+            if c in "*A" and p + "attn_heads" in keep:
                 for h in dropped(keep[p + "attn_heads"], cfg.num_attention_heads):
                     m.o_proj.weight[:, h * cfg.head_dim:(h + 1) * cfg.head_dim] = 0
+                if cfg.qk_norm_full:  # the q norm averages over the kept heads' channels: zero queries, kept mean
+                    _mask_full_q_norm(cfg, m, keep[p + "attn_heads"])
             if c == "M" and (p + "mamba_heads" in keep or p + "mamba_head_dim" in keep):
                 _mask_mamba(cfg, m, keep, p)
             if c == "E":
                 _mask_moe(cfg, m, keep, p)
             if c == "D" and any(p + a in keep for a in ("lin_v_heads", "lin_dk", "lin_dv")):
                 _mask_gdn(cfg, m, keep, p)
-            assert c in "*M-ED", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            assert c in "*M-ED=A", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref

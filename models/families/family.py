@@ -195,6 +195,11 @@ class Family:
         d = self.depth
         return [list(range(j * d, (j + 1) * d)) for j in range(cfg.num_layers // d)]
 
+    def regrouped(self, ours: str, hf_name: str) -> tuple[list, list] | None:
+        """(our tensors, HF tensors) where the HF tensors concatenate (dim 0) what ours do, cut elsewhere (another
+        writer's layout, read when `hf_name` is not our tensor's shape); None: no such group."""
+        return None
+
     # ---- what it becomes -------------------------------------------------------------------
     def claims(self, cfg) -> bool:
         """Whether this family is the default export of `cfg` (asked in models.families.DEFAULT_ORDER)."""

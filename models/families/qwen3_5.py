@@ -97,6 +97,10 @@ class Qwen35(Family):
             out.update({f"layers.{{a}}.mixer.{p.leaf}": f"model.layers.{{a}}.{module}.{p.leaf}" for p in k.params})
         fused = "model.layers.{a}.linear_attn.in_proj_qkv.weight"  # our q, k, v projections, unequal parts
         out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(fused, 0, i, 3, sized=True) for i, x in enumerate("qkv")})
+        for leaf in ("weight", "bias"):  # our three convs, unequal parts of its one conv over [q | k | v]
+            conv = f"model.layers.{{a}}.linear_attn.conv1d.{leaf}"
+            out.update({f"layers.{{a}}.mixer.{x}_conv1d.{leaf}": Part(conv, 0, i, 3, sized=True)
+                        for i, x in enumerate("qkv")})
         return {**out, **self.ffn_keys()}
 
     def ffn_keys(self) -> dict:

@@ -67,7 +67,7 @@ class Qwen3Next(Qwen35):
     def key_map(self):
         """Qwen3.5's map with the fused Gated DeltaNet projections and the MoE (router `gate`, per-expert
         SwiGLUs, `shared_expert` and its `shared_expert_gate`) in HF layer j's `mlp`."""
-        out = {k: v for k, v in super().key_map().items() if not isinstance(v, Part)}
+        out = {k: v for k, v in super().key_map().items() if ".in_proj_" not in k}  # the conv as Qwen3.5's
         qkvz, ba = "model.layers.{a}.linear_attn.in_proj_qkvz.weight", "model.layers.{a}.linear_attn.in_proj_ba.weight"
         out.update({f"layers.{{a}}.mixer.in_proj_{x}.weight": Part(qkvz, 0, i, 4, sized=True, blocks=_BLOCKS)
                     for i, x in enumerate("qkvz")})
