@@ -223,6 +223,9 @@ def test_a_plan_that_disagrees_with_the_layout_table_is_refused(monkeypatch):
     monkeypatch.setitem(ATTENTION.tp_plan, "o_proj", "colwise")  # the table splits o_proj's input dim
     with pytest.raises(RemodelError, match="colwise plan of 'attention.o_proj' disagrees with the layout table"):
         _plans(cfg)
+    monkeypatch.setitem(ATTENTION.tp_plan, "o_proj", "shared_norm")  # a split norm weight is cut along dim 0
+    with pytest.raises(RemodelError, match="shared_norm plan of 'attention.o_proj' disagrees with the layout table"):
+        _plans(cfg)
     monkeypatch.delitem(ATTENTION.tp_plan, "o_proj")
     with pytest.raises(RemodelError, match=r"parameters under \['o_proj'\] are split by the layout table"):
         _plans(cfg)
