@@ -104,7 +104,7 @@ class Attention(nn.Module):
         b, l, _ = x.shape
         hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         k, v, q = self.k_proj(x), self.v_proj(x), self.q_proj(x)
-        if cfg.qk_norm_full:  # this kind's qk_norm_full variant: one norm over all heads (no TP: check_tp)
+        if cfg.qk_norm_full:  # this kind's qk_norm_full variant: one norm over all heads (TP: weight split with them)
             q, k = self.q_norm(q), self.k_norm(k)
         k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (k, v))
         per = 2 * hd if cfg.attn_output_gate else hd  # a gated head's rows: [query | gate]
@@ -197,8 +197,6 @@ class AttentionKind(LayerKind):
         return []
 
     def check_tp(self, cfg, tp, need):
-        need(not cfg.qk_norm_full, f"tensor parallelism: q/k norms over all heads (qk_norm_full) need every "
-             f"head's variance, tp={tp} splits the heads")
         need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
              f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
 

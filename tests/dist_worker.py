@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
 from remodel.pipelines.distributed.parallel import (clip_grad_norm_, dp_mean, full_grads, full_state_dict, gather_model,  # noqa: E402
-                                parallel_info, parallelize)
+                                local_tensor, parallel_info, parallelize)
 from remodel.pipelines.training.vocab_parallel import vocab_parallel_kl_div, vocab_parallel_lm_loss, vocab_shard  # noqa: E402
 
 STEPS, B, L, LR = 3, 4, 16, 3e-3
@@ -35,6 +35,14 @@ def llama_cfg() -> ModelConfig:
     return ModelConfig(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, rope_theta=10000.0, attention_bias=True, qk_norm=True, intermediate_size=48,
                        mlp_act="silu", mlp_gated=True, tie_word_embeddings=True)
+
+
+def qk_norm_full_cfg() -> ModelConfig:
+    """OLMo 2 / OLMo-hybrid attention: q/k norms over all heads (qk_norm_full: under TP their weights split with
+    the heads, the mean of squares summed over the group), post-norm 'A' / '=' beside pre-norm '*' / '-', biases."""
+    return ModelConfig(vocab_size=64, hidden_size=32, pattern="A=*-", num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, rope_theta=10000.0, attention_bias=True, attention_out_bias=True, qk_norm_full=True,
+                       intermediate_size=48, mlp_act="silu", mlp_gated=True)
 
 
 def tiny_cfg(tp4: bool = False) -> ModelConfig:
@@ -82,9 +90,16 @@ def case_train(name, mesh_shape, dims, tp_dim, ep_dim, dp_dim, tp4=False, cfg=No
     cfg = cfg or tiny_cfg(tp4)
     torch.manual_seed(0)
     model = init_weights(HybridLM(cfg), seed=0)
+    if cfg.qk_norm_full:  # every channel its own q/k norm weight: a misplaced slice shows
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     ref = copy.deepcopy(model)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
     ids, teacher = data(cfg)
+    with torch.no_grad():
+        ref_logits = ref(ids[0])
 
     g_ref, g_par = {}, {}
     ref_losses, ref_norms = train(ref, ids, teacher, None,
@@ -95,6 +110,11 @@ def case_train(name, mesh_shape, dims, tp_dim, ep_dim, dp_dim, tp4=False, cfg=No
     t0 = time.time()
     parallelize(model, mesh, tp_dim=tp_dim, ep_dim=ep_dim, dp_dim=dp_dim)
     info = parallel_info(model)
+    fwd = torch.tensor([float("nan")])
+    if not info.fsdp:  # (FSDP2 leaves the root's parameters unsharded after a forward: none before the optimizer)
+        with torch.no_grad():  # the parallel forward itself: this rank's vocab shard, worst over the ranks
+            fwd[0] = rel(model(ids[0]), vocab_shard(ref_logits, info.vocab_group))
+        dist.all_reduce(fwd, op=dist.ReduceOp.MAX)
     per = B // info.dp
     rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
     losses, norms = train(model, ids, teacher, info.vocab_group, lambda m: clip_grad_norm_(m, clip), rows,
@@ -116,7 +136,10 @@ def case_train(name, mesh_shape, dims, tp_dim, ep_dim, dp_dim, tp4=False, cfg=No
             logits_rel = rel(full(ids[0]), ref(ids[0]))
         emit(name, loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
              norm_rel=max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
-             grad_rel=max(gr.values()), grad_worst=max(gr, key=gr.get),
+             grad_rel=max(gr.values()), grad_worst=max(gr, key=gr.get), fwd_rel=None if info.fsdp else float(fwd),
+             norm_grads={k: gr[k] for k in gr if k.endswith(("q_norm.weight", "k_norm.weight"))},
+             norm_shards={k: list(local_tensor(v).shape) for k, v in model.named_parameters()
+                          if k.endswith(("q_norm.weight", "k_norm.weight"))},
              weight_rel=w[worst], worst=worst, weight_fro=max(fro.values()), logits_rel=logits_rel, moved=moved,
              losses=losses, ref_losses=ref_losses, ref_norms=ref_norms, clipped=sum(n > clip for n in ref_norms),
              tp=info.tp, ep=info.ep, dp=info.dp, seconds=round(seconds, 2))
@@ -191,6 +214,8 @@ CASES = {
     "vocab": lambda: case_vocab("vocab"),
     "tp": lambda: case_train("tp", (WORLD,), ("tp",), "tp", None, None, tp4=WORLD == 4),
     "tp_llama": lambda: case_train("tp_llama", (WORLD,), ("tp",), "tp", None, None, cfg=llama_cfg(), clip=0.02),
+    "tp_qk_norm_full": lambda: case_train("tp_qk_norm_full", (WORLD,), ("tp",), "tp", None, None, cfg=qk_norm_full_cfg(),
+                                          clip=0.02),
     "ep_dp": lambda: case_train("ep_dp", (WORLD,), ("dp",), None, "dp", "dp"),
     "tp_ep": lambda: case_train("tp_ep", (WORLD,), ("tp",), "tp", "tp", None, tp4=WORLD == 4),
     "dp_tp": lambda: case_train("dp_tp", (2, WORLD // 2), ("dp", "tp"), "tp", None, "dp"),

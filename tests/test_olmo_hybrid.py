@@ -58,12 +58,21 @@ def test_logits_equal_transformers(case):
     assert (want - got).abs().max().item() < 1e-5
 
 
-def test_full_qk_norm_refuses_tensor_parallelism():
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, pattern="A=", num_attention_heads=2, num_key_value_heads=2,
+def test_full_qk_norm_splits_over_tensor_parallel_ranks_and_excludes_per_head_qk_norm():
+    """q/k norms over all heads take tensor parallelism (their weights split with the heads; the numerics:
+    tests/test_parallel.py::test_all_heads_qk_norm_under_tp); KV heads must still divide; per-head qk_norm
+    beside them is refused in one line."""
+    from remodel.pipelines.distributed.styles import ShardedNorm, layer_plan
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, pattern="A=", num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, intermediate_size=8, qk_norm_full=True)
-    problems = []
-    KINDS["A"].check_tp(cfg, 2, lambda ok, why: ok or problems.append(why))
-    assert len(problems) == 1 and "qk_norm_full" in problems[0]
+    problems = {tp: [] for tp in (2, 4)}
+    for tp, found in problems.items():
+        KINDS["A"].check_tp(cfg, tp, lambda ok, why, found=found: ok or found.append(why))
+    assert problems[2] == [] and len(problems[4]) == 1 and "num_key_value_heads=2" in problems[4][0]
+    layer = HybridLM(cfg).layers[0]
+    specs = {}
+    plan = layer_plan(cfg, layer.spec, layer.mixer, "layers.0.mixer.", specs)
+    assert isinstance(plan["q_norm"], ShardedNorm) and isinstance(plan["k_norm"], ShardedNorm)
     with pytest.raises(RemodelError, match="qk_norm_full"):
         ModelConfig(vocab_size=32, hidden_size=16, pattern="A=", num_attention_heads=2, num_key_value_heads=2,
                     head_dim=8, intermediate_size=8, qk_norm_full=True, qk_norm=True).validate()

@@ -31,9 +31,9 @@ from remodel.pipelines.distributed.parallel import local_tensor, parallel_info, 
 from remodel.pipelines.distributed.styles import shard_tensor
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
-TRAIN_CASES = {2: ["tp", "tp_llama", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}
+TRAIN_CASES = {2: ["tp", "tp_llama", "tp_qk_norm_full", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}
 EXPECT = {  # (tp, ep, dp) per case and world size
-    (2, "tp"): (2, 1, 1), (2, "tp_llama"): (2, 1, 1), (2, "ep_dp"): (1, 2, 2), (2, "tp_ep"): (2, 2, 1),
+    (2, "tp"): (2, 1, 1), (2, "tp_llama"): (2, 1, 1), (2, "tp_qk_norm_full"): (2, 1, 1), (2, "ep_dp"): (1, 2, 2), (2, "tp_ep"): (2, 2, 1),
     (4, "tp"): (4, 1, 1), (4, "dp_tp"): (2, 1, 2), (4, "dp_tp_ep_dp"): (2, 2, 2), (4, "dp_tp_ep_tp"): (2, 2, 2),
 }
 
@@ -81,6 +81,17 @@ def test_training_matches_single_process(runs, n, case):
     assert r["moved"] > 1e-2  # the weights really moved
     assert r["weight_fro"] <= 1e-4 and r["weight_rel"] <= 1e-3, r
     assert r["logits_rel"] <= 1e-4, r  # the gathered single-process HybridLM (strict load) runs like the reference
+
+
+def test_all_heads_qk_norm_under_tp(runs):
+    """q/k norms over all heads (qk_norm_full, OLMo 2 / OLMo-hybrid) under tp 2: each rank holds its heads'
+    slice of the norm weights; the parallel forward's logits and the norm weights' gathered gradients equal
+    one process's (the training itself: test_training_matches_single_process)."""
+    r = runs[2]["tp_qk_norm_full"]
+    names = [f"layers.{i}.mixer.{x}_norm.weight" for i in (0, 2) for x in "qk"]  # post-norm 'A' and pre-norm '*'
+    assert r["norm_shards"] == {n: [4 * 8 // 2 if "q_norm" in n else 2 * 8 // 2] for n in names}
+    assert r["fwd_rel"] <= 1e-5, r
+    assert set(r["norm_grads"]) == set(names) and max(r["norm_grads"].values()) <= 1e-5, r
 
 
 def test_vocab_parallel_losses(runs):
@@ -193,7 +204,7 @@ def _plans(cfg):
 def test_every_kind_plan_covers_the_layout_table():
     """Each kind's tp_plan names a style for every parameter the layout table splits, and the stock styles'
     fixed dims agree with the table, for every tiny config (Mamba, attention with biases and qk-norm, MLP,
-    MoE with shared expert and latent, Falcon-H1's parallel mixer)."""
+    MoE with shared expert and latent, Falcon-H1's parallel mixer, OLMo-hybrid's q/k norms over all heads)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from tests.conftest import FAMILY_CONFIGS, KIND_CONFIGS, tiny_configs
     seen = set()
@@ -202,7 +213,7 @@ def test_every_kind_plan_covers_the_layout_table():
             seen |= {type(s).__name__ for s in plan.values()}
             assert all(isinstance(s, ColwiseParallel) for p, s in plan.items() if p.endswith(("q_proj", "up_proj")))
             assert all(isinstance(s, RowwiseParallel) for p, s in plan.items() if p.endswith(("o_proj", "out_proj")))
-    assert {"ColwiseParallel", "RowwiseParallel", "SegmentShard", "SharedNorm"} <= seen
+    assert {"ColwiseParallel", "RowwiseParallel", "SegmentShard", "SharedNorm", "ShardedNorm"} <= seen
 
 
 def test_a_plan_that_disagrees_with_the_layout_table_is_refused(monkeypatch):
@@ -211,6 +222,9 @@ def test_a_plan_that_disagrees_with_the_layout_table_is_refused(monkeypatch):
                       head_dim=8, intermediate_size=48)
     monkeypatch.setitem(ATTENTION.tp_plan, "o_proj", "colwise")  # the table splits o_proj's input dim
     with pytest.raises(RemodelError, match="colwise plan of 'attention.o_proj' disagrees with the layout table"):
+        _plans(cfg)
+    monkeypatch.setitem(ATTENTION.tp_plan, "o_proj", "shared_norm")  # a split norm weight is cut along dim 0
+    with pytest.raises(RemodelError, match="shared_norm plan of 'attention.o_proj' disagrees with the layout table"):
         _plans(cfg)
     monkeypatch.delitem(ATTENTION.tp_plan, "o_proj")
     with pytest.raises(RemodelError, match=r"parameters under \['o_proj'\] are split by the layout table"):

@@ -9,7 +9,8 @@ NCCL/GPU.
 
 Tensor parallelism (Megatron layout; every activation between layers is replicated over 'tp'):
   attention  q/k/v ColwiseParallel (contiguous rows = whole KV groups with their query heads), o_proj
-             RowwiseParallel, q_norm/k_norm one shared weight
+             RowwiseParallel, q_norm/k_norm one shared weight (norms over all heads, qk_norm_full: the weight
+             split with the heads, the mean of squares all-reduced)
   MLP        up/gate ColwiseParallel, down RowwiseParallel (also the MoE shared expert)
   Mamba-2    in_proj and conv1d cut segment by segment (a custom style: a concatenation cannot be one DTensor
              placement), heads, norm, plain shards by group; out_proj RowwiseParallel

@@ -7,7 +7,8 @@ Shard(1), partial sums all-reduced); torchao's Float8 versions for FP8 Linears. 
 cannot: `SegmentShard` (Mamba's concatenated in_proj and conv1d are cut segment by segment, and
 the mixer reads its local head counts from these plain shards), `SharedNorm` (q_norm / k_norm, the Gated
 DeltaNet's gated head norm: one
-replicated weight serving this rank's heads, gradient summed over the group), `VocabParallel` and
+replicated weight serving this rank's heads, gradient summed over the group), `ShardedNorm` (q/k norms over
+all heads, OLMo 2 style: the weight sliced with the heads, the mean of squares summed over the group), `VocabParallel` and
 `ParallelEntry` (the embedding's and lm_head's rows, the output projection's input; tied or not).
 
 Every style's split is checked against the layout table (models.layout.tp_split): a plan and a table that
@@ -23,8 +24,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from remodel.models.errors import RemodelError
 from remodel.models.gdn_kernels import gated_rms_norm
 from remodel.models.layout import layer_params, tp_split
+from remodel.models.norm import scale_of
 
-from .collectives import copy_to_group, group_rank, group_size, reduce_from_group
+from .collectives import all_reduce_sum, copy_to_group, group_rank, group_size, reduce_from_group
 
 
 def shard_tensor(t, dim: int, sizes, rank: int, n: int):
@@ -98,6 +100,37 @@ class SharedNorm(ParallelStyle):
     def _apply(self, module, mesh):
         shared = SharedWeightGatedNorm if getattr(module, "gated", False) else SharedWeightRMSNorm
         return shared(module, mesh.get_group())
+
+
+class ShardedWeightRMSNorm(nn.Module):
+    """An RMSNorm over all heads (qk_norm_full) of which this rank holds its heads' channels and their slice
+    of the weight: the sum of squares is all-reduced (both ways: the other ranks' outputs depend on this
+    rank's channels), divided by the full width (local width x ranks), as the one-process mean."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.weight, self.eps, self.group, self.offset = norm.weight, norm.eps, group, norm.offset
+
+    def forward(self, x):
+        dtype, cd = x.dtype, torch.promote_types(x.dtype, torch.float32)  # fp32 (float64 stays), as models.norm
+        x = x.to(cd)
+        sq = all_reduce_sum(x.pow(2).sum(-1, keepdim=True), self.group)
+        x = x * torch.rsqrt(sq / (x.shape[-1] * group_size(self.group)) + self.eps)
+        return (scale_of(self.weight, self.offset).to(cd) * x).to(dtype)
+
+
+class ShardedNorm(ParallelStyle):
+    """A norm over all heads whose weight the layout table splits with the heads: the weight becomes this
+    rank's plain shard (recorded in `specs`, so checkpoints, clipping and export gather it) and the module a
+    ShardedWeightRMSNorm."""
+
+    def __init__(self, splits: dict, prefix: str, specs: dict):
+        super().__init__()
+        self.splits, self.prefix, self.specs = splits, prefix, specs
+
+    def _apply(self, module, mesh):
+        SegmentShard(self.splits, self.prefix, self.specs)._apply(module, mesh)
+        return ShardedWeightRMSNorm(module, mesh.get_group())
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -205,11 +238,19 @@ def layer_plan(cfg, spec, mixer, prefix: str, specs: dict) -> dict:
             plan[path] = _stock(word, module)
         elif word in ("shard", "shard_entry"):
             plan[path] = SegmentShard(here, prefix + (path + "." if path else ""), specs, entry=word == "shard_entry")
-        elif word == "shared_norm":
-            plan[path] = SharedNorm()
+        elif word == "shared_norm":  # replicated; or, where the table splits it with the heads, over all heads
+            plan[path] = _sharded_norm(name + "." + path, here, prefix + path + ".", specs) if here else SharedNorm()
         else:
             raise RemodelError(f"tensor parallelism: unknown style {word!r} in the {name} tp_plan")
     return plan
+
+
+def _sharded_norm(where: str, splits: dict, prefix: str, specs: dict) -> ShardedNorm:
+    """The style of a norm weight the layout table splits: one segment of dim 0 of its only parameter."""
+    if set(splits) != {"weight"} or splits["weight"][0] != 0 or len(splits["weight"][1]) != 1:
+        raise RemodelError(f"tensor parallelism: the shared_norm plan of {where!r} disagrees with the layout table "
+                           f"{splits}")
+    return ShardedNorm(splits, prefix, specs)
 
 
 def _present(mixer, path: str) -> bool:
