@@ -1,6 +1,7 @@
 """Test-wide settings: keep idle OpenMP threads from spinning (on a 2-core
 machine busy-waiting threads in one process slow every other process ~5x),
 and keep tokenizers single-threaded; and the markers of the long tests (MARKS)."""
+import math
 import os
 from pathlib import Path
 
@@ -463,3 +464,28 @@ def hf_pair(model_type, root, name, seed, **hf_config):
         hf.save_pretrained(d)
         _HF_BUILT[key] = hf, load_model(d), d
     return _HF_BUILT[key]
+
+
+def _smaller(cfg, name: str) -> int:
+    """A smaller value of width `name` that prune accepts for the model's family (its divisibility rules, and
+    the family's own: a Mamba width that is a multiple of hidden), a quarter less or the nearest below it."""
+    from remodel.compress.prune import validate_targets
+    from remodel.models.errors import RemodelError
+    from remodel.models.spec import WIDTHS  # (filled by models.kinds)
+    w = WIDTHS[name]
+    v, step = getattr(cfg, w.field), math.lcm(*(getattr(cfg, f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
+    for t in sorted((t for t in range(v - 1, 0, -1) if t % step == 0), key=lambda t: (t > v - max(1, v // 4), -t)):
+        try:
+            validate_targets(cfg, {name: t})
+            return t
+        except RemodelError:
+            continue
+    raise AssertionError(f"no smaller {name} than {v} is a valid target of {cfg.pattern!r}")
+
+
+def prune_axes(cfg) -> dict:
+    """{width: smaller target} for hidden and every width the kinds of `cfg` prune (a width it has)."""
+    from remodel.models.kinds import used
+    from remodel.models.spec import WIDTHS
+    names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
+    return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}

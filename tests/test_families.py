@@ -59,7 +59,7 @@ from remodel import cli  # noqa: E402
 from remodel.models.families import FAMILIES  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
-from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair  # noqa: E402
+from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair, prune_axes  # noqa: E402
 from tests.masking import masked_reference  # noqa: E402
 
 B, L = 2, 37
@@ -202,31 +202,6 @@ def test_eval_loss(family, case, root):
 
 
 # ---- per family: pruning ------------------------------------------------------------------------
-
-def _smaller(cfg, name: str) -> int:
-    """A smaller value of width `name` that prune accepts for the model's family (its divisibility rules, and
-    the family's own: a Mamba width that is a multiple of hidden), a quarter less or the nearest below it."""
-    from remodel.compress.prune import validate_targets
-    from remodel.models.errors import RemodelError
-    from remodel.models.spec import WIDTHS  # (filled by models.kinds)
-    w = WIDTHS[name]
-    v, step = getattr(cfg, w.field), math.lcm(*(getattr(cfg, f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
-    for t in sorted((t for t in range(v - 1, 0, -1) if t % step == 0), key=lambda t: (t > v - max(1, v // 4), -t)):
-        try:
-            validate_targets(cfg, {name: t})
-            return t
-        except RemodelError:
-            continue
-    raise AssertionError(f"no smaller {name} than {v} is a valid target of {cfg.pattern!r}")
-
-
-def prune_axes(cfg) -> dict:
-    """{width: smaller target} for hidden and every width the kinds of `cfg` prune (a width it has)."""
-    from remodel.models.kinds import used
-    from remodel.models.spec import WIDTHS
-    names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
-    return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}
-
 
 PRUNE_CASES = [(f, a) for f in MAIN for a in [*prune_axes(tiny_config(f)), "all"]]
 

@@ -203,7 +203,7 @@ def test_pruned_equals_masked_in_fp32_on_every_gdn_width(tmp_path):
     measured <= 3.2e-6 over 60 cases."""
     from remodel.compress.baselines import random_scores
     from tests.masking import masked_reference
-    from tests.test_families import prune_axes
+    from tests.conftest import prune_axes
     _, model, _ = hf_pair("qwen3_5_text", tmp_path, "model", 3, **WELL_CONDITIONED)
     cfg = model.cfg
     axes = {n: t for n, t in prune_axes(cfg).items() if n.startswith("linear_")}

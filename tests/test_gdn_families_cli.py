@@ -17,7 +17,7 @@ from remodel.compress.scores import load_scores
 from remodel.models.families import FAMILIES
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import hf_pair
-from tests.test_families import prune_axes
+from tests.conftest import prune_axes
 
 CASES = {"qwen3_5_moe_text": "grouped_biased_tied", "qwen3_next": "grouped_dense_layer"}
 

@@ -152,7 +152,6 @@ def test_olmo_hybrid_7b_file_is_transformers_model_of_the_card_size():
     assert f"`{OLMO}.json`" in README and f"{OLMO_TOTAL:,}" in README
 
 
-@pytest.mark.skipif("olmo_hybrid" not in FAMILIES, reason="the olmo_hybrid family is on branch wt-olmo")
 def test_olmo_hybrid_7b_inspect_equals_transformers():
     """Enable after merging wt-olmo: inspect by name (total == active: no experts) == transformers' count."""
     d = load(OLMO)
