@@ -71,3 +71,19 @@ def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, caps
     hf = json.loads((out / "config.json").read_text())
     assert hf["num_hidden_layers"] == ours.cfg.num_layers // 2 - 1
     assert hf["layer_types"] == [t for j, t in enumerate(FAMILIES[family].tiny[CASES[family]]["layer_types"]) if j != 2]
+
+
+def test_cli_search_writes_a_model_of_the_family_within_budget(pair, tmp_path):
+    """search (score, plan, prune the top candidates, rank them, distill the pick briefly) on the family:
+    the written model is the source's family, within the budget, and transformers loads it."""
+    from transformers import AutoModelForCausalLM
+    family, ours, d = pair
+    total = sum(p.numel() for p in ours.parameters())
+    budget = int(total * 0.8)
+    out = tmp_path / "searched"
+    assert cli.main(["search", str(d), str(out), "--data", str(embedded_corpus()[1]), "--params", str(budget),
+                     "--candidates", "4", "--top", "2", "--distill-tokens", "256", "--seq-len", "32",
+                     "--batch", "4"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    got = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters())
+    assert 0.5 * total < got <= budget
