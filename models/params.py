@@ -100,15 +100,18 @@ def _axis_table(cfg: ModelConfig) -> dict:
 def layer_params(cfg: ModelConfig, kind: str, active: bool = False) -> int:
     """Parameters of one layer of `kind` (a pattern character or a kind name such as 'mamba'), its pre-norm
     included (what removing one such layer frees); active=True counts routed experts at k / n_routed_experts."""
-    k = kind_of(kind)
-    one = per_layer(cfg)
+    return _layer(cfg, kind_of(kind), per_layer(cfg), active)
+
+
+def _layer(cfg: ModelConfig, k, one: dict, active: bool = False) -> int:
+    """layer_params from `per_layer(cfg)` computed once."""
     p = one[k.name]
     if active and k.routed:
         p -= one["routed"] - one["routed"] * cfg.num_experts_per_tok // cfg.n_routed_experts
     return p + cfg.hidden_size
 
 
-def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
+def count_params(cfg: ModelConfig, family: str | None = None, by_axis: bool = False) -> dict:
     """Exact parameter counts of `cfg` (ours; no tensors allocated).
 
     total: every parameter of our model (== HybridLM(cfg).parameters() == transformers' count);
@@ -122,7 +125,9 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
       layer of a model without (its extra_tensors, models.load.extra_hf_tensors), and a family that carries
       tensors through (a vision tower) adds them;
     passthrough: the parameters of those carried-through tensors (Family.passthrough_params);
-    by_axis: see `_axis_table`; per_layer: params of one layer of each kind present (norm included).
+    by_axis (only when asked: two closed forms per width, two thirds of a call's time, which plan's exact
+      checks and search's brute force do not read): see `_axis_table`;
+    per_layer: params of one layer of each kind present (norm included).
     """
     from .load import extra_hf_tensors
 
@@ -134,14 +139,15 @@ def count_params(cfg: ModelConfig, family: str | None = None) -> dict:
     family = family or default_family(cfg)
     extra = sum(_numel(s) for s in extra_hf_tensors(cfg, family).values())
     passed = FAMILIES[family].passthrough_params(cfg)
-    return {
+    one = per_layer(cfg)
+    out = {
         "total": total, "active": active, "routed": routed, "buffers": buffers,
         "hf_total": total + extra + passed, "passthrough": passed, "family": family,
         "by_type": by_type,
-        "by_axis": _axis_table(cfg),
-        "per_layer": {k.name: layer_params(cfg, k.name) for k in used(cfg, mtp=False)},
+        "per_layer": {k.name: _layer(cfg, k, one) for k in used(cfg, mtp=False)},
         "mtp": mtp_params(cfg),
     }
+    return {**out, "by_axis": _axis_table(cfg)} if by_axis else out
 
 
 def _tally(shapes: dict, type_of, types=()) -> tuple[dict, int, int]:

@@ -99,7 +99,7 @@ def test_latent_pruning_equals_masking(targets):
     c = count_params(pruned.cfg)
     assert c["total"] == sum(p.numel() for p in pruned.parameters())
     assert c["buffers"] == sum(b.numel() for n, b in pruned.named_buffers() if n.endswith("correction_bias"))
-    before = count_params(LATENT)
+    before = count_params(LATENT, by_axis=True)
     if set(targets) == {"latent_size"}:  # the marginal count of the latent axis is exact
         assert before["total"] - c["total"] == (24 - Lt) * before["by_axis"]["latent_size"]["per_unit"]
 

@@ -86,7 +86,7 @@ def test_counts_match_our_model_and_transformers_export(name):
 @pytest.mark.parametrize("name", ["hybrid_shared", "llama_tied_bias"])
 def test_by_axis_marginals_are_exact(name):
     cfg = tiny_configs()[name]
-    c = count_params(cfg)
+    c = count_params(cfg, by_axis=True)
     steps = {"mamba_heads": cfg.n_groups, "attn_heads": cfg.num_key_value_heads}
     if cfg.rope_theta is not None:
         steps["head_dim"] = 2

@@ -68,7 +68,7 @@ def test_latent_is_a_search_axis():
     nano = config_from_hf(json.loads((CONFIG.parent / "nemotron-3-nano-30b-a3b.json").read_text()))
     assert build_space(nano).values["latent_size"] == [None]
     target = count_params(cfg.replace(moe_latent_size=768))["total"]
-    assert count_params(cfg)["total"] - target == 256 * count_params(cfg)["by_axis"]["latent_size"]["per_unit"]
+    assert count_params(cfg)["total"] - target == 256 * count_params(cfg, by_axis=True)["by_axis"]["latent_size"]["per_unit"]
     c = plan(cfg, params=target + 1, axes=("latent_size",), top=3, verbose=False)["candidates"]
     assert c[0]["changed"] == {"latent_size": [1024, 768]} and c[0]["params"] == target
     assert c[0]["prune_targets"] == {"latent_size": 768}

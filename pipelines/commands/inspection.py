@@ -79,7 +79,7 @@ def inspect(src, batch: int = 1, seq_len: int = 4096) -> dict:
     """Architecture, widths, exact parameter counts and bf16 memory of a checkpoint or config."""
     cfg, d, ckpt, where = resolve_source(src)
     family = (d or {}).get("model_type") or default_family(cfg)
-    counts = count_params(cfg, family=family)
+    counts = count_params(cfg, family=family, by_axis=True)
     out = {
         "source": where,
         "family": family,
