@@ -54,8 +54,9 @@ def cases(cfg):
             (f"experts {E} -> {E * 3 // 4} + expert FFN -50%", {"experts": E * 3 // 4, "expert_ffn_size": F // 2})]
 
 
-def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, batch=16):
-    """{unpruned_ppl, calib_tokens, eval_tokens, rows: [{case, targets, contribution, frequency, random: [..]}]}"""
+def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, batch=16, methods=METHODS):
+    """{unpruned_ppl, calib_tokens, eval_tokens, rows: [{case, targets, <each of methods>, random: [..]}]}.
+    No loss_increase calibration: it scores whole layers only, and every case here prunes experts."""
     from transformers import AutoTokenizer
 
     train, valid = embedded_corpus()
@@ -65,17 +66,17 @@ def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, bat
     model = load_model(model_dir).float().eval()
     cfg = model.cfg
     with torch.no_grad():
-        act, _ = score_model(model, list(batches(calib, 8)), loss_increase=True, loss_batches=1)
+        act, _ = score_model(model, list(batches(calib, 8)), loss_increase=False)
 
     def ppl(scores, targets):
         pruned = prune_model(model, plan_keep(cfg, scores, targets))
         return evaluate(pruned, held_out, seq_len=seq_len, batch=batch)["ppl"]
 
-    ranked = {m: rank_experts(act, cfg, m) for m in METHODS}
+    ranked = {m: rank_experts(act, cfg, m) for m in methods}
     rows = []
     for name, t in cases(cfg):
         r = {"case": name, "targets": t}
-        for m in METHODS:
+        for m in methods:
             r[m] = ppl(ranked[m], t)
         rnd = []
         for s in range(seeds):
@@ -88,7 +89,7 @@ def compare(model_dir, samples=256, seq_len=256, eval_tokens=32768, seeds=3, bat
         r["random_mean"] = sum(rnd) / len(rnd)
         r["routed_best"] = r["reconstruction"] < r["frequency"] and r["reconstruction"] < r["random_mean"]
         rows.append(r)
-        print(f"{name:36s} " + "  ".join(f"{m} {r[m]:8.2f}" for m in METHODS)
+        print(f"{name:36s} " + "  ".join(f"{m} {r[m]:8.2f}" for m in methods)
               + f"  random mean {r['random_mean']:8.2f} {['%.2f' % x for x in rnd]}", flush=True)
     base = evaluate(model, held_out, seq_len=seq_len, batch=batch)["ppl"]
     return {"unpruned_ppl": base, "calib_tokens": int(calib.numel()), "eval_tokens": int(held_out.numel()),
