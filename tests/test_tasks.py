@@ -91,7 +91,7 @@ def remodel_eval(d, capsys, tasks="remodel_cloze") -> dict:
     return r if "," in tasks else r[tasks]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("family", CLI_FAMILIES)
 def test_eval_tasks_equals_a_direct_computation(family, tmp_path, capsys):
     d = tiny_checkpoint(family, tmp_path)
     ours = remodel_eval(d, capsys)
