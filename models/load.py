@@ -225,9 +225,8 @@ def passthrough_names(source, family: str) -> list[str]:
     return names
 
 
-def passthrough_tensors(source, family: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor as stored) of every tensor `family` carries through from `source` (passthrough_names)."""
-    names = passthrough_names(source, family)
+def passthrough_tensors(source, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor as stored) of the carried-through tensors `names` of `source` (passthrough_names)."""
     if names and isinstance(source, CheckpointReader):
         yield from ((k, source.get(k)) for k in names)
     elif names:
@@ -240,11 +239,11 @@ def iter_hf_tensors(get: Callable[[str], torch.Tensor], cfg: ModelConfig, family
     """Yield (hf_name, tensor) for a family, reading our tensors through `get(our_name)` once each, in
     weight_table order (join_parts: an HF tensor concatenating several of ours comes with its last part), then
     the tensors the family carries through from checkpoint `source` as stored (checked here, before any)."""
-    passthrough_names(source, family)
-    return _iter_hf_tensors(get, cfg, family, dtype, source)
+    names = passthrough_names(source, family)
+    return _iter_hf_tensors(get, cfg, family, dtype, (source, names))
 
 
-def _iter_hf_tensors(get, cfg: ModelConfig, family: str, dtype, source) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf_tensors(get, cfg: ModelConfig, family: str, dtype, carried) -> Iterator[tuple[str, torch.Tensor]]:
     def rows():
         cur_name, cur = None, None
         for ours, hf, e in weight_table(cfg, family):
@@ -259,7 +258,7 @@ def _iter_hf_tensors(get, cfg: ModelConfig, family: str, dtype, source) -> Itera
         yield hf, t.contiguous()
     for hf, shape in extra_hf_tensors(cfg, family).items():
         yield hf, torch.zeros(shape, dtype=dtype or torch.float32)
-    yield from passthrough_tensors(source, family)
+    yield from passthrough_tensors(*carried)
 
 
 def save_model(model: HybridLM, out, family: str | None = None, aux_from=None, overwrite=False,

@@ -109,7 +109,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
         raise RemodelError(f"unknown target {family!r} (supported: {', '.join(FAMILIES)})")
     check_exportable(cfg, family)
     hf_cfg = config_to_hf(cfg, family)
-    passthrough_names(aux_from, family)  # a family carrying tensors through: the source holds them
+    carried = passthrough_names(aux_from, family)  # a family carrying tensors through: the source holds them
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -125,7 +125,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
             w.add(hf, t)
         for hf, shape in extra_hf_tensors(cfg, family).items():
             w.add(hf, torch.zeros(shape, dtype=dtype or torch.float32))
-        for hf, t in passthrough_tensors(aux_from, family):  # as stored (a vision tower: byte-identical)
+        for hf, t in passthrough_tensors(aux_from, carried):  # as stored (a vision tower: byte-identical)
             w.add(hf, t)
         n = len(rows)
         w.close(hf_cfg, aux_from=aux_from)
