@@ -30,6 +30,8 @@ def _reports(folder: Path) -> dict:
     """Every JSON object in the folder, merged (later files' keys win), plus bench_moe's rows."""
     merged = {}
     for f in sorted(folder.glob("*.json")):
+        if f.name == "gpu_summary.json":  # an earlier summary is not a report (its nulls would win)
+            continue
         try:
             obj = json.loads(f.read_text())
         except ValueError:
