@@ -215,14 +215,28 @@ def _fla_on_cuda():
     return torch.cuda.is_available() and gdn.optional_import(*gdn.FLA_KERNEL) is not None
 
 
+def _errors(got, ref, names):
+    """Per tensor: (rmse(got - ref) / rmse(ref), max|got - ref| / max|ref|), fla-core's own test metric first."""
+    out = {}
+    for name, a, b in zip(names, got, ref):
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        d, b = (a.double() - b.double()), b.double()
+        out[name] = ((d.square().mean().sqrt() / b.square().mean().sqrt()).item(),
+                     (d.abs().max() / b.abs().max()).item())
+    return out
+
+
 @pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")
-@pytest.mark.parametrize("group", [1, 2])
-def test_fla_kernel_equals_pure_path_on_gpu(group, monkeypatch):
-    """On the GPU, fla-core's Triton kernel (bf16 q, k, v, beta; fp32 g and state) equals the pure path on
-    the same inputs within bf16 rounding (2% of the largest value): output, final state and the gradients
-    of q, k, v, g, beta and the initial state; 300 steps, dk = dv = 64."""
+@pytest.mark.parametrize("group,dtype", [(1, "bf16"), (2, "bf16"), (2, "fp32")])
+def test_fla_kernel_equals_pure_path_on_gpu(group, dtype, monkeypatch):
+    """On the GPU, fla-core's Triton kernel equals the pure path on the same inputs: output, final state and
+    the gradients of q, k, v, g, beta and the initial state; 300 steps, dk = dv = 64. Measured as fla-core's
+    tests measure it (relative RMSE: < 2% with bf16 q, k, v, beta, < 0.5% in fp32, where Triton's dots run in
+    tf32), and no entry off by more than 10% of the largest (a wrong head, scale or state is off by ~100%).
+    Every tensor's errors are in the failure message."""
     tensors = inputs(group=group, hk=2, length=300, dk=64, dv=64, device="cuda")
-    tensors = [t.bfloat16() if i in (0, 1, 2, 4) else t for i, t in enumerate(tensors)]
+    if dtype == "bf16":
+        tensors = [t.bfloat16() if i in (0, 1, 2, 4) else t for i, t in enumerate(tensors)]
 
     def run(*t):
         return chunk_gated_delta_rule(*t[:5], initial_state=t[5])
@@ -231,5 +245,7 @@ def test_fla_kernel_equals_pure_path_on_gpu(group, monkeypatch):
     got = _values_and_grads(run, tensors)
     monkeypatch.setattr(gdn, "USE_KERNEL", False)
     ref = _values_and_grads(run, tensors)
-    for name, a, b in zip(["out", "state", "q", "k", "v", "g", "beta", "initial_state"], got, ref):
-        assert a.shape == b.shape and max_diff(a, b) < 0.02 * b.abs().max().item(), name
+    errors = _errors(got, ref, ["out", "state", "q", "k", "v", "g", "beta", "initial_state"])
+    rms_bound = 0.02 if dtype == "bf16" else 0.005
+    print({k: f"rms {r:.2e} max {m:.2e}" for k, (r, m) in errors.items()})
+    assert all(r < rms_bound and m < 0.1 for r, m in errors.values()), errors

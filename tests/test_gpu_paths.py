@@ -282,15 +282,18 @@ def test_bench_gpu_smoke(tmp_path, monkeypatch):
 
 def test_gpu_summary_is_flat_and_null_where_not_measured(tmp_path):
     """bench/gpu_summary.py takes each figure from the run's own outputs and writes null for every figure
-    the run did not measure (here: no FP8 gap, no fused-loss run, no Super MoE row)."""
+    the run did not measure (here: no FP8 gap, no fused-loss run, no Super MoE row). An earlier summary in the
+    folder (the device script writes one there) is not read as a report: its nulls would hide this run's."""
     spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "bench" / "gpu_summary.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     (tmp_path / "profile.json").write_text(json.dumps({"device": "GPU X", "date": "2026-11-26", "windows": {"8b": {
         "ours_over_transformers": 1.4, "vs_transformers": {"1x1024": {"ratio": 1.1}, "1x4096": {"ratio": "error"}}}}}))
     (tmp_path / "windows.json").write_text(json.dumps({"windows": {"nemotron_h_8b_window": {
-        "fp8_speedup_plain": 1.25, "bf16": {"distill": {"over_plain": 1.5}}}}, "mfu_1p3b_bf16": {"mfu_spec": 0.41}}))
+        "fp8_speedup_plain": 1.25, "bf16": {"distill": {"over_plain": 1.5}}}}}))
+    (tmp_path / "gpu_mfu.json").write_text(json.dumps({"mfu_1p3b_bf16": {"mfu_spec": 0.41}}))
     (tmp_path / "moe.log").write_text('nano ...\n{"rows": [{"window": "nano", "grouped_over_dense": 0.7}]}\n')
+    (tmp_path / "gpu_summary.json").write_text(json.dumps({"mfu_1p3b_bf16": None, "device": "old"}))
     s = mod.main([str(tmp_path), "--out", str(tmp_path / "out.json")])
     assert json.loads((tmp_path / "out.json").read_text()) == s
     assert list(s) == list(mod.KEYS)
