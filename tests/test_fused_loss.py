@@ -91,6 +91,30 @@ def test_vocabulary_blocks_match_unfused_fp32(chunk, monkeypatch):
     assert_close(value_and_grads(fused_kl_div(h, w, h_t, w_t, 2.0, chunk=chunk), h, w), ref, 1e-6)
 
 
+def test_compiled_blocks_match_unfused(monkeypatch):
+    """The CUDA path's torch.compile'd block arithmetic (`_kernel`), forced on CPU with the GPU's plan
+    (vocabulary blocks, one and several token chunks): CE and KL (T = 2) values and gradients equal the
+    unfused losses in fp32 within 1e-6 and under bf16 autocast within 2e-2 (the matmuls' rounding), so the
+    kernels the GPU runs compute the same thing as the eager ones CPU runs."""
+    kernel = fused_loss._kernel
+    monkeypatch.setattr(fused_loss, "_kernel", lambda fn, cuda: kernel(fn, True))
+    monkeypatch.setattr(fused_loss, "_COMPILED", {})
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMS", 71 * N)
+    plan = fused_loss._plan
+    monkeypatch.setattr(fused_loss, "_plan", lambda *a, cuda=False, **k: plan(*a, cuda=True, **k))
+    h, w, labels, h_t, w_t = inputs()
+    for chunk in (None, 16):
+        for fp32 in (True, False):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not fp32):
+                ref_ce = value_and_grads(lm_loss(h @ w.T, labels), h, w)
+                ref_kl = value_and_grads(kl_div(h @ w.T, h_t @ w_t.T, 2.0), h, w)
+                got_ce = value_and_grads(fused_lm_loss(h, w, labels, chunk=chunk), h, w)
+                got_kl = value_and_grads(fused_kl_div(h, w, h_t, w_t, 2.0, chunk=chunk), h, w)
+            assert_close(got_ce, ref_ce, 1e-6 if fp32 else 2e-2)
+            assert_close(got_kl, ref_kl, 1e-6 if fp32 else 2e-2)
+    assert set(fused_loss._COMPILED) == {fused_loss._block_stats, fused_loss._softmax_grad, fused_loss._kl_block}
+
+
 @pytest.mark.parametrize("N,V,chunk,blocks", [(8190, 131072, None, 1), (8190, 131072, None, 2), (4096, 32768, 128, 1),
                                                (67, 300, None, 1), (100, 1000, 50, 2)])
 def test_vocabulary_blocks_are_aligned(N, V, chunk, blocks):

@@ -9,6 +9,9 @@ backward scales the stored gradients by grad_output in place. On a GPU this trad
 matmul for the [V, H] read-modify-write per chunk that the token-only chunking paid (the 8B window's
 largest profile row, bench/gpu_profile_8b_ours.txt). Peak extra memory: a few [rows, block] fp32 blocks
 (~CHUNK_ELEMS each), grad_h [N, H] and grad_W [V, H] in W's dtype (fp32 with several chunks).
+Each block's arithmetic (`_block_stats`, `_softmax_grad`, `_kl_block`) reads the raw logits in the matmul's
+dtype and is one torch.compile'd kernel on CUDA (`_kernel`); CE's one-hot part is applied once per token
+chunk, exactly (`_Grads.onehot`), so the blocks carry the softmax alone.
 
 Same definitions as pipelines.training.losses.lm_loss / kl_div on `h @ W.T` (CE mean over non-ignored tokens;
 KL(teacher || student) of softmax(z / T) summed over the vocabulary, mean over tokens, no T^2).
@@ -41,6 +44,8 @@ from ..distributed.collectives import group_rank, group_size
 CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
 ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
 BLOCK_ALIGN = 64  # vocabulary rows per block, a multiple of this (aligned GEMM operands)
+COMPILE = True  # on CUDA each block's softmax arithmetic runs torch.compile'd (`_kernel`); False: eager there too
+_COMPILED: dict = {}
 
 
 class _Run(NamedTuple):
@@ -97,8 +102,7 @@ class _Grads:
         return self.gh is not None or self.gw is not None
 
     def block(self, dz, hc, wc, a: int, b: int, v0: int):
-        """dz [rows, vb] fp32: dloss/dlogits of token rows a:b, vocabulary rows v0:v0+vb."""
-        dz = dz.to(wc.dtype)
+        """dz [rows, vb] in the matmul dtype: dloss/dlogits of token rows a:b, vocabulary rows v0:v0+vb."""
         vb = dz.shape[1]
         if self.gh is not None:
             part = dz @ wc[v0:v0 + vb]
@@ -115,6 +119,17 @@ class _Grads:
         else:
             rows.add_(dz.T @ hc[a:b])
 
+    def onehot(self, hc, wc, idx, c, a: int, b: int):
+        """The CE gradient's one-hot part for token rows a:b, after their blocks: -c_i at logit (i, idx_i)
+        (c [rows, 1] fp32, 0 where the label is ignored or on another rank), so grad_h_i -= c_i W[idx_i]
+        and grad_W[idx_i] -= c_i h_i: exact, where folding it into each block rounded it with the softmax."""
+        lab = idx[a:b]
+        if self.gh is not None:
+            part = c * wc[lab].float()
+            self.acc = -part if self.acc is None else self.acc.sub_(part)
+        if self.gw is not None:
+            self.gw.index_add_(0, lab, (c * hc[a:b].float()).neg_().to(self.gw.dtype))
+
     def end_chunk(self, a: int, b: int):
         if self.acc is not None:
             self.gh[a:b].copy_(self.acc)
@@ -130,33 +145,75 @@ class _Grads:
         return gh, (gw.to(self.w.dtype) if gw is not None else None)
 
 
-def _logits(hc, wc, a, b, v0, vb, temperature=1.0, cache=None):
-    """Logits of token rows a:b over vocabulary rows v0:v0+vb in fp32, divided by the temperature. `cache`
-    (a dict): when the block is the whole vocabulary it is kept there (the same tensor) and the second
-    pass takes it back instead of recomputing it."""
+def _logits(hc, wc, a, b, v0, vb, cache=None):
+    """Logits of token rows a:b over vocabulary rows v0:v0+vb, raw (the matmul's dtype). `cache` (a dict):
+    when the block is the whole vocabulary it is kept there and the second pass takes it back instead of
+    recomputing it."""
     if cache is not None and "z" in cache:
         return cache.pop("z")
-    z = (hc[a:b] @ wc[v0:v0 + vb].T).float()
-    if temperature != 1.0:
-        z.div_(temperature)
+    z = hc[a:b] @ wc[v0:v0 + vb].T
     if cache is not None and vb == wc.shape[0]:
         cache["z"] = z
     return z
 
 
-def _lse(blocks, group, in_place=True):
-    """(log-sum-exp over the (sharded) vocabulary, this rank's row max) of logits given block by block (an
-    iterable of [c, vb]); in_place: each block becomes exp(block - row max) (else left as it was)."""
+def _kernel(fn, cuda: bool):
+    """fn, or on CUDA (COMPILE) its torch.compile'd form: one fused kernel reading the block once in the
+    matmul's dtype, where the eager form makes ~6 fp32 passes (26 ms of the 8B window's 220 ms step on an
+    H200, bench/gpu_profile_8b_ours.txt). Both compute the same thing; CPU runs the eager form."""
+    if not (cuda and COMPILE):
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)  # dynamic: torch 2.13 reused a CE graph (1 / T = 1.0)
+        # for the KL's 1 / T = 0.5 under bf16 and returned a 10x smaller loss (tests/test_fused_loss.py)
+    return _COMPILED[fn]
+
+
+def _block_stats(z, inv_t: float):
+    """(row max, row sum of exp(z / T - max)) of a block of raw logits z, fp32 [rows, 1] each. Eager, by
+    eighths of the rows: z may be kept for the second pass, and a whole fp32 temporary beside it would
+    double the CPU's peak (one block of the whole vocabulary there)."""
+    m = z.amax(-1, keepdim=True).float() * inv_t
+    step = z.shape[0] if torch.compiler.is_compiling() else -(-z.shape[0] // 8)
+    return m, torch.cat([torch.add(-m[i:i + step], z[i:i + step], alpha=inv_t).exp_().sum(-1, keepdim=True)
+                         for i in range(0, z.shape[0], step)])
+
+
+def _shifted(z, lse, inv_t: float):
+    """z / T - lse in fp32: in place when z is fp32 (its last use: no second block on the CPU's one-block
+    plan), else a new fp32 block (a bf16 z under autocast)."""
+    if z.dtype != torch.float32:
+        return torch.add(-lse, z, alpha=inv_t)
+    return (z.mul_(inv_t) if inv_t != 1.0 else z).sub_(lse)
+
+
+def _softmax_grad(z, lse, scale, dtype):
+    """softmax(z) * scale over a block (lse: the rows' log-sum-exp) in the matmul dtype: the CE gradient
+    without its one-hot part (`_Grads.onehot` subtracts that exactly, once per token chunk)."""
+    return _shifted(z, lse, 1.0).exp_().mul_(scale).to(dtype)
+
+
+def _kl_block(zq, zp, lse_q, lse_p, inv_t: float, wscale, dtype):
+    """(per row sum of p (log p - log q), 0 where p == 0; (q - p) * wscale in dtype, None without one) for a block
+    pair of raw student (zq) and teacher (zp) logits: the KL's value and gradient w.r.t. the logits."""
+    logq, logp = _shifted(zq, lse_q, inv_t), _shifted(zp, lse_p, inv_t)
+    p = logp.exp()
+    per = logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0).sum(-1)
+    return per, (None if dtype is None else logq.exp_().sub_(p).mul_(wscale).to(dtype))
+
+
+def _lse(stats, group):
+    """Log-sum-exp over the (sharded) vocabulary from the blocks' (row max, row sum exp) pairs."""
     m = s = None
-    for z in blocks:
-        bm = z.amax(-1, keepdim=True)
-        new = bm if m is None else torch.maximum(m, bm)
-        new = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-        bs = (z.sub_(new).exp_() if in_place else torch.exp(z - new)).sum(-1, keepdim=True)
-        s = bs if s is None else s.mul_(torch.exp(m - new)).add_(bs)
+    for bm, bs in stats:
+        if m is None:
+            m, s = bm, bs
+            continue
+        new = torch.maximum(m, bm)
+        s = s * torch.exp(m - new) + bs * torch.exp(bm - new)
         m = new
     big = _group_max(m, group)
-    return big + _group_sum(s * torch.exp(m - big), group).log(), m
+    return big + _group_sum(s * torch.exp(m - big), group).log()
 
 
 def _label_in_block(idx, inside, a: int, b: int, v0: int, width: int):
@@ -168,7 +225,7 @@ def _label_in_block(idx, inside, a: int, b: int, v0: int, width: int):
 
 def _ce_chunks(h, w, labels, ignore_index, run: _Run, cd):
     """-> (loss, grad_h, grad_W) of the mean CE: per token chunk, the log-sum-exp over vocabulary blocks,
-    then (with gradients) the blocks again for softmax - onehot."""
+    then (with gradients) the blocks again for softmax, and the one-hot part once."""
     chunk, group = run.chunk, run.group
     hc, wc = h.detach().to(cd), w.detach().to(cd)
     N, Vl = h.shape[0], w.shape[0]
@@ -179,6 +236,7 @@ def _ce_chunks(h, w, labels, ignore_index, run: _Run, cd):
     idx = torch.where(inside, local, torch.zeros_like(local))
     rows, vb = _plan(chunk, N, Vl, cuda=h.is_cuda)
     grads = _Grads(h, w, cd, run.need_h, run.need_w, rows >= N)
+    stats, softmax_grad = _kernel(_block_stats, h.is_cuda), _kernel(_softmax_grad, h.is_cuda)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     for a in range(0, N, rows):
         b, cache = min(a + rows, N), ({} if grads.wanted() else None)
@@ -188,23 +246,17 @@ def _ce_chunks(h, w, labels, ignore_index, run: _Run, cd):
             for v0 in range(0, Vl, vb):
                 z = _logits(hc, wc, a, b, v0, vb, cache=cache)
                 sel, col = _label_in_block(idx, inside, a, b, v0, z.shape[1])
-                picked.add_(torch.where(sel, z.gather(1, col), 0.0))
-                yield z
-        lse, m = _lse(blocks(), group)
+                picked.add_(torch.where(sel, z.gather(1, col).float(), 0.0))
+                yield stats(z, 1.0)
+        lse = _lse(blocks(), group)
         picked = _group_sum(picked, group)
         total += ((lse - picked).squeeze(1) * keep[a:b]).sum(dtype=torch.float64)
         if not grads.wanted():
             continue
         scale = (keep[a:b, None] / n).to(torch.float32)
         for v0 in range(0, Vl, vb):
-            if "z" in cache:  # the one block, already exp(z - m) from the first pass
-                z = cache.pop("z").mul_(torch.exp(m - lse))
-            else:
-                z = _logits(hc, wc, a, b, v0, vb).sub_(lse).exp_()  # softmax
-            sel, col = _label_in_block(idx, inside, a, b, v0, z.shape[1])
-            z.scatter_add_(1, col, -sel.to(z.dtype))
-            grads.block(z.mul_(scale), hc, wc, a, b, v0)
-            del z  # before the next block is allocated
+            grads.block(softmax_grad(_logits(hc, wc, a, b, v0, vb, cache=cache), lse, scale, cd), hc, wc, a, b, v0)
+        grads.onehot(hc, wc, idx, scale * inside[a:b, None], a, b)
         grads.end_chunk(a, b)
     return ((total / n).to(torch.float32),) + grads.finish(group)
 
@@ -275,22 +327,21 @@ def _kl_chunks(h_s, w_s, h_t, w_t, temperature, keep, run: _Run, cds):
     n = keep.sum().clamp(min=1)
     rows, vb = _plan(run.chunk, N, Vl, blocks=2, cuda=h_s.is_cuda)
     grads = _Grads(h_s, w_s, cd, run.need_h, run.need_w, rows >= N)
+    stats, kl_block = _kernel(_block_stats, h_s.is_cuda), _kernel(_kl_block, h_s.is_cuda)
     total = torch.zeros((), dtype=torch.float64, device=h_s.device)
-    one = vb >= Vl  # one block: both kept raw for the second pass
     for a in range(0, N, rows):
         b, cs, ct = min(a + rows, N), {}, {}
-        lse_q = _lse((_logits(hs, ws, a, b, v0, vb, T, cs) for v0 in range(0, Vl, vb)), group, not one)[0]
-        lse_p = _lse((_logits(ht, wt, a, b, v0, vb, T, ct) for v0 in range(0, Vl, vb)), group, not one)[0]
+        lse_q = _lse((stats(_logits(hs, ws, a, b, v0, vb, cs), 1 / T) for v0 in range(0, Vl, vb)), group)
+        lse_p = _lse((stats(_logits(ht, wt, a, b, v0, vb, ct), 1 / T) for v0 in range(0, Vl, vb)), group)
         per = torch.zeros(b - a, dtype=torch.float32, device=h_s.device)
-        for v0 in range(0, Vl, vb):
-            logq = _logits(hs, ws, a, b, v0, vb, T, cs).sub_(lse_q)
-            logp = _logits(ht, wt, a, b, v0, vb, T, ct).sub_(lse_p)
-            p = logp.exp()
-            per += logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0).sum(-1)  # p (log p - log q), 0 where p == 0
-            del logp
-            if grads.wanted():
-                grads.block(logq.exp_().sub_(p).mul_(keep[a:b, None] / (n * T)), hs, ws, a, b, v0)  # (q - p) / (T n)
-            del logq, p  # every block freed before the next pair is allocated
+        wscale = keep[a:b, None] / (n * T)
+        for v0 in range(0, Vl, vb):  # each block pair freed before the next is allocated
+            part, dz = kl_block(_logits(hs, ws, a, b, v0, vb, cs), _logits(ht, wt, a, b, v0, vb, ct), lse_q, lse_p,
+                                1 / T, wscale, cd if grads.wanted() else None)
+            per += part
+            if dz is not None:
+                grads.block(dz, hs, ws, a, b, v0)
+            del part, dz
         grads.end_chunk(a, b)
         total += (_group_sum(per, group) * keep[a:b]).sum(dtype=torch.float64)
     return ((total / n).to(torch.float32),) + grads.finish(group)
