@@ -6,7 +6,8 @@
 Forward + backward of the LM cross-entropy and of KL(teacher || student), fused and unfused, alternating
 in one process; prints the median time and the median peak-RSS growth of each, and the ratios. With
 --liger (CUDA, liger-kernel installed) liger's fused linear cross-entropy and fused linear JSD (beta 0:
-forward KL, its closest to ours) run beside ours in the same rounds. --json writes the figures.
+forward KL, its closest to ours) run beside ours in the same rounds. On CUDA an `eager` row times ours with
+its block arithmetic eager (fused_loss.COMPILE off: the compiled kernels' gain). --json writes the figures.
 Peak RSS: VmHWM reset before each call (clear_refs), glibc's mmap threshold fixed so freed blocks
 return to the OS and the peak counts live memory.
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import remodel.pipelines.training.fused_loss as fused_loss  # noqa: E402
 from remodel.pipelines.training.fused_loss import fused_kl_div, fused_lm_loss  # noqa: E402
 from remodel.pipelines.training.losses import kl_div, lm_loss  # noqa: E402
 
@@ -62,10 +64,13 @@ def cases(a):
     labels = torch.randint(0, V, (N,), generator=g).to(a.device)
     h_t, w_t = torch.randn(N, Ht, generator=g).to(**dev), (torch.randn(V, Ht, generator=g) / Ht ** 0.5).to(**dev)
 
-    def run(loss_fn):
+    def run(loss_fn, compiled=True):
+        """One timed call: forward + backward; compiled=False: the block arithmetic eager on CUDA too."""
         def go():
+            fused_loss.COMPILE = compiled
             loss_fn().backward()
             h.grad = w.grad = None
+            fused_loss.COMPILE = True
         return go
 
     def unfused_kl():
@@ -77,10 +82,14 @@ def cases(a):
     if a.only in (None, "ce"):
         out["ce"] = {"fused": run(lambda: fused_lm_loss(h, w, labels, chunk=a.chunk)),
                      "unfused": run(lambda: lm_loss(F.linear(h, w), labels))}
+        if a.device == "cuda":
+            out["ce"]["eager"] = run(lambda: fused_lm_loss(h, w, labels, chunk=a.chunk), compiled=False)
         if lg:
             out["ce"]["liger"] = run(lambda: lg.liger_fused_linear_cross_entropy(h, w, labels))
     if a.only in (None, "kl"):
         out["kl"] = {"fused": run(lambda: fused_kl_div(h, w, h_t, w_t, 2.0, chunk=a.chunk)), "unfused": run(unfused_kl)}
+        if a.device == "cuda":
+            out["kl"]["eager"] = run(lambda: fused_kl_div(h, w, h_t, w_t, 2.0, chunk=a.chunk), compiled=False)
         if lg:
             out["kl"]["liger"] = run(lambda: lg.liger_fused_linear_jsd(h, w, h_t, w_t, jsd_beta=0.0, temperature=2.0))
     return out
@@ -125,6 +134,9 @@ def main():
         (tf, mf), (tu, mu) = med["fused"], med["unfused"]
         print(f"{name}: fused {tf:.2f} s, peak +{mf / 2**20:.0f} MiB | unfused {tu:.2f} s, peak +{mu / 2**20:.0f} MiB"
               f" | time fused/unfused {tf / tu:.2f}x, memory unfused/fused {mu / max(mf, 1):.1f}x")
+        if "eager" in med:
+            te, me = med["eager"]
+            print(f"{name}: eager blocks {te:.3f} s, peak +{me / 2**20:.0f} MiB | compiled/eager time {tf / te:.2f}x")
         if "liger" in med:
             tl, ml = med["liger"]
             print(f"{name}: liger {tl:.3f} s, peak +{ml / 2**20:.0f} MiB | ours/liger time {tf / tl:.2f}x, memory {mf / max(ml, 1):.2f}x")

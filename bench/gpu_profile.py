@@ -32,6 +32,7 @@ bg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bg)
 
 import remodel.models.mamba as mamba  # noqa: E402
+import remodel.pipelines.training.fused_loss as fused_loss  # noqa: E402
 import remodel.pipelines.training.trainer as trainer  # noqa: E402
 
 WINDOWS = {"8b": "nemotron_h_8b_window", "nano": "nano_moe_window"}
@@ -139,7 +140,8 @@ def profile_one(step, label, reps, out_dir, top):
 
 def switch(name, on):
     """One knob of our step: conv (fla-core's Triton conv), adamw (fused kernel), kernels (mamba-ssm +
-    conv kernels at all), fused_loss (the chunked vocabulary loss)."""
+    conv kernels at all), fused_loss (the chunked vocabulary loss), compiled_loss (its blocks' arithmetic as
+    torch.compile'd kernels; off: eager)."""
     global FUSED_LOSS
     if name == "fused_adamw":
         trainer.FUSED_ADAMW = on
@@ -149,6 +151,8 @@ def switch(name, on):
         FUSED_LOSS = on
     elif name == "fla_conv":
         mamba.USE_FLA_CONV = on
+    elif name == "compiled_loss":
+        fused_loss.COMPILE = on
 
 
 def variants(kw, ids, reps, names):
@@ -226,7 +230,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", nargs="+", default=["8b", "nano"], choices=list(WINDOWS))
     ap.add_argument("--sides", nargs="+", default=["ours", "transformers"], choices=["ours", "transformers"])
-    ap.add_argument("--variants", nargs="*", default=["fla_conv", "fused_adamw", "fused_loss", "kernels"],
+    ap.add_argument("--variants", nargs="*", default=["fla_conv", "fused_adamw", "fused_loss", "compiled_loss", "kernels"],
                     help="knobs of our step timed off one at a time (default: %(default)s)")
     ap.add_argument("--variant-windows", nargs="*", default=["8b"], choices=list(WINDOWS),
                     help="windows whose variants are timed (default: %(default)s)")
