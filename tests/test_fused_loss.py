@@ -115,6 +115,29 @@ def test_compiled_blocks_match_unfused(monkeypatch):
     assert set(fused_loss._COMPILED) == {fused_loss._block_stats, fused_loss._softmax_grad, fused_loss._kl_block}
 
 
+def test_compiler_failure_falls_back_to_eager_once(monkeypatch):
+    """Where torch.compile cannot build its kernels (a GPU machine without Triton or a C compiler), the fused
+    losses warn once and run their block arithmetic eager: values and gradients still equal the unfused ones."""
+    calls = []
+
+    def failing(fn, **kw):
+        def run(*args):
+            calls.append(fn.__name__)
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C compiler"), None)
+        return run
+    kernel = fused_loss._kernel
+    monkeypatch.setattr(fused_loss, "_kernel", lambda fn, cuda: kernel(fn, True))
+    monkeypatch.setattr(fused_loss, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", failing)
+    h, w, labels, h_t, w_t = inputs()
+    with pytest.warns(UserWarning, match="torch.compile failed") as seen:
+        got_ce = value_and_grads(fused_lm_loss(h, w, labels, chunk=16), h, w)
+        got_kl = value_and_grads(fused_kl_div(h, w, h_t, w_t, 2.0, chunk=16), h, w)
+    assert sorted(calls) == ["_block_stats", "_kl_block", "_softmax_grad"] and len(seen) == 3  # once each
+    assert_close(got_ce, value_and_grads(lm_loss(h @ w.T, labels), h, w), 1e-6)
+    assert_close(got_kl, value_and_grads(kl_div(h @ w.T, h_t @ w_t.T, 2.0), h, w), 1e-6)
+
+
 @pytest.mark.parametrize("N,V,chunk,blocks", [(8190, 131072, None, 1), (8190, 131072, None, 2), (4096, 32768, 128, 1),
                                                (67, 300, None, 1), (100, 1000, 50, 2)])
 def test_vocabulary_blocks_are_aligned(N, V, chunk, blocks):
