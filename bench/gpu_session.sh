@@ -24,12 +24,12 @@ stages=${*:-gdn tests windows loss profile}
 for st in $stages; do case $st in
   gdn) PYTHONPATH=/tmp/pkg:/tmp/site part 200 gdn python3 -m pytest -v -s -p no:cacheprovider --continue-on-collection-errors --timeout 90 tests/test_gdn_kernels.py::test_fla_kernel_equals_pure_path_on_gpu tests/test_gated_deltanet.py::test_mixer_with_gpu_kernels_equals_pure_path_on_gpu ;;
   tests) PYTHONPATH=/tmp/pkg:/tmp/site part 200 tests python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors --timeout 60 tests/test_cuda.py tests/test_moe_grouped.py ;;  # no mamba-ssm: transformers would compile its Triton kernels per tiny width (>100 s)
-  profile) part 170 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
+  profile) part 240 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   profile8b) part 60 profile python3 bench/gpu_profile.py --windows 8b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   windows) part 240 windows python3 bench/bench_gpu.py --parts windows --windows nemotron_h_8b_window --reps 3 --json /tmp/o/gpu_windows.json ;;
   mfu) part 90 mfu python3 bench/bench_gpu.py --parts mfu --reps 3 --json /tmp/o/gpu_mfu.json ;;
   moe) part 30 moe python3 bench/bench_moe.py --tokens 8192 --rounds 5 ;;
-  loss) part 35 loss python3 bench/bench_fused_loss.py --device cuda --tokens 8192 --vocab 131072 --hidden 4096 --teacher-hidden 4096 --reps 2 --liger --json /tmp/o/gpu_loss.json ;;
+  loss) part 90 loss python3 bench/bench_fused_loss.py --device cuda --tokens 8192 --vocab 131072 --hidden 4096 --teacher-hidden 4096 --reps 2 --liger --json /tmp/o/gpu_loss.json ;;
   gap) part 75 gap python3 bench/bench_gpu.py --parts gap --gap-steps 200 --gap-seq-len 512 --gap-batch 4 --json /tmp/o/gpu_gap.json ;;
 esac; done
 python3 bench/gpu_summary.py /tmp/o --out /tmp/o/gpu_summary.json; tar czf $OUT/run.tgz -C /tmp/o .
