@@ -230,7 +230,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", nargs="+", default=["8b", "nano"], choices=list(WINDOWS))
     ap.add_argument("--sides", nargs="+", default=["ours", "transformers"], choices=["ours", "transformers"])
-    ap.add_argument("--variants", nargs="*", default=["fla_conv", "fused_adamw", "fused_loss", "compiled_loss", "kernels"],
+    ap.add_argument("--variants", nargs="*",
+                    default=["fla_conv", "fused_adamw", "fused_loss", "compiled_loss", "kernels"],
                     help="knobs of our step timed off one at a time (default: %(default)s)")
     ap.add_argument("--variant-windows", nargs="*", default=["8b"], choices=list(WINDOWS),
                     help="windows whose variants are timed (default: %(default)s)")

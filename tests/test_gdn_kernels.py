@@ -232,8 +232,8 @@ def test_fla_kernel_equals_pure_path_on_gpu(group, dtype, monkeypatch):
     """On the GPU, fla-core's Triton kernel equals the pure path on the same inputs: output, final state and
     the gradients of q, k, v, g, beta and the initial state; 300 steps, dk = dv = 64. Measured as fla-core's
     tests measure it (relative RMSE: < 2% with bf16 q, k, v, beta, < 0.5% in fp32, where Triton's dots run in
-    tf32), and no entry off by more than 10% of the largest (a wrong head, scale or state is off by ~100%).
-    Every tensor's errors are in the failure message."""
+    tf32), and, as before, no entry off by more than 2% of the largest. Every tensor's errors are printed and
+    in the failure message (the first GPU run lost the failing tensor's name)."""
     tensors = inputs(group=group, hk=2, length=300, dk=64, dv=64, device="cuda")
     if dtype == "bf16":
         tensors = [t.bfloat16() if i in (0, 1, 2, 4) else t for i, t in enumerate(tensors)]
@@ -248,4 +248,4 @@ def test_fla_kernel_equals_pure_path_on_gpu(group, dtype, monkeypatch):
     errors = _errors(got, ref, ["out", "state", "q", "k", "v", "g", "beta", "initial_state"])
     rms_bound = 0.02 if dtype == "bf16" else 0.005
     print({k: f"rms {r:.2e} max {m:.2e}" for k, (r, m) in errors.items()})
-    assert all(r < rms_bound and m < 0.1 for r, m in errors.values()), errors
+    assert all(r < rms_bound and m < 0.02 for r, m in errors.values()), errors

@@ -192,8 +192,10 @@ class _Compiled:
 def _block_stats(z, inv_t: float):
     """(row max, row sum of exp(z / T - max)) of a block of raw logits z, fp32 [rows, 1] each. Eager, by
     eighths of the rows: z may be kept for the second pass, and a whole fp32 temporary beside it would
-    double the CPU's peak (one block of the whole vocabulary there)."""
+    double the CPU's peak (one block of the whole vocabulary there). A max that is not finite counts as 0
+    (vocab_parallel_logsumexp's shift, as `_group_max`)."""
     m = z.amax(-1, keepdim=True).float() * inv_t
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     step = z.shape[0] if torch.compiler.is_compiling() else -(-z.shape[0] // 8)
     return m, torch.cat([torch.add(-m[i:i + step], z[i:i + step], alpha=inv_t).exp_().sum(-1, keepdim=True)
                          for i in range(0, z.shape[0], step)])
