@@ -442,13 +442,15 @@ def transformers_row(kw, ids, reps, fp8, f_tok):
     return row
 
 
-def window(name, seq_len, batch, reps, layers_8b, layers_nano):
-    """One window: {params, seq_len, batch, bf16: {plain, distill, transformers}, fp8: {...}}."""
+def window(name, seq_len, batch, reps, layers_8b, layers_nano, res=None, save=lambda: None):
+    """One window: {params, seq_len, batch, bf16: {plain, distill, transformers}, fp8: {...}}, filled into
+    `res` and saved after each precision (a device call cut during FP8 keeps the bf16 rows)."""
     kw = window_hf_kw(name, layers_8b, layers_nano)
     ids = torch.randint(0, kw["vocab_size"], (batch, seq_len), device=DEV)
     with torch.device("meta"):
         f_tok = forward_flops_per_token(HybridLM(config_from_hf({"model_type": "nemotron_h", **kw})), seq_len)
-    res = dict(pattern=kw["hybrid_override_pattern"], seq_len=seq_len, batch=batch, fwd_flops_per_token=f_tok)
+    res = {} if res is None else res
+    res.update(pattern=kw["hybrid_override_pattern"], seq_len=seq_len, batch=batch, fwd_flops_per_token=f_tok)
     for prec in ("bf16", "fp8"):
         say("window", name, prec)
         rows = ours_rows(kw, ids, reps, prec == "fp8")
@@ -459,6 +461,7 @@ def window(name, seq_len, batch, reps, layers_8b, layers_nano):
             rows["plain"]["over_transformers"] = hf["step_s"] / plain["step_s"]
         res[prec] = rows
         say(name, prec, rows)
+        save()
     if isinstance(res["bf16"]["plain"], dict) and isinstance(res["fp8"]["plain"], dict):
         res["fp8_speedup_plain"] = res["bf16"]["plain"]["step_s"] / res["fp8"]["plain"]["step_s"]
     return res
@@ -574,8 +577,8 @@ def run_parts(a, report, save=lambda: None):
     if "windows" in a.parts:
         report["windows"] = done = {}
         for w in a.windows:
-            done[w] = window(w, a.seq_len, a.batch, a.reps, a.layers_8b, a.layers_nano)
-            save()
+            done[w] = {}
+            window(w, a.seq_len, a.batch, a.reps, a.layers_8b, a.layers_nano, done[w], save)
     if "gap" in a.parts:
         report["fp8_loss_gap"] = fp8_loss_gap(a.gap_window, a.gap_steps, a.gap_seq_len, a.gap_batch, a.layers_8b,
                                               a.layers_nano, a.gap_lr)
