@@ -1,19 +1,24 @@
 """CUDA parity (issue 42): runs only where a CUDA GPU is present (the device machine), skipped elsewhere.
 
 - every family against transformers on the GPU in fp32 (TF32 off): logits within 1e-4 and the gradient of
-  every parameter whose name maps one to one, on our whole-tensor CUDA path, and the loss under bf16
-  autocast within bf16 rounding of transformers' own; nemotron_h also with the GPU kernels that import
-  there (mamba-ssm's Triton scan and norm, fla-core's or causal-conv1d's conv);
+  every parameter whose name maps one to one, both sides on their plain PyTorch paths (ours with the kernels
+  off; transformers with the reference functions its modeling module replaced by fla's kernels at import:
+  Triton's fp32 dots run in TF32, in another layout than ours), and the loss under bf16 autocast within
+  bf16 rounding of transformers' own; nemotron_h and one Gated DeltaNet family also with the GPU kernels that
+  import there (mamba-ssm's Triton scan and norm, fla-core's conv and gated delta rule), within TF32 rounding;
 - fla-core's Triton causal conv (the conv where causal-conv1d is absent) against F.conv1d, forward and
   gradients, on a strided slice as the mixer passes it;
 - the fused AdamW the trainer takes on CUDA against the foreach one, three steps.
 """
 import copy
+import inspect
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import remodel.models.gdn_kernels as gdn_kernels
 import remodel.models.mamba as mamba
 import remodel.pipelines.training.trainer as trainer
 from remodel.models.families import FAMILIES as REGISTERED
@@ -41,6 +46,20 @@ def pair(name, tmp_path_factory):
     model_type, kw = FAMILIES[name]
     hf, ours, _ = hf_pair(model_type, tmp_path_factory.getbasetemp() / "cuda", name, len(name), **kw)
     return copy.deepcopy(hf).to(DEV), copy.deepcopy(ours).to(DEV), kw["vocab_size"]
+
+
+def plain_pytorch(hf, monkeypatch, ours_too=True):
+    """transformers' own PyTorch functions back in its modeling module (where it bound a package's kernel at
+    import: a wrapper whose __wrapped__ is the module's reference function), and, with ours_too, our
+    kernels off."""
+    module = sys.modules[type(hf).__module__]
+    for name, fn in list(vars(module).items()):
+        ref = inspect.unwrap(fn) if inspect.isfunction(fn) else fn
+        if ref is not fn and getattr(ref, "__module__", None) == module.__name__:
+            monkeypatch.setattr(module, name, ref)
+    if ours_too:
+        monkeypatch.setattr(mamba, "USE_KERNEL", False)
+        monkeypatch.setattr(gdn_kernels, "USE_KERNEL", False)
 
 
 def logits_and_grads(hf, ours, vocab, autocast=False):
@@ -84,7 +103,7 @@ def grad_errors(hf, ours, family):
 def test_family_matches_transformers_on_cuda(name, tmp_path_factory, monkeypatch):
     hf, ours, vocab = pair(name, tmp_path_factory)
     family = FAMILIES[name][0]
-    monkeypatch.setattr(mamba, "USE_KERNEL", False)
+    plain_pytorch(hf, monkeypatch)
     (ref, got), _ = logits_and_grads(hf, ours, vocab)
     assert (got - ref).abs().max().item() <= 1e-4 and ref.std().item() > 0.3
     worst, n = grad_errors(hf, ours, family)
@@ -100,6 +119,23 @@ def test_gpu_kernels_match_transformers(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(mamba, "USE_KERNEL", True)
     (ref, got), _ = logits_and_grads(hf, ours, vocab)
     assert any(mamba.gpu_kernels()) and (got - ref).abs().max().item() <= 2e-3, mamba.gpu_kernels()
+
+
+def test_gdn_kernels_match_transformers(tmp_path_factory, monkeypatch):
+    """A Gated DeltaNet family with fla-core's kernels on both sides (ours: q, k per key head, fla's GVA;
+    transformers: repeated per value head): logits within TF32-class rounding of transformers', and of our
+    plain path."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    hf, ours, vocab = pair("qwen3_5_text", tmp_path_factory)
+    kernel, calls = gdn_kernels.fla_kernel(), []
+    monkeypatch.setattr(gdn_kernels, "fla_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(mamba, "USE_KERNEL", True)
+    monkeypatch.setattr(gdn_kernels, "USE_KERNEL", True)
+    (ref, got), _ = logits_and_grads(hf, ours, vocab)
+    monkeypatch.setattr(gdn_kernels, "USE_KERNEL", False)
+    (_, plain), _ = logits_and_grads(hf, ours, vocab)
+    assert calls and kernel is not None and ref.std().item() > 0.3
+    assert (got - ref).abs().max().item() <= 2e-3 and (got - plain).abs().max().item() <= 2e-3
 
 
 def test_fla_conv_matches_conv1d():

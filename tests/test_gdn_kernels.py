@@ -63,8 +63,8 @@ def test_recurrent_equals_transformers():
 
 def _weighted(out, state):
     """A scalar that weighs every output and state entry differently (so every gradient entry counts)."""
-    w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
-    w_state = torch.linspace(1, -0.5, state.numel(), dtype=state.dtype).view(state.shape)
+    w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view(out.shape)
+    w_state = torch.linspace(1, -0.5, state.numel(), dtype=state.dtype, device=state.device).view(state.shape)
     return (out * w_out).sum() + (state * w_state).sum()
 
 
@@ -219,7 +219,11 @@ def _errors(got, ref, names):
     """Per tensor: (rmse(got - ref) / rmse(ref), max|got - ref| / max|ref|), fla-core's own test metric first."""
     out = {}
     for name, a, b in zip(names, got, ref):
-        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        if a is None or a.shape != b.shape or not torch.isfinite(a).all():  # reported, not raised: see them all
+            out[name] = (float("inf"), float("inf"))
+            print(name, "missing" if a is None else f"shape {tuple(a.shape)} vs {tuple(b.shape)}, "
+                  f"{(~torch.isfinite(a)).sum().item()} non-finite")
+            continue
         d, b = (a.double() - b.double()), b.double()
         out[name] = ((d.square().mean().sqrt() / b.square().mean().sqrt()).item(),
                      (d.abs().max() / b.abs().max()).item())
