@@ -4,7 +4,9 @@
 first and the last block and lm_head stay in bf16, and so do the MoE routers (their logits pick experts)
 and any Linear whose widths are not multiples of 16 (the FP8 matmul's alignment). `apply_fp8` swaps
 exactly those for torchao's Float8Linear (dynamic tensorwise scaling) before the model is sharded; the
-teacher's forward can run in FP8 as well.
+teacher's forward can run in FP8 as well. On CUDA each swapped Linear's forward runs torch.compile'd
+(`Fp8Forward`), as torchao and torchtitan prescribe: eager, its amax, scale and cast kernels made the 8B
+window's FP8 step 0.76x bf16 on an H200 (bench/RESULTS.md "GPU").
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ import warnings
 from torch import nn
 
 from remodel.models.errors import RemodelError
+
+from .compiled import Compiled
+
+COMPILE = True  # on CUDA the FP8 Linears' forward runs torch.compile'd; False: eager there too
 
 
 # what --fp8 uses and what transformers' quantizers import when a model loads (each registers pytree constants)
@@ -79,4 +85,31 @@ def convert(model) -> list[str]:
     chosen = set(fp8_modules(model))
     convert_to_float8_training(model, config=Float8LinearConfig(),
                                module_filter_fn=lambda m, fqn: fqn in chosen)
+    for name in chosen:
+        module = model.get_submodule(name)
+        module.forward = Fp8Forward(module)
     return sorted(chosen)
+
+
+def _on_gpu(x) -> bool:
+    """Whether the input is where the compiled form pays (the tests force it on CPU tensors)."""
+    return x.is_cuda
+
+
+class Fp8Forward:
+    """A Float8Linear's forward: torch.compile'd on CUDA (COMPILE), where torchao's amax, scaling and casts
+    fuse into a few kernels around the FP8 matmul; eager elsewhere. One compiled function serves every
+    module (the module is its argument), so each weight shape compiles once; where compiling fails it runs
+    eager with one warning (`Compiled`)."""
+    _compiled = None
+
+    def __init__(self, module):
+        self.eager = type(module).forward
+        self.module = module
+
+    def __call__(self, x):
+        if not (COMPILE and _on_gpu(x)):
+            return self.eager(self.module, x)
+        if Fp8Forward._compiled is None:
+            Fp8Forward._compiled = Compiled(self.eager, "FP8 Linear")
+        return Fp8Forward._compiled(self.module, x)

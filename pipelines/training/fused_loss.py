@@ -34,13 +34,13 @@ unfused F.linear would), the softmax arithmetic in fp32.
 """
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import group_rank, group_size
+from .compiled import Compiled
 
 CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
 ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
@@ -165,28 +165,10 @@ def _kernel(fn, cuda: bool):
     if not (cuda and COMPILE):
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = _Compiled(fn)
+        # dynamic=False: torch 2.13's dynamic float reused a CE graph, 1 / T = 1.0, for the KL's 1 / T = 0.5
+        # under bf16 and returned a 10x smaller loss (tests/test_fused_loss.py)
+        _COMPILED[fn] = Compiled(fn, "fused loss block arithmetic", dynamic=False)
     return _COMPILED[fn]
-
-
-class _Compiled:
-    """fn torch.compile'd (dynamic=False: torch 2.13's dynamic float reused a CE graph, 1 / T = 1.0, for the
-    KL's 1 / T = 0.5 under bf16 and returned a 10x smaller loss, tests/test_fused_loss.py). Where the compiler
-    fails (no Triton or no C compiler on the machine: raised before anything runs) fn runs eager from then
-    on, with one warning: the compiled form is a speed-up, never a requirement."""
-
-    def __init__(self, fn):
-        self.fn, self.run = fn, torch.compile(fn, dynamic=False)
-
-    def __call__(self, *args):
-        if self.run is not self.fn:
-            try:
-                return self.run(*args)
-            except torch._dynamo.exc.BackendCompilerFailed as e:
-                warnings.warn(f"fused loss: torch.compile failed ({str(e).splitlines()[0][:200]}); its block "
-                              f"arithmetic runs eager from now on", stacklevel=2)
-                self.run = self.fn
-        return self.fn(*args)
 
 
 def _block_stats(z, inv_t: float):
