@@ -48,7 +48,6 @@ def test_fp8_linears_run_compiled_and_equal_eager(monkeypatch):
 
     import remodel.pipelines.training.fp8 as fp8
     monkeypatch.setattr(fp8, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(fp8.Fp8Forward, "_compiled", None)
     base = model()
     convert(base)
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

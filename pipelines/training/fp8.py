@@ -5,7 +5,7 @@ first and the last block and lm_head stay in bf16, and so do the MoE routers (th
 and any Linear whose widths are not multiples of 16 (the FP8 matmul's alignment). `apply_fp8` swaps
 exactly those for torchao's Float8Linear (dynamic tensorwise scaling) before the model is sharded; the
 teacher's forward can run in FP8 as well. On CUDA each swapped Linear's forward runs torch.compile'd
-(`Fp8Forward`), as torchao and torchtitan prescribe: eager, its amax, scale and cast kernels made the 8B
+(`fp8_linear_class`), as torchao and torchtitan prescribe: eager, its amax, scale and cast kernels made the 8B
 window's FP8 step 0.76x bf16 on an H200 (bench/RESULTS.md "GPU").
 """
 from __future__ import annotations
@@ -85,9 +85,8 @@ def convert(model) -> list[str]:
     chosen = set(fp8_modules(model))
     convert_to_float8_training(model, config=Float8LinearConfig(),
                                module_filter_fn=lambda m, fqn: fqn in chosen)
-    for name in chosen:
-        module = model.get_submodule(name)
-        module.forward = Fp8Forward(module)
+    for name in chosen:  # the same module, its class swapped for the subclass (state and hooks kept)
+        model.get_submodule(name).__class__ = fp8_linear_class()
     return sorted(chosen)
 
 
@@ -96,20 +95,19 @@ def _on_gpu(x) -> bool:
     return x.is_cuda
 
 
-class Fp8Forward:
-    """A Float8Linear's forward: torch.compile'd on CUDA (COMPILE), where torchao's amax, scaling and casts
-    fuse into a few kernels around the FP8 matmul; eager elsewhere. One compiled function serves every
+@functools.cache
+def fp8_linear_class():
+    """torchao's Float8Linear with its forward torch.compile'd on CUDA (COMPILE), where the amax, scaling and
+    casts fuse into a few kernels around the FP8 matmul; eager elsewhere. One compiled function serves every
     module (the module is its argument), so each weight shape compiles once; where compiling fails it runs
     eager with one warning (`Compiled`)."""
-    _compiled = None
+    from torchao.float8.float8_linear import Float8Linear
 
-    def __init__(self, module):
-        self.eager = type(module).forward
-        self.module = module
+    compiled = functools.cache(lambda: Compiled(Float8Linear.forward, "FP8 Linear"))
 
-    def __call__(self, x):
-        if not (COMPILE and _on_gpu(x)):
-            return self.eager(self.module, x)
-        if Fp8Forward._compiled is None:
-            Fp8Forward._compiled = Compiled(self.eager, "FP8 Linear")
-        return Fp8Forward._compiled(self.module, x)
+    class Fp8Linear(Float8Linear):
+        def forward(self, x):
+            if not (COMPILE and _on_gpu(x)):
+                return super().forward(x)
+            return compiled()(self, x)
+    return Fp8Linear
