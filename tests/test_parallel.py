@@ -229,3 +229,22 @@ def test_a_plan_that_disagrees_with_the_layout_table_is_refused(monkeypatch):
     monkeypatch.delitem(ATTENTION.tp_plan, "o_proj")
     with pytest.raises(RemodelError, match=r"parameters under \['o_proj'\] are split by the layout table"):
         _plans(cfg)
+
+
+def test_fp8_linears_get_torchao_float8_tp_styles():
+    """After the FP8 swap (pipelines.training.fp8, whose Linears are a Float8Linear subclass), the tensor-
+    parallel plan gives the FP8 Linears torchao's Float8 styles and the bf16 ones the stock styles."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    from remodel.pipelines.distributed.styles import layer_plan
+    from remodel.pipelines.training.fp8 import convert
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-*-*-", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48)
+    model = HybridLM(cfg)
+    fp8 = set(convert(model))
+    plans = {f"layers.{i}.mixer.{p}": s for i, layer in enumerate(model.layers)
+             for p, s in layer_plan(cfg, layer.spec, layer.mixer, f"layers.{i}.mixer.", {}).items()}
+    assert "layers.2.mixer.q_proj" in fp8 and "layers.0.mixer.q_proj" not in fp8 and fp8 & set(plans)
+    for name, style in plans.items():
+        float8 = isinstance(style, (Float8ColwiseParallel, Float8RowwiseParallel))
+        assert float8 == (name in fp8), name

@@ -191,8 +191,9 @@ def vocab_plan(model, specs: dict) -> dict:
 
 
 def _stock(word: str, module):
-    """ColwiseParallel / RowwiseParallel, or torchao's Float8 versions for a Float8Linear."""
-    if type(module).__name__ == "Float8Linear":
+    """ColwiseParallel / RowwiseParallel, or torchao's Float8 versions for a Float8Linear (or a subclass:
+    pipelines.training.fp8's compiled one; by name, so that torchao is imported only where it is used)."""
+    if any(c.__name__ == "Float8Linear" for c in type(module).__mro__):
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
         return Float8ColwiseParallel() if word == "colwise" else Float8RowwiseParallel()
     return ColwiseParallel() if word == "colwise" else RowwiseParallel()
