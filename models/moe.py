@@ -112,6 +112,29 @@ def grouped_ok(rows, ffn: int) -> bool:
     return kernel and rows.dtype in dtypes and (rows.shape[-1] * size) % 16 == 0 and (ffn * size) % 16 == 0
 
 
+class ExpertLinear(torch.autograd.Function):
+    """rows @ W_e^T for each expert's run of rows (offs: the runs' ends), W [E, out, in] cast to the rows'
+    dtype. Its weight gradient is computed in W's own layout (dy^T x per expert: [E, out, in], contiguous),
+    so it reaches an fp32 parameter by one contiguous cast; autograd's grouped_mm backward gives it as a
+    transposed view, and accumulating that into .grad was a strided copy per expert weight (5.4 ms each,
+    the Nano window's 128 x 1856 x 2688, on an H200: bench/gpu_profile_nano_ours.txt)."""
+
+    @staticmethod
+    def forward(ctx, rows, w, offs):
+        wc = w.to(rows.dtype)
+        ctx.save_for_backward(rows, wc, offs)
+        ctx.w_dtype = w.dtype
+        return GROUPED_MM(rows, wc.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, wc, offs = ctx.saved_tensors
+        dy = dy.contiguous()  # e.g. sum()'s expanded gradient: the kernel takes real strides only
+        d_rows = GROUPED_MM(dy, wc, offs=offs) if ctx.needs_input_grad[0] else None
+        d_w = GROUPED_MM(dy.transpose(-2, -1), rows, offs=offs).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return d_rows, d_w, None
+
+
 def autocast_rows(rows):
     """Rows in the autocast dtype when autocast is on (as F.linear would cast them): a bf16 training step with
     fp32 master weights then takes the grouped kernel too, not the loop."""
@@ -187,14 +210,14 @@ class Experts(nn.Module):
 
     def _grouped(self, rows, counts):
         """The experts as grouped matmuls over the sorted rows (no host sync, no Python loop over experts)."""
-        up, gate, down = (None if t is None else t.to(rows.dtype) for t in self.weights())
+        up, gate, down = self.weights()
         offs = counts.cumsum(0).to(torch.int32)
-        h = GROUPED_MM(rows, up.transpose(-2, -1), offs=offs)
-        g = None if gate is None else GROUPED_MM(rows, gate.transpose(-2, -1), offs=offs)
+        h = ExpertLinear.apply(rows, up, offs)
+        g = None if gate is None else ExpertLinear.apply(rows, gate, offs)
         if not self._expert_hooks:
             return maybe_checkpoint(self, self._act_down_grouped, down, offs, h, g)
         a = gated_act(self.act, h, g)  # scoring: the same arithmetic, each expert's part recorded
-        y = GROUPED_MM(a, down.transpose(-2, -1), offs=offs)
+        y = ExpertLinear.apply(a, down, offs)
         sizes = counts.tolist()
         for e, (ae, ye) in enumerate(zip(a.split(sizes), y.split(sizes))):
             for hook in list(self._expert_hooks.values()) if len(ae) else ():
@@ -202,7 +225,7 @@ class Experts(nn.Module):
         return y
 
     def _act_down_grouped(self, down, offs, h, gate=None):
-        return GROUPED_MM(gated_act(self.act, h, gate), down.transpose(-2, -1), offs=offs)
+        return ExpertLinear.apply(gated_act(self.act, h, gate), down, offs)
 
     def forward(self, x, weights, idx):
         """x [T, L], weights/idx [T, k] -> sum_k w * expert_idx(x), dropless; each token's terms are

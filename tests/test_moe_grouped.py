@@ -56,6 +56,29 @@ def test_no_python_loop_over_the_experts(monkeypatch):
         run(model, torch.randint(0, 64, (2, 23)), False, monkeypatch)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_expert_weight_gradients_come_in_the_weight_layout(autocast, monkeypatch):
+    """Each expert weight's gradient is one grouped matmul computing [E, out, in], the parameter's own layout
+    (dy^T x per expert), in fp32 for fp32 weights under bf16 autocast too; autograd's grouped_mm backward
+    gave it transposed, which CUDA accumulated into .grad by a strided copy (values: the test above)."""
+    cfg = ModelConfig(**{**BASE, **VARIANTS["softmax_swiglu"]})
+    model = init_weights(HybridLM(cfg), std=0.2, seed=0)
+    made, kernel = [], M.GROUPED_MM
+
+    def recording(a, b, **k):
+        out = kernel(a, b, **k)
+        made.append(out)
+        return out
+    monkeypatch.setattr(M, "GROUPED_MM", recording)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        run(model, torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1)), True, monkeypatch)
+    weights = sorted(tuple(p.shape) for n, p in model.named_parameters() if n.endswith("experts.up_proj")
+                     or n.endswith("experts.gate_proj") or n.endswith("experts.down_proj"))
+    assert len(weights) == 3 and sorted(tuple(t.shape) for t in made if t.dim() == 3) == weights
+    assert all(t.is_contiguous() for t in made if t.dim() == 3)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
 def test_shapes_the_kernel_refuses_take_the_loop():
     """Rows or expert widths that are not 16-byte multiples (fp32: 4 elements) go to the loop, and CUDA takes bf16 only."""
     assert M.grouped_ok(torch.zeros(3, 32), 16) and not M.grouped_ok(torch.zeros(3, 30), 16)
