@@ -248,3 +248,25 @@ def test_fp8_linears_get_torchao_float8_tp_styles():
     for name, style in plans.items():
         float8 = isinstance(style, (Float8ColwiseParallel, Float8RowwiseParallel))
         assert float8 == (name in fp8), name
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_clip_equals_torch_in_one_process(max_norm):
+    """clip_grad_norm_ on a whole (unsharded) model equals torch.nn.utils.clip_grad_norm_: the norm and every
+    clipped gradient (1e-6); a bound above the norm leaves the gradients as they were."""
+    import copy
+    from remodel.pipelines.distributed.parallel import clip_grad_norm_
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, pattern="M*-", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
+                      chunk_size=8)
+    model = init_weights(HybridLM(cfg), seed=0)
+    (1e4 * model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))).square().mean()).backward()
+    ref = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = p.grad.clone()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    got, want = clip_grad_norm_(model, max_norm), torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    assert abs(got.item() - want.item()) <= 1e-6 * want.item() and want.item() > 0.05
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-6 * max(1e-3, q.grad.abs().max().item()), n
+    assert (max_norm > 1) == all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
