@@ -8,7 +8,9 @@
   import there (mamba-ssm's Triton scan and norm, fla-core's conv and gated delta rule), within TF32 rounding;
 - fla-core's Triton causal conv (the conv where causal-conv1d is absent) against F.conv1d, forward and
   gradients, on a strided slice as the mixer passes it;
-- the fused AdamW the trainer takes on CUDA against the foreach one, three steps.
+- the fused AdamW the trainer takes on CUDA against the foreach one, three steps;
+- the CE the fused loss takes on CUDA (liger-kernel's fused linear CE) against ours, under bf16 autocast
+  over fp32 weights as the trainer runs it.
 """
 import copy
 import inspect
@@ -171,3 +173,26 @@ def test_fused_adamw_matches_foreach(monkeypatch):
         result.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     assert (result[0] - result[1]).abs().max().item() <= 1e-6
     assert (result[0] - torch.cat([p.detach().flatten() for p in base.parameters()])).abs().max().item() > 1e-3
+
+
+def test_liger_ce_matches_ours_on_cuda(monkeypatch):
+    from remodel.pipelines.training import fused_loss
+    real = fused_loss.liger_ce()
+    if real is None:
+        pytest.skip("liger-kernel not installed")
+    calls = []
+    monkeypatch.setattr(fused_loss, "liger_ce", lambda: lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    h = torch.randn(1000, 256, device=DEV, requires_grad=True)
+    w = (0.05 * torch.randn(5000, 256, device=DEV)).requires_grad_()
+    labels = torch.randint(0, 5000, (1000,), device=DEV)
+    labels[::9] = -100
+    out = []
+    for liger in (True, False):
+        monkeypatch.setattr(fused_loss, "LIGER", liger)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fused_loss.fused_lm_loss(h, w, labels)
+        out.append([loss.detach().float()] + list(torch.autograd.grad(loss, (h, w))))
+        assert len(calls) == 1  # liger ran for the first, ours for the second
+    for a, b in zip(*out):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()

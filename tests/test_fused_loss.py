@@ -362,3 +362,43 @@ def test_fsdp_data_parallel_grads_match_single_process(tmp_path):
         worst = max(err, key=err.get)
         print(f"fsdp dp 2, tied={tied}: loss rel {rel(losses[0], loss):.1e}, grads rel {err[worst]:.1e} ({worst})")
         assert err[worst] <= 1e-5, worst
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A stand-in for liger-kernel's fused linear CE (the unfused loss, each call's arguments recorded), as
+    fused_loss imports it, with the CUDA branch forced on CPU tensors. -> the call log."""
+    import types
+    calls = []
+
+    def liger_ce(h, w, labels, ignore_index=-100):
+        calls.append((h, w, labels, ignore_index))
+        return lm_loss(h @ w.T, labels)
+    mod = types.ModuleType(fused_loss.LIGER_CE[0])
+    setattr(mod, fused_loss.LIGER_CE[1], liger_ce)
+    monkeypatch.setitem(sys.modules, fused_loss.LIGER_CE[0], mod)
+    monkeypatch.setattr(fused_loss, "_on_gpu", lambda h: True)
+    fused_loss.liger_ce.cache_clear()
+    yield calls
+    fused_loss.liger_ce.cache_clear()
+
+
+def test_cuda_ce_is_liger_where_the_vocabulary_is_whole(fake_liger, monkeypatch):
+    """On CUDA with the whole vocabulary on the rank, the CE is liger's fused linear CE, called once with the
+    hidden states, weight, labels and ignore index as given and its result returned; with LIGER off, off
+    CUDA, or the vocabulary split over a group (liger has no vocab-parallel form) it is ours, equal values."""
+    h, w, labels, _, _ = inputs()
+    got = fused_lm_loss(h, w, labels, chunk=16)
+    [(a, b, c, ignore)] = fake_liger
+    assert a is h and b is w and c is labels and ignore == -100
+    want = value_and_grads(lm_loss(h @ w.T, labels), h, w)
+    assert_close(value_and_grads(got, h, w), want, 1e-6)
+    monkeypatch.setattr(fused_loss, "LIGER", False)
+    assert_close(value_and_grads(fused_lm_loss(h, w, labels, chunk=16), h, w), want, 1e-5)
+    monkeypatch.setattr(fused_loss, "LIGER", True)
+    monkeypatch.setattr(fused_loss, "group_size", lambda g: 2)
+    assert fused_loss._liger_ce(h, object()) is None and len(fake_liger) == 1
+    monkeypatch.setattr(fused_loss, "_on_gpu", lambda h: h.is_cuda)
+    monkeypatch.setattr(fused_loss, "group_size", lambda g: 1)
+    fused_lm_loss(h, w, labels, chunk=16)
+    assert len(fake_liger) == 1
