@@ -89,6 +89,12 @@ def _self_device_us(e) -> float:
     return t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
 
 
+def _annotation(e) -> bool:
+    """A user range on the GPU timeline (torch.optim's "Optimizer.step#AdamW.step"), not a kernel: its time is
+    its kernels' again (the H200 tables of 2026-11-27 counted AdamW twice and read the GPU as never idle)."""
+    return bool(getattr(e, "is_user_annotation", False)) or "#" in e.key or e.key.startswith("ProfilerStep")
+
+
 def kernel_rows(prof):
     """Device kernels only (not the operators that launched them, whose device time is the same time again):
     (name, input shapes of the launching operator where known, self device us, calls), and their total (us)."""
@@ -99,7 +105,7 @@ def kernel_rows(prof):
         if e.device_type != DeviceType.CUDA and _self_device_us(e) > 0:
             ops.setdefault(e.key, []).append((str(e.input_shapes)[:100], _self_device_us(e)))
     rows = [(e.key, "", _self_device_us(e), e.count) for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA and _self_device_us(e) > 0]
+            if e.device_type == DeviceType.CUDA and _self_device_us(e) > 0 and not _annotation(e)]
     return sorted(rows, key=lambda r: -r[2]), sum(r[2] for r in rows), ops
 
 

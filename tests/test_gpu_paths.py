@@ -301,3 +301,22 @@ def test_gpu_summary_is_flat_and_null_where_not_measured(tmp_path):
     assert s["vs_transformers"] == {"1x1024": 1.1, "1x4096": None, "2x4096": 1.4}
     assert s["distill_vs_plain"] == 1.5 and s["fp8_loss_gap_rel"] is None and s["loss_peak_gib"] is None
     assert s["moe_vs_dense"] == {"nano": 0.7, "super": None}
+
+
+def test_profile_tables_count_kernels_not_user_ranges(monkeypatch):
+    """bench/gpu_profile.py's kernel table leaves out the GPU-side user ranges (torch.optim's
+    "Optimizer.step#AdamW.step", whose time is its kernels' again): the total is the kernels' alone."""
+    from torch.autograd import DeviceType
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "bench" / "gpu_profile.py")
+    prof_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof_mod)
+
+    def ev(key, us, dev=DeviceType.CUDA, annotation=False):
+        return types.SimpleNamespace(key=key, self_device_time_total=us, count=1, device_type=dev,
+                                     input_shapes=[], is_user_annotation=annotation)
+    events = [ev("multi_tensor_apply_kernel<FusedAdam>", 18.0), ev("Optimizer.step#AdamW.step", 18.5, annotation=True),
+              ev("nvjet_sm90_gemm", 40.0), ev("aten::mm", 40.0, DeviceType.CPU)]
+    fake = types.SimpleNamespace(key_averages=lambda group_by_input_shape=False: events)
+    rows, total, ops = prof_mod.kernel_rows(fake)
+    assert [r[0] for r in rows] == ["nvjet_sm90_gemm", "multi_tensor_apply_kernel<FusedAdam>"] and total == 58.0
+    assert list(ops) == ["aten::mm"]
