@@ -55,8 +55,12 @@ def category(name: str) -> str:
 
 
 def ours_step(kw, ids):
-    """Our trainer step on a fresh window model -> (step(), cleanup())."""
+    """Our trainer step on a fresh window model (each block torch.compile'd when COMPILE_BLOCKS) ->
+    (step(), cleanup())."""
     model = bg.ours_model(kw, 0, False)
+    if COMPILE_BLOCKS:
+        for layer in model.layers:
+            layer.compile()
     opt = trainer.build_optimizer(dict(model.named_parameters()), 1e-5, 0.1)
     return (lambda: bg.train_step(model, None, ids, opt, fused=FUSED_LOSS)), (model, opt)
 
@@ -82,6 +86,7 @@ def hf_step(kw, ids):
 
 
 FUSED_LOSS = True
+COMPILE_BLOCKS = False  # the compiled_blocks variant: every block torch.compile'd (measured, not yet the trainer's)
 
 
 def _self_device_us(e) -> float:
@@ -139,16 +144,21 @@ def profile_one(step, label, reps, out_dir, top):
     lines += ["", f"## top {top} operators by device time, with input shapes", f"{'ms':>9s}  name | shapes"]
     lines += op_rows(ops, top)
     if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"gpu_profile_{label}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:20]), flush=True)
     return res
 
 
+EXTRAS = ("compiled_blocks",)  # variants that turn something on (the others turn a default off)
+
+
 def switch(name, on):
     """One knob of our step: conv (fla-core's Triton conv), adamw (fused kernel), kernels (mamba-ssm +
     conv kernels at all), fused_loss (the chunked vocabulary loss), compiled_loss (its blocks' arithmetic as
-    torch.compile'd kernels; off: eager)."""
-    global FUSED_LOSS
+    torch.compile'd kernels; off: eager), liger_ce (liger's fused linear CE; off: ours); compiled_blocks
+    (an extra, off by default: every block torch.compile'd)."""
+    global FUSED_LOSS, COMPILE_BLOCKS
     if name == "fused_adamw":
         trainer.FUSED_ADAMW = on
     elif name == "kernels":
@@ -159,6 +169,10 @@ def switch(name, on):
         mamba.USE_FLA_CONV = on
     elif name == "compiled_loss":
         fused_loss.COMPILE = on
+    elif name == "liger_ce":
+        fused_loss.LIGER = on
+    elif name == "compiled_blocks":
+        COMPILE_BLOCKS = not on  # an extra: its variant turns it on
 
 
 def variants(kw, ids, reps, names):
@@ -169,15 +183,19 @@ def variants(kw, ids, reps, names):
             switch(name, False)
         try:
             step, held = ours_step(kw, ids)
-            out[name + (" off" if name != "defaults" else "")] = bg.timed(step, reps)
+            out[_label(name)] = bg.timed(step, reps)
             del step, held
         except Exception as e:
             out[name] = bg.failed(e)
         bg.free()
         if name != "defaults":
             switch(name, True)
-        bg.say("variant", name, out.get(name + " off", out.get(name)))
+        bg.say("variant", name, out.get(_label(name), out.get(name)))
     return out
+
+
+def _label(name):
+    return name if name == "defaults" else name + (" on" if name in EXTRAS else " off")
 
 
 def compare(kw, shape, reps):
@@ -237,8 +255,9 @@ def main(argv=None):
     ap.add_argument("--windows", nargs="+", default=["8b", "nano"], choices=list(WINDOWS))
     ap.add_argument("--sides", nargs="+", default=["ours", "transformers"], choices=["ours", "transformers"])
     ap.add_argument("--variants", nargs="*",
-                    default=["fla_conv", "fused_adamw", "fused_loss", "compiled_loss", "kernels"],
-                    help="knobs of our step timed off one at a time (default: %(default)s)")
+                    default=["fla_conv", "fused_adamw", "fused_loss", "compiled_loss", "liger_ce", "kernels"],
+                    help="knobs of our step timed off one at a time (default: %(default)s); compiled_blocks: "
+                         "timed on (every block torch.compile'd: minutes of compiling, its own device stage)")
     ap.add_argument("--variant-windows", nargs="*", default=["8b"], choices=list(WINDOWS),
                     help="windows whose variants are timed (default: %(default)s)")
     ap.add_argument("--shapes", nargs="*", default=["1x1024", "1x4096"],
