@@ -35,7 +35,7 @@ import remodel.models.mamba as mamba  # noqa: E402
 import remodel.pipelines.training.fused_loss as fused_loss  # noqa: E402
 import remodel.pipelines.training.trainer as trainer  # noqa: E402
 
-WINDOWS = {"8b": "nemotron_h_8b_window", "nano": "nano_moe_window"}
+WINDOWS = {"8b": "nemotron_h_8b_window", "nano": "nano_moe_window", "1p3b": "hybrid_1.3b"}
 CATEGORIES = [  # first match wins; names of cuBLAS / CUTLASS / Triton / ATen kernels
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|_mm_|matmul|grouped_mm|wgmma"),
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),

@@ -3,7 +3,7 @@
 # Carry: .whl (fla-core 0.6.0, liger-kernel 0.8.5, torchao 0.17.0, transformers 5.24.0: the version the CPU
 # parity tests use; datasets 5.2.0 with dill 0.4.1 and multiprocess 0.70.19: remodel's data module imports it) and .gpusrc (mamba-ssm 2.3.2.post1's Python + Triton sources, its __init__ reduced to
 # the version: no compiled selective_scan_cuda / causal-conv1d there, so the conv is fla-core's Triton one).
-# Stages: the arguments (default: gdn tests windows loss profile; the others: gdnmix cuda grouped blocks profile8b mfu moe gap). Each part has its own time limit and writes into
+# Stages: the arguments (default: gdn tests windows loss profile; the others: gdnmix cuda grouped blocks profile13 profile8b mfu moe gap). Each part has its own time limit and writes into
 # /tmp/o as it goes; after each part /tmp/o is packed into $OUT/run.tgz, so a cut-off call still returns data.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 mkdir -p /tmp/pkg /tmp/o && ln -sfn "$PWD" /tmp/pkg/remodel
@@ -32,6 +32,7 @@ for st in $stages; do case $st in
   tests) T part 150 tests python3 -m pytest -v $PT tests/test_cuda.py tests/test_moe_grouped.py ;;
   profile) part 240 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   blocks) part 240 blocks python3 bench/gpu_profile.py --windows 8b --sides ours --variants compiled_blocks --shapes --json /tmp/o/gpu_blocks.json ;;
+  profile13) part 120 profile13 python3 bench/gpu_profile.py --windows 1p3b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile13.json ;;  # where the 1.3B's MFU goes
   profile8b) part 60 profile python3 bench/gpu_profile.py --windows 8b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   windows) part 240 windows python3 bench/bench_gpu.py --parts windows --windows nemotron_h_8b_window --reps 3 --json /tmp/o/gpu_windows.json ;;
   mfu) part 90 mfu python3 bench/bench_gpu.py --parts mfu --reps 3 --json /tmp/o/gpu_mfu.json ;;
