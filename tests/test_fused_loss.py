@@ -386,7 +386,7 @@ def fake_liger(monkeypatch):
 def test_cuda_ce_is_liger_where_the_vocabulary_is_whole(fake_liger, monkeypatch):
     """On CUDA with the whole vocabulary on the rank, the CE is liger's fused linear CE, called once with the
     hidden states, weight, labels and ignore index as given and its result returned; with LIGER off, off
-    CUDA, or the vocabulary split over a group (liger has no vocab-parallel form) it is ours, equal values."""
+    CUDA, the vocabulary split over a group (liger has no vocab-parallel form) or no gradient wanted it is ours."""
     h, w, labels, _, _ = inputs()
     got = fused_lm_loss(h, w, labels, chunk=16)
     [(a, b, c, ignore)] = fake_liger
@@ -398,7 +398,9 @@ def test_cuda_ce_is_liger_where_the_vocabulary_is_whole(fake_liger, monkeypatch)
     monkeypatch.setattr(fused_loss, "LIGER", True)
     monkeypatch.setattr(fused_loss, "group_size", lambda g: 2)
     assert fused_loss._liger_ce(h, object()) is None and len(fake_liger) == 1
-    monkeypatch.setattr(fused_loss, "_on_gpu", lambda h: h.is_cuda)
     monkeypatch.setattr(fused_loss, "group_size", lambda g: 1)
+    with torch.no_grad():  # a loss only logged (distillation's CE): liger would compute gradients in its forward
+        assert_close((fused_lm_loss(h, w, labels, chunk=16),), (want[0],), 1e-5)
+    monkeypatch.setattr(fused_loss, "_on_gpu", lambda h: h.is_cuda)
     fused_lm_loss(h, w, labels, chunk=16)
     assert len(fake_liger) == 1

@@ -296,11 +296,11 @@ def fused_lm_loss(h, weight, labels, chunk: int | None = None, ignore_index: int
     """Mean cross-entropy of the logits h @ weight.T against labels over the tokens != ignore_index,
     never materialising [N, V]. h [N, H] (final hidden states, after norm_f), weight [V_local, H],
     labels [N] (already shifted by the caller). Equals losses.lm_loss(h @ weight.T, labels)."""
-    liger = _liger_ce(h, group)
-    if liger is not None:
-        return liger(h, weight, labels, ignore_index=ignore_index)
     need_h = torch.is_grad_enabled() and h.requires_grad
     need_w = torch.is_grad_enabled() and weight.requires_grad
+    liger = _liger_ce(h, group) if need_h or need_w else None  # liger computes gradients in its forward
+    if liger is not None:
+        return liger(h, weight, labels, ignore_index=ignore_index)
     return _FusedLMLoss.apply(h, weight, labels, ignore_index, _Run(chunk, group, need_h, need_w))
 
 
