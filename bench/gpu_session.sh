@@ -3,15 +3,13 @@
 # Carry: .whl (fla-core 0.6.0, liger-kernel 0.8.5, torchao 0.17.0, transformers 5.24.0: the version the CPU
 # parity tests use; datasets 5.2.0 with dill 0.4.1 and multiprocess 0.70.19: remodel's data module imports it) and .gpusrc (mamba-ssm 2.3.2.post1's Python + Triton sources, its __init__ reduced to
 # the version: no compiled selective_scan_cuda / causal-conv1d there, so the conv is fla-core's Triton one).
-# Stages: the arguments (default: gdn tests windows loss profile; the others: gdnmix cuda grouped blocks profile13 profile8b mfu moe gap). Each part has its own time limit and writes into
+# Stages: the arguments (default: gdn cuda grouped windows loss profile; the others: gdnmix cuda grouped blocks profile13 profile8b mfu moe gap). Each part has its own time limit and writes into
 # /tmp/o as it goes; after each part /tmp/o is packed into $OUT/run.tgz, so a cut-off call still returns data.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 mkdir -p /tmp/pkg /tmp/o && ln -sfn "$PWD" /tmp/pkg/remodel
-export PYTHONPATH=/tmp/pkg:$PWD/.gpusrc:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/tcache
-# Triton's compiled kernels and autotuning choices (sm_90, this triton) come back as $OUT/triton_cache.tgz; carried
-# next time as .tritoncache/triton_cache.tgz they spare a fresh machine minutes of compiling (the windows part
-# was cut twice at 90 s and 160 s doing so, 2026-11-27).
-mkdir -p /tmp/tcache; [ -f .tritoncache/triton_cache.tgz ] && tar xzf .tritoncache/triton_cache.tgz -C /tmp/tcache
+# Triton's cache stays on the machine: packed into $OUT after each part it was too big to come back (twice,
+# 2026-11-27), so packing it only cost device time.
+export PYTHONPATH=/tmp/pkg:$PWD/.gpusrc:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee /tmp/o/device.txt
 python3 -c "import torch, transformers, triton, torchao, fla, liger_kernel; import remodel.models.mamba as m; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, \
@@ -19,17 +17,16 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tri
   2>&1 | grep -v Warning | tee -a /tmp/o/device.txt
 part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; local s=$SECONDS
   timeout -k 5 "$t" "$@" > >(tee /tmp/o/$name.log) 2>&1; echo "=== $name rc=$? $((SECONDS - s))s" | tee -a /tmp/o/parts.txt
-  tar czf $OUT/run.tgz -C /tmp/o . ; tar czf $OUT/triton_cache.tgz -C /tmp/tcache . ; }
+  tar czf $OUT/run.tgz -C /tmp/o . ; }
 # test stages: without .gpusrc (mamba-ssm) on the path; each failure printed as it happens (bench/pytest_instafail.py)
 T() { PYTHONPATH=/tmp/pkg:/tmp/site:$PWD/bench "$@"; }
 PT="-p no:cacheprovider -p pytest_instafail --continue-on-collection-errors --timeout 100"
-stages=${*:-gdn tests windows loss profile}
+stages=${*:-gdn cuda grouped windows loss profile}
 for st in $stages; do case $st in
   gdn) T part 120 gdn python3 -m pytest -v -s $PT tests/test_gdn_kernels.py::test_fla_kernel_equals_pure_path_on_gpu ;;
   gdnmix) T part 150 gdnmix python3 -m pytest -v -s $PT tests/test_gated_deltanet.py::test_mixer_with_gpu_kernels_equals_pure_path_on_gpu ;;
   cuda) T part 240 cuda python3 -m pytest -v $PT tests/test_cuda.py ;;  # no mamba-ssm: transformers would compile its Triton kernels per tiny width (>100 s)
   grouped) T part 60 grouped python3 -m pytest -v $PT tests/test_moe_grouped.py ;;
-  tests) T part 150 tests python3 -m pytest -v $PT tests/test_cuda.py tests/test_moe_grouped.py ;;
   profile) part 240 profile python3 bench/gpu_profile.py --windows 8b nano --out-dir /tmp/o --json /tmp/o/gpu_profile.json ;;
   blocks) part 240 blocks python3 bench/gpu_profile.py --windows 8b --sides ours --variants compiled_blocks --shapes --json /tmp/o/gpu_blocks.json ;;
   profile13) part 120 profile13 python3 bench/gpu_profile.py --windows 1p3b --sides ours --variants --shapes --out-dir /tmp/o --json /tmp/o/gpu_profile13.json ;;  # where the 1.3B's MFU goes

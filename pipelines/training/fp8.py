@@ -103,11 +103,11 @@ def fp8_linear_class():
     eager with one warning (`Compiled`)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    compiled = functools.cache(lambda: Compiled(Float8Linear.forward, "FP8 Linear"))
+    compiled = Compiled(Float8Linear.forward, "FP8 Linear")  # torch.compile is lazy: nothing built until a call
 
     class Fp8Linear(Float8Linear):
         def forward(self, x):
             if not (COMPILE and _on_gpu(x)):
                 return super().forward(x)
-            return compiled()(self, x)
+            return compiled(self, x)
     return Fp8Linear
