@@ -1,8 +1,8 @@
 """pyproject declares exactly what the product imports: every third-party module imported by the
 packages (models, compress, upcycle, pipelines, data, cli.py) is a declared dependency or extra, and every
 declared runtime dependency or `gpu` / `eval` extra is imported somewhere (a package that nothing imports goes).
-Modules loaded by name (importlib.import_module, as models/mamba.py does for the GPU kernels) count as
-imported from the files that use importlib."""
+Modules loaded by name (importlib.import_module, as models/mamba.py does for the GPU kernels, or through
+its optional_import) count as imported from the files that use either."""
 import ast
 import re
 import sys
@@ -12,7 +12,8 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
-MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval", "fla-core": "fla"}  # distribution -> import name
+MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval", "fla-core": "fla",
+             "liger-kernel": "liger_kernel"}  # distribution -> import name
 LOCAL = {"models", "compress", "upcycle", "pipelines", "data", "cli"}  # the folders, installed as remodel.*
 
 
@@ -31,7 +32,7 @@ def _imported(declared=()):
     for f in files:
         text = f.read_text()
         for node in ast.walk(ast.parse(text)):
-            if "importlib" in text and isinstance(node, ast.Constant) and isinstance(node.value, str) \
+            if ("importlib" in text or "optional_import" in text) and isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and node.value.split(".")[0] in declared:
                 mods.add(node.value.split(".")[0])
             if isinstance(node, ast.Import):
