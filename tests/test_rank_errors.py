@@ -81,3 +81,47 @@ def test_a_broken_collective_ends_quietly_or_in_one_line(two_ranks):
     assert "\n" not in line and "Timed out waiting 5000ms" in line and "REMODEL_DIST_TIMEOUT" in line
     assert peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert peer_lost(KeyError("step")) is None
+
+
+LATE = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from remodel.pipelines.distributed.runtime import init_dist, init_mesh
+me = int(os.environ["RANK"])
+if me == 1:
+    time.sleep(4)  # arrives at the rendezvous 4 s after rank 0: longer than the 2 s collective timeout
+init_dist(torch.device("cpu"))
+if me == 1:
+    time.sleep(4)  # and at the mesh's groups
+mesh = init_mesh("cpu", 1, 2)
+dist.all_reduce(torch.ones(1), group=mesh.get_group("tp"))  # both ranks here: the groups formed
+t, err = time.monotonic(), ""
+try:
+    if me == 1:
+        time.sleep(6)  # a stall: rank 0's collectives on the default group must give up after ~2 s
+    dist.all_reduce(torch.ones(1))
+except Exception as e:  # noqa: BLE001
+    err = type(e).__name__
+print(json.dumps({"rank": me, "stalled_s": time.monotonic() - t, "err": err}), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_ranks_may_meet_late_but_collectives_time_out_short(tmp_path):
+    """A rank reaching the rendezvous and the mesh's groups 4 s late is no failure under REMODEL_DIST_TIMEOUT=2
+    (they meet under REMODEL_DIST_WAIT_TIMEOUT: on a loaded machine ranks start seconds apart), while a
+    collective left waiting on a stalled rank still fails after ~2 s, not the wait timeout."""
+    import json
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "REMODEL_DIST_TIMEOUT": "2", "REMODEL_DIST_WAIT_TIMEOUT": "60"}
+    procs = [subprocess.Popen([sys.executable, "-c", LATE], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    rank0 = json.loads(outs[0][0].strip().splitlines()[-1]) if outs[0][0].strip() else None
+    assert rank0 is not None, outs[0][1][-3000:]
+    assert rank0["err"] and rank0["stalled_s"] < 5, rank0  # timed out short, before rank 1 woke

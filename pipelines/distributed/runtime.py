@@ -3,7 +3,8 @@
 A single process is the 1-rank case: `init_mesh` returns None and everything that takes a mesh treats
 None as one rank. Under torchrun the processes form a ("dp", "tp") DeviceMesh, dp = processes // tp.
 Collectives of the training loop time out after REMODEL_DIST_TIMEOUT seconds (default 30); waits for
-one rank's solo work (evaluation, export) use a gloo group with REMODEL_DIST_WAIT_TIMEOUT (default 3600).
+one rank's solo work (evaluation, export) use a gloo group with REMODEL_DIST_WAIT_TIMEOUT (default 3600),
+as does the ranks' meeting (rendezvous, forming each group): a late start is no stall.
 """
 from __future__ import annotations
 
@@ -192,10 +193,22 @@ def init_dist(dev: torch.device) -> torch.device:
     if not {"WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
         raise RemodelError("tensor/expert/data parallelism needs one process per rank: launch with "
                            "`torchrun --nproc-per-node N cli.py train|distill ... --tp T --ep E`")
-    dist.init_process_group(dist.get_default_backend_for_device(dev),
-                            timeout=timeout("REMODEL_DIST_TIMEOUT", 30))
+    dist.init_process_group(dist.get_default_backend_for_device(dev), timeout=_connect_timeout())
+    _short(None)
     atexit.register(_destroy)
     return dev
+
+
+def _connect_timeout() -> datetime.timedelta:
+    """Ranks meet (the store, gloo's full mesh) under the long wait: on a loaded machine one rank can start
+    many seconds after another, which is no stall (the short collective timeout failed the rendezvous)."""
+    return timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600)
+
+
+def _short(group):
+    """`group` (None: the default one) connected: its collectives now time out after REMODEL_DIST_TIMEOUT."""
+    dist.distributed_c10d._set_pg_timeout(timeout("REMODEL_DIST_TIMEOUT", 30), group)
+    return group
 
 
 def _destroy():
@@ -235,9 +248,9 @@ def init_mesh(device_type: str, dp: int, tp: int):
     me, mine = dist.get_rank(), {}
     for name, rows in (("dp", grid.t().tolist()), ("tp", grid.tolist())):
         for ranks in rows:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks, timeout=timeout("REMODEL_DIST_TIMEOUT", 30))
+            g = dist.new_group(ranks, timeout=_connect_timeout())
             if me in ranks:
-                mine[name] = g
+                mine[name] = _short(g)
     return DeviceMesh.from_group([mine["dp"], mine["tp"]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
 
 
