@@ -206,8 +206,10 @@ def _connect_timeout() -> datetime.timedelta:
 
 
 def _short(group):
-    """`group` (None: the default one) connected: its collectives now time out after REMODEL_DIST_TIMEOUT."""
-    dist.distributed_c10d._set_pg_timeout(timeout("REMODEL_DIST_TIMEOUT", 30), group)
+    """`group` (None: the default one) connected: its collectives now time out after REMODEL_DIST_TIMEOUT
+    (torchtitan's pattern; torch's public set_timeout where it has one, its private twin before)."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout("REMODEL_DIST_TIMEOUT", 30), group)
     return group
 
 
