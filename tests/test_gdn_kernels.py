@@ -264,9 +264,8 @@ def test_fla_bounds_catch_a_wrong_call(mutant, install, monkeypatch):
     right = _values_and_grads(_run, tensors)
     monkeypatch.setattr(gdn, "USE_KERNEL", False)
     ref = _values_and_grads(_run, tensors)
-    print(_errors(got, ref, NAMES))
     assert not _over_fla_bounds(_errors(right, ref, NAMES), "bf16")  # the right call is inside them
-    assert _over_fla_bounds(_errors(got, ref, NAMES), "bf16")
+    assert _over_fla_bounds(_errors(got, ref, NAMES), "bf16")  # ratios 0.4 (no initial state) to 1e13
 
 
 @pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")
