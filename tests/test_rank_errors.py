@@ -121,7 +121,11 @@ def test_ranks_may_meet_late_but_collectives_time_out_short(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", LATE], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
              for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:  # a hang fails the test without leaving its ranks behind
+        for p in procs:
+            p.kill()
     rank0 = json.loads(outs[0][0].strip().splitlines()[-1]) if outs[0][0].strip() else None
     assert rank0 is not None, outs[0][1][-3000:]
     assert rank0["err"] and rank0["stalled_s"] < 5, rank0  # timed out short, before rank 1 woke

@@ -193,15 +193,16 @@ def init_dist(dev: torch.device) -> torch.device:
     if not {"WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
         raise RemodelError("tensor/expert/data parallelism needs one process per rank: launch with "
                            "`torchrun --nproc-per-node N cli.py train|distill ... --tp T --ep E`")
-    dist.init_process_group(dist.get_default_backend_for_device(dev), timeout=_connect_timeout())
+    dist.init_process_group(dist.get_default_backend_for_device(dev), timeout=_wait_timeout())
     _short(None)
     atexit.register(_destroy)
     return dev
 
 
-def _connect_timeout() -> datetime.timedelta:
-    """Ranks meet (the store, gloo's full mesh) under the long wait: on a loaded machine one rank can start
-    many seconds after another, which is no stall (the short collective timeout failed the rendezvous)."""
+def _wait_timeout() -> datetime.timedelta:
+    """The long wait: for one rank's solo work (`wait_group`), and for the ranks' meeting (the store, gloo's
+    full mesh): on a loaded machine one rank can start many seconds after another, which is no stall (the
+    short collective timeout failed the rendezvous)."""
     return timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600)
 
 
@@ -250,7 +251,7 @@ def init_mesh(device_type: str, dp: int, tp: int):
     me, mine = dist.get_rank(), {}
     for name, rows in (("dp", grid.t().tolist()), ("tp", grid.tolist())):
         for ranks in rows:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks, timeout=_connect_timeout())
+            g = dist.new_group(ranks, timeout=_wait_timeout())
             if me in ranks:
                 mine[name] = _short(g)
     return DeviceMesh.from_group([mine["dp"], mine["tp"]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
@@ -260,7 +261,7 @@ def wait_group():
     """A gloo group with the long timeout, for waits on one rank's solo work; None for one process."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600))
+    return dist.new_group(backend="gloo", timeout=_wait_timeout())
 
 
 def wait(group):

@@ -226,11 +226,11 @@ class Saver:
     gloo group, so the next training steps overlap the writing."""
 
     def __init__(self, run_dir: Path, keep_last: int, background: bool = False, group=None):
-        from ..distributed.runtime import timeout
+        from ..distributed.runtime import wait_group
         self.run_dir, self.keep_last, self.background = run_dir, keep_last, background
         self.group = group  # long-timeout gloo group: writing a large shard may outlast the step timeout
         if background and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=timeout("REMODEL_DIST_WAIT_TIMEOUT", 3600))
+            self.group = wait_group()  # its own: the save thread's collectives beside the main thread's
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
