@@ -11,6 +11,7 @@ On CUDA `chunk_gated_delta_rule` runs fla-core's Triton kernel when it imports (
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +35,49 @@ def _on_gpu(t) -> bool:
     return t.is_cuda
 
 
-def _kernel(q):
-    """The fla kernel for these inputs, or None: off (USE_KERNEL), not CUDA, not installed, or unfit
-    (float64, which Triton's dots do not take; a key head dim over FLA_MAX_KEY_DIM)."""
+@functools.lru_cache(maxsize=None)
+def fla_backward_refused() -> str | None:
+    """fla-core's own reason to refuse the gated chunk backward on this machine, or None. fla 0.6 raises in
+    `chunk_bwd_dqkwg` on Hopper with Triton >= 3.4.0 and < 3.7.1 (wrong results there, fla issue 640) unless
+    its TileLang backend is usable; seen on an H200 with torch 2.11's Triton 3.6.0 (2026-11-28)."""
+    try:
+        import fla.utils as fu
+        from fla.backends import TileLangBackend
+    except Exception:
+        return None
+    flags = [getattr(fu, n, False) for n in ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")]
+    if not (flags[0] and flags[1] and not flags[2]) or _tilelang_usable(TileLangBackend):
+        return None
+    return "fla-core refuses the gated delta rule's backward on Hopper with Triton < 3.7.1 and no TileLang"
+
+
+def _tilelang_usable(backend) -> bool:
+    try:
+        return bool(backend.is_available() and backend.is_enabled())
+    except Exception:
+        return False
+
+
+def _kernel(q, *tensors):
+    """The fla kernel for these inputs, or None: off (USE_KERNEL), not CUDA, not installed, unfit (float64,
+    which Triton's dots do not take; a key head dim over FLA_MAX_KEY_DIM), or a backward ahead (a tensor that
+    requires grad, grad mode on) that fla refuses here (`fla_backward_refused`: the pure path, warned once)."""
     if not USE_KERNEL or not _on_gpu(q) or q.dtype == torch.float64 or q.shape[-1] > FLA_MAX_KEY_DIM:
         return None
-    return fla_kernel()
+    kernel = fla_kernel()
+    if kernel is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                              for t in (q, *tensors)):
+        reason = fla_backward_refused()
+        if reason:
+            _warn_once(reason + ": the pure-PyTorch gated delta rule is used where gradients are needed "
+                       "(upgrade Triton to >= 3.7.1 or install tilelang for fla's kernel)")
+            return None
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str):
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -116,11 +154,13 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size: int = 64, initial
     q_in = q * cum.exp()[..., None]  # reads of the entering state
     k_out = k * (cum[..., -1:] - cum).exp()[..., None]  # writes decayed to the chunk's end
     state = _state(initial_state, b, h, k.shape[-1], dv, v)
-    outs = []
-    for i in range(q.shape[2]):
-        u = big_u[:, :, i] - big_w[:, :, i] @ state
-        outs.append(q_in[:, :, i] @ state + attn[:, :, i] @ u)
-        state = state * cum[:, :, i, -1].exp()[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ u
+    outs = []  # per-chunk views by one unbind each: indexing [:, :, i] in the loop zero-fills the whole tensor's
+    # gradient once per chunk in the backward (select_backward), quadratic in length
+    chunks = zip(*(x.unbind(2) for x in (big_u, big_w, q_in, attn, k_out, cum[..., -1].exp())))
+    for u_in, w, q_i, attn_i, k_i, end_decay in chunks:
+        u = u_in - w @ state
+        outs.append(q_i @ state + attn_i @ u)
+        state = state * end_decay[..., None, None] + k_i.transpose(-1, -2) @ u
     out = torch.cat(outs, dim=2)[:, :, :l].transpose(1, 2)
     return out.to(dtype), state
 
@@ -131,7 +171,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size: int = 64, initial_state
     maps value head h to key head h // (Hv // Hk) itself (native GVA since 0.5; we require >= 0.6), so q, k
     go in unexpanded; it normalises q, k (use_qk_l2norm_in_kernel) and picks its own chunk size.
     -> (out [b, l, Hv, dv] in q's dtype, final state [b, Hv, dk, dv])."""
-    fla = _kernel(q)
+    fla = _kernel(q, k, v, g, beta, initial_state)
     if fla is None:
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size, initial_state)
     return fla(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,

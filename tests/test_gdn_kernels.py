@@ -211,6 +211,82 @@ def test_pure_path_where_fla_is_off_or_unfit(case, install, monkeypatch):
     assert not calls and gdn.fla_kernel() is not None and out.shape == v.shape
 
 
+def test_backward_reads_each_chunk_without_a_zero_fill():
+    """The chunked rule's backward builds no per-chunk gradient of a whole tensor: indexing x[:, :, i] in the
+    chunk loop made `select_backward` zero-fill the full [b, h, c, C, *] tensor once per chunk (quadratic in
+    length); unbinding once stacks the chunks' gradients in one pass, with the same gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.__name__] = self.ops.get(func.__name__, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def selects(chunks):
+        tensors = [t.requires_grad_(True) for t in inputs(length=16 * chunks, dtype=torch.float64)]
+        out, state = chunk_gated_delta_rule_torch(*tensors[:5], chunk_size=16, initial_state=tensors[5])
+        with Count() as count:
+            _weighted(out, state).backward()
+        return sum(n for op, n in count.ops.items() if op.startswith("select_backward")), tensors
+
+    (few, _), (many, tensors) = selects(3), selects(12)
+    assert few == many <= 3, (few, many)  # g's, beta's and the chunk-end decay's, once; the old loop: + 5 per chunk
+    ref = _values_and_grads(lambda *t: recurrent_gated_delta_rule(*t[:5], initial_state=t[5]),
+                            [t.detach() for t in tensors])
+    assert max(max_diff(t.grad, r) for t, r in zip(tensors, ref[2:])) < 1e-10
+
+
+def _fake_fla(monkeypatch, hopper=True, triton="3.6.0", tilelang=False):
+    """fla.utils and fla.backends as fla-core 0.6 names them, with the hardware / Triton flags and the TileLang
+    backend's availability given."""
+    tv = tuple(int(x) for x in triton.split("."))
+    utils = types.ModuleType("fla.utils")
+    utils.IS_NVIDIA_HOPPER, utils.TRITON_ABOVE_3_4_0, utils.TRITON_ABOVE_3_7_1 = hopper, tv >= (3, 4, 0), tv >= (3, 7, 1)
+    backends = types.ModuleType("fla.backends")
+    backends.TileLangBackend = type("TileLangBackend", (), dict(is_available=classmethod(lambda c: tilelang),
+                                                                is_enabled=classmethod(lambda c: True)))
+    fla = types.ModuleType("fla")
+    fla.utils, fla.backends = utils, backends
+    for name, mod in (("fla", fla), ("fla.utils", utils), ("fla.backends", backends)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    gdn.fla_backward_refused.cache_clear()
+
+
+@pytest.mark.parametrize("case,refused", [(dict(), True), (dict(triton="3.7.1"), False), (dict(triton="3.3.1"), False),
+                                          (dict(hopper=False), False), (dict(tilelang=True), False)])
+def test_fla_backward_refusal_read_from_fla(case, refused, monkeypatch):
+    """fla 0.6 raises in its gated backward on Hopper with Triton in [3.4.0, 3.7.1) and no TileLang (seen on an
+    H200, Triton 3.6.0): `fla_backward_refused` reads fla's own flags and says so exactly there."""
+    _fake_fla(monkeypatch, **case)
+    try:
+        assert bool(gdn.fla_backward_refused()) == refused
+    finally:
+        gdn.fla_backward_refused.cache_clear()
+
+
+def test_pure_path_where_fla_refuses_the_backward(install, monkeypatch):
+    """Where fla refuses the backward, a call that will need gradients takes the pure path (warned), so training
+    runs; a call without gradients (eval, scoring) still takes fla's kernel."""
+    calls = install()
+    monkeypatch.setattr(gdn, "fla_backward_refused", lambda: "fla refuses here")
+    gdn._warn_once.cache_clear()
+    tensors = [t.requires_grad_(True) for t in inputs(length=20)]
+    with pytest.warns(RuntimeWarning, match="fla refuses here"):
+        out, _ = chunk_gated_delta_rule(*tensors[:5], initial_state=tensors[5])
+    out.sum().backward()
+    assert not calls and tensors[0].grad is not None
+    with torch.no_grad():
+        chunk_gated_delta_rule(*tensors[:5], initial_state=tensors[5])
+    assert len(calls) == 1
+    monkeypatch.setattr(gdn, "fla_backward_refused", lambda: None)
+    chunk_gated_delta_rule(*tensors[:5], initial_state=tensors[5])
+    assert len(calls) == 2  # not refused: fla takes the gradient call too
+
+
 def _fla_on_cuda():
     return torch.cuda.is_available() and gdn.optional_import(*gdn.FLA_KERNEL) is not None
 
@@ -275,6 +351,8 @@ def test_fla_kernel_equals_pure_path_on_gpu(group, dtype, monkeypatch):
     the gradients of q, k, v, g, beta and the initial state, each within fla-core's own bound for it
     (`FLA_RMS`, relative RMSE as fla's tests measure it; the pure path computes in fp32). Every tensor's
     errors (and max|diff| / max|ref|) are printed and in the failure message."""
+    if gdn.fla_backward_refused():  # fla raises in its backward here; the forward is held below
+        pytest.skip(gdn.fla_backward_refused())
     tensors = _parity_tensors(group, "cuda", dtype)
     monkeypatch.setattr(gdn, "USE_KERNEL", True)
     got = _values_and_grads(_run, tensors)
@@ -283,3 +361,21 @@ def test_fla_kernel_equals_pure_path_on_gpu(group, dtype, monkeypatch):
     errors = _errors(got, ref, NAMES)
     print({k: f"rms {r:.2e} max {m:.2e}" for k, (r, m) in errors.items()})
     assert not _over_fla_bounds(errors, dtype), errors
+
+
+@pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("group,dtype", [(1, "bf16"), (2, "fp32")])
+def test_fla_forward_equals_pure_path_on_gpu(group, dtype, monkeypatch):
+    """On the GPU without gradients (where fla may refuse its backward, it still runs the forward): fla's output
+    and final state within fla-core's bounds of the pure path, fla's kernel called."""
+    tensors = _parity_tensors(group, "cuda", dtype)
+    kernel, calls = gdn.fla_kernel(), []
+    monkeypatch.setattr(gdn, "fla_kernel", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(gdn, "USE_KERNEL", True)
+    with torch.no_grad():
+        got = _run(*tensors)
+        monkeypatch.setattr(gdn, "USE_KERNEL", False)
+        ref = _run(*tensors)
+    errors = _errors(got, ref, NAMES[:2])
+    print({k: f"rms {r:.2e} max {m:.2e}" for k, (r, m) in errors.items()})
+    assert calls and not _over_fla_bounds(errors, dtype), errors
