@@ -150,14 +150,14 @@ def profile_one(step, label, reps, out_dir, top):
     return res
 
 
-EXTRAS = ("compiled_blocks",)  # variants that turn something on (the others turn a default off)
+EXTRAS = ("compiled_blocks", "liger_ce")  # variants that turn something on (the others turn a default off)
 
 
 def switch(name, on):
     """One knob of our step: conv (fla-core's Triton conv), adamw (fused kernel), kernels (mamba-ssm +
     conv kernels at all), fused_loss (the chunked vocabulary loss), compiled_loss (its blocks' arithmetic as
-    torch.compile'd kernels; off: eager), liger_ce (liger's fused linear CE; off: ours); compiled_blocks
-    (an extra, off by default: every block torch.compile'd)."""
+    torch.compile'd kernels; off: eager), compiled_blocks and liger_ce (extras, off by default:
+    every block torch.compile'd; liger's fused linear CE in place of ours)."""
     global FUSED_LOSS, COMPILE_BLOCKS
     if name == "fused_adamw":
         trainer.FUSED_ADAMW = on
@@ -170,7 +170,7 @@ def switch(name, on):
     elif name == "compiled_loss":
         fused_loss.COMPILE = on
     elif name == "liger_ce":
-        fused_loss.LIGER = on
+        fused_loss.LIGER = not on  # an extra since 2026-11-28 (off by default): its variant turns it on
     elif name == "compiled_blocks":
         COMPILE_BLOCKS = not on  # an extra: its variant turns it on
 

@@ -378,6 +378,7 @@ def fake_liger(monkeypatch):
     setattr(mod, fused_loss.LIGER_CE[1], liger_ce)
     monkeypatch.setitem(sys.modules, fused_loss.LIGER_CE[0], mod)
     monkeypatch.setattr(fused_loss, "_on_gpu", lambda h: True)
+    monkeypatch.setattr(fused_loss, "LIGER", True)  # off by default (slower inside the H200 step)
     fused_loss.liger_ce.cache_clear()
     yield calls
     fused_loss.liger_ce.cache_clear()

@@ -49,7 +49,9 @@ CHUNK_ELEMS = 1 << 25  # one [rows, vocabulary block] fp32 block: ~128 MB
 ROWS_MAX = 1 << 14  # default token rows per chunk: the weight-gradient GEMM's inner size stays large
 BLOCK_ALIGN = 64  # vocabulary rows per block, a multiple of this (aligned GEMM operands)
 COMPILE = True  # on CUDA each block's softmax arithmetic runs torch.compile'd (`_kernel`); False: eager there too
-LIGER = True  # on CUDA, the vocabulary on one rank: the CE is liger-kernel's where it imports (`_liger_ce`)
+LIGER = False  # True: on CUDA, the vocabulary on one rank, the CE is liger-kernel's where it imports (`_liger_ce`).
+# Off by default since the H200 lease of 2026-11-28: with it on, the 8B window's plain step went 0.201 -> 0.240 s
+# (transformers' step beside it 0.232 -> 0.234 s; the distill step, whose CE is ours, 0.289 s both times).
 LIGER_CE = ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
 _COMPILED: dict = {}
 
@@ -312,8 +314,8 @@ def _on_gpu(h) -> bool:
 def _liger_ce(h, group):
     """liger-kernel's fused linear cross-entropy where it applies, else None: CUDA, LIGER on, the whole
     vocabulary on this rank (liger has no vocabulary-parallel form) and installed. On an H200 at 8K x 4096 x
-    131k it beat ours (0.055 s / 1.13 GiB against 0.062 s / 1.56 GiB, bench/RESULTS.md "GPU"); the KL stays
-    ours (liger's JSD took 1.1x the time and 1.7x the memory)."""
+    131k alone it beat ours (0.055 s / 1.13 GiB against 0.062 s / 1.56 GiB), but not inside the train step
+    (see LIGER); the KL stays ours (liger's JSD took 1.1x the time and 1.7x the memory)."""
     if not (LIGER and _on_gpu(h) and group_size(group) == 1):
         return None
     return liger_ce()
