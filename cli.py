@@ -274,11 +274,14 @@ def _ranks(fn: str, arg):
 
 
 def main(argv=None) -> int:
+    from remodel.pipelines.commands import threads
+    threads.prepare_env()  # before torch loads OpenMP: threads sleep at barriers (steady beside other jobs)
     ap = build_parser()
     a = ap.parse_args(argv)
     from remodel.models.errors import RemodelError
     try:
         check_options(ap, a)
+        threads.apply()  # no more intra-op threads than idle cores (REMODEL_THREADS / OMP_NUM_THREADS: as set)
         r = run(a)
     except RemodelError as e:
         return _fail(a.command, str(e))
