@@ -4,7 +4,9 @@ targets (any subset; an axis not named is kept):
   hidden_size, ffn_size, mamba_heads (per layer, a multiple of n_groups), mamba_head_dim,
   attn_heads (query heads per layer, a multiple of num_key_value_heads), experts, expert_ffn_size,
   shared_expert_size, latent_size (LatentMoE: fc1/fc2_latent_proj and the experts' inputs/outputs, per
-  layer by `layers.i.latent`), num_layers | drop_layers.
+  layer by `layers.i.latent`), linear_key_heads / linear_value_heads (Gated DeltaNet: value heads in whole
+  groups of the kept key heads, at most each one's own; key heads alone keep their value heads),
+  linear_key_head_dim, linear_value_head_dim, num_layers | drop_layers.
 Depth is counted in the source family's decoder layers (models.families: one of our layers for
 Nemotron-H, the attention + MLP/MoE pair for the Llama family, dropped together so the result stays
 exportable); `drop_layers` uses that numbering too. `num_layers` drops the layers with the lowest
@@ -132,15 +134,44 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
                            f"pruning only removes units (nearest valid: {src})")
 
 
+def group_width(name: str) -> str | None:
+    """The prunable width that counts the groups width `name` is made of whole of (Width.multiple_of), when that
+    count is itself pruned (Gated DeltaNet: key heads, for the value heads); None: the groups are fixed."""
+    of = WIDTHS[name].multiple_of
+    return next((n for n, w in AXES.items() if of and w.field == of), None)
+
+
+def kept_widths(cfg: ModelConfig, t: dict) -> dict:
+    """{width: what pruning to the targets t keeps} of the width targets in t and of the widths they imply: a width
+    of whole groups whose groups are pruned keeps, when not targeted itself, every member of the kept groups
+    (--linear-key-heads alone keeps the value heads of the kept key heads, as GATED_DELTANET.keep does)."""
+    out = {k: v for k, v in t.items() if k in AXES}
+    for name, w in AXES.items():
+        g = group_width(name)
+        if g in out and name not in out and getattr(cfg, w.multiple_of):
+            out[name] = getattr(cfg, w.field) // getattr(cfg, w.multiple_of) * out[g]
+    return out
+
+
 def _check_groups(cfg: ModelConfig, t: dict) -> None:
     """Each width in whole groups where its spec says so (models.spec.Width.multiple_of: Mamba heads in
-    whole groups, query heads in whole KV groups)."""
+    whole groups, query heads in whole KV groups, Gated DeltaNet value heads in whole key-head groups), of the
+    groups that are kept: where the group count is pruned too (key heads), the kept count, and at most the members
+    those groups hold (a kept key head keeps at most its own value heads)."""
     for name, w in WIDTHS.items():
-        g = getattr(cfg, w.multiple_of) if w.multiple_of and name in t else None
-        if g and t[name] % g:
-            v = t[name]
-            raise RemodelError(f"{flag(name)} {v} is not a multiple of {w.multiple_of}={g}{w.why}; "
-                               f"nearest valid: {_nearest(v, g, getattr(cfg, w.field))}")
+        src_g = getattr(cfg, w.multiple_of) if w.multiple_of and name in t else None
+        if not src_g:
+            continue
+        gw, v = group_width(name), t[name]
+        g = t.get(gw, src_g)
+        most = getattr(cfg, w.field) // src_g * g  # the members of the kept groups
+        groups = f"{flag(gw)} {g}" if gw in t else f"{w.multiple_of}={g}"
+        if v % g:
+            raise RemodelError(f"{flag(name)} {v} is not a multiple of {groups}{w.why}; "
+                               f"nearest valid: {_nearest(v, g, most)}")
+        if v > most:
+            raise RemodelError(f"{flag(name)} {v} is more than the groups kept by {groups} hold ({most // g} each, "
+                               f"{most} in all); nearest valid: {most}")
 
 
 def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
@@ -159,7 +190,7 @@ def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
 
 def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
     """The whole target must still be a valid, exportable model of the source family."""
-    sizes = {AXES[k].field: v for k, v in t.items() if k in AXES}
+    sizes = {AXES[k].field: v for k, v in kept_widths(cfg, t).items()}
     if "drop_layers" in t or "num_layers" in t:
         kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
                 else units[:t["num_layers"]])

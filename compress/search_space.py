@@ -4,7 +4,9 @@ A candidate is one homogeneous width per axis plus a number of layers removed pe
   widths  the source value, or a multiple of the axis divisor cut by at most `max_width_cut`:
           hidden and LatentMoE latent 256, FFN / expert FFN / shared expert 512, Mamba head_dim 8,
           experts 8 (and a multiple of n_group), Mamba heads a multiple of n_groups (group-aware pruning
-          keeps the same number per group), attention heads a multiple of num_key_value_heads. A width
+          keeps the same number per group), attention heads a multiple of num_key_value_heads, Gated
+          DeltaNet key heads one by one and value heads in whole groups of the kept key heads (at most
+          each key head's own: the combinations compress.prune accepts, _joint_ok). A width
           below 8x its divisor steps by the largest power of two <= width / 8 instead (expert FFN 1856
           by 128, latent 1024 by 128, a 32-wide toy model by 4), so every axis offers a handful of
           values; the source's own value is always kept even when it is no multiple (Nano's hidden
@@ -48,7 +50,12 @@ from remodel.models.kinds import WIDTHS as ALL_WIDTHS
 from remodel.models.spec import widths as cfg_widths
 from remodel.models.params import per_layer
 
+from .prune import group_width
+
 WIDTHS = {n: ALL_WIDTHS[n] for n in PRUNABLE}  # the search axes: the kinds' prunable Widths (models.kinds)
+# {axis of whole groups: the axis counting those groups}, where both are searched (Gated DeltaNet value heads in
+# key-head groups; compress.prune.group_width)
+_GROUPED = {a: g for a in WIDTHS if (g := group_width(a))}
 ALL_AXES = tuple(WIDTHS) + ("depth",)
 DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
                 "latent_size", "depth")
@@ -95,20 +102,35 @@ def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:
         return any(axis in KINDS[c].widths for c in (t if t is not None else sp.cfg.pattern))
     if fam.hidden_divides_heads and has("attn_heads") and d["attn_heads"] and d["hidden_size"] % d["attn_heads"]:
         return False
+    for a, g in _GROUPED.items():  # a width of whole groups whose group count is searched too (GDN value heads)
+        if has(a) and d[a] and not _groups_hold(sp.cfg, a, g, d[a], d[g]):
+            return False
     mamba = fam.mamba_width_from_hidden and has("mamba_heads") and d["mamba_heads"]
     return not (mamba and d["mamba_heads"] * d["mamba_head_dim"] % d["hidden_size"])
 
 
-def axis_values(cfg: ModelConfig, axis: str, max_cut: float, divisor: int | None = None) -> list[int]:
+def _groups_hold(cfg: ModelConfig, axis: str, group_axis: str, v: int, g: int) -> bool:
+    """Whether `g` kept groups (of the width group_axis) hold `v` units of `axis` as compress.prune keeps them: the
+    same number in every group, at most each group's own (a kept GDN key head keeps at most its value heads)."""
+    src_g = getattr(cfg, WIDTHS[group_axis].field)
+    return bool(g) and v % g == 0 and v <= getattr(cfg, WIDTHS[axis].field) // src_g * g
+
+
+def axis_values(cfg: ModelConfig, axis: str, max_cut: float, divisor: int | None = None,
+                groups: list[int] | None = None) -> list[int]:
     """The widths searched on one axis, the source's first, then decreasing (`divisor` overrides the
-    axis' reference divisor, e.g. scaled down with the widths of a miniature model)."""
+    axis' reference divisor, e.g. scaled down with the widths of a miniature model; `groups`: the searched
+    counts of the groups a width of whole groups is made of, when that count is searched too: every multiple of
+    one of them is a candidate, _joint_ok keeps the combinations the kept groups hold)."""
     w = WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
     divisor = divisor or w.divisor
     size = getattr(cfg, w.field)
     if not size or (w.layer is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
     if w.multiple_of:
-        step = getattr(cfg, w.multiple_of)
+        step = math.gcd(*groups) if groups else getattr(cfg, w.multiple_of)
+    elif divisor is None:  # a count searched unit by unit (GDN key heads, each a whole group)
+        step = 1
     else:
         step = step_for(size, divisor)
         if w.step_lcm and getattr(cfg, w.step_lcm) > 1:
@@ -188,6 +210,9 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes and WIDTHS[a].field not in fixed
               else [getattr(cfg, WIDTHS[a].field)]
               for a in WIDTHS}
+    for a, g in _GROUPED.items():  # a width of whole groups whose group count is searched: multiples of any kept count
+        if a in axes and WIDTHS[a].field not in fixed and len(values[g]) > 1:
+            values[a] = axis_values(cfg, a, max_width_cut, divisors.get(a), groups=values[g])
     by_type: dict = {}
     for j, u in enumerate(depth_units(cfg, family)):
         by_type.setdefault("".join(cfg.pattern[i] for i in u), []).append(j)

@@ -65,6 +65,10 @@ class ModelConfig:
     norm_offset: float = reals(0.0, ge0=True, lt=2, doc="every RMSNorm scales by (offset + w); 1: zero-centred weights",
                                variant="zero_centred_norm")
     tie_word_embeddings: bool = False
+    # the embedding row that gets no gradient from the input lookup: transformers' nn.Embedding padding_idx
+    # (pad_token_id in the families that build their embedding with it, models.families.Family.padding_idx); the
+    # row's weights stay as loaded (it is still read, and a tied lm_head still trains it). None: every row trains
+    padding_idx: int | None = ints(None, 0, MAX_VOCAB - 1, none_ok=True)
     # MTP (multi-token prediction, Nemotron 3 Super): `mtp_layers` steps of the `mtp_pattern` blocks
     # after the trunk, sharing its widths, embeddings and lm_head (models/mtp.py); 0: none
     mtp_layers: int = ints(0, 0, MAX_MTP, raw={"num_nextn_predict_layers": 0})
@@ -173,6 +177,8 @@ class ModelConfig:
                 raise RemodelError(f"invalid config: {msg}")
 
         self._check_numbers(need)
+        need(self.padding_idx is None or self.padding_idx < self.vocab_size,
+             f"padding_idx {self.padding_idx} is not a row of the {self.vocab_size}-token embedding")
         need(len(self.pattern) > 0, "the layer pattern is empty")
         bad = sorted(set(self.pattern + self.mtp_pattern) - set(KINDS))
         need(not bad, f"unknown layer characters {bad} in pattern (allowed: {' '.join(KINDS)})")

@@ -162,9 +162,20 @@ def config_from_hf(d: dict, source=None) -> ModelConfig:
         around = json.loads(h.to_json_string())  # (transformers' non-default fields)
         extra[OUTER] = {k: v for k, v in around.items() if k not in _OWN + (nested,)}
     try:
-        return FAMILIES[h.model_type].from_hf(h, extra)
+        cfg = FAMILIES[h.model_type].from_hf(h, extra)
     except RemodelError as e:
         raise RemodelError(f"{where}: {e}") from None
+    row = _padding_idx(FAMILIES[h.model_type], getattr(text, "pad_token_id", None), cfg.vocab_size)
+    return cfg if row == cfg.padding_idx else cfg.replace(padding_idx=row)
+
+
+def _padding_idx(fam, pad, vocab: int) -> int | None:
+    """The embedding row transformers builds as nn.Embedding's padding_idx for a `fam` model with pad_token_id `pad`
+    (a negative id counts from the end, as nn.Embedding reads it); None where the family has none (Family.padding_idx)
+    or the id is not a row (transformers refuses to build that model; remodel reads it with every row trained)."""
+    if not fam.padding_idx or isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
+        return None
+    return pad % vocab
 
 
 def without_absent_mtp(d: dict, tensor_names) -> dict:

@@ -43,13 +43,25 @@ class HybridLM(nn.Module):
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
         """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling (times cfg.lm_head_multiplier),
         so that any output projection of them gives the model's logits; the residual stream after every layer, or None)."""
-        x = scale_embedding(self.cfg, self.embeddings(input_ids))
+        x = scale_embedding(self.cfg, self.embed(input_ids))
         states = [x] if output_hidden_states else None
         for layer in self.layers:
             x = layer(x, attention_mask, position_ids)
             if output_hidden_states:
                 states.append(x)
         return final_hidden(self.cfg, self.norm_f, x), states
+
+    def embed(self, ids):
+        """The embedding rows of `ids` [b, l] -> [b, l, H]; the row cfg.padding_idx gets no gradient from this
+        lookup (transformers' nn.Embedding padding_idx, where the family builds it: ModelConfig.padding_idx, None
+        to train every row). Masked here on the lookup's output, not by nn.Embedding's own padding_idx, so that any
+        module standing in for the embedding (tensor parallelism's vocab-parallel one) freezes the same row; the
+        row's weights are never touched (it is still read, and a tied lm_head still trains it)."""
+        x = self.embeddings(ids)
+        p = self.cfg.padding_idx
+        if p is None or not x.requires_grad:
+            return x
+        return torch.where((ids == p).unsqueeze(-1), x.detach(), x)
 
     def logits(self, h):
         w = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
@@ -69,14 +81,14 @@ class HybridLM(nn.Module):
         """MTP step `step` -> logits [b, l, V]: h [b, l, H] is the trunk's output after norm_f (or
         step-1's output), next_ids [b, l] the tokens one position further on (input_ids[:, 1:] for
         step 0); row t then predicts token t + 2 + step."""
-        return self.logits(self.mtp.step(step, h, self.embeddings(next_ids), attention_mask))
+        return self.logits(self.mtp.step(step, h, self.embed(next_ids), attention_mask))
 
     def forward_mtp(self, input_ids):
         """-> (trunk logits [b, l, V], [MTP logits of step k: [b, l - 1 - k, V] for every step])."""
         h, _ = self.hidden(input_ids)
         out, x = [], h
         for k in range(self.cfg.mtp_layers):
-            x = self.mtp.step(k, x[:, :-1], self.embeddings(input_ids[:, k + 1:]))
+            x = self.mtp.step(k, x[:, :-1], self.embed(input_ids[:, k + 1:]))
             out.append(self.logits(x))
         return self.logits(h), out
 

@@ -18,8 +18,8 @@ def test_every_kind_owns_a_section_of_its_fields():
     fields = [f for cls in SECTIONS.values() for f in cls.names()]
     assert len(fields) == len(set(fields))  # one name per field: its flat name is unambiguous
     trunk = set(ModelConfig.__dataclass_fields__) - {"sections"}
-    assert trunk == {"vocab_size", "hidden_size", "pattern", "norm_eps", "norm_offset", "tie_word_embeddings", "mtp_layers",
-                     "mtp_pattern", "extra"}
+    assert trunk == {"vocab_size", "hidden_size", "pattern", "norm_eps", "norm_offset", "tie_word_embeddings",
+                     "padding_idx", "mtp_layers", "mtp_pattern", "extra"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))

@@ -130,7 +130,8 @@ _TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_
              ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[1.6, 0.6])
 FALCON_H1 = FalconH1("falcon_h1", "FalconH1ForCausalLM", depth=2, block_types=BLOCK_TYPES, multipliers=True,
                      raw={"mamba_expand": (1, MAX_SMALL), "mamba_d_ssm": (1, MAX_WIDTH)},
-                     projections=True, upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)",
+                     projections=True, padding_idx=True,
+                     upcycle_help="none (no MoE family holds parallel attention + Mamba mixers)",
                      # no Mamba norm (transformers' default); gate then norm, multipliers the loss feels; norm then
                      # gate with every bias, tied embeddings, a dt clamp
                      tiny={"scaled": _TINY,

@@ -146,6 +146,10 @@ class Family:
     mamba_width_from_hidden: bool = False
     block_types: dict = field(default_factory=dict)
     multipliers: bool = False  # its config holds ModelConfig's scalar multipliers (embedding, residual, ...)
+    # transformers builds its input embedding as nn.Embedding(vocab, hidden, padding_idx=config.pad_token_id): that
+    # row gets no gradient from the input lookup, and ours neither (models.hf.config_from_hf sets
+    # ModelConfig.padding_idx; tests/test_pad_row.py checks the flag against transformers' module and the gradients)
+    padding_idx: bool = False
     projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)
     upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)

@@ -187,7 +187,7 @@ _TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
              embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
 GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, mamba_width_from_hidden=True,
                   block_types=BLOCK_TYPES, raw={"mamba_expand": (1, MAX_SMALL)},
-                  multipliers=True, moe=True, routers=("topk-softmax",),
+                  multipliers=True, moe=True, routers=("topk-softmax",), padding_idx=True,
                   upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)",
                   # MoE + shared MLP without positions; the shared MLP alone; RoPE, every bias, tied, a dt clamp
                   tiny={"moe": _TINY, "dense": {**{k: v for k, v in _TINY.items() if k not in ("intermediate_size", "num_experts_per_tok")},

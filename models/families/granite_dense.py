@@ -50,7 +50,7 @@ class GraniteDense(LlamaFamily):
 
 _SCALED = dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
 GRANITE_DENSE = GraniteDense(
-    "granite", "GraniteForCausalLM", multipliers=True,
+    "granite", "GraniteForCausalLM", multipliers=True, padding_idx=True,
     # every multiplier away from 1; every bias, tied embeddings, RoPE theta, other multipliers
     tiny={"scaled": dict(TINY, **_SCALED),
           "biased_tied": dict(TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,

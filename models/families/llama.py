@@ -142,10 +142,13 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_siz
             num_key_value_heads=2, head_dim=8)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-LLAMA = LlamaFamily("llama", "LlamaForCausalLM", hidden_divides_heads=True,
+LLAMA = LlamaFamily("llama", "LlamaForCausalLM", hidden_divides_heads=True, padding_idx=True,
                     tiny={"tied": dict(TINY, tie_word_embeddings=True), "llama3_rope": dict(TINY, rope_parameters=LLAMA3_ROPE)})
-MISTRAL = LlamaFamily("mistral", "MistralForCausalLM", window=True, tiny={"plain": dict(TINY, sliding_window=None)})
-QWEN2 = LlamaFamily("qwen2", "Qwen2ForCausalLM", attn=QWEN2_ATTN, qkv_bias=True, qwen_window=True, tiny={"plain": TINY})
-QWEN3 = LlamaFamily("qwen3", "Qwen3ForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True, tiny={"plain": TINY})
+MISTRAL = LlamaFamily("mistral", "MistralForCausalLM", window=True, padding_idx=True,
+                      tiny={"plain": dict(TINY, sliding_window=None)})
+QWEN2 = LlamaFamily("qwen2", "Qwen2ForCausalLM", attn=QWEN2_ATTN, qkv_bias=True, qwen_window=True, padding_idx=True,
+                    tiny={"plain": TINY})
+QWEN3 = LlamaFamily("qwen3", "Qwen3ForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True, padding_idx=True,
+                    tiny={"plain": TINY})
 
 REGISTER = (LLAMA, MISTRAL, QWEN2, QWEN3)  # the families this module adds to models.families.FAMILIES, in order

@@ -97,6 +97,7 @@ class MoEFamily(LlamaFamily):
 
 
 MIXTRAL = MoEFamily("mixtral", "MixtralForCausalLM", window=True, routers=("topk-softmax",), renormalises=True,
+                    padding_idx=True,
                     experts_field="num_local_experts", expert_size_field="intermediate_size", mlp="block_sparse_moe",
                     expert_leaves=(("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")),
                     tiny={"plain": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)})
@@ -104,9 +105,10 @@ _QWEN_MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"},  # (
              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12}
 SPARSE_STEP = {"decoder_sparse_step": (1, MAX_LAYERS)}  # every layer must be MoE (checked by from_hf)
 QWEN2_MOE = MoEFamily("qwen2_moe", "Qwen2MoeForCausalLM", attn=QWEN2_ATTN, qkv_bias="qkv_bias", qwen_window=True,
-                      shared=True, shared_expert_gate=True, raw=SPARSE_STEP,
+                      shared=True, shared_expert_gate=True, raw=SPARSE_STEP, padding_idx=True,
                       tiny={"plain": dict(_QWEN_MOE, shared_expert_intermediate_size=20, norm_topk_prob=False)})
 QWEN3_MOE = MoEFamily("qwen3_moe", "Qwen3MoeForCausalLM", attn=QWEN3_ATTN, qk_norm=True, qwen_window=True, raw=SPARSE_STEP,
+                      padding_idx=True,
                       tiny={"plain": dict(_QWEN_MOE, norm_topk_prob=True)})
 
 REGISTER = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)  # the families this module adds to models.families.FAMILIES, in order

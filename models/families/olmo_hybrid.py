@@ -121,7 +121,7 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_siz
             pad_token_id=0, eos_token_id=1,  # the defaults lie outside a tiny vocab
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 OLMO_HYBRID = OlmoHybrid("olmo_hybrid", "OlmoHybridForCausalLM", depth=2, block_types=BLOCK_TYPES,
-                         variants=("qk_norm_full", "delta_rule"),
+                         variants=("qk_norm_full", "delta_rule"), padding_idx=True,
                          # beta in (0, 1), three value heads per key head, attention first with every bias, tied, NoPE
                          tiny={"plain": TINY,
                                "grouped_biased_tied_nope": dict(

@@ -119,7 +119,7 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_siz
             linear_value_head_dim=6, linear_conv_kernel_dim=4,
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 QWEN3_5_TEXT = Qwen35("qwen3_5_text", "Qwen3_5ForCausalLM", depth=2, block_types=BLOCK_TYPES,
-                      variants=("attention_gate", "zero_centred_norm"),
+                      variants=("attention_gate", "zero_centred_norm"), padding_idx=True,
                       upcycle_help="qwen3_5_moe_text (its shared expert is gated)",
                       # three value heads per key head, attention first with every bias, tied, half the head rotated
                       tiny={"plain": TINY,

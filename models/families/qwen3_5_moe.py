@@ -65,7 +65,7 @@ _MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"},  # (the d
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}
 QWEN3_5_MOE_TEXT = Qwen35Moe(
     "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", depth=2, moe=True, routers=("topk-softmax",), shared_expert_gate=True,
-    block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"),
+    block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"), padding_idx=True,
     upcycle_help="none (already MoE)",
     # three value heads per key head, attention first with every bias, tied, one expert per token, half rotated
     tiny={"plain": _MOE,

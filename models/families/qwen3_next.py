@@ -91,7 +91,7 @@ class Qwen3Next(Qwen35):
 _MOE_TINY = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
                  shared_expert_intermediate_size=20)
 QWEN3_NEXT = Qwen3Next("qwen3_next", "Qwen3NextForCausalLM", depth=2, moe=True, shared_expert_gate=True,
-                       block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"),
+                       block_types=BLOCK_TYPES, variants=("attention_gate", "zero_centred_norm"), padding_idx=True,
                        upcycle_help="none (already MoE)", raw={"decoder_sparse_step": (1, MAX_LAYERS)},
                        # three value heads per key head, attention first, top-k weights not renormalised, decoder
                        # layer 1 dense, attention bias, tied, half the head rotated

@@ -17,7 +17,7 @@ from .family import Family, Part
 
 OUTER = "outer_config"  # ModelConfig.extra key: the checkpoint's config.json without the text model's config
 _COPIED = ("depth", "moe", "mtp", "routers", "shared_expert_gate", "hidden_divides_heads", "mamba_width_from_hidden",
-           "block_types", "multipliers", "projections", "raw", "variants")
+           "block_types", "multipliers", "projections", "raw", "variants", "padding_idx")
 
 
 def outer_value(cfg, path: str):
