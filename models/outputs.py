@@ -1,6 +1,7 @@
 """Output and work directories: an output appears all at once or not at all (atomic_output_dir: a
 temporary sibling renamed at the end), and remodel removes only what it made (mark_dir / check_owned:
-work and run directories carry a marker; anything else is refused, never deleted)."""
+work and run directories carry a marker; anything else is refused, never deleted). The temporary and
+old-output siblings carry one too (SIBLING_MARKER): a folder that only has their name is a user's."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +10,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from .errors import RemodelError
@@ -22,6 +24,8 @@ def _check_output(out: Path, overwrite: bool):
 
 
 _SIBLING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+SIBLING_MARKER = ".remodel-sibling"  # in every `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` remodel makes
+INNER = "output"  # the sibling's folder that becomes OUT (tmp) or holds the previous OUT (old)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -34,21 +38,52 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _make_sibling(out: Path, kind: str) -> Path:
+    """A new `.OUT.KIND-PID-hex` folder carrying SIBLING_MARKER (which names its kind, pid and OUT)."""
+    d = out.parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    d.mkdir()
+    mark_dir(d, SIBLING_MARKER, kind=kind, pid=os.getpid(), out=out.name)
+    return d
+
+
+def _is_ours(p: Path, m) -> bool:
+    """Whether sibling `p` (its name matched as `m`) is remodel's: a real folder holding SIBLING_MARKER, a
+    small regular file whose kind, pid and OUT are the ones its name says. Its name alone is never enough."""
+    f = p / SIBLING_MARKER
+    try:
+        if p.is_symlink() or not p.is_dir():
+            return False
+        st = f.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return False
+        info = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(info, dict) and info.get("made_by") == "remodel" and info.get("kind") == m["kind"]
+            and info.get("pid") == int(m["pid"]) and info.get("out") == m["name"])
+
+
+def _present(p: Path) -> bool:
+    return p.exists() or p.is_symlink()
+
+
 def remove_stale_siblings(out: Path):
-    """Delete the `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` siblings a killed run left behind (their
-    PID is dead); a stale `.old` holding the previous OUT is renamed back when OUT is missing."""
+    """Delete the `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` siblings a killed run left behind: their PID is
+    dead and they carry remodel's SIBLING_MARKER (a folder with such a name but no marker is a user's, never
+    touched). A stale `.old` holding the previous OUT gives it back when OUT is missing."""
     try:
         entries = list(out.parent.iterdir())
     except OSError:
         return
     for p in sorted(entries, key=lambda q: "tmp" in q.name):  # .old first, so it can be restored
         m = _SIBLING.fullmatch(p.name)
-        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])):
+        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])) or not _is_ours(p, m):
             continue
-        if m["kind"] == "old" and not out.exists():
-            with contextlib.suppress(OSError):
-                p.rename(out)
-                continue
+        if m["kind"] == "old" and _present(p / INNER) and not _present(out):
+            try:
+                (p / INNER).rename(out)
+            except OSError:
+                continue  # keep it: the previous output is still in there
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -112,10 +147,12 @@ def remove_owned(d: Path, marker: str, what: str, legacy=None):
 
 @contextlib.contextmanager
 def atomic_output_dir(out, overwrite: bool = False, inputs=()):
-    """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on error.
-    Refuses a non-empty `out` unless overwrite, and any `out` equal to, inside or containing an input.
-    Siblings left by killed runs are removed first; parent directories it creates are removed again
-    on error; an OUT that cannot be created (permissions, a file in the path) is a RemodelError."""
+    """Yield a temporary folder for `out` (inside the marked sibling `.OUT.tmp-PID-hex`); rename it to
+    `out` on success, delete it on error. Refuses a non-empty `out` unless overwrite, and any `out` equal
+    to, inside or containing an input. A replaced OUT is first moved into a marked `.OUT.old-PID-hex`, put
+    back on error. Siblings left by killed runs are removed first (those carrying the marker only);
+    parent directories it creates are removed again on error; an OUT that cannot be created (permissions,
+    a file in the path) is a RemodelError."""
     out = Path(out).absolute()
     real = out.resolve()
     for inp in inputs:
@@ -124,29 +161,32 @@ def atomic_output_dir(out, overwrite: bool = False, inputs=()):
             raise RemodelError(f"{out}: output overlaps input directory {inp}; write the output elsewhere")
     remove_stale_siblings(out)
     _check_output(out, overwrite)
-    created = []
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    created, wrap, old = [], None, None
     try:
         created = make_parents(out)
-        tmp.mkdir()
+        wrap = _make_sibling(out, "tmp")
+        (wrap / INNER).mkdir()
     except OSError as e:
+        if wrap is not None:
+            shutil.rmtree(wrap, ignore_errors=True)
         remove_dirs(created)
         raise RemodelError(f"{out}: cannot create the output directory ({e.strerror or e}: "
                            f"{e.filename or out.parent})") from None
     try:
-        yield tmp
+        yield wrap / INNER
         _check_output(out, overwrite)  # something may have appeared meanwhile
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
+        if _present(out):
+            old = _make_sibling(out, "old")
+            out.rename(old / INNER)
+        (wrap / INNER).rename(out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            old.rename(out)  # put the previous output back
+        shutil.rmtree(wrap, ignore_errors=True)
+        if old is not None and _present(old / INNER) and not _present(out):
+            (old / INNER).rename(out)  # put the previous output back
+        if old is not None and not _present(old / INNER):
+            shutil.rmtree(old, ignore_errors=True)
         remove_dirs(created)
         raise
-    if old.is_symlink():  # an OUT that was a link: the link goes, never its target's files
-        old.unlink()
-    else:
+    shutil.rmtree(wrap, ignore_errors=True)  # its marker only
+    if old is not None:  # an OUT that was a link: the link goes (rmtree never follows one), never its target's files
         shutil.rmtree(old, ignore_errors=True)

@@ -140,6 +140,17 @@ def test_bad_gzip_is_one_line_error(work, capsys):
 
 # 4. stale temporary siblings ------------------------------------------------------------------------------
 
+def _sibling(d: Path, content: str = "half"):
+    """A sibling as a killed remodel leaves it: its SIBLING_MARKER (kind, pid, OUT as its name says) and the
+    output folder inside."""
+    from remodel.models.outputs import INNER, SIBLING_MARKER
+    name, rest = d.name[1:].rsplit(".", 1)
+    kind, pid, _ = rest.split("-")
+    (d / INNER).mkdir(parents=True)
+    (d / INNER / "model.safetensors").write_text(content)
+    (d / SIBLING_MARKER).write_text(json.dumps({"made_by": "remodel", "kind": kind, "pid": int(pid), "out": name}))
+
+
 def test_stale_siblings_removed_live_kept(work, capsys):
     out = work / "conv"
     stale_tmp = work / f".conv.tmp-{DEAD_PID}-0123abcd"
@@ -148,8 +159,7 @@ def test_stale_siblings_removed_live_kept(work, capsys):
     live = work / f".conv.tmp-{os.getpid()}-89abcdef"
     other = work / f".other.tmp-{DEAD_PID}-0123abcd"
     for d in (stale_tmp, stale_old, live, other):
-        d.mkdir()
-        (d / "model.safetensors").write_bytes(b"half")
+        _sibling(d)
     assert cli.main(["convert", str(work / "model"), str(out), "--dtype", "float32", "--overwrite"]) == 0
     assert not stale_tmp.exists() and not stale_old.exists()
     assert live.exists() and other.exists()  # a running process's, and another output's
@@ -159,12 +169,11 @@ def test_stale_siblings_removed_live_kept(work, capsys):
 def test_stale_old_restored_when_out_missing(tmp_path):
     """A kill between moving the previous OUT aside and renaming the new one in: OUT comes back."""
     old = tmp_path / f".o.old-{DEAD_PID}-0123abcd"
-    old.mkdir()
-    (old / "x").write_text("previous")
+    _sibling(old, "previous")
     with pytest.raises(RemodelError, match="--overwrite"):
         with atomic_output_dir(tmp_path / "o"):
             pass
-    assert (tmp_path / "o" / "x").read_text() == "previous" and not old.exists()
+    assert (tmp_path / "o" / "model.safetensors").read_text() == "previous" and not old.exists()
 
 
 def _kill_then_rerun(args, out, parent, probe, overwrite_rerun=False):

@@ -278,7 +278,7 @@ def test_atomic_output_dir(tmp_path, small_ckpt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
     with atomic_output_dir(out) as tmp:
-        assert tmp.parent == out.parent and tmp.name.startswith(".out.tmp-")
+        assert tmp.parent.parent == out.parent and tmp.parent.name.startswith(".out.tmp-")  # in a marked sibling
         (tmp / "a.txt").write_text("new")
     assert (out / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]

@@ -5,11 +5,13 @@ error (exit 2) with the user's files byte-for-byte intact and nothing new writte
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from remodel import cli
 from remodel.models.errors import RemodelError
@@ -239,3 +241,211 @@ def test_overwrite_of_a_symlinked_out_replaces_the_link_only(tmp_path, capsys):
     assert _snapshot(tmp_path / "mine") == kept
     assert not (tmp_path / "out").is_symlink() and (tmp_path / "out" / "tokens.bin").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]
+
+
+# ---- issue 53, Deliver 2: stale siblings known by their marker, never by their name ------------------------
+
+DEAD_PID = 2**22 + 12345  # above the default pid_max: never a live process
+
+
+def _files(d: Path) -> dict:
+    """Every file and link under d with its bytes (or link target) and mtime: what a refused run must leave."""
+    out = {}
+    for p in sorted(Path(d).rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(d))] = ("link", os.readlink(p), p.lstat().st_mtime_ns)
+        elif p.is_file():
+            out[str(p.relative_to(d))] = (p.read_bytes(), p.stat().st_mtime_ns)
+        else:
+            out[str(p.relative_to(d))] = ("dir",)
+    return out
+
+
+def _convert(out):
+    return cli.main(["convert", str(EMBEDDED), str(out), "--dtype", "float32"])
+
+
+@pytest.mark.parametrize("kind", ["tmp", "old"])
+def test_a_user_folder_with_a_sibling_name_is_never_touched(tmp_path, kind):
+    """`.OUT.tmp-<dead pid>-<hex>` was deleted as a killed run's temporary, `.OUT.old-...` renamed to OUT (and the
+    run then refused: OUT not empty). Without remodel's marker inside, either is a user's: kept as it is, and
+    the run writes OUT beside it. A marker naming another OUT or pid, or a link by that name, is not remodel's."""
+    from remodel.models.outputs import SIBLING_MARKER
+    user = _user_folder(tmp_path / f".o.{kind}-{DEAD_PID}-0123abcd")
+    forged = tmp_path / f".o.{kind}-{DEAD_PID}-4567abcd"  # a marker whose pid is not the one its name says
+    _user_folder(forged)
+    (forged / SIBLING_MARKER).write_text(json.dumps({"made_by": "remodel", "kind": kind, "pid": 1, "out": "o"}))
+    mine = _user_folder(tmp_path / "mine")
+    (tmp_path / f".o.{kind}-{DEAD_PID}-89abcdef").symlink_to(tmp_path / "mine")
+    before = _files(tmp_path)
+    assert _convert(tmp_path / "o") == 0
+    after = _files(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("o/") and k != "o"} == before  # bytes and mtimes
+    assert _snapshot(tmp_path / f".o.{kind}-{DEAD_PID}-0123abcd") == user and "notes.txt" in user
+    assert _snapshot(tmp_path / "mine") == mine and (tmp_path / "o" / "config.json").is_file()
+    assert not (tmp_path / "o" / "notes.txt").exists()  # OUT is the converted model, never the user's folder
+
+
+def test_remodel_siblings_carry_the_marker(tmp_path):
+    """The temporary sibling (and the one holding a replaced OUT) carry SIBLING_MARKER naming kind, pid and
+    OUT, which is what lets a later run clean up after a killed one (tests/test_bad_input.py's stale and
+    kill -9 cases); after the run only OUT is left."""
+    from remodel.models.outputs import SIBLING_MARKER, atomic_output_dir
+    out = tmp_path / "o"
+    with atomic_output_dir(out) as tmp:
+        info = json.loads((tmp.parent / SIBLING_MARKER).read_text())
+        assert info == {"made_by": "remodel", "kind": "tmp", "pid": os.getpid(), "out": "o"}
+        assert tmp.parent.name.startswith(f".o.tmp-{os.getpid()}-")
+        (tmp / "a").write_text("1")
+    seen = []
+    real_rename = Path.rename
+
+    def spy(self, target):  # the previous OUT moves into a marked `.o.old-*` sibling
+        if Path(target).parent.name.startswith(".o.old-"):
+            seen.append(json.loads((Path(target).parent / SIBLING_MARKER).read_text()))
+        return real_rename(self, target)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "rename", spy)
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "b").write_text("2")
+    assert seen == [{"made_by": "remodel", "kind": "old", "pid": os.getpid(), "out": "o"}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and (out / "b").read_text() == "2"
+
+
+# ---- issue 53, Deliver 2: a refused --resume writes nothing -------------------------------------------------
+
+TRAIN2 = ["--data", VALID, "--steps", "2", "--seq-len", "16", "--batch", "2", "--log-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def legacy_run(tmp_path_factory):
+    """A 2-step train with checkpoints at steps 1 and 2, its run dir as an older remodel left it (no marker)."""
+    work = tmp_path_factory.mktemp("legacy")
+    assert cli.main([str(a) for a in ("train", EMBEDDED, work / "o", *TRAIN2, "--checkpoint-every", "1",
+                                      "--keep-last", "0")]) == 0
+    (work / "o.run" / state.RUN_MARKER).unlink()
+    return work / "o.run"
+
+
+def _tamper_chunk(rd: Path, key: str, fill: bytes):
+    md = json.loads((rd / "step-000002" / "dcp_metadata.json").read_text())["tensors"][key]
+    (c,) = md["chunks"]
+    with open(rd / "step-000002" / c["file"], "r+b") as f:
+        f.seek(c["offset"])
+        f.write(fill * (c["length"] // len(fill)))
+
+
+def _edit_meta2(rd: Path, fn):
+    path = rd / "step-000002" / "meta.json"
+    m = json.loads(path.read_text())
+    fn(m)
+    path.write_text(json.dumps(m))
+
+
+RESUME_REFUSALS = {  # how the run dir is damaged, the command's extra flags, what the one line says
+    "other_args": (None, ["--lr", "0.5"], "lr differ from that run"),
+    "distill_on_a_train_run": (None, ["--teacher"], "differ from that run"),
+    "other_data": (None, ["--data", None], "the training data changed"),
+    "bad_meta": (lambda rd: _edit_meta2(rd, lambda m: m["history"][0].update(loss="low")), [], "bad 'loss'"),
+    "no_dcp_index": (lambda rd: (rd / "step-000002" / "dcp_metadata.json").unlink(), [], "no dcp_metadata.json"),
+    "negative_moment": (lambda rd: _tamper_chunk(rd, "optim.layers.1.mixer.up_proj.weight.exp_avg_sq",
+                                                 struct.pack("<f", -1.0)), [], "AdamW state exp_avg_sq"),
+    "garbage_rng": (lambda rd: _tamper_chunk(rd, "rng.torch", b"\xff"), [], "RNG state does not load"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_REFUSALS))
+def test_a_refused_resume_writes_nothing(legacy_run, tmp_path, capsys, case):
+    """Each refusal of `train/distill --resume` on a run dir of an older remodel (no marker) wrote the
+    marker into it before refusing, and removed what a killed save had left; now the run dir's files, their
+    bytes and mtimes are as they were (nothing written, nothing removed)."""
+    rd = tmp_path / "o.run"
+    shutil.copytree(legacy_run, rd)
+    (rd / ".step-000003.partial").mkdir()  # a killed save's leftover: removed only by a resume that goes ahead
+    (rd / ".step-000003.partial" / "x").write_bytes(b"half")
+    damage, flags, match = RESUME_REFUSALS[case]
+    if damage is not None:
+        damage(rd)
+    argv = ["train", EMBEDDED, tmp_path / "o", *TRAIN2, "--checkpoint-every", "1", "--keep-last", "0", "--resume"]
+    if flags == ["--teacher"]:
+        argv = ["distill", "--teacher", EMBEDDED, "--student", EMBEDDED, *argv[2:]]
+    elif flags and flags[0] == "--data":  # the run's recorded path, now holding other text
+        other = tmp_path / "other.txt"
+        other.write_text("a different corpus of words\n" * 200)
+        _edit_meta2(rd, lambda m: m["args"].update(data=str(other)))
+        argv[argv.index("--data") + 1] = other
+    else:
+        argv += flags
+    before, names = _files(rd), listing(tmp_path)
+    fails(capsys, *argv, match=match)
+    assert _files(rd) == before and not (rd / state.RUN_MARKER).exists()
+    assert listing(tmp_path) == names
+
+
+# ---- issue 53, Deliver 2: a run that fails at its first step removes what it wrote --------------------------
+
+def _overflowing_model(d: Path) -> Path:
+    """The embedded model with its final norm at 65515: in float16's range, but one step at --lr 10 leaves it
+    past 65504, so the float16 export of step 1 overflows."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(EMBEDDED, d)
+    t = load_file(d / "model.safetensors")
+    t["backbone.norm_f.weight"] = t["backbone.norm_f.weight"].clone().fill_(65515.0)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+OVERFLOW = ["--lr", "10", "--weight-decay", "0", "--dtype", "float16", "--checkpoint-every", "1"]
+
+
+def test_a_run_failing_at_its_first_step_leaves_nothing(tmp_path, capsys):
+    """A float16 run that overflows at step 1 left OUT.run/step-000001 (and the marker); now the error is one
+    line and nothing of the run is left: no OUT, no OUT.run, no temporary sibling."""
+    model = _overflowing_model(tmp_path / "m")
+    before = listing(tmp_path)
+    fails(capsys, "train", model, tmp_path / "o", *TRAIN2[:2], "--steps", "1", *TRAIN2[4:], *OVERFLOW,
+          match="beyond float16's range")
+    assert listing(tmp_path) == before
+    (tmp_path / "o.run").mkdir()  # an existing (empty) run dir: it stays, as it was
+    fails(capsys, "train", model, tmp_path / "o", *TRAIN2[:2], "--steps", "1", *TRAIN2[4:], *OVERFLOW,
+          match="beyond float16's range")
+    assert listing(tmp_path) == before | {"o.run"}
+
+
+def test_a_resumed_run_failing_at_its_first_step_keeps_the_older_run(tmp_path, capsys):
+    """--resume (--keep-last 1) from an older run's step 1: this run's step 2 overflows at the float16 export.
+    Its step-000002 goes; the older run's step-000001 (which pruning to --keep-last 1 would have removed at
+    the save of step 2) and every other file of the run dir stay, bytes and mtimes."""
+    model = _overflowing_model(tmp_path / "m")
+    argv = ["train", model, tmp_path / "o", *TRAIN2, *OVERFLOW[:4], "--checkpoint-every", "1", "--keep-last", "0"]
+    assert cli.main([str(a) for a in argv]) == 0  # written in float32: no overflow
+    shutil.rmtree(tmp_path / "o")  # as a run killed after its step 1 left it
+    shutil.rmtree(tmp_path / "o.run" / "step-000002")
+    before, names = _files(tmp_path / "o.run"), listing(tmp_path)
+    assert "step-000001/meta.json" in before and state.RUN_MARKER in before
+    fails(capsys, *argv[:-1], "1", "--dtype", "float16", "--resume", match="beyond float16's range")
+    assert _files(tmp_path / "o.run") == before and listing(tmp_path) == names
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys, monkeypatch):
+    """An update that leaves a weight inf with the step's loss still finite (it was computed before the update)
+    saved a checkpoint of it; now the save refuses in one line and the run leaves nothing."""
+    from remodel.pipelines.training import trainer
+    real = trainer.build_optimizer
+
+    def poisoned(params, *a, **k):
+        opt = real(params, *a, **k)
+        step = opt.step
+
+        def bad_step(*sa, **sk):
+            out = step(*sa, **sk)
+            with torch.no_grad():
+                next(iter(params.values())).view(-1)[0] = float("inf")
+            return out
+        opt.step = bad_step
+        return opt
+    monkeypatch.setattr(trainer, "build_optimizer", poisoned)
+    before = listing(tmp_path)
+    fails(capsys, *_train(tmp_path / "o", "--checkpoint-every", "1", "--steps", "2"),
+          match="weights became NaN or inf by step 1")
+    assert listing(tmp_path) == before

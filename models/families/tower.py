@@ -5,13 +5,22 @@ The text model's config sits under one config.json key (`nested`), its tensors u
 (`prefix`); every other config field is kept in the model config's `extra` (OUTER) and written back around the
 (possibly pruned) text model's; the `passthrough` tensors are copied byte-identical from the source checkpoint
 (models.load.passthrough_tensors). Fields the tower fixes (`feeds`: the merger's output is the hidden size)
-cannot change: an export that changes one is refused in one line naming why.
+cannot change: an export that changes one is refused in one line naming why, and a config where one differs
+already (a merger projecting into another width than the text model's) is refused when read.
+
+The tower is checked before anything is written (check_tower): its tensors are those transformers' own class
+for the tower's config builds (on the meta device: names and shapes), and finite.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+
+from remodel.models.errors import RemodelError
 
 from .family import Family, Part
 
@@ -46,8 +55,16 @@ class WithTower(Family):
         return cls(name, arch, text=text, **{k: getattr(text, k) for k in _COPIED}, **kw)
 
     def from_hf(self, h, extra):
-        """The text model's config (transformers ties the lm_head by the outer config's flag)."""
+        """The text model's config (transformers ties the lm_head by the outer config's flag); refused when a
+        field the tower fixes (`feeds`, as transformers reads it) differs from the text model's."""
         cfg = self.text.from_hf(getattr(h, self.nested), extra)
+        for field, path in (self.feeds or {}).items():
+            v = h
+            for k in path.split("."):
+                v = getattr(v, k, None)
+            if v != getattr(cfg, field):
+                raise RemodelError(f"{path}={v} differs from the text model's {field} {getattr(cfg, field)}, and "
+                                   f"{self.why}: they must be equal")
         return cfg.replace(tie_word_embeddings=bool(h.tie_word_embeddings))
 
     def check(self, cfg, need):
@@ -82,7 +99,40 @@ class WithTower(Family):
     def passthrough_params(self, cfg) -> int:
         """The tower's parameters as transformers builds it from its config (0 where the model has none)."""
         sub = (cfg.extra.get(OUTER) or {}).get(self.tower)
-        return _tower_params(json.dumps(sub, sort_keys=True)) if isinstance(sub, dict) else 0
+        return sum(map(math.prod, _tower_model(json.dumps(sub, sort_keys=True))[0].values())) \
+            if isinstance(sub, dict) else 0
+
+    def check_tower(self, reader, cfg):
+        """The tower tensors of checkpoint `reader` (a CheckpointReader) are exactly those transformers' class
+        for the tower's config builds (every name, every shape) and hold no NaN or inf; a one-line
+        RemodelError naming the first that is not (read before anything is written)."""
+        sub = (cfg.extra.get(OUTER) or {}).get(self.tower)
+        if not isinstance(sub, dict) or not self.passthrough:
+            return
+        import torch
+        prefix, where = self.passthrough[0], reader.path
+        params, buffers = _tower_model(json.dumps(sub, sort_keys=True))
+        want = {prefix + k: v for k, v in {**buffers, **params}.items()}  # a persistent buffer may be left out
+        have = {k: tuple(reader.shape(k)) for k in reader.keys() if k.startswith(self.passthrough)}
+        missing, unknown = sorted(prefix + k for k in params if prefix + k not in have), sorted(set(have) - set(want))
+        if missing:
+            raise RemodelError(f"{where}: tower tensor {missing[0]!r} is missing ({len(missing)} of the {len(params)} "
+                               f"its {self.tower} builds in transformers)")
+        if unknown:
+            raise RemodelError(f"{where}: tower tensor {unknown[0]!r} is not one transformers builds from its "
+                               f"{self.tower} ({len(unknown)} such)")
+        for k in sorted(have):
+            if have[k] != want[k]:
+                raise RemodelError(f"{where}: tower tensor {k!r} has shape {list(have[k])}, its {self.tower} "
+                                   f"builds {list(want[k])} in transformers")
+        for k in sorted(have):
+            t = reader.get(k)
+            if t.is_floating_point():
+                seen = t.float() if t.element_size() == 1 else t  # float8: no isfinite kernel
+                bad = int((~torch.isfinite(seen)).sum())
+                if bad:
+                    raise RemodelError(f"{where}: tower tensor {k!r} holds {bad} non-finite value(s) (NaN or "
+                                       "inf); nothing written")
 
     def upcycle_router(self):
         return self.text.upcycle_router()
@@ -95,15 +145,53 @@ class WithTower(Family):
         return self.text.upcycle_check(cfg, router)
 
 
+def check_tower(reader, cfg, family: str):
+    """The tower of checkpoint `reader` checked (WithTower.check_tower) when `family` carries one through;
+    nothing for any other family."""
+    from . import FAMILIES
+    fam = FAMILIES.get(family)
+    if isinstance(fam, WithTower):
+        fam.check_tower(reader, cfg)
+
+
+def check_tower_at(model_dir, cfg, family: str):
+    """check_tower on the checkpoint in model_dir, opened only when `family` carries a tower through."""
+    from . import FAMILIES
+    if isinstance(FAMILIES.get(family), WithTower):
+        from remodel.models.checkpoint import CheckpointReader
+        with CheckpointReader(model_dir) as reader:
+            check_tower(reader, cfg, family)
+
+
+@contextlib.contextmanager
+def _quiet_modeling_import():
+    """transformers' modeling code imports torchao when it is installed (for its quantizer): torchao logs a
+    warning for each compiled extension this torch cannot load, and torch's pytree one for each Enum torchao
+    registers. Noise for a tower built on the meta device (the text families never import it): those two
+    loggers keep their errors only, while it is imported."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 @lru_cache(maxsize=16)
-def _tower_params(sub: str) -> int:
-    """Parameters of transformers' model of the config JSON `sub`, built on the meta device (no memory)."""
+def _tower_model(sub: str) -> tuple[dict, dict]:
+    """({parameter: shape}, {persistent buffer: shape}) of transformers' model of the config JSON `sub`, built
+    on the meta device (no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModel
-    d = json.loads(sub)
-    with torch.device("meta"):
-        m = AutoModel.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
-    return sum(p.numel() for p in m.parameters())
+    with _quiet_modeling_import():
+        from transformers import AutoConfig, AutoModel
+        d = json.loads(sub)
+        with torch.device("meta"):
+            m = AutoModel.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
+    params = {k: tuple(v.shape) for k, v in m.named_parameters()}
+    return params, {k: tuple(v.shape) for k, v in m.state_dict().items() if k not in params}
 
 
 assert {f.name for f in fields(Family)} >= set(_COPIED)

@@ -20,6 +20,7 @@ from remodel.compress.scores import load_scores
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.families.tower import check_tower
 from remodel.models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
 from remodel.models.kinds import KINDS
 from remodel.models.load import iter_hf_tensors, iter_our_tensors
@@ -78,6 +79,7 @@ def _prune(o: PruneOptions) -> dict:
     if scores_dir is not None:
         scores, meta = _checked_scores(cfg, scores_dir)
         keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
+    check_tower(reader, cfg, family)  # a vision tower passed through: as transformers builds it, finite
     with reader, atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         if scores_dir is None:
             from .score import score

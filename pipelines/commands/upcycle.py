@@ -29,6 +29,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import KINDS, layer_kinds
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.models.hf import check_exportable, config_from_hf, config_to_hf, weight_table
+from remodel.models.families.tower import check_tower
 from remodel.models.load import extra_hf_tensors, iter_hf_tensors, iter_our_tensors, passthrough_names
 from remodel.upcycle.deviation import StreamCheck
 from remodel.upcycle.drop import drop_count, drop_report
@@ -288,6 +289,7 @@ def _upcycle(o: UpcycleOptions) -> dict:
     hf_cfg = _hf_config(reader, new_cfg, family, dtype)
     hf_cfg[UPCYCLE_KEY] = {"experts": p.experts, "granularity": p.granularity, "expert_shard": "e mod granularity",
                            "drop_ratio": o.drop_ratio, "seed": o.seed}  # read by training's expert-similarity figures
+    check_tower(reader, cfg, family)  # a vision tower passed through: as transformers builds it, finite
     layers = _LayerStream(reader, o, cfg, new_cfg, p, src_family, family)
     n_out = len(weight_table(new_cfg, family)) + len(extra_hf_tensors(new_cfg, family)) + len(passthrough_names(reader, family))
     with atomic_output_dir(o.out, overwrite=o.overwrite, inputs=[model_dir]) as tmp, \

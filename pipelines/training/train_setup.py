@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from remodel.models.families.tower import check_tower_at
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed
 from remodel.models.load import load_config, read_config_dict
@@ -53,13 +54,21 @@ class Plan:
     args: dict  # what checkpoints and the report record
     t_start: float
     lock: RunLock | None = None  # rank 0's lock on run_dir, held until release()
-    marked: bool = False  # this run wrote run_dir's RUN_MARKER
+    marked: bool = False  # this run wrote run_dir's RUN_MARKER (when its training began: a refusal writes none)
+    saved: bool = False  # this run wrote (or cleared for) a checkpoint in run_dir
+
+    def mark(self):
+        """Rank 0, when training begins (every refusal behind): record run_dir as remodel's (RUN_MARKER)."""
+        if self.lock is not None:
+            self.marked = state.mark_run_dir(self.run_dir) or self.marked
 
     def release(self):
-        """Drop the lock on run_dir (rank 0; idempotent); a marker this run wrote goes when it wrote nothing else."""
+        """Drop the lock on run_dir (rank 0; idempotent); a marker this run wrote goes when it saved nothing
+        (the run dir is then as it found it) or when the run dir holds nothing else."""
         if self.lock is not None:
             if self.marked:
-                state.unmark_unused(self.run_dir)
+                state.unmark_unused(self.run_dir, always=not self.saved)
+                self.marked = False
             self.lock.release()
 
     @property
@@ -133,6 +142,7 @@ def prepare(c: TrainConfig) -> Plan:
     _check_options(c, min_lr, warmup, kl_w, lm_w)
     s_cfg = load_config(student_dir)
     family = read_config_dict(student_dir)["model_type"]
+    check_tower_at(student_dir, s_cfg, family)  # a vision tower carried to OUT: as transformers builds it, finite
     layer_map = None
     if c.distill:
         t_cfg = _check_teacher(student_dir, teacher_dir, s_cfg)
@@ -151,8 +161,7 @@ def prepare(c: TrainConfig) -> Plan:
         if state.list_checkpoints(run_dir) and not c.resume and not c.overwrite:
             raise RemodelError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it "
                                "or --overwrite to start over")
-        p.args = _record(p, moe=routed(s_cfg))
-        p.marked = p.lock is not None and state.mark_run_dir(run_dir)
+        p.args = _record(p, moe=routed(s_cfg))  # (run_dir is marked when training begins: Plan.mark)
     except BaseException:
         p.release()
         raise

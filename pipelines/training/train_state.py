@@ -78,10 +78,11 @@ def mark_run_dir(run_dir: Path) -> bool:
     return True
 
 
-def unmark_unused(run_dir: Path):
-    """Remove RUN_MARKER again when the run dir holds nothing else (a refused or checkpoint-less run)."""
+def unmark_unused(run_dir: Path, always: bool = False):
+    """Remove RUN_MARKER again when the run dir holds nothing else (a refused or checkpoint-less run), or
+    `always` (the run that wrote it saved nothing: an older run's files stay as they were)."""
     try:
-        if {p.name for p in run_dir.iterdir()} <= {RUN_MARKER, ".lock"}:
+        if always or {p.name for p in run_dir.iterdir()} <= {RUN_MARKER, ".lock"}:
             (run_dir / RUN_MARKER).unlink()
     except OSError:
         pass
@@ -234,22 +235,25 @@ class Saver:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def save(self, step: int, student, projections, opt, meta: dict):
+    def save(self, step: int, student, projections, opt, meta: dict, prune: bool = True):
+        """Write checkpoint `step`; prune=False keeps every older one (a run's first step: it may still fail,
+        and then an older run's checkpoints must all be there; see prune_checkpoints)."""
         self.wait()
+        keep_last = self.keep_last if prune else 0
         sd = state_dict(student, projections, opt, saving=True)
         sd["rng.torch"] = torch.get_rng_state()
         params = _named_params(student, projections)
         meta = {**meta, "adam_steps": {n: float(opt.state[p]["step"]) for n, p in params.items()
                                        if "step" in opt.state.get(p, {})}}
         if not self.background:
-            return _write(self.run_dir, step, sd, meta, self.keep_last, self.group)
+            return _write(self.run_dir, step, sd, meta, keep_last, self.group)
         staged = _stage(sd)
-        self.thread = threading.Thread(target=self._run, args=(step, staged, meta), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(step, staged, meta, keep_last), daemon=True)
         self.thread.start()
 
-    def _run(self, step, sd, meta):
+    def _run(self, step, sd, meta, keep_last):
         try:
-            _write(self.run_dir, step, sd, meta, self.keep_last, self.group)
+            _write(self.run_dir, step, sd, meta, keep_last, self.group)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the training thread
             self.error = e
 
@@ -285,12 +289,17 @@ def _write(run_dir: Path, step: int, sd: dict, meta: dict, keep_last: int, group
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync(run_dir)
-        for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-            gone = old.parent / f".{old.name}.del-{os.getpid()}"
-            old.rename(gone)  # a kill during rmtree leaves a hidden dir, never a half checkpoint
-            shutil.rmtree(gone, ignore_errors=True)
+        prune_checkpoints(run_dir, keep_last)
     _barrier(group)
     return final
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int):
+    """Remove all but the newest `keep_last` checkpoints (0: keep every one)."""
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        gone = old.parent / f".{old.name}.del-{os.getpid()}"
+        old.rename(gone)  # a kill during rmtree leaves a hidden dir, never a half checkpoint
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def _barrier(group):

@@ -121,9 +121,7 @@ def _resume_state(p: Plan):
     trajectory (RESUME_KEYS)."""
     if not p.cfg.resume:
         return None, None
-    if rank() == 0:
-        state.clean_stale(p.run_dir)
-    ckpt = state.latest_checkpoint(p.run_dir)
+    ckpt = state.latest_checkpoint(p.run_dir)  # (nothing removed or written before every check has passed)
     if ckpt is None:
         return None, None
     meta = state.read_meta(ckpt)
@@ -256,8 +254,12 @@ def _run(p: Plan) -> dict | None:
                            "fingerprint differs); pass the same --data, or --overwrite to start over")
     eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (procs.lead or procs.mesh is not None) else None
     training = _Training(p, procs, data, eval_blocks, ckpt, ck_meta)
-    training.loop()
-    return training.finish()
+    try:
+        training.loop()
+        return training.finish()
+    except BaseException:
+        training.discard_first_step()
+        raise
 
 
 class _Training:
@@ -287,6 +289,7 @@ class _Training:
         if ckpt is not None:  # every rank reads only the chunks it holds, whatever layout wrote them
             state.load(ckpt, self.student, self.projections, self.opt)
         self.saver = state.Saver(p.run_dir, c.keep_last, background=c.async_checkpoint, group=procs.group)
+        self.at, self.written = None, []  # the step in progress (its checkpoint and the export included); ours
         self.autocast = torch.autocast(procs.dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
         self.w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight,
                   "lb": p.args["lb_coeff"], "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk,
@@ -339,16 +342,44 @@ class _Training:
         return out
 
     def checkpoint(self, step: int):
+        """Save step `step` (weights checked finite first); the first save of a run that starts over
+        empties the run dir of an earlier run's files then, not before: a run that fails earlier leaves them."""
+        self._check_finite(step)
+        if not self.p.saved and not self.c.resume and self.procs.lead:
+            _clear(self.p.run_dir)  # start over (the Saver's barrier holds the other ranks until this is done)
+        self.p.saved = True
+        self.written.append(self.p.run_dir / f"step-{step:06d}")
         meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
                 "history": self.history, "eval": self.evals, "hf_config": self.hf_config, "moe_init": self.moe_init}
-        self.saver.save(step, self.student, self.projections, self.opt, meta)
+        self.saver.save(step, self.student, self.projections, self.opt, meta, prune=self.at != self.start + 1)
         self.rss.mark("checkpoint", first=True)
 
+    @torch.no_grad()
+    def _check_finite(self, step: int):
+        """Refuse (every rank, one line) to save weights that are NaN or inf (a float16 update that overflowed):
+        no checkpoint of them is written. Collective."""
+        params = list(self.student.parameters()) + (list(self.projections.parameters()) if self.projections else [])
+        bad = torch.zeros((), dtype=torch.int32, device=self.procs.dev)
+        for q in params:
+            t = local_tensor(q)
+            if t.is_floating_point() and t.numel():
+                bad += (~torch.isfinite(t)).any().to(torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(bad)
+        if int(bad):
+            dtype = str(next(iter(params)).dtype).replace("torch.", "")
+            raise RemodelError(f"the weights became NaN or inf by step {step} (training in {dtype}; a lower --lr "
+                               "or a wider dtype may help); no checkpoint of them was written")
+
     def loop(self):
-        """The optimizer steps from `start` to the end, with checkpoints every checkpoint_every steps."""
+        """The optimizer steps from `start` to the end, with checkpoints every checkpoint_every steps. Rank 0
+        marks the run dir as remodel's now (every refusal is behind) and, resuming, removes what a killed
+        save left (hidden .step-* folders)."""
         p, c, procs = self.p, self.c, self.procs
-        if procs.lead and not c.resume and p.run_dir.exists():
-            _clear(p.run_dir)  # overwrite: start over (only now that every input has loaded)
+        if procs.lead:
+            p.mark()
+            if c.resume:
+                state.clean_stale(p.run_dir)
         from ..data.sampler import sequences
         # this rank's rows of each global batch, read from disk by a prefetch thread
         it = sequences(self.data, c.seq_len, c.batch, seed=c.seed, start=self.start * c.grad_accum,
@@ -356,6 +387,7 @@ class _Training:
         bar = tqdm(total=p.steps, initial=self.start, desc="distill" if p.distill else "train", unit="step",
                    dynamic_ncols=True, disable=not procs.lead)
         for step in range(self.start, p.steps):
+            self.at = step + 1
             row = self.step(step, it, bar)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
@@ -369,6 +401,22 @@ class _Training:
         it.close()
         self.saver.wait()
         self.rss.mark("train")
+
+    def discard_first_step(self):
+        """A run that fails at its first step (in it, at its checkpoint, or at the export of a one-step run)
+        removes what it wrote: its checkpoints (rank 0), then its marker (Plan.release). An older run's files
+        stay; a run that failed later keeps its checkpoints, to --resume from."""
+        if self.at != self.start + 1:
+            return
+        try:
+            self.saver.wait()  # a background save of that step ends before its folder goes
+        except BaseException:  # noqa: BLE001 - the run's own error is the one reported
+            pass
+        if self.procs.lead:
+            for d in self.written:
+                shutil.rmtree(d, ignore_errors=True)
+                shutil.rmtree(d.parent / f".{d.name}.partial", ignore_errors=True)
+            self.p.saved = False
 
     def step(self, step: int, it, bar) -> dict:
         """One optimizer step over grad_accum micro-batches; -> its history row."""
@@ -421,6 +469,9 @@ class _Training:
             self.held[f"{who}_end"] = held_bytes(model, self.procs.group)
         report = self.report() if self.procs.lead else None
         _write_outputs(self.p, self.student, report)
+        self.at = None  # written: the run no longer fails at its first step
+        if self.procs.lead:
+            state.prune_checkpoints(self.p.run_dir, self.c.keep_last)  # what a first step's save kept
         self.rss.mark("export")
         self.rss.write(self.p.run_dir / f"peak-rss-rank{rank()}.json")
         wait(self.procs.group)
