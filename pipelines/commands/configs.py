@@ -27,6 +27,8 @@ def _tasks_help(on: str) -> str:
 
 TASK_DIR = "folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)"
 LIMIT = "items per task (None: every item)"
+TRUST_TASK_CODE = ("run Python a task folder names (`!function`, custom datasets and filters, `include:` outside "
+                   "--task-dir, dataset scripts), as trust_remote_code does for a model: only for a folder you trust")
 OVERWRITE = "replace an existing non-empty OUT"
 
 
@@ -76,6 +78,7 @@ class PruneOptions:
     tasks: list | None = opt(None, _tasks_help("the result, in its report"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     task_limit: int | None = opt(None, LIMIT, flag="limit", check=ints(1, 2**31))
+    trust_task_code: bool = opt(False, TRUST_TASK_CODE)
     overwrite: bool = opt(False, OVERWRITE)
     max_shard_bytes: int = opt(2 * 1024**3, "bytes per written shard file", cli=False)
     score: dict = opt({}, "keywords of `score` for the --data path (samples, seq_len, batch, ...)", cli=False)
@@ -130,6 +133,7 @@ class SearchOptions:
     tasks: list | None = opt(None, _tasks_help("the written best candidate, in the report"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     task_limit: int | None = opt(None, LIMIT, flag="limit", check=ints(1, 2**31))
+    trust_task_code: bool = opt(False, TRUST_TASK_CODE)
     overwrite: bool = opt(False, OVERWRITE)
     plan_options: dict | None = opt(None, "extra plan() keywords (axes, tol, divisors, max cuts, ...)", cli=False)
     score_samples: int = opt(64, "calibration sequences of the scoring run", cli=False)
@@ -208,6 +212,7 @@ class EvalOptions:
     tasks: list | None = opt(None, _tasks_help("MODEL"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     limit: int | None = opt(None, LIMIT, check=ints(1, 2**31))
+    trust_task_code: bool = opt(False, TRUST_TASK_CODE)
 
 
 @dataclass

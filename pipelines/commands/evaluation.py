@@ -10,12 +10,19 @@ from ..training import tasks as task_runs
 
 
 def eval_job(model_dir, data=None, *, seq_len: int = 256, batch: int = 8, max_tokens=None, tasks=None,
-             task_dir=None, limit=None) -> dict:
+             task_dir=None, limit=None, trust_task_code: bool = False) -> dict:
     """{loss, ppl, tokens/s... (with `data`), tasks: {task: figures} (with `tasks`)}; one-line errors for
-    nothing to evaluate, a bad task option, and a loss that is not finite."""
+    nothing to evaluate, a bad task option, and a loss that is not finite. trust_task_code: run the Python a
+    task folder names (--trust-task-code; refused otherwise)."""
     if not data and tasks is None:
         raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
-    checked = task_runs.check_task_options(tasks, task_dir, limit)  # before any model is loaded
+    if tasks is not None and trust_task_code:  # MODEL checked before a trusted task folder's code runs
+        from remodel.models.load import load_config
+
+        from ..distributed.runtime import refuse_remote_code
+        load_config(model_dir)
+        refuse_remote_code(model_dir)
+    checked = task_runs.check_task_options(tasks, task_dir, limit, trust_task_code)  # before any model is loaded
     r = {}
     if data:
         from ..training.evaluate import evaluate

@@ -73,7 +73,7 @@ def _prune(o: PruneOptions) -> dict:
     # every width target of the options, whatever path follows: validate_targets refuses one it does not know
     t = validate_targets(cfg, {**o.widths, "num_layers": o.num_layers, "drop_layers": o.drop_layers}, family)
     from ..training.tasks import add_tasks, check_task_options  # (lm-eval is imported only when asked for)
-    checked = check_task_options(o.tasks, o.task_dir, task_limit)  # lm-eval, names, --task-dir: before any work
+    checked = check_task_options(o.tasks, o.task_dir, task_limit, o.trust_task_code)  # before any work
     if scores_dir is None and data is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
     if scores_dir is not None:

@@ -174,7 +174,7 @@ def _check_all(o: SearchOptions, model_dir: Path, out: Path, budget: dict):
     cfg, family = _check_inputs(model_dir, out, o.data, o.eval_data, o.scores, o.overwrite)
     popts = _plan_options(o.plan_options)
     plan(model_dir, **budget, scores=o.scores, top=o.top, verbose=False, **popts)  # (the file: its family's space)
-    return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit)
+    return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit, o.trust_task_code)
 
 
 def _check_inputs(model_dir: Path, out: Path, data, eval_data, scores_dir, overwrite: bool):

@@ -6,6 +6,13 @@ Tasks are lm-eval YAMLs found by its TaskManager (include_path) in the shipped d
 --task-dir; a relative `dataset_kwargs.data_files` is read beside its YAML. lm-eval is the optional
 extra `remodel[eval]`; its absence, an unknown task name and a bad --task-dir are one-line errors raised
 by `check_tasks`, before any model is loaded.
+
+A task folder is hostile input (issue 53). Before lm-eval opens a file, remodel reads every YAML itself
+(_scan: regular files, bounded sizes and alias expansion, safe tags) and refuses, unless --trust-task-code,
+what runs code: `!function`, `class`, custom datasets and prompts, dataset scripts or remote code, and
+`include:` outside the folder. lm-eval then builds the tasks from those checked configs (_checked_yaml),
+its templates render in jinja's sandbox (_sandbox_templates), and every item is checked (_check_docs), all
+before the model loads; lm-eval's and datasets' exceptions become one RemodelError line (_one_line).
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import os
 from pathlib import Path
 
 from remodel.models.errors import RemodelError
+
+from .task_folder import _LINES, _checked_yaml, _groups, _resolve, _scan
 
 
 # the shipped tasks: remodel_cloze, remodel_nextline (pipelines.data.data.DATA_DIR / "tasks", named here without
@@ -38,24 +47,143 @@ def _lm_eval():
         raise RemodelError("--tasks needs lm-evaluation-harness, an optional extra: pip install remodel[eval]") from None
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    _sandbox_templates()
     return lm_eval, TaskManager
 
 
-def _absolute(files, base: Path):
-    """data_files (a str, list or split -> str/list dict) with each relative path that exists beside
-    the YAML made absolute (lm-eval would read it from the current directory)."""
-    if isinstance(files, dict):
-        return {k: _absolute(v, base) for k, v in files.items()}
-    if isinstance(files, (list, tuple)):
-        return [_absolute(v, base) for v in files]
-    if isinstance(files, str) and not os.path.isabs(files) and (base / files).exists():
-        return str(base / files)
-    return files
+def _sandbox_templates():
+    """lm-eval renders every task template (doc_to_text, doc_to_choice, ...) with its module-level jinja
+    Environment, lm_eval.utils.env, which lets a template reach Python (`lipsum.__globals__`); it is replaced
+    by jinja's ImmutableSandboxedEnvironment with the same settings and filters."""
+    import lm_eval.utils as lm_utils
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    if not isinstance(lm_utils.env, ImmutableSandboxedEnvironment):
+        env = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+        env.filters.update(lm_utils.env.filters)
+        lm_utils.env = env
 
 
-def check_tasks(names: list[str], task_dir=None) -> tuple[object, list]:
+@contextlib.contextmanager
+def _one_line(what: str):
+    """lm-eval's and datasets' exceptions as one RemodelError line naming `what` (never a traceback)."""
+    try:
+        yield
+    except (RemodelError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - every library fault becomes the one error line
+        raise RemodelError(f"{what}: {_describe(e)}") from None
+
+
+def _describe(e: BaseException) -> str:
+    """'Type: first line of the message', and its root cause's too (datasets wraps the parse error)."""
+    def line(x):
+        msg = (str(x).strip().splitlines() or [""])[0][:300]
+        return f"{type(x).__name__}{': ' + msg if msg else ''}"
+    root, seen = e, set()
+    while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
+        seen.add(id(root))
+        root = root.__cause__ or root.__context__
+    return line(e) if root is e else f"{line(e)} ({line(root)})"
+
+
+class _SkipTestDoc(Exception):
+    """Raised in place of lm-eval's one-document test inside ConfigurableTask.__init__ (_no_test_doc)."""
+
+
+@contextlib.contextmanager
+def _no_test_doc():
+    """ConfigurableTask built without its one-document test (the first item's text, target and choices,
+    which fail as a bare IndexError or KeyError): _check_docs then checks every item, naming it and the field."""
+    from lm_eval.api.task import ConfigurableTask
+    init, to_text = ConfigurableTask.__init__, ConfigurableTask.doc_to_text
+
+    def doc_to_text(self, doc, *a, **k):
+        if self.__dict__.pop("_remodel_building", False):
+            raise _SkipTestDoc
+        return to_text(self, doc, *a, **k)
+
+    def __init__(self, *a, **k):
+        self._remodel_building = True
+        try:
+            init(self, *a, **k)
+        except _SkipTestDoc:
+            pass
+        finally:
+            self.__dict__.pop("_remodel_building", None)
+
+    ConfigurableTask.__init__, ConfigurableTask.doc_to_text = __init__, doc_to_text
+    try:
+        yield
+    finally:
+        ConfigurableTask.__init__, ConfigurableTask.doc_to_text = init, to_text
+
+
+def _validate(tm, specs, names, trust: bool):
+    """Every requested task built by lm-eval (data loaded, templates rendered in the sandbox) and each of its
+    items checked: documents present, choices non-empty, labels integral and in range, enough few-shot docs."""
+    for name, spec in zip(names, specs):
+        entry = tm.task_index.get(name)
+        src = entry.yaml_path if entry is not None and entry.yaml_path else name
+        with _quiet(), _checked_yaml(tm.remodel_configs, trust), _no_test_doc(), _one_line(f"{src}: task {name!r}"):
+            loaded = tm.load([spec])
+        for tname, task in loaded["tasks"].items():
+            e = tm.task_index.get(tname)
+            path = Path(e.yaml_path).resolve() if e is not None and e.yaml_path else None
+            lines = _LINES.get(path, {})
+            at = lambda field, p=path or src, lines=lines: lines.get(field) or str(p)  # noqa: E731
+            with _one_line(f"{path or src}: task {tname!r}"):
+                _check_docs(task, tname, at)
+
+
+def _check_docs(task, name: str, at):
+    """Every item of `task`: its text, target and choices render; a multiple-choice label is an index of its
+    (non-empty) choices or one of them; enough few-shot documents. at(field) -> "file:line" of the field."""
+    where = lambda field: f"{at(field)}: task {name!r}"  # noqa: E731
+    docs = task.eval_docs
+    if len(docs) == 0:
+        raise RemodelError(f"{where('test_split')}: no documents in its evaluation split (--task-dir)")
+    shots = task.get_config("num_fewshot") or 0
+    if shots:
+        fs = task.fewshot_docs()
+        have = len(fs) if fs is not None else 0
+        same = fs is None or task.get_config("fewshot_split") in (None, task.get_config("test_split"))
+        if have < shots + same:
+            raise RemodelError(f"{where('num_fewshot')}: num_fewshot {shots} needs {shots + same} few-shot "
+                               f"documents, the few-shot split has {have}")
+    mc = task.get_config("output_type") == "multiple_choice"
+    for i, doc in enumerate(docs):
+        field = "doc_to_text"
+        try:
+            text = task.doc_to_text(doc)
+            field = "doc_to_target"
+            target = task.doc_to_target(doc)
+            field = "doc_to_choice"
+            choices = task.doc_to_choice(doc) if mc or task.get_config("doc_to_choice") is not None else None
+        except RemodelError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise RemodelError(f"{where(field)}: item {i} ({field}): {_describe(e)}") from None
+        if not mc:
+            continue
+        if not isinstance(choices, list) or not choices:
+            raise RemodelError(f"{where('doc_to_choice')}: item {i} (doc_to_choice): no choices ({choices!r})")
+        golds = [text] if isinstance(text, int) and not isinstance(text, bool) else (
+            target if isinstance(target, list) else [target])
+        for g in golds:
+            if isinstance(g, str):
+                if g not in choices:
+                    raise RemodelError(f"{where('doc_to_target')}: item {i} (doc_to_target): label {g!r} is "
+                                       f"neither an index nor one of its {len(choices)} choices")
+            elif isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(choices):
+                raise RemodelError(f"{where('doc_to_target')}: item {i} (doc_to_target): label {g!r} is not an "
+                                   f"index in [0, {len(choices) - 1}] of its {len(choices)} choices")
+
+
+def check_tasks(names: list[str], task_dir=None, trust: bool = False) -> tuple[object, list]:
     """(lm-eval TaskManager, the task specs to run) for `names`; one-line errors for a missing lm-eval,
-    a --task-dir that is not a folder, and a name no local task has (listing the ones there are)."""
+    a --task-dir that is not a folder, a name no local task has (listing the ones there are), and every
+    task-folder fault (code without --trust-task-code, bounds, bad items), before any model is loaded."""
     if not names:
         raise RemodelError("--tasks needs at least one task name")
     dirs = [TASK_DIR]
@@ -65,22 +193,30 @@ def check_tasks(names: list[str], task_dir=None) -> tuple[object, list]:
             raise RemodelError(f"{d}: not a folder of lm-eval task YAMLs (--task-dir)")
         dirs.append(d)
     _, TaskManager = _lm_eval()
-    with _quiet():
+    with _one_line(f"{dirs[-1]} (--task-dir)"):
+        configs = _scan(dirs, trust)  # every YAML read and checked by remodel before lm-eval opens one
+    with _quiet(), _one_line(f"{dirs[-1]} (--task-dir)"):
         tm = TaskManager(include_path=[str(d) for d in dirs], include_defaults=False)
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
         raise RemodelError(f"unknown task {unknown[0]!r} (--tasks); the local tasks are: {', '.join(tm.all_tasks)}")
-    return tm, [_spec(tm, n) for n in names]
+    _groups(tm, configs)
+    tm.remodel_configs, tm.remodel_trust = configs, trust
+    specs = [_spec(tm, n) for n in names]
+    _validate(tm, specs, names, trust)
+    return tm, specs
 
 
-def check_task_options(tasks, task_dir=None, limit=None):
-    """check_tasks' result for the --tasks names, or None when none are given (then --task-dir and --limit,
-    which only serve --tasks, are refused): what eval, prune and search call before any work."""
+def check_task_options(tasks, task_dir=None, limit=None, trust: bool = False):
+    """check_tasks' result for the --tasks names, or None when none are given (then --task-dir, --limit and
+    --trust-task-code, which only serve --tasks, are refused): what eval, prune and search call before any work."""
     if tasks is None:
         if task_dir is not None or limit is not None:
             raise RemodelError("--task-dir and --limit apply to --tasks, which is not given")
+        if trust:
+            raise RemodelError("--trust-task-code applies to --tasks, which is not given")
         return None
-    return check_tasks(tasks, task_dir)
+    return check_tasks(tasks, task_dir, trust)
 
 
 def add_tasks(report: dict, model_dir, checked, limit: int | None = None) -> dict:
@@ -92,15 +228,17 @@ def add_tasks(report: dict, model_dir, checked, limit: int | None = None) -> dic
 
 
 def _spec(tm, name: str):
-    """A YAML task as its config dict with data_files resolved beside the YAML; a group or tag by name."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    """A YAML task as its checked config dict (data_files resolved beside the YAML); a group or tag by name
+    (lm-eval builds its members from the checked configs too, _checked_yaml)."""
     entry = tm.task_index[name]
-    if entry.yaml_path is None or "task" not in (cfg := load_yaml(entry.yaml_path, resolve_func=True)):
+    if entry.yaml_path is None:
         return name
-    kw = cfg.get("dataset_kwargs") or {}
-    if "data_files" in kw:
-        cfg["dataset_kwargs"] = {**kw, "data_files": _absolute(kw["data_files"], Path(entry.yaml_path).parent)}
-    return cfg
+    cfg = tm.remodel_configs.get(Path(entry.yaml_path).resolve())
+    if cfg is None or "group" in cfg or not isinstance(cfg.get("task"), str) or "class" in cfg:
+        return name
+    import copy
+    cfg = copy.deepcopy(cfg)
+    return _resolve(cfg, True) if tm.remodel_trust else cfg
 
 
 @contextlib.contextmanager
@@ -137,22 +275,23 @@ def _no_env_report():
 
 
 def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = None, batch: int = 8,
-              device: str = "auto", checked=None) -> dict:
+              device: str = "auto", checked=None, trust: bool = False) -> dict:
     """{task: {metric: value, metric_stderr: value, "samples": n}} of lm-eval's `hf` model on `model_dir`.
-    checked: check_tasks' result when the caller already validated the names."""
+    checked: check_tasks' result when the caller already validated the names; trust: --trust-task-code."""
     import torch
 
     from remodel.models.load import load_config
 
     from ..distributed.runtime import pick_device, refuse_remote_code
-    tm, specs = checked or check_tasks(names, task_dir)
+    tm, specs = checked or check_tasks(names, task_dir, trust)
     load_config(model_dir)  # one-line errors for a folder that is no checkpoint, or one with code to run
     refuse_remote_code(model_dir)
     lm_eval, _ = _lm_eval()
     dev = pick_device(device)
     args = {"pretrained": str(model_dir), "trust_remote_code": False, "local_files_only": True,
             "dtype": "bfloat16" if dev.type == "cuda" else "float32", "device": str(dev), "batch_size": batch}
-    with _quiet(), _no_env_report(), torch.no_grad():
+    with (_quiet(), _no_env_report(), torch.no_grad(), _checked_yaml(tm.remodel_configs, tm.remodel_trust),
+          _one_line(f"{model_dir}: lm-eval on {', '.join(n if isinstance(n, str) else n['task'] for n in specs)}")):
         out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=specs, task_manager=tm, limit=limit,
                                       log_samples=False, bootstrap_iters=0 if limit else 100000)
     res, n = out["results"], out.get("n-samples", {})
