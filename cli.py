@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     from remodel.models.errors import RemodelError
     try:
         check_options(ap, a)
-        threads.apply()  # no more intra-op threads than idle cores (REMODEL_THREADS / OMP_NUM_THREADS: as set)
+        threads.apply()  # REMODEL_THREADS / OMP_NUM_THREADS: as set
         r = run(a)
     except RemodelError as e:
         return _fail(a.command, str(e))

@@ -1,5 +1,5 @@
-"""A train step quiet and beside busy processes: torch's default threads against the CLI's policy
-(pipelines/commands/threads.py: OpenMP threads that sleep at barriers, no more threads than idle cores).
+"""A train step quiet and beside busy processes: torch's defaults against the CLI's policy
+(pipelines/commands/threads.py: OpenMP threads that sleep at barriers), and that policy with one thread.
 
 Each (policy, load) runs in a fresh process (OpenMP reads its wait policy once, at load): the embedded
 checkpoint (data/embedded), AdamW, forward + backward on 4 x 256 tokens, the median of --steps after two
@@ -28,12 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 STEP = r"""
 import os, sys, time, statistics
 policy, steps = sys.argv[1], int(sys.argv[2])
-if policy == "remodel":
+if policy.startswith("remodel"):
     from remodel.pipelines.commands import threads
     threads.prepare_env()
 import torch
-if policy == "remodel":
-    threads.apply()
+if policy.startswith("remodel"):
+    threads.apply({"REMODEL_THREADS": "1"} if "1 thread" in policy else {})
 from remodel.models.load import load_model
 from remodel.pipelines.commands.demo import EMBEDDED
 torch.manual_seed(0)
@@ -136,7 +136,7 @@ def main():
         res = {"delta_rule_4096": delta(a.reps)}
     else:
         res = {"machine": f"{os.cpu_count()} cores", "busy_loops": a.busy, "cases": {}}
-        for policy in ("torch default", "remodel"):
+        for policy in ("torch default", "remodel", "remodel, 1 thread"):
             quiet, loaded = one(policy, a.steps, 0), one(policy, a.steps, a.busy)
             res["cases"][policy] = {"quiet": quiet, "busy": loaded, "busy_over_quiet": loaded["step_s"] / quiet["step_s"]}
             print(policy, res["cases"][policy], flush=True)
