@@ -177,10 +177,10 @@ def _run_upcycle(a):
 
 
 def _run_eval(a):
-    from remodel.pipelines.commands.evaluation import eval_job
+    from remodel.pipelines.commands.evaluation import TaskRequest, eval_job
     o = _opts(a)
-    r = eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens, tasks=o.tasks,
-                 task_dir=o.task_dir, limit=o.limit, trust_task_code=o.trust_task_code)
+    r = eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens,
+                 request=TaskRequest(o.tasks, o.task_dir, o.limit, o.trust_task_code))
     _show_tasks(r)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))

@@ -216,6 +216,8 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
     d.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tie_word_embeddings=cfg.tie_word_embeddings,
              architectures=[FAMILIES[family].arch])
     d.update(FAMILIES[family].to_hf(cfg))
+    if FAMILIES[family].padding_idx and "pad_token_id" not in d:  # the frozen row, where no source id is carried
+        d["pad_token_id"] = cfg.padding_idx
     h = _hf_config({"model_type": family, **d})
     out = json.loads(h.to_json_string(use_diff=False))
     out["architectures"] = [FAMILIES[family].arch]

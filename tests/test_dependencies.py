@@ -13,7 +13,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 REPO = Path(__file__).resolve().parents[1]
 MODULE_OF = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "lm-eval": "lm_eval", "fla-core": "fla",
-             "liger-kernel": "liger_kernel"}  # distribution -> import name
+             "liger-kernel": "liger_kernel", "pyyaml": "yaml"}  # distribution -> import name
 LOCAL = {"models", "compress", "upcycle", "pipelines", "data", "cli"}  # the folders, installed as remodel.*
 
 

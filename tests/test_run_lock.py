@@ -78,7 +78,7 @@ def test_cli_refuses_an_out_in_use(tmp_path, capsys, holder, cmd, flags):
 
 
 def test_clear_keeps_the_lock(tmp_path):
-    from remodel.pipelines.training.trainer import _clear
+    from remodel.pipelines.training.run_files import clear_run_dir as _clear
     lock = RunLock(tmp_path / "o.run", tmp_path / "o").acquire()
     (tmp_path / "o.run" / "step-000002").mkdir()
     (tmp_path / "o.run" / "peak-rss-rank0.json").write_text("{}")

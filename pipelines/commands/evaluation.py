@@ -3,17 +3,28 @@ tasks (pipelines/training/tasks.py) on one checkpoint. Every option is checked b
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from remodel.models.errors import RemodelError
 
 from ..training import tasks as task_runs
 
 
-def eval_job(model_dir, data=None, *, seq_len: int = 256, batch: int = 8, max_tokens=None, tasks=None,
-             task_dir=None, limit=None, trust_task_code: bool = False) -> dict:
-    """{loss, ppl, tokens/s... (with `data`), tasks: {task: figures} (with `tasks`)}; one-line errors for
-    nothing to evaluate, a bad task option, and a loss that is not finite. trust_task_code: run the Python a
-    task folder names (--trust-task-code; refused otherwise)."""
+@dataclass(frozen=True)
+class TaskRequest:
+    """The lm-eval tasks asked for: names (None: no tasks), --task-dir, --limit, and --trust-task-code (run the
+    Python a task folder names; refused otherwise)."""
+    names: list | None = None
+    task_dir: object = None
+    limit: int | None = None
+    trust_task_code: bool = False
+
+
+def eval_job(model_dir, data=None, *, seq_len: int = 256, batch: int = 8, max_tokens=None,
+             request: TaskRequest = TaskRequest()) -> dict:
+    """{loss, ppl, tokens/s... (with `data`), tasks: {task: figures} (with request.names)}; one-line errors for
+    nothing to evaluate, a bad task option, and a loss that is not finite."""
+    tasks, task_dir, limit, trust_task_code = request.names, request.task_dir, request.limit, request.trust_task_code
     if not data and tasks is None:
         raise RemodelError("nothing to evaluate: give --data (loss, perplexity) and/or --tasks (lm-eval tasks)")
     if tasks is not None and trust_task_code:  # MODEL checked before a trusted task folder's code runs

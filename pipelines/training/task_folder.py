@@ -1,9 +1,9 @@
 """A task folder read as hostile input (issue 53), before lm-eval opens a file: every YAML of the shipped tasks and
-of --task-dir (_scan: regular files, bounded sizes, alias expansion and nesting, safe tags that only record
+of --task-dir (scan_folders: regular files, bounded sizes, alias expansion and nesting, safe tags that only record
 `!function`), what runs code refused unless --trust-task-code (`!function`, `class`, custom datasets and prompts,
 dataset scripts or remote code, `include:` outside the folder), fields bounded and named as lm-eval knows them,
 data files resolved beside their YAML and checked, and the checked configs handed to lm-eval's factory
-(_checked_yaml). Errors are one line naming file:line and field. pipelines.training.tasks runs what this checked.
+(checked_yaml). Errors are one line naming file:line and field. pipelines.training.tasks runs what this checked.
 """
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def _check_jsonl(path: Path, where: str):
                                    f"(data file of {where})")
 
 
-def _groups(tm, configs: dict):
+def register_groups(tm, configs: dict):
     """One line for a group that contains itself (through its `task:` list, at any depth)."""
     def members(name):
         e = tm.task_index.get(name)
@@ -325,10 +325,10 @@ def _groups(tm, configs: dict):
         visit(name, ())
 
 
-_LINES: dict = {}  # resolved YAML path -> {field: "file:line"} of the checked configs (error lines)
+LINES: dict = {}  # resolved YAML path -> {field: "file:line"} of the checked configs (error lines)
 
 
-def _scan(dirs: list[Path], trust: bool) -> dict:
+def scan_folders(dirs: list[Path], trust: bool) -> dict:
     """{resolved YAML path: lm-eval-ready config}, every YAML of `dirs` checked (module doc); one-line errors."""
     folder, names, out = _Folder(dirs, trust), {}, {}
     for path, (cfg, where, bases) in folder.configs.items():
@@ -364,24 +364,40 @@ def _scan(dirs: list[Path], trust: bool) -> dict:
             cfg["dataset_kwargs"] = {**kw, "data_files": _data_files(kw["data_files"], bases["dataset_kwargs"],
                                                                      where["dataset_kwargs"])}
         out[path] = cfg
-        _LINES[path] = where
+        LINES[path] = where
     return out
 
 
-def _resolve(cfg, trusted: bool):
+def _import_function(qual: str, base: Path):
+    """`module.function` of a YAML's `!function`, as lm-eval resolves it: module.py beside the YAML first, else an
+    importable module (only ever called under --trust-task-code)."""
+    import importlib.util
+    mod, _, name = qual.rpartition(".")
+    if not mod:
+        raise RemodelError(f"!function {qual!r} names no module (module.function)")
+    path = (base / f"{mod.replace('.', '/')}.py").resolve()
+    if path.exists():
+        spec = importlib.util.spec_from_file_location(mod, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod)
+    return getattr(module, name)
+
+
+def resolve_functions(cfg, trusted: bool):
     """cfg with each `!function` resolved by lm-eval's own importer (only ever called under --trust-task-code)."""
-    from lm_eval.tasks._yaml_loader import _import_func_in_yml
     if isinstance(cfg, _Code):
-        return _import_func_in_yml(str(cfg), Path(cfg.where.rsplit(":", 1)[0]).parent)
+        return _import_function(str(cfg), Path(cfg.where.rsplit(":", 1)[0]).parent)
     if isinstance(cfg, dict):
-        return {k: _resolve(v, trusted) for k, v in cfg.items()}
+        return {k: resolve_functions(v, trusted) for k, v in cfg.items()}
     if isinstance(cfg, list):
-        return [_resolve(v, trusted) for v in cfg]
+        return [resolve_functions(v, trusted) for v in cfg]
     return cfg
 
 
 @contextlib.contextmanager
-def _checked_yaml(configs: dict, trust: bool):
+def checked_yaml(configs: dict, trust: bool):
     """lm-eval's task factory reads remodel's checked configs instead of re-reading a YAML (so what runs is
     what was checked: data_files beside the YAML, no !function unless trusted)."""
     import copy
@@ -394,7 +410,7 @@ def _checked_yaml(configs: dict, trust: bool):
         if key not in configs:
             raise RemodelError(f"{path}: not a checked task YAML (--task-dir)")
         cfg = copy.deepcopy(configs[key])
-        return _resolve(cfg, trust) if trust else cfg
+        return resolve_functions(cfg, trust) if trust else cfg
 
     factory.load_yaml = load
     try:

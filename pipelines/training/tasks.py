@@ -8,9 +8,9 @@ extra `remodel[eval]`; its absence, an unknown task name and a bad --task-dir ar
 by `check_tasks`, before any model is loaded.
 
 A task folder is hostile input (issue 53). Before lm-eval opens a file, remodel reads every YAML itself
-(_scan: regular files, bounded sizes and alias expansion, safe tags) and refuses, unless --trust-task-code,
+(scan_folders: regular files, bounded sizes and alias expansion, safe tags) and refuses, unless --trust-task-code,
 what runs code: `!function`, `class`, custom datasets and prompts, dataset scripts or remote code, and
-`include:` outside the folder. lm-eval then builds the tasks from those checked configs (_checked_yaml),
+`include:` outside the folder. lm-eval then builds the tasks from those checked configs (checked_yaml),
 its templates render in jinja's sandbox (_sandbox_templates), and every item is checked (_check_docs), all
 before the model loads; lm-eval's and datasets' exceptions become one RemodelError line (_one_line).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from remodel.models.errors import RemodelError
 
-from .task_folder import _LINES, _checked_yaml, _groups, _resolve, _scan
+from .task_folder import LINES, checked_yaml, register_groups, resolve_functions, scan_folders
 
 
 # the shipped tasks: remodel_cloze, remodel_nextline (pipelines.data.data.DATA_DIR / "tasks", named here without
@@ -125,12 +125,12 @@ def _validate(tm, specs, names, trust: bool):
     for name, spec in zip(names, specs):
         entry = tm.task_index.get(name)
         src = entry.yaml_path if entry is not None and entry.yaml_path else name
-        with _quiet(), _checked_yaml(tm.remodel_configs, trust), _no_test_doc(), _one_line(f"{src}: task {name!r}"):
+        with _quiet(), checked_yaml(tm.remodel_configs, trust), _no_test_doc(), _one_line(f"{src}: task {name!r}"):
             loaded = tm.load([spec])
         for tname, task in loaded["tasks"].items():
             e = tm.task_index.get(tname)
             path = Path(e.yaml_path).resolve() if e is not None and e.yaml_path else None
-            lines = _LINES.get(path, {})
+            lines = LINES.get(path, {})
             at = lambda field, p=path or src, lines=lines: lines.get(field) or str(p)  # noqa: E731
             with _one_line(f"{path or src}: task {tname!r}"):
                 _check_docs(task, tname, at)
@@ -194,13 +194,13 @@ def check_tasks(names: list[str], task_dir=None, trust: bool = False) -> tuple[o
         dirs.append(d)
     _, TaskManager = _lm_eval()
     with _one_line(f"{dirs[-1]} (--task-dir)"):
-        configs = _scan(dirs, trust)  # every YAML read and checked by remodel before lm-eval opens one
+        configs = scan_folders(dirs, trust)  # every YAML read and checked by remodel before lm-eval opens one
     with _quiet(), _one_line(f"{dirs[-1]} (--task-dir)"):
         tm = TaskManager(include_path=[str(d) for d in dirs], include_defaults=False)
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
         raise RemodelError(f"unknown task {unknown[0]!r} (--tasks); the local tasks are: {', '.join(tm.all_tasks)}")
-    _groups(tm, configs)
+    register_groups(tm, configs)
     tm.remodel_configs, tm.remodel_trust = configs, trust
     specs = [_spec(tm, n) for n in names]
     _validate(tm, specs, names, trust)
@@ -229,7 +229,7 @@ def add_tasks(report: dict, model_dir, checked, limit: int | None = None) -> dic
 
 def _spec(tm, name: str):
     """A YAML task as its checked config dict (data_files resolved beside the YAML); a group or tag by name
-    (lm-eval builds its members from the checked configs too, _checked_yaml)."""
+    (lm-eval builds its members from the checked configs too, checked_yaml)."""
     entry = tm.task_index[name]
     if entry.yaml_path is None:
         return name
@@ -238,7 +238,7 @@ def _spec(tm, name: str):
         return name
     import copy
     cfg = copy.deepcopy(cfg)
-    return _resolve(cfg, True) if tm.remodel_trust else cfg
+    return resolve_functions(cfg, True) if tm.remodel_trust else cfg
 
 
 @contextlib.contextmanager
@@ -290,7 +290,7 @@ def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = No
     dev = pick_device(device)
     args = {"pretrained": str(model_dir), "trust_remote_code": False, "local_files_only": True,
             "dtype": "bfloat16" if dev.type == "cuda" else "float32", "device": str(dev), "batch_size": batch}
-    with (_quiet(), _no_env_report(), torch.no_grad(), _checked_yaml(tm.remodel_configs, tm.remodel_trust),
+    with (_quiet(), _no_env_report(), torch.no_grad(), checked_yaml(tm.remodel_configs, tm.remodel_trust),
           _one_line(f"{model_dir}: lm-eval on {', '.join(n if isinstance(n, str) else n['task'] for n in specs)}")):
         out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=specs, task_manager=tm, limit=limit,
                                       log_samples=False, bootstrap_iters=0 if limit else 100000)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +29,12 @@ from tqdm.auto import tqdm
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model, read_config_dict
 
-from . import metrics
+from . import metrics, run_files
 from . import train_state as state
 from .evaluate import EvalRun, evaluate
 from .objective import compute_losses
 from ..distributed.parallel import check_layout, clip_grad_norm_, local_tensor, parallel_info
-from ..distributed.runtime import (LOCK_NAME, init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
+from ..distributed.runtime import (init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
                       source_dtype, wait, wait_group, world_size)
 from ..distributed.sharded import export_sharded, load_sharded
 from .train_config import RESUME_KEYS, TrainConfig
@@ -344,32 +343,15 @@ class _Training:
     def checkpoint(self, step: int):
         """Save step `step` (weights checked finite first); the first save of a run that starts over
         empties the run dir of an earlier run's files then, not before: a run that fails earlier leaves them."""
-        self._check_finite(step)
+        run_files.check_finite(step, (self.student, self.projections), self.procs.dev)
         if not self.p.saved and not self.c.resume and self.procs.lead:
-            _clear(self.p.run_dir)  # start over (the Saver's barrier holds the other ranks until this is done)
+            run_files.clear_run_dir(self.p.run_dir)  # start over (the Saver's barrier holds the other ranks until this is done)
         self.p.saved = True
         self.written.append(self.p.run_dir / f"step-{step:06d}")
         meta = {"step": step, "consumed_batches": step * self.c.grad_accum, "args": self.p.args,
                 "history": self.history, "eval": self.evals, "hf_config": self.hf_config, "moe_init": self.moe_init}
         self.saver.save(step, self.student, self.projections, self.opt, meta, prune=self.at != self.start + 1)
         self.rss.mark("checkpoint", first=True)
-
-    @torch.no_grad()
-    def _check_finite(self, step: int):
-        """Refuse (every rank, one line) to save weights that are NaN or inf (a float16 update that overflowed):
-        no checkpoint of them is written. Collective."""
-        params = list(self.student.parameters()) + (list(self.projections.parameters()) if self.projections else [])
-        bad = torch.zeros((), dtype=torch.int32, device=self.procs.dev)
-        for q in params:
-            t = local_tensor(q)
-            if t.is_floating_point() and t.numel():
-                bad += (~torch.isfinite(t)).any().to(torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(bad)
-        if int(bad):
-            dtype = str(next(iter(params)).dtype).replace("torch.", "")
-            raise RemodelError(f"the weights became NaN or inf by step {step} (training in {dtype}; a lower --lr "
-                               "or a wider dtype may help); no checkpoint of them was written")
 
     def loop(self):
         """The optimizer steps from `start` to the end, with checkpoints every checkpoint_every steps. Rank 0
@@ -408,14 +390,8 @@ class _Training:
         stay; a run that failed later keeps its checkpoints, to --resume from."""
         if self.at != self.start + 1:
             return
-        try:
-            self.saver.wait()  # a background save of that step ends before its folder goes
-        except BaseException:  # noqa: BLE001 - the run's own error is the one reported
-            pass
+        run_files.discard(self.written, self.saver, self.procs.lead)
         if self.procs.lead:
-            for d in self.written:
-                shutil.rmtree(d, ignore_errors=True)
-                shutil.rmtree(d.parent / f".{d.name}.partial", ignore_errors=True)
             self.p.saved = False
 
     def step(self, step: int, it, bar) -> dict:
@@ -502,38 +478,16 @@ def _reshard(model):
             m.reshard()
 
 
-def _clear(run_dir: Path):
-    """Empty run_dir of an earlier run's files, all but the lock this run holds on it."""
-    for q in run_dir.iterdir():
-        if q.name in (LOCK_NAME, state.RUN_MARKER):
-            continue
-        if q.is_dir() and not q.is_symlink():
-            shutil.rmtree(q)
-        else:
-            q.unlink()
-
-
 def _write_outputs(p: Plan, student, report):
     """OUT: the HF checkpoint of `student`, streamed tensor by tensor from its shards, with
     remodel_report.json, metrics.csv and loss.png (rank 0). Collective."""
     dtype = getattr(torch, p.cfg.save_dtype) if p.cfg.save_dtype else source_dtype(p.student_dir)
 
     def finish(tmp):
-        _keep_upcycle_origin(p.student_dir, tmp / "config.json")
+        run_files.keep_upcycle_origin(p.student_dir, tmp / "config.json")
         (tmp / "remodel_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         metrics.write_metrics(report["history"], tmp / "metrics.csv")
         metrics.plot_losses(report["history"], tmp / "loss.png", f"{report['command']}: {p.student_dir.name}")
 
     export_sharded(student, p.out, family=p.family, aux_from=p.student_dir, overwrite=p.cfg.overwrite, dtype=dtype,
                    inputs=p.inputs, finish=finish)
-
-
-def _keep_upcycle_origin(student_dir: Path, config: Path):
-    """The written config.json keeps how an upcycled student's experts were built (UPCYCLE_KEY, from
-    `remodel upcycle`), so a later run on OUT still reports the same-shard expert similarity."""
-    from remodel.upcycle.similarity import UPCYCLE_KEY
-    origin = read_config_dict(student_dir).get(UPCYCLE_KEY)
-    if isinstance(origin, dict) and config.exists():
-        c = json.loads(config.read_text())
-        c[UPCYCLE_KEY] = origin
-        config.write_text(json.dumps(c, indent=2) + "\n")
