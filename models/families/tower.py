@@ -145,22 +145,26 @@ class WithTower(Family):
         return self.text.upcycle_check(cfg, router)
 
 
+def _with_tower(family: str):
+    """The family `family` when it carries a vision tower through (WithTower), else None."""
+    from . import FAMILIES
+    fam = FAMILIES.get(family)
+    return fam if isinstance(fam, WithTower) else None
+
+
 def check_tower(reader, cfg, family: str):
     """The tower of checkpoint `reader` checked (WithTower.check_tower) when `family` carries one through;
     nothing for any other family."""
-    from . import FAMILIES
-    fam = FAMILIES.get(family)
-    if isinstance(fam, WithTower):
+    if (fam := _with_tower(family)) is not None:
         fam.check_tower(reader, cfg)
 
 
 def check_tower_at(model_dir, cfg, family: str):
     """check_tower on the checkpoint in model_dir, opened only when `family` carries a tower through."""
-    from . import FAMILIES
-    if isinstance(FAMILIES.get(family), WithTower):
+    if (fam := _with_tower(family)) is not None:
         from remodel.models.checkpoint import CheckpointReader
         with CheckpointReader(model_dir) as reader:
-            check_tower(reader, cfg, family)
+            fam.check_tower(reader, cfg)
 
 
 @contextlib.contextmanager

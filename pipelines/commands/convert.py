@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output
 from remodel.models.errors import RemodelError
-from remodel.models.families.tower import check_tower
+from remodel.models.families.tower import check_tower_at
 from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
 from remodel.models.load import extra_hf_tensors, join_parts, passthrough_names, passthrough_tensors, source_plan
 
@@ -112,8 +112,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
     hf_cfg = config_to_hf(cfg, family)
     carried = passthrough_names(aux_from, family)  # a family carrying tensors through: the source holds them
     if carried:  # a vision tower: transformers' names and shapes for its config, finite values; before writing
-        with CheckpointReader(aux_from) as r:
-            check_tower(r, cfg, family)
+        check_tower_at(aux_from, cfg, family)
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
