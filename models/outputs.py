@@ -63,6 +63,23 @@ def _is_ours(p: Path, m) -> bool:
             and info.get("pid") == int(m["pid"]) and info.get("out") == m["name"])
 
 
+def _remove_if_bare(p: Path):
+    """A kill between `mkdir` and the marker's write (or inside the final rmtree) leaves the sibling empty,
+    or holding only a marker still empty: removed with rmdir, which can delete no content."""
+    with contextlib.suppress(OSError):
+        if p.is_symlink() or not p.is_dir():
+            return
+        names = [q.name for q in p.iterdir()]
+        if names == [SIBLING_MARKER]:
+            st = (p / SIBLING_MARKER).lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_size:
+                return
+            (p / SIBLING_MARKER).unlink()
+        elif names:
+            return
+        p.rmdir()
+
+
 def _present(p: Path) -> bool:
     return p.exists() or p.is_symlink()
 
@@ -70,14 +87,18 @@ def _present(p: Path) -> bool:
 def remove_stale_siblings(out: Path):
     """Delete the `.OUT.tmp-PID-hex` / `.OUT.old-PID-hex` siblings a killed run left behind: their PID is
     dead and they carry remodel's SIBLING_MARKER (a folder with such a name but no marker is a user's, never
-    touched). A stale `.old` holding the previous OUT gives it back when OUT is missing."""
+    touched, save an empty one: see _remove_if_bare). A stale `.old` holding the previous OUT gives it back
+    when OUT is missing."""
     try:
         entries = list(out.parent.iterdir())
     except OSError:
         return
     for p in sorted(entries, key=lambda q: "tmp" in q.name):  # .old first, so it can be restored
         m = _SIBLING.fullmatch(p.name)
-        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])) or not _is_ours(p, m):
+        if not m or m["name"] != out.name or _pid_alive(int(m["pid"])):
+            continue
+        if not _is_ours(p, m):
+            _remove_if_bare(p)
             continue
         if m["kind"] == "old" and _present(p / INNER) and not _present(out):
             try:

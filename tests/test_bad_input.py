@@ -166,6 +166,24 @@ def test_stale_siblings_removed_live_kept(work, capsys):
     assert (out / "model.safetensors").exists()
 
 
+def test_bare_siblings_of_a_kill_inside_mkdir_and_marker_removed(tmp_path):
+    """A kill between the sibling's mkdir and its marker's write leaves it empty (or with an empty marker):
+    the next run removes those; one holding anything else, or a non-empty unmarked file, stays."""
+    from remodel.models.outputs import SIBLING_MARKER
+    empty, bare = tmp_path / f".o.tmp-{DEAD_PID}-0123abcd", tmp_path / f".o.tmp-{DEAD_PID}-4567abcd"
+    kept, kept2 = tmp_path / f".o.tmp-{DEAD_PID}-89abcdef", tmp_path / f".o.old-{DEAD_PID}-0123abcd"
+    for d in (empty, bare, kept, kept2):
+        d.mkdir()
+    (bare / SIBLING_MARKER).write_text("")
+    (kept / SIBLING_MARKER).write_text("")
+    (kept / "user.txt").write_text("mine")
+    (kept2 / SIBLING_MARKER).write_text("not json")
+    with atomic_output_dir(tmp_path / "o") as t:
+        (t / "f").write_text("x")
+    assert sorted(q.name for q in tmp_path.iterdir()) == sorted(["o", kept.name, kept2.name])
+    assert (kept / "user.txt").read_text() == "mine" and (kept2 / SIBLING_MARKER).read_text() == "not json"
+
+
 def test_stale_old_restored_when_out_missing(tmp_path):
     """A kill between moving the previous OUT aside and renaming the new one in: OUT comes back."""
     old = tmp_path / f".o.old-{DEAD_PID}-0123abcd"
