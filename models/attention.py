@@ -173,6 +173,8 @@ class AttentionKind(LayerKind):
                 "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
                 **({"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1 else {})}
 
+    state_row = "KV cache"
+
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         return {"kv_cache": 2 * batch * seq_len * w["kv_heads"] * w["head_dim"] * kv_bytes}
 

@@ -146,6 +146,8 @@ class GatedDeltaNetKind(LayerKind):
         return {k: getattr(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                              "linear_value_head_dim", "linear_conv_kernel_dim")}
 
+    state_row = "GDN state (conv + fp32 recurrent)"
+
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps its kernel's columns of q, k, v; the recurrent state is dk x dv per value head."""
         conv = 2 * self.axis_size(cfg, "lin_qk", w) + self.axis_size(cfg, "lin_v", w)

@@ -288,6 +288,8 @@ class MambaKind(LayerKind):
                 "mamba_conv_dim": self.axis_size(cfg, "mamba_conv"),
                 "mamba_in_proj_size": self.axis_size(cfg, "mamba_in_proj")}
 
+    state_row = "Mamba state (conv + fp32 SSM)"
+
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps conv_kernel columns of the conv channels; the SSM state does not grow with seq_len."""
         inner, N = w["mamba_heads"] * w["mamba_head_dim"], w["ssm_state_size"]

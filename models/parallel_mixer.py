@@ -73,6 +73,14 @@ class ParallelKind(LayerKind):
         return {n: v for _, k in _PARTS for n, v in k.cache_bytes(cfg, w, batch, seq_len, kv_bytes, state_bytes,
                                                                  conv_bytes).items()}
 
+    def state_rows(self, cfg, w, batch, seq_len, bytes_=(2, 4, 2)):
+        """Each part's state under its own row (attention's KV cache, Mamba's state)."""
+        rows = {}
+        for _, k in _PARTS:
+            for row, b in k.state_rows(cfg, w, batch, seq_len, bytes_).items():
+                rows[row] = rows.get(row, 0) + b
+        return rows
+
     def buffer_elements(self, cfg, w):
         return sum(k.buffer_elements(cfg, w) for _, k in _PARTS)
 

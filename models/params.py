@@ -209,16 +209,21 @@ def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len
       kv_dtype_bytes; transformers 5.23 and mamba-ssm keep conv_kernel columns, in the model dtype);
     mamba_ssm_state: per Mamba layer batch * nh * hd * N * state_dtype_bytes (transformers keeps it
       fp32: mamba_ssm_cache_dtype 'float32'). Mamba state does not grow with seq_len.
+    state_rows: {row: bytes}, every kind's state under the row it names (GDN's conv and recurrent state too).
     """
     conv_dtype_bytes = kv_dtype_bytes if conv_dtype_bytes is None else conv_dtype_bytes
     c, w, cache = count_params(cfg), widths(cfg), {"kv_cache": 0, "mamba_conv_state": 0, "mamba_ssm_state": 0}
+    rows, bytes_ = {}, (kv_dtype_bytes, state_dtype_bytes, conv_dtype_bytes)
     for k in used(cfg, mtp=False):
-        for name, b in k.cache_bytes(cfg, w, batch, seq_len, kv_dtype_bytes, state_dtype_bytes, conv_dtype_bytes).items():
+        for name, b in k.cache_bytes(cfg, w, batch, seq_len, *bytes_).items():
             cache[name] = cache.get(name, 0) + count(cfg, k) * b
+        for row, b in k.state_rows(cfg, w, batch, seq_len, bytes_).items():
+            rows[row] = rows.get(row, 0) + count(cfg, k) * b
     out = {"weights": c["total"] * dtype_bytes + c["buffers"] * 4, **cache}
     mtp = c["mtp"]  # the MTP head's weights, apart (not in weights / total; needed to serve it)
     out["mtp_weights"] = mtp["total"] * dtype_bytes + mtp["buffers"] * 4
     out["mamba_state"] = out["mamba_conv_state"] + out["mamba_ssm_state"]
+    out["state_rows"] = rows  # {inspect row: bytes}, each kind's own; they add up to cache
     out["cache"] = sum(cache.values())
     out["total"] = out["weights"] + out["cache"]
     out.update(batch=batch, seq_len=seq_len, dtype_bytes=dtype_bytes)

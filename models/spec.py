@@ -176,6 +176,13 @@ class LayerKind:
         """{cache name: bytes} of one layer's inference cache at widths w."""
         return {}
 
+    state_row = ""  # the `inspect` row of its inference state ('KV cache'); every cache_bytes name adds to it
+
+    def state_rows(self, cfg, w: dict, batch: int, seq_len: int, bytes_: tuple = (2, 4, 2)) -> dict:
+        """{inspect row: bytes} of one layer's inference state: the row each kind names for itself."""
+        b = sum(self.cache_bytes(cfg, w, batch, seq_len, *bytes_).values())
+        return {self.state_row: b} if b else {}
+
     def buffer_elements(self, cfg, w: dict) -> int:
         """Elements of the fp32 buffers one layer stores (not parameters)."""
         return 0

@@ -212,3 +212,38 @@ def test_inspect_bad_inputs(tmp_path):
             inspect(src)
         msg = str(e.value)
         assert words in msg and "\n" not in msg, (src, msg)
+
+
+_UNIT = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def _printed_memory(text: str) -> dict:
+    """{row: (bytes, half a printed unit)} of `remodel inspect`'s memory section, read back from the text."""
+    rows, on = {}, False
+    for line in text.splitlines():
+        if line.startswith("memory at"):
+            on = True
+            continue
+        if on and not line.startswith("  "):
+            break
+        if on:
+            name, value, unit = line.strip().rsplit(maxsplit=2) if " " in line.strip() else (line, "0", "B")
+            rows[name.strip()] = (float(value) * _UNIT[unit], 0.005 * _UNIT[unit] if unit != "B" else 0)
+    return rows
+
+
+@pytest.mark.parametrize("name", __import__("remodel.pipelines.commands.inspection",
+                                            fromlist=["shipped_configs"]).shipped_configs())
+def test_inspect_memory_rows_add_up_to_the_total(name):
+    """Every kind's inference state has its own printed row (GDN's too), and weights + the rows printed
+    equal the printed total within the printed rounding (qwen3.5-35b-a3b once printed 64.56 GiB + 80 MiB
+    as 64.70 GiB: its GDN state had no row)."""
+    from remodel.pipelines.commands.inspection import format_inspect, inspect
+    d = inspect(name)
+    m = d["memory_bf16"]
+    assert "" not in m["state_rows"] and m["weights"] + sum(m["state_rows"].values()) == m["total"]
+    rows = _printed_memory(format_inspect(d))
+    total, slack = rows.pop("total")
+    parts = [k for k in rows if "not in total" not in k]
+    assert set(parts) == {"weights", *m["state_rows"]}
+    assert abs(sum(rows[k][0] for k in parts) - total) <= slack + sum(rows[k][1] for k in parts)

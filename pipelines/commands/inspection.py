@@ -159,10 +159,8 @@ def format_inspect(d: dict) -> str:
     row("weights", _b(m["weights"]))
     if m.get("mtp_weights"):
         row("MTP head weights (not in total)", _b(m["mtp_weights"]))
-    if m["kv_cache"]:
-        row("KV cache", _b(m["kv_cache"]))
-    if m["mamba_state"]:
-        row("Mamba state (conv + fp32 SSM)", _b(m["mamba_state"]))
+    for name, b in m["state_rows"].items():  # each kind's own row; with weights they add up to total
+        row(name, _b(b))
     row("total", _b(m["total"]))
     c = d["checkpoint"]
     if c:
