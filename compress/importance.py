@@ -51,6 +51,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.layout import axis_size
 from remodel.models.model import Block
 from remodel.models.mtp import MTPBlock
+from remodel.models.trunk import walk_mtp
 from remodel.models.norm import RMSNorm
 
 from .expert_select import RoutedSample
@@ -326,9 +327,8 @@ def mtp_mask(mask, k: int):
 def run_mtp(model, h, ids, mask=None):
     """Every MTP step on the trunk's output h [b, l, H] (after norm_f), as HybridLM.forward_mtp (vLLM's
     formula), so an attached Scorer sees the head's own activations; nothing without an MTP head."""
-    x = h
-    for k in range(model.cfg.mtp_layers):
-        x = model.mtp.step(k, x[:, :-1], model.embeddings(ids[:, k + 1:]), mtp_mask(mask, k))
+    walk_mtp(model.cfg, lambda j: model.mtp.layers[j], {"x": h}, ("x",), lambda key, k: model.embeddings(ids[:, k + 1:]),
+             lambda key, k: mtp_mask(mask, k))
 
 
 @torch.no_grad()

@@ -45,9 +45,7 @@ from remodel.models.kinds import KINDS, used
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units, family as family_of
 from remodel.models.hf import default_family
-from remodel.models.kinds import PRUNABLE
-from remodel.models.kinds import WIDTHS as ALL_WIDTHS
-from remodel.models.spec import widths as cfg_widths
+from remodel.models.kinds import PRUNABLE, WIDTHS as ALL_WIDTHS, widths as cfg_widths
 from remodel.models.params import per_layer
 
 from .prune import group_width

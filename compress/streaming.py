@@ -7,6 +7,7 @@ keeping L+1 branches of states. `Streaming` holds how it runs (budget, spill fol
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,10 @@ from remodel.models.checkpoint import CheckpointReader
 from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf, our_shapes
 from remodel.models.load import iter_our_tensors
-from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
+from remodel.models.model import Block, init_buffers
 from remodel.models.mtp import MTPBlock, mtp_block_roles
 from remodel.models.norm import trunk_norm
+from remodel.models.trunk import finish, start, walk, walk_mtp
 
 from .importance import Scorer, lm_loss_sums, mean_loss, mtp_mask
 from .state_store import StateStore
@@ -73,49 +75,57 @@ class _Pass:
         return load_block(self.reader, self.cfg, i, self.device, self.dtype, mtp=mtp)
 
 
+class _OnDevice:
+    """The store's streams as the walker reads them: each moved to the device when a slot takes it."""
+
+    def __init__(self, store: StateStore, device):
+        self.store, self.device = store, device
+
+    def __getitem__(self, key):
+        return self.store[key].to(self.device)
+
+    def __setitem__(self, key, value):
+        self.store[key] = value
+
+
+@contextlib.contextmanager
+def _scored(attach, i: int, block):
+    """A pass under a Scorer's hooks on block i (attach: its attach_layer or attach_mtp)."""
+    attach(i, block)
+    try:
+        yield
+    finally:
+        attach.__self__.detach()
+
+
 def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool):
     """The trunk's layers, one at a time, over store['main', b] (b < n), scored; the k loss batches'
     skipped-layer branches (store[i, b]: without layer i) go through every later layer too."""
-    store, mask_of = ps.store, ps.mask_of
-    for i in tqdm(range(ps.cfg.num_layers), desc="layers", disable=not progress):
-        block = ps.block(i)
-        ps.scorer.attach_layer(i, block)
-        try:
-            for b in range(n):
-                x = store["main", b].to(ps.device)
-                if b < k:
-                    store[i, b] = x  # the branch without layer i starts from layer i's input
-                store["main", b] = block(x, mask_of[b])
-        finally:
-            ps.scorer.detach()
-        for j in range(i):  # branches that skipped an earlier layer go through this one
-            for b in range(k):
-                store[j, b] = block(store[j, b].to(ps.device), mask_of[b])
-        del block
+    store, bar = ps.store, tqdm(total=ps.cfg.num_layers, desc="layers", disable=not progress)
+
+    def passes(i, block):
+        for b in range(k):
+            store[i, b] = store["main", b]  # the branch without layer i starts from layer i's input
+        yield [("main", b) for b in range(n)], _scored(ps.scorer.attach_layer, i, block)
+        yield [(j, b) for j in range(i) for b in range(k)], contextlib.nullcontext()  # they go through it too
+        bar.update()
+
+    walk(ps.cfg.num_layers, ps.block, _OnDevice(store, ps.device), passes, lambda key: (ps.mask_of[key[1]],))
+    bar.close()
 
 
 def _mtp_streaming(ps: _Pass, batches):
     """The MTP head on the trunk's outputs (store['mtp', b], after norm_f), one block at a time,
     as run_mtp does it whole: each block's units are scored from its own activations."""
-    cfg, store, mask_of, device = ps.cfg, ps.store, ps.mask_of, ps.device
+    store, device = ps.store, ps.device
     emb = ps.load(["embeddings.weight"])["embeddings.weight"]
-    P = len(cfg.mtp_pattern)
-    for j in range(len(cfg.mtp_full_pattern)):
-        k, block = j // P, ps.block(j, mtp=True)
-        ps.scorer.attach_mtp(j, block)
-        try:
-            for b, ids in enumerate(batches):
-                x = store["mtp", b].to(device)
-                if j % P == 0:  # a step starts: drop the last row, fuse the tokens k + 1 further on
-                    x = block(x[:, :-1], F.embedding(ids[:, k + 1:].to(device), emb), mtp_mask(mask_of[b], k))
-                else:
-                    x = block(x, None, mtp_mask(mask_of[b], k))
-                store["mtp", b] = x
-        finally:
-            ps.scorer.detach()
-        del block
-    for b in range(len(batches)):
-        store.pop(("mtp", b))
+    keys = [("mtp", b) for b in range(len(batches))]
+    walk_mtp(ps.cfg, lambda j: ps.block(j, mtp=True), _OnDevice(store, device), keys,
+             lambda key, k: F.embedding(batches[key[1]][:, k + 1:].to(device), emb),
+             lambda key, k: mtp_mask(ps.mask_of[key[1]], k),
+             around=lambda j, block: (_scored(ps.scorer.attach_mtp, j, block), None))
+    for key in keys:
+        store.pop(key)
 
 
 @torch.no_grad()
@@ -133,7 +143,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
     try:
         emb = ps.load(["embeddings.weight"])["embeddings.weight"]
         for b, ids in enumerate(batches):
-            store["main", b] = scale_embedding(cfg, F.embedding(ids.to(dev), emb))
+            store["main", b] = start(cfg, F.embedding(ids.to(dev), emb))
         del emb
         _trunk_streaming(ps, len(batches), k, run.progress)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -141,16 +151,22 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         norm_f = trunk_norm(cfg).to(dev)
         norm_f.weight.data = w["norm_f.weight"]
         W = w[final[1]]
+
+        def head(b, ids, keep=True):
+            def loss_sums(h):
+                if keep and cfg.mtp_layers:
+                    store["mtp", b] = h  # the MTP head reads the trunk's output
+                return lm_loss_sums(h, W, ids, mask_of[b])
+            return loss_sums
+
         scorer.attach_final(norm_f)
         sums = []
         try:
             for b, ids in enumerate(batches):
                 scorer.update(mask_of[b])
-                h = final_hidden(cfg, norm_f, store["main", b].to(dev))
+                x = store["main", b].to(dev)
                 store.pop(("main", b))
-                sums.append(lm_loss_sums(h, W, ids, mask_of[b]))
-                if cfg.mtp_layers:
-                    store["mtp", b] = h
+                sums.append(finish(cfg, norm_f, x, head(b, ids)))
         finally:
             scorer.detach()
         if cfg.mtp_layers:
@@ -159,8 +175,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         if k:
             base = mean_loss(sums[:k])
             scores["loss_increase"] = torch.tensor(
-                [mean_loss([lm_loss_sums(final_hidden(cfg, norm_f, store[j, b].to(dev)), W,
-                                         batches[b], mask_of[b])
+                [mean_loss([finish(cfg, norm_f, store[j, b].to(dev), head(b, batches[b], keep=False))
                             for b in range(k)]) - base
                  for j in range(L)], dtype=torch.float32)
         info = {"baseline_loss": mean_loss(sums), "tokens": int(scorer.tokens), "loss_batches": k,

@@ -108,6 +108,15 @@ def aux_files(path) -> list[Path]:
     return [Path(path) / f for f in AUX_FILES if (Path(path) / f).is_file()]
 
 
+def without_absent_mtp(d: dict, tensor_names) -> dict:
+    """The HF config of a checkpoint whose config declares MTP layers (num_nextn_predict_layers) but whose
+    weights hold no `mtp.*` tensor (e.g. a trunk-only export): MTP off, the declared count recorded in
+    `num_nextn_predict_layers_dropped`. MTP is on only when the checkpoint has it."""
+    if not (d.get("num_nextn_predict_layers") or 0) or any(k.startswith("mtp.") for k in tensor_names):
+        return d
+    return {**d, "num_nextn_predict_layers": 0, "num_nextn_predict_layers_dropped": d["num_nextn_predict_layers"]}
+
+
 class CheckpointReader:
     """Read-only view of a Hugging Face safetensors checkpoint directory, one tensor at a time."""
 
@@ -142,7 +151,6 @@ class CheckpointReader:
                     raise RemodelError(f"{file}: tensor {name!r} listed in {INDEX} is missing from the shard")
                 self._where[name] = (shard, header[name])
         self._keys = sorted(self._where)
-        from .hf import without_absent_mtp  # MTP declared in config.json but absent from the weights: off
         self.config = without_absent_mtp(self.config, self._keys)
 
     def keys(self) -> list[str]:

@@ -17,6 +17,7 @@ from .families import FAMILIES, default_family
 from .families.tower import OUTER
 from .families.family import GROUPS, ROPE_TYPES, cfg_choice, cfg_float, projected, scaled, varied
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
+from .checkpoint import without_absent_mtp  # noqa: F401 (also named here, where HF configs are read)
 from .layout import shapes
 from .section import raw_bounds
 
@@ -176,15 +177,6 @@ def _padding_idx(fam, pad, vocab: int) -> int | None:
     if not fam.padding_idx or isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
         return None
     return pad % vocab
-
-
-def without_absent_mtp(d: dict, tensor_names) -> dict:
-    """The HF config of a checkpoint whose config declares MTP layers (num_nextn_predict_layers) but whose
-    weights hold no `mtp.*` tensor (e.g. a trunk-only export): MTP off, the declared count recorded in
-    `num_nextn_predict_layers_dropped`. MTP is on only when the checkpoint has it."""
-    if not (d.get("num_nextn_predict_layers") or 0) or any(k.startswith("mtp.") for k in tensor_names):
-        return d
-    return {**d, "num_nextn_predict_layers": 0, "num_nextn_predict_layers_dropped": d["num_nextn_predict_layers"]}
 
 
 def check_exportable(cfg: ModelConfig, family: str) -> None:

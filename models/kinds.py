@@ -11,7 +11,7 @@ from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
-from .spec import WIDTHS, LayerKind
+from .spec import WIDTHS, LayerKind, widths
 
 
 
@@ -27,17 +27,19 @@ KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, M
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 
 
-def _register_widths() -> None:
-    """Fill models.spec.WIDTHS: the trunk's widths, then each kind's own declarations with that kind's
-    layer character. The prune / plan flags, the search axes and the keep-dict units all come from it."""
-    for k in KINDS.values():
-        for w in k.declares:
-            if w.name in WIDTHS:
-                raise RemodelError(f"width {w.name!r} declared twice (kind {k.name!r})")
-            WIDTHS[w.name] = dataclasses.replace(w, layer=k.char)
 
 
-_register_widths()
+def _in_kind_order() -> None:
+    """WIDTHS (every kind above has entered its own: models.spec.LayerKind) in one order whatever order the
+    kind modules were imported in: the trunk's, then each kind's as KINDS lists them. Import WIDTHS and
+    widths from here: complete by then."""
+    order = [n for n in WIDTHS if WIDTHS[n].layer is None] + [w.name for k in KINDS.values() for w in k.declares]
+    ordered = {n: WIDTHS[n] for n in order} | WIDTHS
+    WIDTHS.clear()
+    WIDTHS.update(ordered)
+
+
+_in_kind_order()
 PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
 UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 
 from .config import ModelConfig
-from .kinds import KINDS
-from .spec import LayerKind, Param, widths
+from .kinds import KINDS, widths
+from .spec import LayerKind, Param
 
 FIXED_AXES = ("vocab", "one") + tuple(dict.fromkeys(
     a for k in KINDS.values() for a in k.fixed))  # never pruned: the model's and each kind's own

@@ -5,6 +5,7 @@ Module and parameter names follow transformers' `nemotron_h` in-memory layout (w
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -15,6 +16,7 @@ from .config import ModelConfig
 from .mamba import init_a_log
 from .mtp import MTP
 from .norm import trunk_norm
+from .trunk import finish, start, walk, walk_mtp
 
 __all__ = ["Block", "HybridLM", "final_hidden", "scale_embedding"]
 
@@ -43,13 +45,17 @@ class HybridLM(nn.Module):
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
         """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling (times cfg.lm_head_multiplier),
         so that any output projection of them gives the model's logits; the residual stream after every layer, or None)."""
-        x = scale_embedding(self.cfg, self.embed(input_ids))
-        states = [x] if output_hidden_states else None
-        for layer in self.layers:
-            x = layer(x, attention_mask, position_ids)
-            if output_hidden_states:
-                states.append(x)
-        return final_hidden(self.cfg, self.norm_f, x), states
+        x = start(self.cfg, self.embed(input_ids))
+        record = [x] if output_hidden_states else None
+
+        def passes(i, block):
+            yield ("x",), contextlib.nullcontext()
+            if record is not None:
+                record.append(stream["x"])
+
+        stream = {"x": x}
+        walk(len(self.layers), self.layers.__getitem__, stream, passes, lambda key: (attention_mask, position_ids))
+        return finish(self.cfg, self.norm_f, stream["x"]), record
 
     def embed(self, ids):
         """The embedding rows of `ids` [b, l] -> [b, l, H]; the row cfg.padding_idx gets no gradient from this
@@ -86,10 +92,13 @@ class HybridLM(nn.Module):
     def forward_mtp(self, input_ids):
         """-> (trunk logits [b, l, V], [MTP logits of step k: [b, l - 1 - k, V] for every step])."""
         h, _ = self.hidden(input_ids)
-        out, x = [], h
-        for k in range(self.cfg.mtp_layers):
-            x = self.mtp.step(k, x[:, :-1], self.embed(input_ids[:, k + 1:]))
-            out.append(self.logits(x))
+        out, stream, P = [], {"x": h}, len(self.cfg.mtp_pattern)
+
+        def around(j, block):  # a step's logits after its last block
+            return contextlib.nullcontext(), (lambda j: out.append(self.logits(stream["x"])) if j % P == P - 1 else None)
+
+        walk_mtp(self.cfg, lambda j: self.mtp.layers[j], stream, ("x",), lambda key, k: self.embed(input_ids[:, k + 1:]),
+                 around=around)
         return self.logits(h), out
 
     def moe_layers(self):
@@ -97,19 +106,12 @@ class HybridLM(nn.Module):
         return [layer.mixer for layer in self.layers if layer.spec.routed]
 
 
-def scale_embedding(cfg, x):
-    """The residual stream's start from the embedding rows x: times cfg.embedding_multiplier (Granite,
-    Falcon-H1). HybridLM and every streaming forward (scoring, the upcycle deviation check) call this."""
-    return x if cfg.embedding_multiplier == 1 else x * cfg.embedding_multiplier
+scale_embedding = start  # the names other modules import; defined in models/trunk.py
 
 
 def final_hidden(cfg, norm_f, x):
-    """norm_f(x) times cfg.lm_head_multiplier, divided by cfg.logits_scaling: what any output projection of
-    the residual stream x reads to give the model's logits (the one head every forward calls)."""
-    h = norm_f(x)
-    if cfg.lm_head_multiplier != 1:
-        h = h * cfg.lm_head_multiplier
-    return h if cfg.logits_scaling == 1 else h / cfg.logits_scaling
+    """The final hidden states of a walked stream (models.trunk.finish without a head)."""
+    return finish(cfg, norm_f, x)
 
 
 def init_buffers(module: nn.Module, device) -> nn.Module:

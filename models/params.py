@@ -14,9 +14,8 @@ import math
 
 from .config import ModelConfig
 from .hf import FAMILIES, default_family, our_shapes
-from .kinds import KINDS, WIDTHS, count, kind as kind_of, used
+from .kinds import KINDS, WIDTHS, count, kind as kind_of, used, widths
 from .layout import BUFFERS, axis_size, layer_table
-from .spec import widths
 
 TYPES = ("embeddings", *(k.name for k in KINDS.values()), "norms", "lm_head")
 AXES = {n: w.field for n, w in WIDTHS.items()}  # width name (the prune / plan flag) -> ModelConfig field

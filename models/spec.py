@@ -6,7 +6,7 @@ Each kind module (models/mamba.py, attention.py, mlp.py, moe.py) holds its nn.Mo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,9 @@ class Width:
 TRUNK_WIDTHS = (
     Width("vocab_size", "vocab_size", None, None, None, "vocab", "vocabulary size"),
     Width("hidden_size", "hidden_size", None, "hidden", 256, "hidden", "residual width (embedding channels)"))
-# {name: Width}: the trunk's, then (filled in by models/kinds.py, which registers the kinds) each kind's own
+# {name: Width}: the trunk's, then each kind's own declarations, entered as the kind is made
+# (LayerKind.__post_init__): a kind's methods see every width it reads. models.kinds.WIDTHS is this
+# registry once every kind is made (the one the prune / plan flags and the search read).
 WIDTHS: dict = {w.name: w for w in TRUNK_WIDTHS}
 
 
@@ -127,6 +129,14 @@ class LayerKind:
     config: type | None = None  # its config section (models/section.py); ModelConfig holds one instance
     post_norm: bool = False  # the block normalises the mixer's output (x + norm(mixer(x)), OLMo 2) not its input
     section: str = ""  # the config section it reads when another kind declares it (default: its own name)
+
+    def __post_init__(self):
+        """Enter the widths this kind declares in WIDTHS, under its layer character (once: a second kind
+        declaring one of them is refused)."""
+        for w in self.declares:
+            w = replace(w, layer=self.char)
+            if WIDTHS.setdefault(w.name, w) != w:
+                raise ValueError(f"width {w.name!r} declared twice (kind {self.name!r})")
 
     @property
     def section_name(self) -> str:

@@ -471,7 +471,7 @@ def _smaller(cfg, name: str) -> int:
     the family's own: a Mamba width that is a multiple of hidden), a quarter less or the nearest below it."""
     from remodel.compress.prune import validate_targets
     from remodel.models.errors import RemodelError
-    from remodel.models.spec import WIDTHS  # (filled by models.kinds)
+    from remodel.models.kinds import WIDTHS
     w = WIDTHS[name]
     v, step = getattr(cfg, w.field), math.lcm(*(getattr(cfg, f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
     for t in sorted((t for t in range(v - 1, 0, -1) if t % step == 0), key=lambda t: (t > v - max(1, v // 4), -t)):
@@ -486,6 +486,6 @@ def _smaller(cfg, name: str) -> int:
 def prune_axes(cfg) -> dict:
     """{width: smaller target} for hidden and every width the kinds of `cfg` prune (a width it has)."""
     from remodel.models.kinds import used
-    from remodel.models.spec import WIDTHS
+    from remodel.models.kinds import WIDTHS
     names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
     return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}

@@ -366,3 +366,35 @@ def test_distill_dp2_tp2_equals_one_process(family, distilled):
         assert err.max() <= 1e-4 and (err > 1e-5).sum() <= max(1, 1e-3 * err.numel()), (k, float(err.max()))
     moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in w0)[len(w0) // 2]
     assert moved > 100 * 1e-5  # the 3 Adam steps moved the median tensor by far more than the tolerance
+
+
+# ---- per family: one trunk walk (models/trunk.py) behind HybridLM, streaming scoring and the deviation check ----
+
+@pytest.mark.parametrize("family", list(MAIN))
+def test_one_trunk_walk_bit_identical(family, root, monkeypatch):
+    """HybridLM's final hidden states, streaming scoring's (one layer read at a time) and the upcycle deviation
+    check's dense stream (the weights as the writer streams them, beside the upcycled stream) are the same bits."""
+    import remodel.compress.streaming as streaming
+    import remodel.upcycle.deviation as deviation
+    _, ours, d = build(family, MAIN[family], root)
+    x, seen = ids(ours.cfg.vocab_size, 9), {}
+    monkeypatch.setattr(streaming, "lm_loss_sums", lambda h, *a: (seen.setdefault("stream", h), (h.sum(), 1))[1])
+    streaming.score_streaming(d, [x], loss_increase=False)
+    with torch.no_grad():
+        assert torch.equal(seen["stream"], ours.hidden(x)[0])
+    case = dense_case(family)
+    if case is None:
+        return
+    _, dense, d = build(family, case, root)
+    compare = deviation.StreamCheck._compare
+    monkeypatch.setattr(deviation.StreamCheck, "_compare",
+                        lambda self, h, head: seen.update(dev=(h, self.ids)) or compare(self, h, head))
+    for shared in ("0", "16"):  # whichever the family's MoE target holds (the other is refused)
+        if cli.main(["upcycle", str(d), str(root / f"{family}-walk-{shared}"), *UPCYCLE_FLAGS,
+                     "--shared-expert-size", shared, "--exact"]) == 0:
+            break
+    if "dev" not in seen:
+        return  # a family that names no upcycling target
+    h, x = seen["dev"]
+    with torch.no_grad():
+        assert torch.equal(h[:len(x)], dense.hidden(x)[0])

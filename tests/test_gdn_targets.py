@@ -20,7 +20,7 @@ from remodel.compress.search_space import _joint_ok, build_space
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.hf import config_from_hf
-from remodel.models.spec import widths as cfg_widths
+from remodel.models.kinds import widths as cfg_widths
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import hf_pair
 

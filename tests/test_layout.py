@@ -89,17 +89,34 @@ def test_one_width_vocabulary():
     from remodel.compress.search_space import WIDTHS as SEARCH
     from remodel.models.params import AXES as COUNT_AXES
     assert set(PRUNE_AXES) == set(kinds.PRUNABLE)
-    assert set(SEARCH) <= set(spec.WIDTHS) and set(COUNT_AXES) == set(spec.WIDTHS)
+    assert set(SEARCH) <= set(kinds.WIDTHS) and set(COUNT_AXES) == set(kinds.WIDTHS)
     for name, w in {**PRUNE_AXES, **SEARCH}.items():
-        assert w is spec.WIDTHS[name]
+        assert w is kinds.WIDTHS[name]
 
 
 def test_each_width_is_declared_once_by_its_kind():
-    """spec.WIDTHS is the trunk's widths plus every kind's own declarations, each under that kind's
+    """kinds.WIDTHS is the trunk's widths plus every kind's own declarations, each under that kind's
     layer character; a kind reads every width it declares, and its config section holds the field."""
     from remodel.models.kinds import KINDS
     declared = {w.name: k for k in KINDS.values() for w in k.declares}
-    assert list(spec.WIDTHS) == [w.name for w in spec.TRUNK_WIDTHS] + list(declared)
+    assert list(kinds.WIDTHS) == [w.name for w in spec.TRUNK_WIDTHS] + list(declared)
     for name, k in declared.items():
-        w = spec.WIDTHS[name]
+        w = kinds.WIDTHS[name]
         assert w.layer == k.char and name in k.widths and w.field in k.config.names(), name
+
+
+def test_width_registry_complete_whatever_is_imported_first():
+    """Each kind enters its own widths as it is made (LayerKind.__post_init__): whichever module a process
+    imports first (a kind's own, spec, the search space), the registry and widths(cfg) hold every kind's widths
+    in one order (before, spec.widths() saw the trunk's two alone until models.kinds was imported)."""
+    import subprocess
+    import sys
+    got = set()
+    for first in ("remodel.models.spec", "remodel.models.gated_deltanet", "remodel.compress.search_space"):
+        code = (f"import {first}; from remodel.models import spec; from remodel.models.kinds import WIDTHS; "
+                "assert spec.WIDTHS is WIDTHS; print(list(WIDTHS), len(WIDTHS))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got.add(out.stdout)
+    assert got == {f"{list(kinds.WIDTHS)} {len(kinds.WIDTHS)}\n"}
+    assert len(kinds.WIDTHS) == len(spec.TRUNK_WIDTHS) + sum(len(k.declares) for k in kinds.KINDS.values()) > 10

@@ -12,7 +12,7 @@ from remodel.models.hf_adapter import to_hf_part
 from remodel.models.kinds import KINDS
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.params import count_params
-from remodel.models.spec import WIDTHS
+from remodel.models.kinds import WIDTHS
 from tests.conftest import FAMILY_CONFIGS, KIND_CONFIGS
 
 TESTS = Path(__file__).resolve().parent

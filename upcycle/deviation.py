@@ -16,13 +16,16 @@ and dense MLP outputs on the same inputs (the upcycled stream's).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from remodel.models.kinds import KINDS
 from remodel.models.mlp import ACT, ffn
-from remodel.models.model import Block, final_hidden, init_buffers, scale_embedding
+from remodel.models.model import Block, init_buffers
 from remodel.models.norm import trunk_norm
+from remodel.models.trunk import finish, one_pass, start, walker
 
 from .virtual_groups import LazyExperts
 
@@ -98,6 +101,23 @@ def _materialise(module: torch.nn.Module):
                 m._buffers[n] = torch.empty(t.shape, dtype=t.dtype)
 
 
+class Paired(torch.nn.Module):
+    """An upcycled layer's mixer in the deviation check: the dense mixer on both streams, the MoE on the
+    upcycled one, which continues from the MoE's output; `record` gets their gap on the upcycled inputs."""
+
+    def __init__(self, dense, moe, b: int, record):
+        super().__init__()
+        self.dense, self.moe, self.b, self.record = dense, moe, b, record
+
+    def forward(self, h, *inputs):
+        d = self.dense(h, *inputs)
+        m = self.moe(h[self.b:], *inputs)
+        diff = (m - d[self.b:]).float()
+        self.record({"max_abs_out_diff": diff.abs().max().item(),
+                     "rel_out_diff": (diff.norm() / d[self.b:].norm().clamp_min(1e-30)).item()})
+        return torch.cat([d[:self.b], m])
+
+
 class StreamCheck:
     def __init__(self, cfg, moe_cfg, seed: int, sequences: int = 1, seq_len: int = 32):
         self.cfg, self.moe_cfg, self.b = cfg, moe_cfg, sequences
@@ -106,7 +126,7 @@ class StreamCheck:
         self.todo = (["embeddings.weight"] + [f"layers.{i}" for i in range(len(cfg.pattern))] + ["norm_f.weight"]
                      + ([] if cfg.tie_word_embeddings else ["lm_head.weight"]))
         self.pending, self.blocks, self.layers = {}, {}, []
-        self.x = self.emb = self.norm_f = self.result = None
+        self.stream = self.walk = self.emb = self.norm_f = self.result = None
 
     def feed(self, key: str, tensors: dict, moe: dict | None = None):
         """tensors: our names -> tensors of group `key` (an upcycled layer's dense MLP included);
@@ -156,27 +176,27 @@ class StreamCheck:
 
     @torch.no_grad()
     def _step(self, key: str, tensors: dict, moe: dict | None):
-        b = self.b
         if key == "embeddings.weight":
             self.emb = tensors[key]
-            x = scale_embedding(self.cfg, self.emb[self.ids].float())
-            self.x = torch.cat([x, x])  # [dense stream; upcycled stream]
+            x = start(self.cfg, self.emb[self.ids].float())
+            self.stream = {"x": torch.cat([x, x])}  # [dense stream; upcycled stream]
+            self.walk = walker(len(self.cfg.pattern), self.stream, one_pass(("x",)))
+            next(self.walk)
         elif key.startswith("layers."):
             i = int(key.split(".")[1])
             kind, p = self.cfg.pattern[i], key + "."
             block = self._load(self.cfg, kind, p, tensors)
-            if not KINDS[kind].upcycles_to:
-                self.x = block(self.x)
-                return
-            h = block.norm(self.x)
-            d = block.mixer(h)
-            moe_t = {k: v for k, v in tensors.items() if k.startswith(p + "norm.")}
-            moe_t.update((p + "mixer." + k, v) for k, v in moe.items())
-            m = self._load(self.moe_cfg, KINDS[kind].upcycles_to, p, moe_t).mixer(h[b:])
-            diff = (m - d[b:]).float()
-            self.layers.append({"layer": i, "max_abs_out_diff": diff.abs().max().item(),
-                                "rel_out_diff": (diff.norm() / d[b:].norm().clamp_min(1e-30)).item()})
-            self.x = block.join(self.x, torch.cat([d[:b], m]))
+            dense = block.mixer
+            if KINDS[kind].upcycles_to:  # the dense MLP on the dense stream, the MoE on the upcycled one
+                moe_t = {k: v for k, v in tensors.items() if k.startswith(p + "norm.")}
+                moe_t.update((p + "mixer." + k, v) for k, v in moe.items())
+                m = self._load(self.moe_cfg, KINDS[kind].upcycles_to, p, moe_t).mixer
+                block.mixer = Paired(dense, m, self.b, lambda d: self.layers.append({"layer": i, **d}))
+            try:
+                with contextlib.suppress(StopIteration):  # the last layer ends the walk
+                    self.walk.send(block)
+            finally:
+                block.mixer = dense
         elif key == "norm_f.weight":
             self.norm_f = tensors[key].float()
             if self.cfg.tie_word_embeddings:
@@ -185,10 +205,13 @@ class StreamCheck:
             self._finish(tensors[key])
 
     def _finish(self, head: torch.Tensor):
-        b = self.b
         norm = trunk_norm(self.cfg)
         norm.weight.data = self.norm_f
-        h = final_hidden(self.cfg, norm, self.x)
+        finish(self.cfg, norm, self.stream.pop("x"), lambda h: self._compare(h, head))
+
+    def _compare(self, h: torch.Tensor, head: torch.Tensor):
+        """The dense and upcycled streams' logits, compared a vocab block at a time."""
+        b = self.b
         dmax = dense_max = sq_diff = sq_ref = 0.0
         for w in head.split(max(1, CAST_BYTES * 8 // (4 * head.shape[1]))):  # vocab rows of 8 MiB in fp32
             z = linear_f32(h, w)
@@ -203,4 +226,3 @@ class StreamCheck:
                        "method": "dense and upcycled forwards of random tokens, layer by layer as the weights "
                                  "stream (MoE weights as written); per-layer figures compare MoE and dense MLP "
                                  "outputs on the upcycled stream's inputs"}
-        self.x = None
