@@ -34,7 +34,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units as layer_units, family as family_of
 from remodel.models.hf import check_exportable, config_to_hf, default_family
-from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, used
+from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, used, widths
 from remodel.models.spec import top
 
 from .axes import dim_indices, layer_of, select, tensor_axes
@@ -188,6 +188,17 @@ def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
             raise RemodelError(f"{flag(key)} {v} {why}; nearest valid: {' or '.join(map(str, near)) or 'none'}")
 
 
+def _nearest_valid(cfg: ModelConfig, target: ModelConfig, t: dict, rule) -> str:
+    """The nearest widths of the one the user changed (the first of the rule's that was a target) that the
+    rule allows, the others as targeted (at most the source's)."""
+    w = widths(target)
+    name = next((n for n in rule.of + rule.by if n in t), (rule.of + rule.by)[0])
+    src = getattr(cfg, WIDTHS[name].field)
+    ok = [v for v in range(src, 0, -1) if rule.holds({**w, name: v})]
+    near = sorted(ok, key=lambda v: (abs(v - w[name]), -v))[:2]
+    return f"{flag(name)} " + (" or ".join(map(str, sorted(near))) if near else "none")
+
+
 def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
     """The whole target must still be a valid, exportable model of the source family."""
     sizes = {AXES[k].field: v for k, v in kept_widths(cfg, t).items()}
@@ -201,15 +212,10 @@ def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str
     except RemodelError:
         return  # an in-memory model no family can hold: nothing more to keep
     check_exportable(target, family)
-    if family_of(family).hidden_divides_heads and target.hidden_size % target.num_attention_heads:
-        H, nq = target.hidden_size, target.num_attention_heads
-        if "hidden_size" in t:
-            near = _nearest(H, nq, cfg.hidden_size)
-            raise RemodelError(f"--hidden-size {H} is not a multiple of the {nq} attention heads, which transformers' "
-                               f"{family} config requires; nearest valid: {near}")
-        ok = [q for q in range(nq, 0, -1) if H % q == 0 and q % cfg.num_key_value_heads == 0][:1]
-        raise RemodelError(f"--attn-heads {nq} does not divide hidden_size={H}, which transformers' {family} "
-                           f"config requires; nearest valid: {' or '.join(map(str, ok)) or 'none'}")
+    w = widths(target)
+    for rule in family_of(family).width_rules:  # the constraints the family's config imposes between widths
+        if not rule.holds(w):
+            raise RemodelError(f"{rule.refusal(w, family)}; nearest valid: {_nearest_valid(cfg, target, t, rule)}")
     config_to_hf(target, family)  # transformers' own config checks, still before any work
 
 

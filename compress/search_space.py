@@ -90,21 +90,19 @@ def _valid(cfg: ModelConfig, axis: str, v: int) -> bool:
 
 
 def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:
-    """Constraints between axes, for the layers of unit type t (None: every layer): hidden a multiple of the
-    heads where the family demands it (its config derives head_dim from hidden / heads;
-    compress.prune.validate_targets refuses the rest), and the Mamba width a multiple of hidden where its
-    config derives that width as mamba_expand * hidden (Bamba, Granite)."""
+    """Constraints between axes, for the layers of unit type t (None: every layer): the width rules the family
+    declares (models/families/width_rules.py: hidden a multiple of the heads, the Mamba width of hidden) where
+    those layers have the widths, and whole groups of a grouped width."""
     fam = family_of(sp.family)
 
     def has(axis):
         return any(axis in KINDS[c].widths for c in (t if t is not None else sp.cfg.pattern))
-    if fam.hidden_divides_heads and has("attn_heads") and d["attn_heads"] and d["hidden_size"] % d["attn_heads"]:
-        return False
+    if any(all(has(a) for a in r.axes) and not r.holds(d) for r in fam.width_rules):
+        return False  # a constraint the family's config imposes (hidden a multiple of the heads, ...)
     for a, g in _GROUPED.items():  # a width of whole groups whose group count is searched too (GDN value heads)
         if has(a) and d[a] and not _groups_hold(sp.cfg, a, g, d[a], d[g]):
             return False
-    mamba = fam.mamba_width_from_hidden and has("mamba_heads") and d["mamba_heads"]
-    return not (mamba and d["mamba_heads"] * d["mamba_head_dim"] % d["hidden_size"])
+    return True
 
 
 def _groups_hold(cfg: ModelConfig, axis: str, group_axis: str, v: int, g: int) -> bool:

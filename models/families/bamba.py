@@ -12,6 +12,7 @@ from remodel.models.kinds import used
 from remodel.models.mamba import MAMBA
 
 from .family import Family, feed_forward_keys, read_rope, time_step_limit
+from .width_rules import MAMBA_WIDTH_FROM_HIDDEN
 
 BLOCK_TYPES = {"linear_attention": "M", "full_attention": "*"}  # HF layer type -> our mixer layer
 ROTARY = 0.5  # transformers' BambaConfig sets partial_rotary_factor=0.5 whatever config.json says
@@ -109,7 +110,7 @@ class Bamba(Family):
 _TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
              mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
-BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, mamba_width_from_hidden=True, block_types=BLOCK_TYPES,
+BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, width_rules=(MAMBA_WIDTH_FROM_HIDDEN,), block_types=BLOCK_TYPES,
               raw={"mamba_expand": (1, MAX_SMALL)}, padding_idx=True,
               upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)",
               # every bias, tied embeddings, an explicit head_dim, attention last, a dt clamp

@@ -126,9 +126,8 @@ class Family:
     """name: transformers' model_type; arch: its CausalLM class; depth: our layers per HF decoder layer
     (depth pruning removes them together); moe: its layers hold routed experts (an upcycling target);
     mtp: it stores MTP layers; routers: the upcycling routers it can hold; shared_expert_gate: its
-    shared expert is scaled by sigmoid(w.x); hidden_divides_heads: transformers' config requires hidden
-    to be a multiple of the query heads; mamba_width_from_hidden: its config derives the Mamba width as
-    mamba_expand * hidden_size (heads x head size a multiple of hidden); block_types: its config's per-layer type names, as our layer kinds;
+    shared expert is scaled by sigmoid(w.x); width_rules: the constraints between widths its
+    transformers config imposes (hidden a multiple of the query heads, the Mamba width of hidden); block_types: its config's per-layer type names, as our layer kinds;
     multipliers: it holds embedding_multiplier, residual_multiplier, attention_scale and logits_scaling
     (every other family needs them at their defaults); projections: it holds the PROJECTIONS fields;
     tiny: named tiny config.json field sets (model_type left out) of this family, the conformance suite's
@@ -142,8 +141,7 @@ class Family:
     mtp: bool = False
     routers: tuple = ()
     shared_expert_gate: bool = False
-    hidden_divides_heads: bool = False
-    mamba_width_from_hidden: bool = False
+    width_rules: tuple = ()  # WidthRules its transformers config imposes (models/families/width_rules.py)
     block_types: dict = field(default_factory=dict)
     multipliers: bool = False  # its config holds ModelConfig's scalar multipliers (embedding, residual, ...)
     # transformers builds its input embedding as nn.Embedding(vocab, hidden, padding_idx=config.pad_token_id): that

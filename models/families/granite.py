@@ -21,6 +21,7 @@ from remodel.models.mlp import MLP_KIND
 from remodel.models.moe import MOE
 
 from .family import Family, Part, cfg_choice, read_rope, time_step_limit
+from .width_rules import MAMBA_WIDTH_FROM_HIDDEN
 
 BLOCK_TYPES = {"linear_attention": MAMBA.char, "full_attention": ATTENTION.char}  # HF layer type -> our mixer
 _TYPE = {v: k for k, v in BLOCK_TYPES.items()}
@@ -185,7 +186,7 @@ _TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
              num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
              mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
              embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
-GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, mamba_width_from_hidden=True,
+GRANITE = Granite("granitemoehybrid", "GraniteMoeHybridForCausalLM", depth=2, width_rules=(MAMBA_WIDTH_FROM_HIDDEN,),
                   block_types=BLOCK_TYPES, raw={"mamba_expand": (1, MAX_SMALL)},
                   multipliers=True, moe=True, routers=("topk-softmax",), padding_idx=True,
                   upcycle_help="granitemoehybrid (with --shared-expert-size > 0: its MoE layers keep a shared MLP)",

@@ -9,6 +9,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 
 from .family import ROPE_TYPES, Family, read_rope
+from .width_rules import HIDDEN_DIVIDES_HEADS
 
 _QKV = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 ATTN = _QKV + ("o_proj.weight", "o_proj.bias")  # attention_bias covers o_proj too
@@ -142,7 +143,7 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_siz
             num_key_value_heads=2, head_dim=8)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-LLAMA = LlamaFamily("llama", "LlamaForCausalLM", hidden_divides_heads=True, padding_idx=True,
+LLAMA = LlamaFamily("llama", "LlamaForCausalLM", width_rules=(HIDDEN_DIVIDES_HEADS,), padding_idx=True,
                     tiny={"tied": dict(TINY, tie_word_embeddings=True), "llama3_rope": dict(TINY, rope_parameters=LLAMA3_ROPE)})
 MISTRAL = LlamaFamily("mistral", "MistralForCausalLM", window=True, padding_idx=True,
                       tiny={"plain": dict(TINY, sliding_window=None)})

@@ -25,7 +25,7 @@ from remodel.models.errors import RemodelError
 from .family import Family, Part
 
 OUTER = "outer_config"  # ModelConfig.extra key: the checkpoint's config.json without the text model's config
-_COPIED = ("depth", "moe", "mtp", "routers", "shared_expert_gate", "hidden_divides_heads", "mamba_width_from_hidden",
+_COPIED = ("depth", "moe", "mtp", "routers", "shared_expert_gate", "width_rules",
            "block_types", "multipliers", "projections", "raw", "variants", "padding_idx")
 
 
