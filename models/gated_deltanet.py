@@ -63,7 +63,6 @@ class _Conv(NamedTuple):
 
 class GatedHeadNorm(nn.Module):
     """RMSNorm over each value head's channels, times silu(gate) (one weight shared by every head)."""
-    gated = True  # tensor parallelism: a shared weight serving this rank's heads, with a gate
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -71,7 +70,12 @@ class GatedHeadNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, gate):
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return self.normed(self.weight, x, gate)
+
+    def normed(self, weight, x, gate):
+        """The norm with `weight` in place of its own (tensor parallelism: the replicated weight as this rank's
+        heads read it, pipelines.distributed.styles.SharedNorm)."""
+        return gated_rms_norm(x, gate, weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

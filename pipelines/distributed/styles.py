@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from remodel.models.errors import RemodelError
-from remodel.models.gdn_kernels import gated_rms_norm
 from remodel.models.layout import layer_params, tp_split
 from remodel.models.norm import scale_of
 
@@ -82,23 +81,24 @@ class SharedWeightRMSNorm(nn.Module):
         return ((copy_to_group(self.weight, self.group).float() + self.offset) * x).to(dtype)
 
 
-class SharedWeightGatedNorm(nn.Module):
-    """A gated per-head RMSNorm (the Gated DeltaNet's) whose weight serves only this rank's value heads."""
+class SharedWeightNorm(nn.Module):
+    """A kind's own norm (one that says how to apply another weight: `normed(weight, *inputs)`, e.g. the Gated
+    DeltaNet's gated head norm) whose replicated weight serves only this rank's heads: its gradient is summed."""
 
     def __init__(self, norm: nn.Module, group):
         super().__init__()
-        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+        self.weight, self.normed, self.group = norm.weight, norm.normed, group
 
-    def forward(self, x, gate):
-        return gated_rms_norm(x, gate, copy_to_group(self.weight, self.group), self.eps)
+    def forward(self, *inputs):
+        return self.normed(copy_to_group(self.weight, self.group), *inputs)
 
 
 class SharedNorm(ParallelStyle):
-    """A replicated norm weight applied to this rank's heads only: the module becomes SharedWeightRMSNorm
-    (SharedWeightGatedNorm for a norm that takes a gate)."""
+    """A replicated norm weight applied to this rank's heads only: the module becomes SharedWeightRMSNorm, or
+    SharedWeightNorm where the module applies a given weight itself (`normed`)."""
 
     def _apply(self, module, mesh):
-        shared = SharedWeightGatedNorm if getattr(module, "gated", False) else SharedWeightRMSNorm
+        shared = SharedWeightNorm if hasattr(module, "normed") else SharedWeightRMSNorm
         return shared(module, mesh.get_group())
 
 
