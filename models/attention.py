@@ -77,7 +77,65 @@ def rotate(x, cos, sin):
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+# ---- the variant parts: each section field that changes the forward selects one of these at build time ----
+
+def _same_qk(attn, q, k):
+    return q, k
+
+
+def _norm_qk(attn, q, k):
+    """q_norm / k_norm: over all heads' projections (qk_norm_full: OLMo 2, OLMo-hybrid; TP splits the weight with
+    the heads) or per head (qk_norm: Qwen3), by where the forward applies it."""
+    return attn.q_norm(q), attn.k_norm(k)
+
+
+def _query_heads(q, hd: int):
+    """q [b, l, heads * hd] -> (q [b, l, heads, hd], no gate)."""
+    return q.view(*q.shape[:2], q.shape[-1] // hd, hd), None
+
+
+def _query_and_gate_heads(q, hd: int):
+    """attn_output_gate (Qwen3.5): each head's rows are [query | gate] -> (q, gate), [b, l, heads, hd] each."""
+    q, gate = q.view(*q.shape[:2], q.shape[-1] // (2 * hd), 2 * hd).chunk(2, dim=-1)
+    return q, gate
+
+
+def _scaled_keys(attn, k):
+    """key_multiplier (Falcon-H1): the keys times it."""
+    return k * attn.cfg.key_multiplier
+
+
+def _same_keys(attn, k):
+    return k
+
+
+def _plain_out(o, gate):
+    return o
+
+
+def _gated_out(o, gate):
+    """attn_output_gate: the heads' output times sigmoid(gate)."""
+    return o * torch.sigmoid(gate.reshape(o.shape))
+
+
+def _rotated(attn, q, k, position_ids):
+    """RoPE (rope_theta set) on q, k [b, heads, l, hd]."""
+    pos = torch.arange(q.shape[2], device=q.device) if position_ids is None else position_ids
+    freqs = pos[..., None].float() * attn.inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    if cos.dim() == 3:  # per-batch positions
+        cos, sin = cos[:, None], sin[:, None]
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def _unrotated(attn, q, k, position_ids):
+    """No positional encoding (Nemotron-H's attention)."""
+    return q, k
+
+
 class Attention(nn.Module):
+    """Grouped-query attention; its variants (AttentionConfig's fields) are parts chosen once, at build time."""
     recompute_core = False  # models.recompute "selective": q/k norm, RoPE and SDPA recomputed in backward
 
     def __init__(self, cfg):
@@ -93,6 +151,12 @@ class Attention(nn.Module):
             self.k_norm = trunk_norm(cfg, hd * (cfg.num_key_value_heads if cfg.qk_norm_full else 1))
         if cfg.rope_theta is not None:
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.norm_projections = _norm_qk if cfg.qk_norm_full else _same_qk
+        self.norm_heads = _norm_qk if cfg.qk_norm else _same_qk
+        self.split_query = _query_and_gate_heads if cfg.attn_output_gate else _query_heads
+        self.gate_output = _gated_out if cfg.attn_output_gate else _plain_out
+        self.position = _rotated if cfg.rope_theta is not None else _unrotated
+        self.scale_keys = _scaled_keys if cfg.key_multiplier != 1 else _same_keys
 
     def build_buffers(self, device):
         """RoPE frequencies (non-persistent: never in a checkpoint, rebuilt after a meta-device build)."""
@@ -100,51 +164,42 @@ class Attention(nn.Module):
             self.inv_freq = rope_inv_freq(self.cfg).to(device)
 
     def forward(self, x, attention_mask=None, position_ids=None):
-        cfg = self.cfg
         b, l, _ = x.shape
-        hd = cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
-        k, v, q = self.k_proj(x), self.v_proj(x), self.q_proj(x)
-        if cfg.qk_norm_full:  # this kind's qk_norm_full variant: one norm over all heads (TP: weight split with them)
-            q, k = self.q_norm(q), self.k_norm(k)
-        k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (k, v))
-        per = 2 * hd if cfg.attn_output_gate else hd  # a gated head's rows: [query | gate]
-        q = q.view(b, l, q.shape[-1] // per, per)
-        if cfg.attn_output_gate:  # per head [query | gate]
-            q, gate = q.chunk(2, dim=-1)
-        if cfg.key_multiplier != 1:  # this kind's key-multiplier variant (AttentionConfig; 1: off)
-            k = k * cfg.key_multiplier
+        hd = self.cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
+        q, k = self.norm_projections(self, self.q_proj(x), self.k_proj(x))
+        k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (k, self.v_proj(x)))
+        q, gate = self.split_query(q, hd)
+        k = self.scale_keys(self, k)
         o = maybe_checkpoint(self, self._core, q, k, v, attention_mask, position_ids)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(o.shape)) if cfg.attn_output_gate else o)
+        return self.o_proj(self.gate_output(o, gate))
 
     def _core(self, q, k, v, attention_mask, position_ids):
         """q, k, v [b, l, heads, hd] (projection outputs) -> the o_proj input [b, l, heads * hd]."""
         cfg = self.cfg
         b, l = q.shape[:2]
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.norm_heads(self, q, k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cfg.rope_theta is not None:
-            pos = torch.arange(l, device=q.device) if position_ids is None else position_ids
-            freqs = pos[..., None].float() * self.inv_freq.float()
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-            if cos.dim() == 3:  # per-batch positions
-                cos, sin = cos[:, None], sin[:, None]
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = self.position(self, q, k, position_ids)
         gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
         window = cfg.sliding_window is not None and l > cfg.sliding_window
         if attention_mask is None and not window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=cfg.attention_scale)
         else:  # causal AND inside the window AND key not padded
-            keep = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
-            if window:
-                keep = keep & ~torch.ones_like(keep).tril(-cfg.sliding_window)
-            keep = keep[None, None]
-            if attention_mask is not None:
-                keep = keep & attention_mask[:, None, None, :].bool()
-                keep = keep | torch.eye(l, dtype=torch.bool, device=q.device)  # no fully-masked rows
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa, scale=cfg.attention_scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_keep(cfg, l, attention_mask, q.device),
+                                               enable_gqa=gqa, scale=cfg.attention_scale)
         return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])
+
+
+def _keep(cfg, l: int, attention_mask, device):
+    """[1 or b, 1, l, l]: causal, inside the sliding window, key not padded (a row never fully masked)."""
+    keep = torch.ones(l, l, dtype=torch.bool, device=device).tril()
+    if cfg.sliding_window is not None and l > cfg.sliding_window:
+        keep = keep & ~torch.ones_like(keep).tril(-cfg.sliding_window)
+    keep = keep[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask[:, None, None, :].bool()
+        keep = keep | torch.eye(l, dtype=torch.bool, device=device)  # no fully-masked rows
+    return keep
 
 
 class AttentionKind(LayerKind):
