@@ -140,6 +140,19 @@ class GatedDeltaNetKind(LayerKind):
     def build(self, cfg):
         return GatedDeltaNet(cfg)
 
+    def init_param(self, cfg, local, p, g, std):
+        """As transformers' qwen3_next / qwen3_5: A = -U(0.01, 16) (A_log its log), dt_bias one; the convs are
+        Conv1d, which its generic init draws normal(std)."""
+        if local == "A_log":
+            p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=g).log_())
+        elif local == "dt_bias":
+            p.fill_(1.0)
+        elif local.endswith("conv1d.weight"):
+            p.normal_(0.0, std, generator=g)
+        else:
+            return False
+        return True
+
     def validate(self, cfg, need):
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         need(hk > 0 and hv > 0 and cfg.linear_key_head_dim > 0 and cfg.linear_value_head_dim > 0,

@@ -18,6 +18,7 @@ holds the GPU kernels' calls to the CPU path through stand-ins with their signat
 from __future__ import annotations
 
 import functools
+import math
 import importlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -274,6 +275,22 @@ class Mamba2Mixer(nn.Module):
 class MambaKind(LayerKind):
     def build(self, cfg):
         return Mamba2Mixer(cfg)
+
+    def init_param(self, cfg, local, p, g, std):
+        """A = -1..-h, D one, dt_bias the inverse softplus of dt drawn log-uniform in [0.001, 0.1] (transformers'
+        nemotron_h); the conv uniform within 1/sqrt(conv_kernel)."""
+        if local == "D":
+            p.fill_(1.0)
+        elif local == "A_log":
+            init_a_log(p)
+        elif local == "dt_bias":
+            dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            p.copy_(dt.clamp(min=1e-4) + torch.log(-torch.expm1(-dt.clamp(min=1e-4))))
+        elif local == "conv1d.weight":
+            p.uniform_(-1.0 / math.sqrt(cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel), generator=g)
+        else:
+            return False
+        return True
 
     def validate(self, cfg, need):
         need(cfg.mamba_num_heads > 0 and cfg.mamba_head_dim > 0 and cfg.ssm_state_size > 0,

@@ -13,7 +13,6 @@ from torch import nn
 
 from .block import Block
 from .config import ModelConfig
-from .mamba import init_a_log
 from .mtp import MTP
 from .norm import trunk_norm
 from .trunk import finish, start, walk, walk_mtp
@@ -125,24 +124,22 @@ def init_buffers(module: nn.Module, device) -> nn.Module:
 
 @torch.no_grad()
 def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) -> HybridLM:
-    """Fresh initialisation in the style of transformers' nemotron_h/_init_weights."""
+    """Fresh initialisation in the style of transformers' _init_weights: each mixer's own parameters (A_log,
+    dt_bias, its convs) as its kind says (LayerKind.init_param), the rest generic: norms one, biases zero,
+    weights normal(std), the residual-out projections std / sqrt(2 * layers) (nemotron_h)."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     cfg = model.cfg
+    blocks = [(f"layers.{i}.mixer.", b) for i, b in enumerate(model.layers)]
+    blocks += [(f"mtp.layers.{j}.mixer.", b) for j, b in enumerate(model.mtp.layers)] if cfg.mtp_layers else []
+    owner = {p + n: (b.spec, n) for p, b in blocks for n, _ in b.mixer.named_parameters()}
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("norm.weight") or name.endswith("_norm.weight") or leaf == "D":
+        if name in owner and owner[name][0].init_param(cfg, owner[name][1], p, g, std):
+            continue
+        if name.endswith("norm.weight") or name.endswith("_norm.weight"):
             p.fill_(1.0)
         elif leaf == "bias" or name.endswith("gate.weight") and p.shape[0] == 1:
             p.zero_()
-        elif leaf == "A_log":
-            init_a_log(p)
-        elif leaf == "dt_bias":
-            dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
-            dt = dt.clamp(min=1e-4)
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        elif "conv1d" in name:
-            bound = 1.0 / math.sqrt(cfg.conv_kernel)
-            p.uniform_(-bound, bound, generator=g)
         else:
             s = std / math.sqrt(2 * cfg.num_layers) if leaf in ("out_proj", "o_proj", "down_proj") or name.endswith(
                 ("out_proj.weight", "o_proj.weight", "down_proj.weight")) else std

@@ -73,6 +73,10 @@ class ParallelKind(LayerKind):
         return {n: v for _, k in _PARTS for n, v in k.cache_bytes(cfg, w, batch, seq_len, kv_bytes, state_bytes,
                                                                  conv_bytes).items()}
 
+    def init_param(self, cfg, local, p, g, std):
+        k, leaf = _part(local)
+        return k is not None and k.init_param(cfg, leaf, p, g, std)
+
     def state_rows(self, cfg, w, batch, seq_len, bytes_=(2, 4, 2)):
         """Each part's state under its own row (attention's KV cache, Mamba's state)."""
         rows = {}

@@ -186,6 +186,12 @@ class LayerKind:
         """{cache name: bytes} of one layer's inference cache at widths w."""
         return {}
 
+    def init_param(self, cfg, local: str, p, g, std: float) -> bool:
+        """Initialise `local` (a parameter of this kind's mixer: A_log, dt_bias, a conv) in place as transformers'
+        _init_weights does for it, drawing from generator g; False: the generic rule (Linear weights normal(std),
+        biases zero, norms one) applies."""
+        return False
+
     state_row = ""  # the `inspect` row of its inference state ('KV cache'); every cache_bytes name adds to it
 
     def state_rows(self, cfg, w: dict, batch: int, seq_len: int, bytes_: tuple = (2, 4, 2)) -> dict:
