@@ -193,6 +193,14 @@ def _show_tasks(r):
         print(format_tasks(r["tasks"]), file=sys.stderr)
 
 
+def _show_summary(r):
+    """The report's one-line human summary (parameters before / after, deviation), on stderr beside the JSON."""
+    from remodel.pipelines.commands.summary import summary
+    line = summary(r)
+    if line and _lead():
+        print(line, file=sys.stderr)
+
+
 def _run_tokenize(a):
     from remodel.pipelines.data.tokens import tokenize, tokenize_megatron
     o = _opts(a)
@@ -239,7 +247,7 @@ def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         for x in v if isinstance(v, list) else [v]:
             if not chk.ok(x):
                 raise RemodelError(chk.message(act.dest, x, flag))
-    if a.command == "upcycle" and a.top_k > a.experts:
+    if a.command == "upcycle" and a.top_k is not None and a.top_k > a.experts:
         raise RemodelError(f"top_k must be at most --experts={a.experts} (--top-k), got {a.top_k}")
 
 
@@ -276,6 +284,8 @@ def _ranks(fn: str, arg):
 def main(argv=None) -> int:
     from remodel.pipelines.commands import threads
     threads.prepare_env()  # before torch loads OpenMP: threads sleep at barriers (steady beside other jobs)
+    from remodel.pipelines.commands.progress import lines_when_piped
+    lines_when_piped()  # progress bars: lines, not carriage returns, when stderr is no terminal
     ap = build_parser()
     a = ap.parse_args(argv)
     from remodel.models.errors import RemodelError
@@ -299,6 +309,7 @@ def main(argv=None) -> int:
         return 1
     if isinstance(r, dict) and a.command not in ("demo",):
         _show_tasks(r)
+        _show_summary(r)
         from remodel.pipelines.commands.report import strict_json
         print(strict_json({k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k in ("output", "tasks")},
                           a.command))

@@ -115,7 +115,8 @@ def test_nemotron_export_exact_in_transformers(nemo, tmp_path, G):
     dense, src, hf_ref = nemo
     for S in (0, 32):
         out = tmp_path / f"moe{S}"
-        rep = upcycle(src, out, experts=4 * G, granularity=G, top_k=2 * G, shared_expert_size=S, seed=3)
+        rep = upcycle(src, out, experts=4 * G, granularity=G, top_k=2 * G, shared_expert_size=S, seed=3,
+                      router="sigmoid")  # the pre-issue-59 default, explicit
         got = _hf_logits(out, _ids())
         assert (got - hf_ref).abs().max().item() < TOL, (G, S)
         assert rep["router"]["mode"] == "sigmoid" and rep["exact_expected"]
@@ -183,7 +184,8 @@ def test_pipeline_matches_in_memory_upcycle(nemo, tmp_path, dtype):
     """The streamed checkpoint is bit for bit the in-memory upcycle (bf16: scaled once, rounded once)."""
     src = tmp_path / "src"
     save_model(nemo[0], src, dtype=dtype)
-    rep = upcycle(src, tmp_path / "o", experts=8, granularity=2, top_k=4, shared_expert_size=16, seed=5)
+    rep = upcycle(src, tmp_path / "o", experts=8, granularity=2, top_k=4, shared_expert_size=16, seed=5,
+                  router="sigmoid")  # the pre-issue-59 default, explicit
     got = load_model(tmp_path / "o", dtype=dtype).state_dict()
     dense = load_model(src, dtype=dtype)
     plan = make_plan(dense.cfg, experts=8, granularity=2, top_k=4, shared=16, router="sigmoid")
@@ -291,7 +293,7 @@ def test_gelu_exact_for_g1_and_reported_for_g2(tmp_path):
     assert rep["exact_expected"] and rep["activation"] == "gelu" and rep["scaling"]["s"] == 1.0
     assert (_hf_logits(tmp_path / "g1", ids) - ref).abs().max().item() < TOL
     assert rep["deviation"]["max_abs_logit_diff"] < TOL
-    rep = upcycle(src, tmp_path / "g2", experts=8, granularity=2, top_k=4)
+    rep = upcycle(src, tmp_path / "g2", experts=8, granularity=2, top_k=4, router="sigmoid")  # the old default
     dev = rep["deviation"]
     assert not rep["exact_expected"] and "gelu" in rep["why_not_exact"][0]
     assert math.isclose(rep["scaling"]["s"], 2 ** 0.5)  # a^(1/2): GeLU is degree 1 in W1

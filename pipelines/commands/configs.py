@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from remodel.compress.baselines import METHODS
 from remodel.compress.expert_scores import EXPERT_METHODS
-from remodel.models.families import FAMILIES, UPCYCLE_TARGETS, upcycle_defaults
+from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.upcycle.virtual_groups import ROUTER_MODES
 
 from ..data.shards import SHARD_TOKENS
@@ -36,9 +36,12 @@ OVERWRITE = "replace an existing non-empty OUT"
 class ScoreOptions:
     COMMAND = "score"
     model: object = opt(None, "checkpoint directory to score", positional=True)
-    data: object = opt(None, "calibration text (needed for --method activation)")
+    data: object = opt(None, "calibration text (needed for --method activation and loo)")
     out: object = opt(None, "new SCORES directory (reused by prune, plan and search)", required=True)
-    method: str = opt("activation", "activation importance, or a data-free baseline", choices=METHODS)
+    method: str = opt("activation", "activation importance, a data-free baseline, or loo: the Mamba and Gated "
+                      "DeltaNet heads (and key-head groups) ranked by the calibration loss increase of each one removed "
+                      "alone (costs one forward per head over the calibration set; the model held whole)",
+                      choices=METHODS)
     seed: int = opt(0, "seed of --method random", check=SEED)
     expert_method: str = opt(
         "reconstruction", "what ranks MoE experts: reconstruction (default: greedy elimination of the experts whose "
@@ -64,17 +67,22 @@ class ScoreOptions:
 class PruneOptions:
     COMMAND = "prune"
     UNKNOWN = "scoring options, prune options or pruning targets"  # prune(**kw) takes all three
-    GROUPS = {"source": True, "depth": False}  # mutually exclusive groups: required?
+    GROUPS = {"source": False, "depth": False}  # mutually exclusive groups: required?
     model: object = opt(None, "checkpoint directory to prune", positional=True)
     out: object = opt(None, "new output directory", positional=True)
-    scores: object = opt(None, "SCORES directory from `remodel score` (one of --scores / --data is required)",
-                         group="source")
+    scores: object = opt(None, "SCORES directory from `remodel score` (one of --scores / --data is required, "
+                         "but for --plan: data-free magnitude scores then)", group="source")
     data: object = opt(None, "calibration text: score first, then prune", group="source")
     widths: dict = opt({}, "{width name: target}: a flag per prunable width (models.kinds.WIDTHS)", widths=True)
     num_layers: int | None = opt(None, "keep this many layers, the least important dropped", group="depth",
                                  check=ints(1, 2**16))
     drop_layers: object = opt(None, "comma-separated layer indices to drop, e.g. 3,7", group="depth", ints=True,
                               check=ints(0, 2**16))
+    plan: object = opt(None, "PLAN file from `remodel plan --out`: prune to one of its candidates exactly",
+                       group="depth")
+    candidate: int = opt(1, "which candidate of --plan (the # of its table)", check=ints(1, 10**4))
+    allow_attention_free: bool = opt(False, "accept a depth cut that removes every attention layer (refused "
+                                     "otherwise)")
     tasks: list | None = opt(None, _tasks_help("the result, in its report"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     task_limit: int | None = opt(None, LIMIT, flag="limit", check=ints(1, 2**31))
@@ -106,6 +114,9 @@ class PlanOptions:
     batch: int = opt(1, "batch for the memory estimate", check=BATCH)
     seq_len: int = opt(4096, "sequence length for the memory estimate", check=SEQ_LEN)
     json: bool = opt(False, "print the candidates as JSON instead of a table (nothing else printed)")
+    out: object = opt(None, "write the candidates to this PLAN file (JSON) for `remodel prune MODEL OUT --plan PLAN` "
+                      "(None: not written)")
+    overwrite: bool = opt(False, "replace an existing PLAN file")
     max_width_cut: float = opt(0.45, "largest fraction of a width removed", cli=False)
     max_depth_cut: float = opt(0.2, "largest fraction of the layers removed", cli=False)
     max_type_cut: float = opt(0.5, "largest fraction of one layer type removed", cli=False)
@@ -144,9 +155,15 @@ class SearchOptions:
 
 
 def _router_help() -> str:
+    from .upcycle_defaults import router_defaults
     return ("router scoring: topk-softmax and sigmoid renormalise the chosen scores (exact), softmax-topk and "
-            "sigmoid-raw gate by the raw scores (close, not exact; with top-k = G only these learn which group to "
-            f"pick); default (None): {upcycle_defaults('router')}")
+            f"sigmoid-raw gate by the raw scores (README \"Upcycling\"); default (None): {router_defaults()}")
+
+
+def _to_help() -> str:
+    from remodel.models.families import upcycle_defaults
+    first = upcycle_defaults("to").split("; ")[:2]  # the two commonest sources; the whole table is README's
+    return f"output family; default (None): {'; '.join(first)}; the others in README (\"Upcycling targets\")"
 
 
 @dataclass
@@ -156,20 +173,19 @@ class UpcycleOptions:
     out: object = opt(None, "new output directory", positional=True)
     experts: int | None = opt(None, "N, routed experts per layer: N = E x G (E copies of the MLP, each cut into G "
                               "shards)", required=True, check=ints(1, 2**16))
-    granularity: int = opt(1, "G, shards per copy of the dense MLP (expert width = dense width / G); N = E x G",
+    granularity: int = opt(4, "G, shards per copy of the dense MLP (expert width = dense width / G); N = E x G",
                            check=ints(1, 2**16))
-    top_k: int | None = opt(None, "T, experts per token; a multiple of G keeps the dense model's output",
-                            required=True, check=ints(1, 2**16))
+    top_k: int | None = opt(None, "T, experts per token; None: 2G (two virtual groups per token, README's "
+                            "recommendation), at most N; a multiple of G keeps the dense model's output",
+                            check=ints(1, 2**16))
     shared_expert_size: int = opt(0, "dense neurons kept as an always-on shared expert (0: none)",
                                   check=ints(0, 2**24))
     router: str | None = opt(None, _router_help, choices=ROUTER_MODES)
-    to: str | None = opt(None, lambda: f"output family; default (None): {upcycle_defaults('to')}",
-                         choices=UPCYCLE_TARGETS)
+    to: str | None = opt(None, _to_help, choices=UPCYCLE_TARGETS)
     exact: bool = opt(False, "reproduce the dense model at step 0 (whole scale on down_proj) or refuse")
     dtype: object = opt(None, "dtype of the written weights (None: the checkpoint's)", choices=DTYPES)
     drop_ratio: float = opt(0.0, "Drop-Upcycling: fraction R in [0, 1] of each routed expert's neurons "
-                            "re-initialised (a different random subset per expert, drawn with the dense matrices' "
-                            "mean and std); 0: plain copies of the dense MLP; not with --exact",
+                            "re-initialised (README); 0: plain copies of the dense MLP; not with --exact",
                             check=Check(float, 0, 1))
     seed: int = opt(0, "seed of the random router rows and of --drop-ratio's draws", check=SEED)
     overwrite: bool = opt(False, OVERWRITE)

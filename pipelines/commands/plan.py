@@ -27,17 +27,20 @@ score the model before pruning to a candidate).
 from __future__ import annotations
 
 import math
+import os
+import shlex
 import time
 
 from remodel.compress.search_space import METRICS, WIDTHS, Serving, build_space, depth_units, extremes, search
 from remodel.models.config import ModelConfig
-from remodel.models.kinds import KINDS, routed
+from remodel.models.kinds import KINDS, routed, used
 from remodel.models.errors import RemodelError
 from remodel.models.params import count_params, memory_bytes
 
 from .configs import PlanOptions
 from .inspection import fmt_count, resolve_source
 from .options import given, make
+from .plan_file import candidate_config, check_plan_out, write_plan
 
 FIELDS = {a: w.field for a, w in WIDTHS.items()}  # axis -> config field (flat name)
 SHORT = {a: w.short for a, w in WIDTHS.items()}  # axis -> table column label
@@ -88,6 +91,12 @@ def _load_depth_scores(scores, cfg: ModelConfig, family: str):
     return [sum(s[i] for i in u) for u in depth_units(cfg, family)], metric
 
 
+def _used_axes(cfg: ModelConfig) -> set:
+    """The width axes MODEL has (hidden, and those of its layer kinds): a dense model's plan carries no MoE fields."""
+    kinds = used(cfg)
+    return {a for a, w in WIDTHS.items() if w.layer is None or any(a in k.widths for k in kinds)}
+
+
 def _drop(sp, removed: dict, unit_scores) -> list[int]:
     """Unit indices to drop: per type the least important (ties: lower index), or evenly spaced."""
     out = []
@@ -100,14 +109,6 @@ def _drop(sp, removed: dict, unit_scores) -> list[int]:
         else:  # placeholder without scores: r units spread evenly over the type's n
             out += [js[int((i + 0.5) * len(js) / r)] for i in range(r)]
     return sorted(out)
-
-
-def candidate_config(cfg: ModelConfig, cand: dict, family: str | None = None) -> ModelConfig:
-    """The ModelConfig of a candidate (its widths, its pattern after dropping `drop_layers`)."""
-    drop = set(cand.get("drop_layers") or ())
-    kept = [i for j, u in enumerate(depth_units(cfg, family)) if j not in drop for i in u]
-    return cfg.replace(pattern="".join(cfg.pattern[i] for i in kept),
-                       **{FIELDS[a]: v for a, v in cand["widths"].items()})
 
 
 def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> dict:
@@ -132,7 +133,7 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     values = dict(zip(METRICS, exact))
     return {
         "rank": rank,
-        "widths": w,
+        "widths": {a: v for a, v in w.items() if a in _used_axes(cfg)},
         "changed": changed,
         "removed": row["removed"],  # units removed per unit type ('M', '-', '*', 'E' or '*-' pairs)
         "layers_removed": by_kind,  # layers removed per layer kind
@@ -182,8 +183,9 @@ def format_plan(d: dict) -> str:
             + ([f"{c['drop_cost']:.4g}" if c["drop_cost"] is not None else "-"] if d["scored"] else [])
         rows.append(r)
     width = [max(len(x) for x in col) for col in zip(head, *rows)]
-    for r in [head] + rows:
-        lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)))
+    cmds = ["command"] + [c.get("command", "") for c in d["candidates"]]
+    for r, cmd in zip([head] + rows, cmds):
+        lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)) + "  " + cmd)
     if d["candidates"]:
         c = d["candidates"][0]
         how = f" ({c['depth_choice']})" if c["depth_choice"] else ""
@@ -202,6 +204,8 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     o = make(PlanOptions, opts, **given(model=model, params=params), **kw)
     model, params, active_params, memory_gb, scores = o.model, o.params, o.active_params, o.memory_gb, o.scores
     tol, top, batch, seq_len = o.tol, o.top, o.batch, o.seq_len
+    if o.out is not None:
+        check_plan_out(o.out, o.overwrite)  # before any work
     cfg, hf, _, where = resolve_source(model)
     t0 = time.time()
     budgets = _budgets(params, active_params, memory_gb)
@@ -231,12 +235,33 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
-        "axes": list(sp.axes), "space": {a: v for a, v in sp.values.items()}, "depth": dict(sp.removable),
+        "axes": [a for a in sp.axes if a == "depth" or a in _used_axes(cfg)], "space": {a: v for a, v in sp.values.items() if a in _used_axes(cfg)}, "depth": dict(sp.removable),
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},
         "scored": unit_scores is not None, "depth_metric": metric, "note": note,
         "seconds": time.time() - t0, "candidates": cands,
     }
+    return _finish(o, out, cfg)
+
+
+def _command(model, c: dict, plan_out, scores) -> str:
+    """The command that writes candidate `c`: prune --plan PLAN --candidate K, or (no PLAN written) its targets."""
+    m = shlex.quote(str(model)) if isinstance(model, (str, os.PathLike)) else "MODEL"
+    if plan_out is not None:
+        return f"remodel prune {m} OUT --plan {shlex.quote(str(plan_out))} --candidate {c['rank']}"
+    flags = [f"--{a.replace('_', '-')} {v}" for a, v in c["prune_targets"].items() if a != "drop_layers"]
+    if c["drop_layers"]:
+        flags.append("--drop-layers " + ",".join(map(str, c["drop_layers"])))
+    src = f"--scores {shlex.quote(str(scores))}" if scores is not None else "--scores SCORES"
+    return " ".join([f"remodel prune {m} OUT {src}", *flags])
+
+
+def _finish(o: PlanOptions, out: dict, cfg: ModelConfig) -> dict:
+    """Each row's command, the PLAN file (--out), the table."""
+    for c in out["candidates"]:
+        c["command"] = _command(o.model, c, o.out, o.scores)
+    if o.out is not None:
+        write_plan(o.out, out, cfg)
     if o.verbose and not o.json:
         print(format_plan(out))
     return out

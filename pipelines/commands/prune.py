@@ -71,22 +71,31 @@ def _prune(o: PruneOptions) -> dict:
     family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
     # every width target of the options, whatever path follows: validate_targets refuses one it does not know
-    t = validate_targets(cfg, {**o.widths, "num_layers": o.num_layers, "drop_layers": o.drop_layers}, family)
+    t, want = _targets(o, cfg, family)
     from ..training.tasks import add_tasks, check_task_options  # (lm-eval is imported only when asked for)
     checked = check_task_options(o.tasks, o.task_dir, task_limit, o.trust_task_code)  # before any work
-    if scores_dir is None and data is None:
+    if scores_dir is None and data is None and o.plan is None:
         raise RemodelError("prune needs importance scores: pass --scores SCORES (from `remodel score`) or --data DATA")
+    _check_attention(cfg, _dropped_pattern(cfg, family, t.get("drop_layers")), o.allow_attention_free)
     if scores_dir is not None:
         scores, meta = _checked_scores(cfg, scores_dir)
+        t = _placed(o, cfg, family, scores, t)
         keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
+        _check_attention(cfg, new.pattern, o.allow_attention_free)  # before anything is written
     check_tower(reader, cfg, family)  # a vision tower passed through: as transformers builds it, finite
     with reader, atomic_output_dir(out, overwrite=o.overwrite, inputs=[model_dir]) as tmp:
         if scores_dir is None:
             from .score import score
-            score(model_dir, data, tmp / "scores", **o.score)  # kept as OUT/scores for re-pruning
+            how = o.score if data is not None else {"method": "magnitude"}  # --plan alone: data-free scores
+            score(model_dir, data, tmp / "scores", **how)  # kept as OUT/scores for re-pruning
             scores, meta = _checked_scores(cfg, tmp / "scores")
             scores_dir = Path(out) / "scores"
+            t = _placed(o, cfg, family, scores, t) if data is not None else t
             keep, new, hf_cfg = _plan(cfg, reader.config, scores, t, family)
+            _check_attention(cfg, new.pattern, o.allow_attention_free)  # OUT's temporary folder is removed
+        if want is not None and count_params(new, family)["total"] != want:  # never: the plan's own arithmetic
+            raise RemodelError(f"internal: --plan row has {want:,} parameters, the pruned shape "
+                               f"{count_params(new, family)['total']:,}")
         w = CheckpointWriter(tmp, max_shard_bytes=o.max_shard_bytes)
         n = _write_tensors(w, reader, cfg, family, keep, new)
         w.close(hf_cfg, aux_from=model_dir)
@@ -95,7 +104,7 @@ def _prune(o: PruneOptions) -> dict:
         plotted = plot_importance(tmp / "importance.png", cfg.pattern, scores, dropped)
         report = {
             "command": "prune", "input": str(model_dir), "output": str(out), "scores": str(scores_dir),
-            "family": family, "targets": t,
+            "family": family, "targets": t, "plan": _plan_ref(o),
             "pattern_before": cfg.pattern, "pattern_after": new.pattern,
             "dropped_layers": dropped,
             "dropped_family_layers": [j for j, u in enumerate(layer_units(cfg, family)) if u[0] in dropped],
@@ -109,6 +118,56 @@ def _prune(o: PruneOptions) -> dict:
             "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
         write_report(tmp, add_tasks(report, tmp, checked, task_limit))  # the written checkpoint's accuracy
     return report
+
+
+def _targets(o: PruneOptions, cfg: ModelConfig, family: str) -> tuple[dict, int | None]:
+    """(validated targets, the --plan row's parameter count or None): the flags' targets, or --plan's candidate."""
+    if o.plan is None:
+        return validate_targets(cfg, {**o.widths, "num_layers": o.num_layers, "drop_layers": o.drop_layers},
+                                family), None
+    given_too = [f"--{k.replace('_', '-')}" for k, v in {**o.widths, "num_layers": o.num_layers,
+                                                           "drop_layers": o.drop_layers}.items() if v is not None]
+    if given_too:
+        raise RemodelError(f"--plan sets the whole shape; drop {', '.join(given_too)}")
+    from .plan_file import plan_targets
+    row = plan_targets(o.plan, o.candidate, cfg, family)
+    want = row.pop("params")
+    return validate_targets(cfg, row, family), want
+
+
+def _placed(o: PruneOptions, cfg: ModelConfig, family: str, scores: dict, t: dict) -> dict:
+    """--plan's layer choice re-placed by SCORES (the least important of each type, as plan places them)."""
+    if o.plan is None or not t.get("drop_layers"):
+        return t
+    from .plan_file import place_by_scores
+    s = scores[depth_metric(scores)].double().tolist()
+    unit_scores = [sum(s[i] for i in u) for u in layer_units(cfg, family)]
+    return {**t, "drop_layers": place_by_scores(cfg, family, t["drop_layers"], unit_scores)}
+
+
+def _plan_ref(o: PruneOptions) -> dict | None:
+    return {"file": str(o.plan), "candidate": o.candidate} if o.plan is not None else None
+
+
+ATTENTION_CHARS = frozenset(k.char for k in KINDS.values() if "attn_heads" in k.widths)  # '*', 'A', 'P'
+
+
+def _dropped_pattern(cfg: ModelConfig, family: str, drop) -> str | None:
+    """The pattern after --drop-layers (unit indices), or None without it."""
+    if not drop:
+        return None
+    gone = {i for j, u in enumerate(layer_units(cfg, family)) if j in set(drop) for i in u}
+    return "".join(c for i, c in enumerate(cfg.pattern) if i not in gone)
+
+
+def _check_attention(cfg: ModelConfig, pattern: str | None, allowed: bool) -> None:
+    """Refuses a depth cut that removes every attention layer of a model that has some (transformers' hybrid
+    caches and long-context recall both need one), unless --allow-attention-free."""
+    if allowed or pattern is None or not ATTENTION_CHARS & set(cfg.pattern) or ATTENTION_CHARS & set(pattern):
+        return
+    n = sum(c in ATTENTION_CHARS for c in cfg.pattern)
+    raise RemodelError(f"this depth cut removes all {n} attention layer(s) ({cfg.pattern} -> {pattern}); keep more "
+                       "layers (--num-layers / --drop-layers) or pass --allow-attention-free to accept it")
 
 
 def _score_keywords(kw: dict) -> dict:

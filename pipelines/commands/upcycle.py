@@ -38,6 +38,7 @@ from remodel.upcycle.virtual_groups import (ROUTER_MODES, drop_upcycle, layer_se
                                             router_std, router_weight, upcycle_mlp)
 
 from .configs import UpcycleOptions
+from .upcycle_defaults import default_router, default_top_k
 from .options import given, make
 from .report import write_report
 
@@ -51,10 +52,12 @@ def _group(name: str) -> str:
     return ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
 
 
-def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared: int) -> tuple[str, str]:
-    """(router, target family): the source family's defaults, checked against what the target holds."""
+def _resolve(cfg, src_family: str, p_router: str | None, to: str | None, shared: int,
+             exact: bool = False) -> tuple[str, str]:
+    """(router, target family): the source family's defaults (the raw router README recommends, unless --exact),
+    checked against what the target holds."""
     src = FAMILIES[src_family]
-    router = p_router or src.upcycle_router()
+    router = p_router or default_router(src.upcycle_router(), exact)
     if router not in ROUTER_MODES:
         raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
     to = to or src.upcycle_into(cfg, router, shared)
@@ -276,8 +279,9 @@ def _upcycle(o: UpcycleOptions) -> dict:
     reader = CheckpointReader(model_dir)
     src_family = reader.config.get("model_type")
     cfg = config_from_hf(reader.config)
-    router, family = _resolve(cfg, src_family, o.router, o.to, o.shared_expert_size)
-    p = make_plan(cfg, o.experts, o.granularity, o.top_k, o.shared_expert_size, router,
+    router, family = _resolve(cfg, src_family, o.router, o.to, o.shared_expert_size, exact)
+    top_k = o.top_k if o.top_k is not None else default_top_k(o.experts, o.granularity)
+    p = make_plan(cfg, o.experts, o.granularity, top_k, o.shared_expert_size, router,
                   "down" if exact else "balanced")
     if exact and not p.exact:
         raise RemodelError(f"--exact: {p.why_not_exact[0]}; change that or drop --exact")

@@ -289,7 +289,8 @@ def run_tasks(model_dir, names: list[str], task_dir=None, limit: int | None = No
     lm_eval, _ = _lm_eval()
     dev = pick_device(device)
     args = {"pretrained": str(model_dir), "trust_remote_code": False, "local_files_only": True,
-            "dtype": "bfloat16" if dev.type == "cuda" else "float32", "device": str(dev), "batch_size": batch}
+            "dtype": "bfloat16" if dev.type == "cuda" else "float32", "device": str(dev), "batch_size": batch,
+            "use_cache": False}  # loglikelihood needs no cache; an attention-free hybrid's cache cannot count tokens
     with (_quiet(), _no_env_report(), torch.no_grad(), checked_yaml(tm.remodel_configs, tm.remodel_trust),
           _one_line(f"{model_dir}: lm-eval on {', '.join(n if isinstance(n, str) else n['task'] for n in specs)}")):
         out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=specs, task_manager=tm, limit=limit,
