@@ -140,8 +140,8 @@ def _opts(a):
 def _run_score(a):
     from remodel.models.errors import RemodelError
     from remodel.pipelines.commands.score import score
-    if a.method == "activation" and not a.data:
-        raise RemodelError("--data is required for --method activation")
+    if a.method in ("activation", "loo") and not a.data:
+        raise RemodelError(f"--data is required for --method {a.method}")
     return score(opts=_opts(a))
 
 

@@ -42,7 +42,7 @@ from remodel.models.spec import sq
 
 from .axes import layer_of, tensor_axes
 
-METHODS = ("activation", "magnitude", "random")
+METHODS = ("activation", "magnitude", "random", "loo")  # loo: compress/head_loo.py (needs data)
 WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
 
 

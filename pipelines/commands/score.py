@@ -12,6 +12,7 @@ import torch
 
 from remodel.compress.baselines import METHODS, weight_scores
 from remodel.compress.expert_scores import check_expert_method, rank_experts
+from remodel.compress.head_loo import head_costs, loo_scores, loo_units
 from remodel.compress.importance import score_model
 from remodel.compress.streaming import Streaming, score_streaming
 from remodel.compress.scores import write_scores
@@ -81,7 +82,9 @@ def score(model_dir=None, data=None, out=None, opts: ScoreOptions | None = None,
     method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
     (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
     expert_method: what ranks routed experts (`layers.i.experts`), compress/expert_scores.py; all their
-    tensors are written."""
+    tensors are written. method='loo': the activation scores, with the Mamba and Gated DeltaNet heads ranked by
+    their leave-one-out loss increase on the calibration data (compress/head_loo.py: one forward per head,
+    whole model in memory)."""
     return _score(make(ScoreOptions, opts, **given(model=model_dir, data=data, out=out), **kw))
 
 
@@ -92,7 +95,7 @@ def _score(o: ScoreOptions) -> dict:
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
     expert_method = check_expert_method(o.expert_method)
-    if method != "activation":
+    if method not in ("activation", "loo"):
         return score_weights(model_dir, out, method, seed, overwrite)
     _check_options(o)
     model_dir = Path(model_dir)
@@ -100,6 +103,7 @@ def _score(o: ScoreOptions) -> dict:
         raise RemodelError(f"model not found: {model_dir}")
     reader = CheckpointReader(model_dir)  # config, safetensors headers and shards checked here
     cfg = config_from_hf(reader.config)
+    _check_loo(o, cfg)
     device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the data is read and checked before OUT (or any parent of it) is created
     blocks = _calibration_blocks(model_dir, data, cfg, samples, seq_len)
@@ -108,11 +112,15 @@ def _score(o: ScoreOptions) -> dict:
         import psutil
         available = psutil.virtual_memory().available
         weight_bytes = sum(torch.Size(reader.shape(k)).numel() * 4 for k in reader.keys())
-        mode = choose_mode(o.mode, weight_bytes, available)
+        mode = "whole" if method == "loo" else choose_mode(o.mode, weight_bytes, available)
         if mode == "whole":
             model = load_model(model_dir, device=device)
             scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
                                        progress=o.progress)
+            if method == "loo":
+                budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
+                costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
+                scores = loo_scores(cfg, scores, costs)
             del model
         else:
             budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
@@ -120,8 +128,8 @@ def _score(o: ScoreOptions) -> dict:
             scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
                                            loss_batches=o.loss_batches, run=run)
         scores = rank_experts(scores, cfg, expert_method, seed)
-        meta = {"config": cfg.to_dict(), "source": str(model_dir), "samples": len(blocks), "seq_len": seq_len,
-                "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
+        meta = {"config": cfg.to_dict(), "source": str(model_dir), "method": method, "samples": len(blocks),
+                "seq_len": seq_len, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
                 "expert_method": expert_method if routed(cfg) else None}
         write_scores(tmp, scores, meta)
         plot_importance(tmp / "importance.png", cfg.pattern, scores)
@@ -132,7 +140,7 @@ def _score(o: ScoreOptions) -> dict:
                   "loss_batches": info["loss_batches"], "weight_bytes_fp32": weight_bytes,
                   "available_memory_bytes": available, "spilled_bytes": info.get("spilled_bytes", 0),
                   "seconds": round(seconds, 3), "tokens_per_s": round(info["tokens"] / max(seconds, 1e-9), 1),
-                  "layers": _layer_rows(cfg.pattern, scores),
+                  "layers": _layer_rows(cfg.pattern, scores), "method": method,
                   "files": ["scores.safetensors", "scores.json", "importance.png"]}
         write_report(tmp, report)
     return report
@@ -145,6 +153,16 @@ def _check_options(o: ScoreOptions):
         raise RemodelError(f"unknown mode {o.mode!r} (allowed: {', '.join(MODES)})")
     if o.max_memory_bytes is not None and o.max_memory_bytes < 0:
         raise RemodelError(f"max_memory_bytes must be >= 0, got {o.max_memory_bytes}")
+
+
+def _check_loo(o: ScoreOptions, cfg) -> None:
+    if o.method != "loo":
+        return
+    if o.mode == "streaming":
+        raise RemodelError("--method loo holds the whole model in memory; use --mode whole or auto")
+    if not loo_units(cfg):
+        raise RemodelError(f"--method loo ranks Mamba and Gated DeltaNet heads; the model has none "
+                           f"(pattern {cfg.pattern})")
 
 
 def _calibration_blocks(model_dir: Path, data, cfg, samples: int, seq_len: int):

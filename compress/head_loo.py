@@ -1,0 +1,183 @@
+"""Leave-one-out (LOO) head scores: what each head of a recurrent mixer costs the model, measured.
+
+For every Mamba head, Gated DeltaNet value head and Gated DeltaNet key-head group (a key head with its value
+heads), the calibration LM loss with that unit alone removed, minus the full model's loss (nats per token;
+`head_costs`). A unit is removed as pruning would remove it:
+
+  Mamba head        its channels dropped from the gated norm's input (y and z): the group RMS is taken over
+                    the channels that stay, as in the pruned model, whose norm groups only hold the kept
+                    heads; its out_proj columns then read zeros. The other heads' scans do not depend on it
+                    (B and C are per group, x, dt, A and D per head), so this is the pruned model's output.
+  GDN value head    its output channels zeroed at out_proj's input (its RMS norm is per head: nothing else moves).
+  GDN key group     every value head of that key head zeroed (the key head feeds only those).
+
+Cost: one forward per unit over the calibration set, from the unit's layer on (the residual stream entering
+each scored layer is kept once per batch, in a StateStore that spills to files past its byte budget), plus one
+full forward for the base loss. The model itself is held whole in memory.
+
+`loo_scores` turns the costs into a SCORES dict that `prune --scores` reads unchanged: the head tensors
+(`layers.i.mamba_x` [nh, hd], `layers.i.lin_v` [hv, dv]) are rewritten so that the norm over a head's channels,
+which prune ranks heads by, orders the heads as their costs do (cost - the layer's lowest cost + a small
+positive margin, since a cost may be negative); within a head the activation score's channel profile is kept.
+For GDN the value heads of a key-head group are scaled so that the group's norm follows the group's own cost.
+The raw costs are written beside them as `layers.i.mamba_heads_loo`, `lin_v_heads_loo`, `lin_k_heads_loo`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from remodel.models.errors import RemodelError
+from remodel.models.gated_deltanet import GATED_DELTANET
+from remodel.models.kinds import layer_kinds
+from remodel.models.mamba import MAMBA, Gate, RMSNormThenGate
+from remodel.models.trunk import finish, one_pass, start, walk
+
+from .importance import head_weight, lm_loss_sums, mean_loss
+from .state_store import StateStore
+
+MARGIN = 1e-3  # of a layer's cost range (1e-9 at least): the lowest-cost head still scores above zero
+
+
+def loo_units(cfg) -> list[tuple[int, str, list[torch.Tensor]]]:
+    """(layer, score name, one channel index per unit) of every unit LOO scores, in layer order. The channels
+    are those of the Mamba gated norm's input (Mamba) or of out_proj's input (GDN)."""
+    out = []
+    for i, k in enumerate(layer_kinds(cfg)):
+        if k is MAMBA:
+            hd = cfg.mamba_head_dim
+            out.append((i, "mamba_heads_loo", [torch.arange(h * hd, (h + 1) * hd) for h in range(cfg.mamba_num_heads)]))
+        elif k is GATED_DELTANET:
+            dv, hk, hv = cfg.linear_value_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            r = hv // hk
+            out.append((i, "lin_v_heads_loo", [torch.arange(j * dv, (j + 1) * dv) for j in range(hv)]))
+            out.append((i, "lin_k_heads_loo", [torch.arange(g * r * dv, (g + 1) * r * dv) for g in range(hk)]))
+    return out
+
+
+def masked_mamba_norm(norm, y, z, keep: torch.Tensor):
+    """The Mamba mixer's norm of (y, z) with only the channels `keep` (bool [inner]) present: removed channels
+    give 0 and every group's RMS runs over its kept channels (what the pruned model computes)."""
+    cd = torch.float64 if y.dtype == torch.float64 else torch.float32
+    m = keep.to(device=y.device, dtype=cd)
+    if isinstance(norm, Gate):
+        return (y.to(cd) * F.silu(z.to(cd)) * m).to(y.dtype)
+    before = isinstance(norm, RMSNormThenGate)
+    h = y.to(cd) * m if before else y.to(cd) * F.silu(z.to(cd)) * m
+    G = norm.groups
+    hg, n = h.unflatten(-1, (G, -1)), m.view(G, -1).sum(-1, keepdim=True).clamp(min=1)
+    normed = (hg * torch.rsqrt(hg.pow(2).sum(-1, keepdim=True) / n + norm.eps)).flatten(-2)
+    out = norm.weight.to(cd) * normed
+    return (out * F.silu(z.to(cd)) if before else out).to(y.dtype)
+
+
+class HeadMask:
+    """Removes the channels of one layer (one unit, or several: a set) while attached: a hook on the Mamba norm or
+    on the GDN out_proj; remove() detaches it."""
+
+    def __init__(self, block, channels: torch.Tensor):
+        mixer = block.mixer
+        self.fired, self.mamba = 0, hasattr(mixer, "conv1d")
+        size = mixer.out_proj.weight.shape[1]
+        self.keep = torch.ones(size, dtype=torch.bool)
+        self.keep[channels] = False
+        if self.mamba:
+            self.handle = mixer.norm.register_forward_hook(self._norm)
+        else:
+            self.handle = mixer.out_proj.register_forward_pre_hook(self._zero)
+
+    def _norm(self, module, args, out):
+        self.fired += 1
+        return masked_mamba_norm(module, args[0], args[1], self.keep)
+
+    def _zero(self, module, args):
+        self.fired += 1
+        return (args[0] * self.keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
+
+    def remove(self):
+        self.handle.remove()
+        if not self.fired:
+            raise RemodelError("--method loo: the Mamba gated norm ran inside a fused GPU kernel, where a head cannot "
+                               "be removed; score with --method loo on the CPU")
+
+
+def loss_from(model, i: int, store, batches, masks) -> float:
+    """Mean LM loss of the batches run from layer i on (store[b]: the residual stream entering layer i)."""
+    W, dev, sums = head_weight(model), head_weight(model).device, []
+    for b, ids in enumerate(batches):
+        mask = None if masks is None or masks[b] is None else masks[b].to(dev)
+        x = walk(len(model.layers) - i, lambda j: model.layers[i + j], {"x": store[b].to(dev)}, one_pass(("x",)),
+                 lambda key: (mask,))["x"]
+        sums.append(finish(model.cfg, model.norm_f, x, lambda h: lm_loss_sums(h, W, ids, mask)))
+    return mean_loss(sums)
+
+
+@torch.no_grad()
+def head_costs(model, batches, masks=None, max_memory_bytes=None, spill_dir=None, progress=False):
+    """{`layers.i.<unit>_loo`: the loss increase of every unit removed alone} and the base loss -> (costs, base).
+    See the module docstring for how each unit is removed and what this costs."""
+    units = loo_units(model.cfg)
+    if not units:
+        raise RemodelError("--method loo scores Mamba and Gated DeltaNet heads; the model has no such layers "
+                           f"(pattern {model.cfg.pattern})")
+    dev = head_weight(model).device
+    store, costs = StateStore(max_memory_bytes, spill_dir), {}
+    try:
+        for b, ids in enumerate(batches):
+            store[b] = start(model.cfg, model.embed(ids.to(dev)))
+        base = loss_from(model, 0, store, batches, masks)
+        done = 0
+        bar = tqdm(total=sum(len(c) for _, _, c in units), desc="loo", disable=not progress)
+        for i, name, chans in units:
+            for j in range(done, i):  # advance the kept residual stream to layer i's input
+                _advance(model, j, store, batches, masks, dev)
+            done = i
+            out = []
+            for c in chans:
+                mask = HeadMask(model.layers[i], c)
+                try:
+                    out.append(loss_from(model, i, store, batches, masks) - base)
+                finally:
+                    mask.remove()
+                bar.update()
+            costs[f"layers.{i}.{name}"] = torch.tensor(out, dtype=torch.float32)
+        bar.close()
+    finally:
+        store.close()
+    return costs, base
+
+
+def _advance(model, j, store, batches, masks, dev):
+    for b in range(len(batches)):
+        mask = None if masks is None or masks[b] is None else masks[b].to(dev)
+        store[b] = model.layers[j](store[b].to(dev), mask)
+
+
+def _order(cost: torch.Tensor) -> torch.Tensor:
+    """Positive values in the order of `cost`: cost - min + a margin."""
+    lo = cost.min()
+    return cost - lo + max(MARGIN * float(cost.max() - lo), 1e-9)
+
+
+def _profile(a: torch.Tensor) -> torch.Tensor:
+    """Each row of a [n, d] scaled to unit L2 norm (a row of zeros: uniform)."""
+    n = a.norm(dim=1, keepdim=True)
+    flat = torch.full_like(a, a.shape[1] ** -0.5)
+    return torch.where(n > 0, a / n.clamp(min=1e-30), flat)
+
+
+def loo_scores(cfg, scores: dict, costs: dict) -> dict:
+    """`scores` (an activation run's) with the head tensors ranked by the LOO `costs` (module docstring)."""
+    out = {**scores, **costs}
+    for i, k in enumerate(layer_kinds(cfg)):
+        p = f"layers.{i}."
+        if k is MAMBA and p + "mamba_heads_loo" in costs:
+            out[p + "mamba_x"] = _profile(scores[p + "mamba_x"].float()) * _order(costs[p + "mamba_heads_loo"])[:, None]
+        elif k is GATED_DELTANET and p + "lin_v_heads_loo" in costs:
+            hk = cfg.linear_num_key_heads
+            v = costs[p + "lin_v_heads_loo"].view(hk, -1)
+            w = torch.stack([_order(row) for row in v])  # within a group, by the value head's cost
+            w = w / w.norm(dim=1, keepdim=True) * _order(costs[p + "lin_k_heads_loo"])[:, None]  # group norm: its cost
+            out[p + "lin_v"] = _profile(scores[p + "lin_v"].float()) * w.reshape(-1)[:, None]
+    return out
