@@ -25,13 +25,10 @@ The raw costs are written beside them as `layers.i.mamba_heads_loo`, `lin_v_head
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from remodel.models.errors import RemodelError
-from remodel.models.gated_deltanet import GATED_DELTANET
 from remodel.models.kinds import layer_kinds
-from remodel.models.mamba import MAMBA, Gate, RMSNormThenGate
 from remodel.models.trunk import finish, one_pass, start, walk
 
 from .importance import head_weight, lm_loss_sums, mean_loss
@@ -41,59 +38,24 @@ MARGIN = 1e-3  # of a layer's cost range (1e-9 at least): the lowest-cost head s
 
 
 def loo_units(cfg) -> list[tuple[int, str, list[torch.Tensor]]]:
-    """(layer, score name, one channel index per unit) of every unit LOO scores, in layer order. The channels
-    are those of the Mamba gated norm's input (Mamba) or of out_proj's input (GDN)."""
-    out = []
-    for i, k in enumerate(layer_kinds(cfg)):
-        if k is MAMBA:
-            hd = cfg.mamba_head_dim
-            out.append((i, "mamba_heads_loo", [torch.arange(h * hd, (h + 1) * hd) for h in range(cfg.mamba_num_heads)]))
-        elif k is GATED_DELTANET:
-            dv, hk, hv = cfg.linear_value_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-            r = hv // hk
-            out.append((i, "lin_v_heads_loo", [torch.arange(j * dv, (j + 1) * dv) for j in range(hv)]))
-            out.append((i, "lin_k_heads_loo", [torch.arange(g * r * dv, (g + 1) * r * dv) for g in range(hk)]))
-    return out
-
-
-def masked_mamba_norm(norm, y, z, keep: torch.Tensor):
-    """The Mamba mixer's norm of (y, z) with only the channels `keep` (bool [inner]) present: removed channels
-    give 0 and every group's RMS runs over its kept channels (what the pruned model computes)."""
-    cd = torch.float64 if y.dtype == torch.float64 else torch.float32
-    m = keep.to(device=y.device, dtype=cd)
-    if isinstance(norm, Gate):
-        return (y.to(cd) * F.silu(z.to(cd)) * m).to(y.dtype)
-    before = isinstance(norm, RMSNormThenGate)
-    h = y.to(cd) * m if before else y.to(cd) * F.silu(z.to(cd)) * m
-    G = norm.groups
-    hg, n = h.unflatten(-1, (G, -1)), m.view(G, -1).sum(-1, keepdim=True).clamp(min=1)
-    normed = (hg * torch.rsqrt(hg.pow(2).sum(-1, keepdim=True) / n + norm.eps)).flatten(-2)
-    out = norm.weight.to(cd) * normed
-    return (out * F.silu(z.to(cd)) if before else out).to(y.dtype)
+    """(layer, score name, one channel index per unit) of every unit LOO scores, in layer order: each kind's own
+    (LayerKind.head_units: Mamba heads; GDN value heads and key-head groups)."""
+    return [(i, name, chans) for i, k in enumerate(layer_kinds(cfg)) for name, chans in k.head_units(cfg)]
 
 
 class HeadMask:
-    """Removes the channels of one layer (one unit, or several: a set) while attached: a hook on the Mamba norm or
-    on the GDN out_proj; remove() detaches it."""
+    """Removes the channels of one layer (one unit, or several: a set) while attached, as the layer's kind says
+    (LayerKind.remove_channels: the Mamba norm over the kept channels, the GDN out_proj's input zeroed);
+    remove() detaches it."""
 
     def __init__(self, block, channels: torch.Tensor):
-        mixer = block.mixer
-        self.fired, self.mamba = 0, hasattr(mixer, "conv1d")
-        size = mixer.out_proj.weight.shape[1]
-        self.keep = torch.ones(size, dtype=torch.bool)
-        self.keep[channels] = False
-        if self.mamba:
-            self.handle = mixer.norm.register_forward_hook(self._norm)
-        else:
-            self.handle = mixer.out_proj.register_forward_pre_hook(self._zero)
+        self.fired = 0
+        keep = torch.ones(block.mixer.out_proj.weight.shape[1], dtype=torch.bool)
+        keep[channels] = False
+        self.handle = block.spec.remove_channels(block.mixer, keep, self._fire)
 
-    def _norm(self, module, args, out):
+    def _fire(self):
         self.fired += 1
-        return masked_mamba_norm(module, args[0], args[1], self.keep)
-
-    def _zero(self, module, args):
-        self.fired += 1
-        return (args[0] * self.keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
 
     def remove(self):
         self.handle.remove()
@@ -170,11 +132,11 @@ def _profile(a: torch.Tensor) -> torch.Tensor:
 def loo_scores(cfg, scores: dict, costs: dict) -> dict:
     """`scores` (an activation run's) with the head tensors ranked by the LOO `costs` (module docstring)."""
     out = {**scores, **costs}
-    for i, k in enumerate(layer_kinds(cfg)):
+    for i in range(cfg.num_layers):  # by the costs a layer's kind measured (LayerKind.head_units' names)
         p = f"layers.{i}."
-        if k is MAMBA and p + "mamba_heads_loo" in costs:
+        if p + "mamba_heads_loo" in costs:
             out[p + "mamba_x"] = _profile(scores[p + "mamba_x"].float()) * _order(costs[p + "mamba_heads_loo"])[:, None]
-        elif k is GATED_DELTANET and p + "lin_v_heads_loo" in costs:
+        elif p + "lin_v_heads_loo" in costs:
             hk = cfg.linear_num_key_heads
             v = costs[p + "lin_v_heads_loo"].view(hk, -1)
             w = torch.stack([_order(row) for row in v])  # within a group, by the value head's cost

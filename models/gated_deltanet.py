@@ -140,6 +140,20 @@ class GatedDeltaNetKind(LayerKind):
     def build(self, cfg):
         return GatedDeltaNet(cfg)
 
+    def head_units(self, cfg):
+        """Value heads, and key-head groups (a key head with the value heads it feeds), as out_proj input channels."""
+        dv, hk, hv = cfg.linear_value_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        r = hv // hk
+        return [("lin_v_heads_loo", [torch.arange(j * dv, (j + 1) * dv) for j in range(hv)]),
+                ("lin_k_heads_loo", [torch.arange(g * r * dv, (g + 1) * r * dv) for g in range(hk)])]
+
+    def remove_channels(self, mixer, keep, fired):
+        """The removed heads' outputs zeroed at out_proj's input (their RMS norm is per head: nothing else moves)."""
+        def hook(module, args):
+            fired()
+            return (args[0] * keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
+        return mixer.out_proj.register_forward_pre_hook(hook)
+
     def init_param(self, cfg, local, p, g, std):
         """As transformers' qwen3_next / qwen3_5: A = -U(0.01, 16) (A_log its log), dt_bias one; the convs are
         Conv1d, which its generic init draws normal(std)."""

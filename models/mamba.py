@@ -272,9 +272,36 @@ class Mamba2Mixer(nn.Module):
                       norm_before_gate=cfg.mamba_norm_before_gate)
 
 
+def masked_gated_norm(norm, y, z, keep: torch.Tensor):
+    """The Mamba mixer's norm of (y, z) with only the channels `keep` (bool [inner]) present: removed channels
+    give 0 and every group's RMS runs over its kept channels (what the pruned model computes)."""
+    cd = torch.float64 if y.dtype == torch.float64 else torch.float32
+    m = keep.to(device=y.device, dtype=cd)
+    if isinstance(norm, Gate):
+        return (y.to(cd) * F.silu(z.to(cd)) * m).to(y.dtype)
+    before = isinstance(norm, RMSNormThenGate)
+    h = y.to(cd) * m if before else y.to(cd) * F.silu(z.to(cd)) * m
+    G = norm.groups
+    hg, n = h.unflatten(-1, (G, -1)), m.view(G, -1).sum(-1, keepdim=True).clamp(min=1)
+    normed = (hg * torch.rsqrt(hg.pow(2).sum(-1, keepdim=True) / n + norm.eps)).flatten(-2)
+    out = norm.weight.to(cd) * normed
+    return (out * F.silu(z.to(cd)) if before else out).to(y.dtype)
+
+
 class MambaKind(LayerKind):
     def build(self, cfg):
         return Mamba2Mixer(cfg)
+
+    def head_units(self, cfg):
+        hd = cfg.mamba_head_dim
+        return [("mamba_heads_loo", [torch.arange(h * hd, (h + 1) * hd) for h in range(cfg.mamba_num_heads)])]
+
+    def remove_channels(self, mixer, keep, fired):
+        """The gated norm over the kept channels only (each group's RMS over those it keeps), as the pruned model's."""
+        def hook(module, args, out):
+            fired()
+            return masked_gated_norm(module, args[0], args[1], keep)
+        return mixer.norm.register_forward_hook(hook)
 
     def init_param(self, cfg, local, p, g, std):
         """A = -1..-h, D one, dt_bias the inverse softplus of dt drawn log-uniform in [0.001, 0.1] (transformers'

@@ -192,6 +192,16 @@ class LayerKind:
         biases zero, norms one) applies."""
         return False
 
+    def head_units(self, cfg) -> list:
+        """[(score name, [channel index per unit])]: the heads (or head groups) whose removal the leave-one-out
+        scorer measures (compress/head_loo.py), as channels of the input remove_channels masks."""
+        return []
+
+    def remove_channels(self, mixer, keep, fired):
+        """Remove, until the returned handle's remove(), the channels not in `keep` (bool) of the mixer as pruning
+        them would; `fired()` is called each time the removal applies (a fused kernel may skip it)."""
+        raise NotImplementedError(f"{self.name} has no removable head units")
+
     state_row = ""  # the `inspect` row of its inference state ('KV cache'); every cache_bytes name adds to it
 
     def state_rows(self, cfg, w: dict, batch: int, seq_len: int, bytes_: tuple = (2, 4, 2)) -> dict:
