@@ -89,13 +89,13 @@ class _OnDevice:
 
 
 @contextlib.contextmanager
-def _scored(attach, i: int, block):
-    """A pass under a Scorer's hooks on block i (attach: its attach_layer or attach_mtp)."""
-    attach(i, block)
+def _scored(scorer: Scorer, i: int, block, mtp: bool = False):
+    """A pass under the scorer's hooks on block i (MTP block i when mtp)."""
+    (scorer.attach_mtp if mtp else scorer.attach_layer)(i, block)
     try:
         yield
     finally:
-        attach.__self__.detach()
+        scorer.detach()
 
 
 def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool):
@@ -106,7 +106,7 @@ def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool):
     def passes(i, block):
         for b in range(k):
             store[i, b] = store["main", b]  # the branch without layer i starts from layer i's input
-        yield [("main", b) for b in range(n)], _scored(ps.scorer.attach_layer, i, block)
+        yield [("main", b) for b in range(n)], _scored(ps.scorer, i, block)
         yield [(j, b) for j in range(i) for b in range(k)], contextlib.nullcontext()  # they go through it too
         bar.update()
 
@@ -123,7 +123,7 @@ def _mtp_streaming(ps: _Pass, batches):
     walk_mtp(ps.cfg, lambda j: ps.block(j, mtp=True), _OnDevice(store, device), keys,
              lambda key, k: F.embedding(batches[key[1]][:, k + 1:].to(device), emb),
              lambda key, k: mtp_mask(ps.mask_of[key[1]], k),
-             around=lambda j, block: (_scored(ps.scorer.attach_mtp, j, block), None))
+             around=lambda j, block: (_scored(ps.scorer, j, block, mtp=True), None))
     for key in keys:
         store.pop(key)
 

@@ -312,7 +312,8 @@ class MambaKind(LayerKind):
             init_a_log(p)
         elif local == "dt_bias":
             dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
-            p.copy_(dt.clamp(min=1e-4) + torch.log(-torch.expm1(-dt.clamp(min=1e-4))))
+            dt = dt.clamp(min=1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
         elif local == "conv1d.weight":
             p.uniform_(-1.0 / math.sqrt(cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel), generator=g)
         else:

@@ -17,7 +17,7 @@ from .mtp import MTP
 from .norm import trunk_norm
 from .trunk import finish, start, walk, walk_mtp
 
-__all__ = ["Block", "HybridLM", "final_hidden", "scale_embedding"]
+__all__ = ["Block", "HybridLM"]
 
 
 class HybridLM(nn.Module):
@@ -103,14 +103,6 @@ class HybridLM(nn.Module):
     def moe_layers(self):
         """The trunk's MoE mixers (the MTP head's are under self.mtp.layers)."""
         return [layer.mixer for layer in self.layers if layer.spec.routed]
-
-
-scale_embedding = start  # the names other modules import; defined in models/trunk.py
-
-
-def final_hidden(cfg, norm_f, x):
-    """The final hidden states of a walked stream (models.trunk.finish without a head)."""
-    return finish(cfg, norm_f, x)
 
 
 def init_buffers(module: nn.Module, device) -> nn.Module:

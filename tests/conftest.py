@@ -489,3 +489,13 @@ def prune_axes(cfg) -> dict:
     from remodel.models.kinds import WIDTHS
     names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
     return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny ops (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a
+    shared, oversubscribed CPU OpenMP's barriers would dominate them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -26,12 +26,7 @@ N, G, T, R = 8, 2, 4, 0.3  # llama's F = 40: expert size 20, round(0.3 * 20) = 6
 PROJ = ("up_proj", "gate_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

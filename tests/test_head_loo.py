@@ -20,12 +20,7 @@ MAMBA = dict(mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=5, conv_kernel=
 GDN = dict(linear_key_head_dim=8, linear_value_head_dim=6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def batches(vocab, seed=1):

@@ -23,12 +23,7 @@ from tests.conftest import IDS, LATENT, SOFTMAX, random_model as make_model
 from tests.masking import _masked_softmax_router
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared CPU
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @torch.no_grad()

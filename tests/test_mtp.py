@@ -33,12 +33,7 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, pattern="ME*E", num_attention_h
 IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @torch.no_grad()

@@ -39,12 +39,7 @@ GATED = ModelConfig(vocab_size=64, hidden_size=32, pattern="*E*E", num_attention
 CFGS = {"nemotron": NEMO, "gated_tied": GATED, "latent_moe": NEMO.replace(pattern="E*E", moe_latent_size=20)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a shared, oversubscribed CPU makes OpenMP barriers dominate
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_model(cfg, seed=0):
