@@ -8,7 +8,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import KINDS, layer_kinds, routed, used
 from remodel.models.layout import BLOCK_NORM, MTP_FIRST, MTP_LAST
 
-from .family import Family
+from .family import Family, time_step_limit
 
 BLOCK_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}  # HF layer type -> ours
 _TYPE = {v: k for k, v in BLOCK_TYPES.items()}
@@ -32,6 +32,7 @@ class NemotronH(Family):
         if getattr(h, "num_nextn_predict_layers_dropped", 0):  # declared, but the checkpoint has no mtp.*
             extra["num_nextn_predict_layers_dropped"] = h.num_nextn_predict_layers_dropped
         mtp_pattern = "".join(BLOCK_TYPES[t] for t in h.mtp_layers_block_type) if mtp else ""
+        lo, hi = time_step_limit(h)  # dt's clamp (transformers >= 5.25; time_step_min/max only initialise dt_bias)
         if h.mlp_bias and "moe" in h.layers_block_type:
             raise RemodelError("nemotron_h with mlp_bias=true and MoE layers is not supported (biased experts)")
         shared = h.moe_shared_expert_intermediate_size or h.intermediate_size  # transformers' fallback
@@ -44,7 +45,7 @@ class NemotronH(Family):
             intermediate_size=h.intermediate_size, mlp_act=h.mlp_hidden_act, mlp_gated=False, mlp_bias=h.mlp_bias,
             mamba_num_heads=h.mamba_num_heads, mamba_head_dim=h.mamba_head_dim, n_groups=h.n_groups,
             ssm_state_size=h.ssm_state_size, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
-            use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=h.time_step_min,
+            use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=lo, time_step_max=hi,
             n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
             moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
             moe_latent_size=h.moe_latent_size, router="sigmoid", norm_topk_prob=h.norm_topk_prob,
@@ -70,7 +71,7 @@ class NemotronH(Family):
                  mamba_num_heads=cfg.mamba_num_heads or 1, mamba_head_dim=cfg.mamba_head_dim or 1,
                  n_groups=cfg.n_groups, ssm_state_size=cfg.ssm_state_size or 1, conv_kernel=cfg.conv_kernel,
                  chunk_size=cfg.chunk_size, use_conv_bias=cfg.use_conv_bias, use_bias=cfg.mamba_proj_bias,
-                 time_step_min=cfg.time_step_min)
+                 time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)])
         if routed(cfg):
             d.update(n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                      moe_intermediate_size=cfg.moe_intermediate_size,
