@@ -58,7 +58,7 @@ def main():
     t_all = time.time()
     train_txt, valid_txt = embedded_corpus()
     cfg = load_config(TEACHER)
-    targets = dict(ffn_size=cfg.intermediate_size // 2, mamba_heads=cfg.mamba_num_heads // 2,
+    targets = dict(ffn_size=cfg.mlp.intermediate_size // 2, mamba_heads=cfg.mamba.mamba_num_heads // 2,
                    hidden_size=cfg.hidden_size * 3 // 4)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)

@@ -47,7 +47,7 @@ METHODS = ("reconstruction", "contribution", "frequency")
 
 
 def cases(cfg):
-    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    E, F = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
     return [(f"experts {E} -> {E * 3 // 4}", {"experts": E * 3 // 4}),
             (f"experts {E} -> {E // 2}", {"experts": E // 2}),
             ("expert FFN -50%", {"expert_ffn_size": F // 2}),
@@ -178,11 +178,11 @@ def criteria_model(model_dir: Path, work: Path, a, checked) -> dict:
     held_out = pack(load_texts(valid), tok, a.seq_len, max_tokens=a.eval_tokens)
     model = load_model(model_dir).float().eval()
     cfg, family = model.cfg, json.loads((model_dir / "config.json").read_text())["model_type"]
-    res = {"model": str(model_dir), "family": family, "experts": cfg.n_routed_experts,
-           "top_k": cfg.num_experts_per_tok, "eval_tokens": int(held_out.numel()), "unpruned": judge(model_dir, held_out, a.seq_len, a.limit, checked),
+    res = {"model": str(model_dir), "family": family, "experts": cfg.moe.n_routed_experts,
+           "top_k": cfg.moe.num_experts_per_tok, "eval_tokens": int(held_out.numel()), "unpruned": judge(model_dir, held_out, a.seq_len, a.limit, checked),
            "rows": []}
     ranked = criteria_scores(model, calib, a.seeds)
-    E = cfg.n_routed_experts
+    E = cfg.moe.n_routed_experts
     for keep in (E * 3 // 4, E // 2):
         for name, sc in ranked.items():
             d = work / f"{model_dir.name}-{keep}-{name}"

@@ -56,9 +56,9 @@ def out_proj_gates(model, fn):
     """Run fn() with a pre-hook on every Mamba out_proj; -> {layer: gate [nh] (requires grad)} and what the hook
     saw: {layer: [sum over batches of (mean |y| per channel over the sequence) ** 2 summed over samples]}."""
     cfg, gates, acc, handles = model.cfg, {}, {}, []
-    hd = cfg.mamba_head_dim
+    hd = cfg.mamba.mamba_head_dim
     for i in mamba_layers(cfg):
-        gates[i] = torch.ones(cfg.mamba_num_heads, requires_grad=True)
+        gates[i] = torch.ones(cfg.mamba.mamba_num_heads, requires_grad=True)
 
         def pre(module, args, i=i):
             y = args[0]
@@ -92,7 +92,7 @@ def gate_criteria(model, batches):
     for p in model.parameters():
         p.requires_grad_(False)
     _, acc = out_proj_gates(model, run)
-    nh, hd = cfg.mamba_num_heads, cfg.mamba_head_dim
+    nh, hd = cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim
     out = {"taylor": signed, "taylor_abs": absolute, "out_act": {}, "out_act_w": {}}
     for i, a in acc.items():
         act = a.sqrt()
@@ -109,7 +109,7 @@ def greedy(model, batches, loo: dict, steps: int):
     first step is the LOO cost, given in `loo`); -> {layer: score [nh]}: the step a head went, heads never
     removed score highest."""
     cfg, out = model.cfg, {}
-    nh, hd, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups
+    nh, hd, G = cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, cfg.mamba.n_groups
     r = nh // G
     store = [scale_embedding(cfg, model.embed(ids)) for ids in batches]
     done = 0
@@ -177,7 +177,7 @@ def run(samples, seq_len, eval_tokens, seeds, batch):
     model = load_model(MODEL)
     cfg = model.cfg
     batches = list(calib.split(batch))
-    G, nh = cfg.n_groups, cfg.mamba_num_heads
+    G, nh = cfg.mamba.n_groups, cfg.mamba.mamba_num_heads
     cuts = {f"-{int(f * 100)}%": round(nh * (1 - f) / G) * G for f in (0.25, 0.5)}
     methods, costs, sec = criteria(model, batches, seeds, nh - min(cuts.values()))
     base = evaluate(model, blocks, seq_len=seq_len, batch=batch)["ppl"]

@@ -69,8 +69,8 @@ def flops_per_token(model, l):
     cfg = model.cfg
     n_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     f = 6 * n_linear
-    f += cfg.count("*") * 6 * l * cfg.num_attention_heads * cfg.head_dim
-    Q, N, G, P, h = cfg.chunk_size, cfg.ssm_state_size, cfg.n_groups, cfg.mamba_head_dim, cfg.mamba_num_heads
+    f += cfg.count("*") * 6 * l * cfg.attention.num_attention_heads * cfg.attention.head_dim
+    Q, N, G, P, h = cfg.mamba.chunk_size, cfg.mamba.ssm_state_size, cfg.mamba.n_groups, cfg.mamba.mamba_head_dim, cfg.mamba.mamba_num_heads
     scan = 2 * (Q / 2) * N * G + 2 * (Q / 2) * P * h + 2 * P * N * h + 2 * P * N * h
     f += cfg.count("M") * 3 * scan
     return f, n_linear
@@ -135,9 +135,9 @@ def main():
         n_params = sum(p.numel() for p in ours.parameters())
         cfg = ours.cfg
         print(f"[{name}] params {n_params / 1e6:.2f}M, pattern {cfg.pattern}, hidden {cfg.hidden_size}, Mamba "
-              f"{cfg.mamba_num_heads}x{cfg.mamba_head_dim} state {cfg.ssm_state_size} groups {cfg.n_groups} chunk "
-              f"{cfg.chunk_size}, FFN {cfg.intermediate_size}, attention {cfg.num_attention_heads}q/"
-              f"{cfg.num_key_value_heads}kv x {cfg.head_dim}, vocab {cfg.vocab_size}", flush=True)
+              f"{cfg.mamba.mamba_num_heads}x{cfg.mamba.mamba_head_dim} state {cfg.mamba.ssm_state_size} groups {cfg.mamba.n_groups} chunk "
+              f"{cfg.mamba.chunk_size}, FFN {cfg.mlp.intermediate_size}, attention {cfg.attention.num_attention_heads}q/"
+              f"{cfg.attention.num_key_value_heads}kv x {cfg.attention.head_dim}, vocab {cfg.vocab_size}", flush=True)
         for l in args.lengths:
             reps = args.reps if l <= 1024 else max(3, (args.reps + 1) // 2)
             t, best, cpu, rate = measure(l, hf, ours, reps)

@@ -51,8 +51,8 @@ def layer(window: str, device, dtype):
 
 def dense(cfg, device, dtype):
     """The dense MLP of the same active width (k expert widths + the shared expert), same activation."""
-    width = cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.moe_shared_expert_intermediate_size
-    return M.MLP(cfg.hidden_size, width, cfg.mlp_act, cfg.mlp_gated).to(device, dtype)
+    width = cfg.moe.num_experts_per_tok * cfg.moe.moe_intermediate_size + cfg.moe.moe_shared_expert_intermediate_size
+    return M.MLP(cfg.hidden_size, width, cfg.mlp.mlp_act, cfg.mlp.mlp_gated).to(device, dtype)
 
 
 def step(m, x):
@@ -95,7 +95,7 @@ def train_models(tokens: int, rounds: int) -> dict:
     from remodel.pipelines.training.trainer import build_optimizer
 
     moe_cfg = ModelConfig(router="sigmoid", **NANO_MODEL)
-    width = moe_cfg.num_experts_per_tok * moe_cfg.moe_intermediate_size + moe_cfg.moe_shared_expert_intermediate_size
+    width = moe_cfg.moe.num_experts_per_tok * moe_cfg.moe.moe_intermediate_size + moe_cfg.moe.moe_shared_expert_intermediate_size
     dense_cfg = ModelConfig(**{**NANO_MODEL, "pattern": NANO_MODEL["pattern"].replace("E", "-"),
                                "intermediate_size": width, "n_routed_experts": 0, "num_experts_per_tok": 0,
                                "moe_intermediate_size": 0, "moe_shared_expert_intermediate_size": 0})

@@ -57,14 +57,14 @@ def main():
     def ev(keep):
         return evaluate(prune_model(model, keep), blocks, seq_len=256, batch=16)["ppl"]
 
-    per_group = cfg.mamba_num_heads // cfg.n_groups
-    for heads in (cfg.mamba_num_heads * 3 // 4, cfg.mamba_num_heads // 2):
+    per_group = cfg.mamba.mamba_num_heads // cfg.mamba.n_groups
+    for heads in (cfg.mamba.mamba_num_heads * 3 // 4, cfg.mamba.mamba_num_heads // 2):
         keep = plan_keep(cfg, scores, {"mamba_heads": heads})
         base = ev(keep)
         print(heads, "activation", round(base, 3),
               {k: v.tolist() for k, v in keep.items() if "mamba_heads" in k}, flush=True)
         best = (base, None)
-        for k, out, inn, k2 in swaps(keep, cfg.n_groups, per_group):
+        for k, out, inn, k2 in swaps(keep, cfg.mamba.n_groups, per_group):
             p = ev(k2)
             print(f"  {k} swap {out}->{inn}: {p:.3f}", flush=True)
             if p < best[0]:

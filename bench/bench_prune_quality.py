@@ -38,8 +38,8 @@ SECTION = "## Pruning quality (no retraining)"
 
 
 def cases(cfg):
-    F, H, nh, L = cfg.intermediate_size, cfg.hidden_size, cfg.mamba_num_heads, cfg.num_layers
-    G = cfg.n_groups
+    F, H, nh, L = cfg.mlp.intermediate_size, cfg.hidden_size, cfg.mamba.mamba_num_heads, cfg.num_layers
+    G = cfg.mamba.n_groups
     heads = lambda frac: round(nh * (1 - frac) / G) * G  # noqa: E731  (a multiple of n_groups)
     return [("FFN -25%", {"ffn_size": F * 3 // 4}), ("FFN -50%", {"ffn_size": F // 2}),
             ("hidden -25%", {"hidden_size": H * 3 // 4}), ("hidden -50%", {"hidden_size": H // 2}),

@@ -43,8 +43,8 @@ def uniform_targets(cfg, budget: float) -> tuple[float, dict, int]:
     """Largest single fraction f (steps of 0.5%) cut from hidden, FFN and Mamba heads that fits `budget`."""
     for k in range(1, 200):
         f = k / 200
-        nh = max(cfg.n_groups, cfg.n_groups * round(cfg.mamba_num_heads * (1 - f) / cfg.n_groups))
-        t = {"hidden_size": round(cfg.hidden_size * (1 - f)), "ffn_size": round(cfg.intermediate_size * (1 - f)),
+        nh = max(cfg.mamba.n_groups, cfg.mamba.n_groups * round(cfg.mamba.mamba_num_heads * (1 - f) / cfg.mamba.n_groups))
+        t = {"hidden_size": round(cfg.hidden_size * (1 - f)), "ffn_size": round(cfg.mlp.intermediate_size * (1 - f)),
              "mamba_heads": nh}
         n = count_params(cfg.replace(hidden_size=t["hidden_size"], intermediate_size=t["ffn_size"],
                                      mamba_num_heads=nh))["total"]

@@ -65,18 +65,18 @@ def scale_widths(src, scale: int):
     """`src`'s structure (pattern, expert count, top-k) with every width / scale: Mamba heads kept a
     multiple of the groups, the query:KV head ratio kept on 1 KV head, MoE widths (expert FFN, shared
     expert, LatentMoE latent) divided too."""
-    inner = src.mamba_num_heads * src.mamba_head_dim // scale
-    heads = max(src.n_groups, 2 * src.mamba_num_heads // scale)
-    q = src.num_attention_heads * src.head_dim // scale
-    nq = src.num_attention_heads // src.num_key_value_heads  # e.g. 56B: 8 query heads on 1 KV head
+    inner = src.mamba.mamba_num_heads * src.mamba.mamba_head_dim // scale
+    heads = max(src.mamba.n_groups, 2 * src.mamba.mamba_num_heads // scale)
+    q = src.attention.num_attention_heads * src.attention.head_dim // scale
+    nq = src.attention.num_attention_heads // src.attention.num_key_value_heads  # e.g. 56B: 8 query heads on 1 KV head
     moe = {}
     if "E" in src.pattern:
-        moe = dict(moe_intermediate_size=src.moe_intermediate_size // scale,
-                   moe_shared_expert_intermediate_size=src.moe_shared_expert_intermediate_size // scale,
-                   moe_latent_size=src.moe_latent_size // scale if src.moe_latent_size else None)
+        moe = dict(moe_intermediate_size=src.moe.moe_intermediate_size // scale,
+                   moe_shared_expert_intermediate_size=src.moe.moe_shared_expert_intermediate_size // scale,
+                   moe_latent_size=src.moe.moe_latent_size // scale if src.moe.moe_latent_size else None)
     return src.replace(vocab_size=src.vocab_size // scale, hidden_size=src.hidden_size // scale,
-                       intermediate_size=src.intermediate_size // scale, mamba_num_heads=heads,
-                       mamba_head_dim=inner // heads, ssm_state_size=src.ssm_state_size // scale,
+                       intermediate_size=src.mlp.intermediate_size // scale, mamba_num_heads=heads,
+                       mamba_head_dim=inner // heads, ssm_state_size=src.mamba.ssm_state_size // scale,
                        num_attention_heads=nq, num_key_value_heads=1, head_dim=q // nq, chunk_size=64, **moe)
 
 
@@ -206,12 +206,12 @@ def main():
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "scale": a.scale,
         "source": {"layers": cfg.num_layers, "counts": counts(cfg.pattern), "params": count_params(cfg)["total"],
-                   "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size},
+                   "hidden": cfg.hidden_size, "ffn": cfg.mlp.intermediate_size, "vocab": cfg.vocab_size},
         "budget": {"params": int(b["params"]), "memory_bytes": int(b["memory_gb"] * 1e9),
                    "context": b["plan_options"]["seq_len"], "axes": list(b["plan_options"]["axes"])},
         "plan": {"window": d["window"], "maximal": d["maximal"], "top": plan_top,
                  "first_is_47b_class": first["layers_removed"] == CLASS_47B
-                 and first["widths"]["ffn_size"] * 32 == cfg.intermediate_size * 30},
+                 and first["widths"]["ffn_size"] * 32 == cfg.mlp.intermediate_size * 30},
         "search": {"evaluated": len(rep["candidates"]), "distilled": rep["distilled"],
                    "table": [{k: r.get(k) for k in ("plan_rank", "loss_rank", "shape", "params", "loss",
                                                      "distilled_loss", "chosen")} for r in rep["candidates"]]},

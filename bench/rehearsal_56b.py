@@ -51,7 +51,7 @@ def build(root: Path, scale: int):
     teacher, student = root / "teacher", root / "student"
     build_checkpoint(cfg, teacher)
     score_weights(teacher, root / "scores", "magnitude")
-    prune(teacher, student, scores_dir=root / "scores", num_layers=98, ffn_size=cfg.intermediate_size * 30 // 32)
+    prune(teacher, student, scores_dir=root / "scores", num_layers=98, ffn_size=cfg.mlp.intermediate_size * 30 // 32)
     return teacher, student
 
 

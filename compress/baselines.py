@@ -63,7 +63,7 @@ def random_scores(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     so the other keys keep the draws they had before)."""
     g = torch.Generator().manual_seed(seed)
     out = {k: torch.rand(shape, generator=g) for k, shape in score_shapes(cfg).items()}
-    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    E, F = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
     extra = (("expert_contribution", (E,)), ("expert_frequency", (E,)))
     for keys in (extra, (("expert_reconstruction", (E,)), ("expert_ffn_contribution", (E, F)))):
         for i, kind in enumerate(layer_kinds(cfg)):

@@ -50,7 +50,7 @@ def rank_experts(scores: dict, cfg: ModelConfig, method: str = "reconstruction",
     mtp = [f"mtp.layers.{j}." for j, c in enumerate(cfg.mtp_full_pattern) if KINDS[c].routed]
     for p in trunk + mtp:  # trunk first: the random draws of the trunk's layers do not depend on the MTP
         if method == "random":
-            out[p + "experts"] = torch.rand(cfg.n_routed_experts, generator=g)
+            out[p + "experts"] = torch.rand(cfg.moe.n_routed_experts, generator=g)
             continue
         src = scores.get(p + SOURCE[method])
         if src is None and p in mtp:  # scores without the MTP head's own: prune ranks it by a stand-in

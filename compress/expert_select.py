@@ -37,11 +37,11 @@ class RoutedSample:
     def __init__(self, moe):
         cfg = moe.cfg
         self.moe, self.cfg = moe, cfg
-        D = cfg.moe_latent_size or cfg.hidden_size
+        D = cfg.moe.moe_latent_size or cfg.hidden_size
         self.dim = min(D, PROJECT_DIM)
         g = torch.Generator().manual_seed(0)
         self.proj = None if D <= PROJECT_DIM else torch.randn(D, self.dim, generator=g) / self.dim ** 0.5
-        self.cap = max(1, min(SAMPLE_TOKENS, SAMPLE_BYTES // (4 * cfg.n_routed_experts * self.dim)))
+        self.cap = max(1, min(SAMPLE_TOKENS, SAMPLE_BYTES // (4 * cfg.moe.n_routed_experts * self.dim)))
         self.logits, self.outputs, self.n = [], [], 0
 
     def add(self, x, mask=None):
@@ -54,7 +54,7 @@ class RoutedSample:
             x, logits = x[keep], logits[keep]
         x, logits = x[:self.cap - self.n], logits[:self.cap - self.n]
         ex, proj = self.moe.experts, self.proj if self.proj is None else self.proj.to(x.device)
-        y = torch.stack([_project(Experts.expert(ex, e, x).float(), proj) for e in range(self.cfg.n_routed_experts)],
+        y = torch.stack([_project(Experts.expert(ex, e, x).float(), proj) for e in range(self.cfg.moe.n_routed_experts)],
                         1)
         self.logits.append(logits)
         self.outputs.append(y)
@@ -67,10 +67,10 @@ class RoutedSample:
             return None
         cfg, logits, y = self.cfg, torch.cat(self.logits), torch.cat(self.outputs)
         self.logits, self.outputs = [], []
-        sig = cfg.router == "sigmoid"
+        sig = cfg.moe.router == "sigmoid"
         weight = logits.sigmoid() if sig else logits.softmax(-1)
         bias = self.moe.gate.e_score_correction_bias.float() if sig else 0.0
-        return elimination_scores(weight, weight + bias, y, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return elimination_scores(weight, weight + bias, y, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
 
 
 def _project(y, proj):

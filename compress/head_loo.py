@@ -137,7 +137,7 @@ def loo_scores(cfg, scores: dict, costs: dict) -> dict:
         if p + "mamba_heads_loo" in costs:
             out[p + "mamba_x"] = _profile(scores[p + "mamba_x"].float()) * _order(costs[p + "mamba_heads_loo"])[:, None]
         elif p + "lin_v_heads_loo" in costs:
-            hk = cfg.linear_num_key_heads
+            hk = cfg.gated_deltanet.linear_num_key_heads
             v = costs[p + "lin_v_heads_loo"].view(hk, -1)
             w = torch.stack([_order(row) for row in v])  # within a group, by the value head's cost
             w = w / w.norm(dim=1, keepdim=True) * _order(costs[p + "lin_k_heads_loo"])[:, None]  # group norm: its cost

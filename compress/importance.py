@@ -171,7 +171,7 @@ class Scorer:
 
     def _attach_moe(self, p, moe):
         cfg, experts, ctx = self.cfg, moe.experts, {}
-        E, self._samples[p] = cfg.n_routed_experts, RoutedSample(moe)
+        E, self._samples[p] = cfg.moe.n_routed_experts, RoutedSample(moe)
         self.wnorm[p + "expert_ffn"] = experts.down_proj.detach().float().norm(dim=1)  # [E, Fm]
 
         def pre_moe(module, args):
@@ -189,7 +189,7 @@ class Scorer:
         self._handles.append(moe.register_forward_pre_hook(pre_moe))
         self._handles.append(experts.register_forward_pre_hook(pre_experts))
         self._handles.append(experts.register_expert_hook(lambda _, e, h, y: self._expert_stats(p, e, h, y, ctx)))
-        if moe.cfg.moe_latent_size:
+        if moe.cfg.moe.moe_latent_size:
             def latent_in(module, args, out):  # [T, Lt] for tokens flattened by the MoE
                 self._acc(p + "latent_in", out.view(*ctx["bl"], -1))
 
@@ -211,7 +211,7 @@ class Scorer:
         if self.mask is not None:
             keep = self.mask.reshape(-1)[tok]
             tok, w, h, y = tok[keep], w[keep], h[keep], y[keep]
-        E, dev = self.cfg.n_routed_experts, h.device
+        E, dev = self.cfg.moe.n_routed_experts, h.device
         if p + "expert_ffn" not in self.acc:
             for k in ("expert_ffn", "expert_ffn_routed"):
                 self.acc[p + k] = torch.zeros(E, h.shape[1], device=dev)

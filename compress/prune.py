@@ -30,7 +30,7 @@ import copy
 
 import torch
 
-from remodel.models.config import ModelConfig
+from remodel.models.config import ModelConfig, path_of
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units as layer_units, family as family_of
 from remodel.models.hf import check_exportable, config_to_hf, default_family
@@ -126,7 +126,7 @@ def _check_value(cfg: ModelConfig, key: str, v) -> None:
     field = w.field
     if w.layer is not None and not any(key in k.widths for k in used(cfg, mtp=False)):  # no kind present has the width
         raise RemodelError(f"{flag(key)}: the model has no {KINDS[w.layer].name} layers (pattern {cfg.pattern})")
-    src = getattr(cfg, field)
+    src = w.of(cfg)
     if not src:
         raise RemodelError(f"{flag(key)}: the model has no {w.absent or w.help}")
     if v > src:
@@ -148,8 +148,8 @@ def kept_widths(cfg: ModelConfig, t: dict) -> dict:
     out = {k: v for k, v in t.items() if k in AXES}
     for name, w in AXES.items():
         g = group_width(name)
-        if g in out and name not in out and getattr(cfg, w.multiple_of):
-            out[name] = getattr(cfg, w.field) // getattr(cfg, w.multiple_of) * out[g]
+        if g in out and name not in out and w.of(cfg, w.multiple_of):
+            out[name] = w.of(cfg) // w.of(cfg, w.multiple_of) * out[g]
     return out
 
 
@@ -159,12 +159,12 @@ def _check_groups(cfg: ModelConfig, t: dict) -> None:
     groups that are kept: where the group count is pruned too (key heads), the kept count, and at most the members
     those groups hold (a kept key head keeps at most its own value heads)."""
     for name, w in WIDTHS.items():
-        src_g = getattr(cfg, w.multiple_of) if w.multiple_of and name in t else None
+        src_g = w.of(cfg, w.multiple_of) if w.multiple_of and name in t else None
         if not src_g:
             continue
         gw, v = group_width(name), t[name]
         g = t.get(gw, src_g)
-        most = getattr(cfg, w.field) // src_g * g  # the members of the kept groups
+        most = w.of(cfg) // src_g * g  # the members of the kept groups
         groups = f"{flag(gw)} {g}" if gw in t else f"{w.multiple_of}={g}"
         if v % g:
             raise RemodelError(f"{flag(name)} {v} is not a multiple of {groups}{w.why}; "
@@ -179,7 +179,7 @@ def _check_kind_rules(cfg: ModelConfig, t: dict) -> None:
     router can use, expert rows transformers can load), with the nearest widths that they allow."""
     kinds = used(cfg, mtp=False)
     for key, v in t.items():
-        if key not in AXES or v == (src := getattr(cfg, AXES[key].field)):
+        if key not in AXES or v == (src := AXES[key].of(cfg)):
             continue
         why = next((w for k in kinds if (w := k.target_problem(cfg, key, v))), None)
         if why:
@@ -193,7 +193,7 @@ def _nearest_valid(cfg: ModelConfig, target: ModelConfig, t: dict, rule) -> str:
     rule allows, the others as targeted (at most the source's)."""
     w = widths(target)
     name = next((n for n in rule.of + rule.by if n in t), (rule.of + rule.by)[0])
-    src = getattr(cfg, WIDTHS[name].field)
+    src = WIDTHS[name].of(cfg)
     ok = [v for v in range(src, 0, -1) if rule.holds({**w, name: v})]
     near = sorted(ok, key=lambda v: (abs(v - w[name]), -v))[:2]
     return f"{flag(name)} " + (" or ".join(map(str, sorted(near))) if near else "none")
@@ -201,7 +201,7 @@ def _nearest_valid(cfg: ModelConfig, target: ModelConfig, t: dict, rule) -> str:
 
 def _check_exportable_target(cfg: ModelConfig, t: dict, units: list, family: str) -> None:
     """The whole target must still be a valid, exportable model of the source family."""
-    sizes = {AXES[k].field: v for k, v in kept_widths(cfg, t).items()}
+    sizes = {AXES[k].path: v for k, v in kept_widths(cfg, t).items()}
     if "drop_layers" in t or "num_layers" in t:
         kept = ([u for j, u in enumerate(units) if j not in t["drop_layers"]] if "drop_layers" in t
                 else units[:t["num_layers"]])
@@ -292,8 +292,8 @@ def new_config(cfg: ModelConfig, keep: dict) -> ModelConfig:
     layers = kept_layers(cfg, keep)
     if not layers:
         raise RemodelError("pruning would remove every layer")
-    sizes = {field: _size(cfg, keep, layers, c, unit, getattr(cfg, field))  # every present kind's units (its spec)
-             for c, k in KINDS.items() if k in used(cfg) for unit, field in k.units.items()}
+    sizes = {path_of(field, k.section_name): _size(cfg, keep, layers, c, unit, cfg.get(field, k.section_name))
+             for c, k in KINDS.items() if k in used(cfg) for unit, field in k.units.items()}  # each present kind's units
     return cfg.replace(pattern="".join(cfg.pattern[i] for i in layers),
                        hidden_size=len(keep["hidden"]) if "hidden" in keep else cfg.hidden_size,
                        **sizes, extra=copy.deepcopy(cfg.extra))

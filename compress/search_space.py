@@ -108,8 +108,8 @@ def _joint_ok(sp: "Space", d: dict, t: str | None = None) -> bool:
 def _groups_hold(cfg: ModelConfig, axis: str, group_axis: str, v: int, g: int) -> bool:
     """Whether `g` kept groups (of the width group_axis) hold `v` units of `axis` as compress.prune keeps them: the
     same number in every group, at most each group's own (a kept GDN key head keeps at most its value heads)."""
-    src_g = getattr(cfg, WIDTHS[group_axis].field)
-    return bool(g) and v % g == 0 and v <= getattr(cfg, WIDTHS[axis].field) // src_g * g
+    src_g = WIDTHS[group_axis].of(cfg)
+    return bool(g) and v % g == 0 and v <= WIDTHS[axis].of(cfg) // src_g * g
 
 
 def axis_values(cfg: ModelConfig, axis: str, max_cut: float, divisor: int | None = None,
@@ -120,17 +120,17 @@ def axis_values(cfg: ModelConfig, axis: str, max_cut: float, divisor: int | None
     one of them is a candidate, _joint_ok keeps the combinations the kept groups hold)."""
     w = WIDTHS[axis]  # the width's own rules: whole groups, or the divisor's step (times the groups)
     divisor = divisor or w.divisor
-    size = getattr(cfg, w.field)
+    size = w.of(cfg)
     if not size or (w.layer is not None and not any(axis in k.widths for k in used(cfg, mtp=False))):  # no kind has it
         return [size]
     if w.multiple_of:
-        step = math.gcd(*groups) if groups else getattr(cfg, w.multiple_of)
+        step = math.gcd(*groups) if groups else w.of(cfg, w.multiple_of)
     elif divisor is None:  # a count searched unit by unit (GDN key heads, each a whole group)
         step = 1
     else:
         step = step_for(size, divisor)
-        if w.step_lcm and getattr(cfg, w.step_lcm) > 1:
-            step = math.lcm(step, getattr(cfg, w.step_lcm))
+        if w.step_lcm and w.of(cfg, w.step_lcm) > 1:
+            step = math.lcm(step, w.of(cfg, w.step_lcm))
     lo = max(math.ceil((1 - max_cut) * size - 1e-9), 1)
     step *= max(1, math.ceil(((size - 1) // step - (lo - 1) // step) / MAX_AXIS_VALUES))  # <= MAX_AXIS_VALUES
     top = (size - 1) // step * step  # multiples of the step only: never a loop over every width
@@ -204,7 +204,7 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
     fixed = family_of(family).fixed_fields(cfg)  # e.g. the hidden size a vision tower's merger projects into
     values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes and WIDTHS[a].field not in fixed
-              else [getattr(cfg, WIDTHS[a].field)]
+              else [WIDTHS[a].of(cfg)]
               for a in WIDTHS}
     for a, g in _GROUPED.items():  # a width of whole groups whose group count is searched: multiples of any kept count
         if a in axes and WIDTHS[a].field not in fixed and len(values[g]) > 1:
@@ -246,7 +246,7 @@ def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
     out = np.zeros(3, dtype=np.int64)
     for k in map(KINDS.__getitem__, t):  # weights, the kind's fp32 buffers and its bf16 / fp32 inference cache
         p = one[k.name] + H
-        a = p - (one["routed"] - one["routed"] * cfg.num_experts_per_tok // d["experts"] if k.routed else 0)
+        a = p - (one["routed"] - one["routed"] * cfg.moe.num_experts_per_tok // d["experts"] if k.routed else 0)
         m = p * sp.dtype_bytes + 4 * k.buffer_elements(cfg, d) + sum(k.cache_bytes(cfg, d, sp.batch, sp.seq_len).values())
         out += np.array([p, a, m], dtype=np.int64)
     return out

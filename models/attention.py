@@ -43,14 +43,14 @@ class AttentionConfig(Section):
 
 def rope_dim(cfg) -> int:
     """The channels of each head RoPE rotates (the first ones; transformers' int(head_dim * factor))."""
-    return int(cfg.head_dim * cfg.partial_rotary_factor)
+    return int(cfg.attention.head_dim * cfg.attention.partial_rotary_factor)
 
 
 def rope_inv_freq(cfg) -> torch.Tensor:
     """Inverse frequencies; the "llama3" type rescales long wavelengths as transformers does."""
     d = rope_dim(cfg)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = cfg.rope_scaling
+    inv = 1.0 / (cfg.attention.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.attention.rope_scaling
     if rs is None:
         return inv
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
@@ -102,7 +102,7 @@ def _query_and_gate_heads(q, hd: int):
 
 def _scaled_keys(attn, k):
     """key_multiplier (Falcon-H1): the keys times it."""
-    return k * attn.cfg.key_multiplier
+    return k * attn.cfg.attention.key_multiplier
 
 
 def _same_keys(attn, k):
@@ -141,31 +141,31 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        H, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(H, ATTENTION.axis_size(cfg, "attn_qg"), bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=cfg.attention_out_bias)
-        if cfg.qk_norm or cfg.qk_norm_full:
-            self.q_norm = trunk_norm(cfg, hd * (cfg.num_attention_heads if cfg.qk_norm_full else 1))
-            self.k_norm = trunk_norm(cfg, hd * (cfg.num_key_value_heads if cfg.qk_norm_full else 1))
-        if cfg.rope_theta is not None:
+        H, hd = cfg.hidden_size, cfg.attention.head_dim
+        self.q_proj = nn.Linear(H, ATTENTION.axis_size(cfg, "attn_qg"), bias=cfg.attention.attention_bias)
+        self.k_proj = nn.Linear(H, cfg.attention.num_key_value_heads * hd, bias=cfg.attention.attention_bias)
+        self.v_proj = nn.Linear(H, cfg.attention.num_key_value_heads * hd, bias=cfg.attention.attention_bias)
+        self.o_proj = nn.Linear(cfg.attention.num_attention_heads * hd, H, bias=cfg.attention.attention_out_bias)
+        if cfg.attention.qk_norm or cfg.attention.qk_norm_full:
+            self.q_norm = trunk_norm(cfg, hd * (cfg.attention.num_attention_heads if cfg.attention.qk_norm_full else 1))
+            self.k_norm = trunk_norm(cfg, hd * (cfg.attention.num_key_value_heads if cfg.attention.qk_norm_full else 1))
+        if cfg.attention.rope_theta is not None:
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.norm_projections = _norm_qk if cfg.qk_norm_full else _same_qk
-        self.norm_heads = _norm_qk if cfg.qk_norm else _same_qk
-        self.split_query = _query_and_gate_heads if cfg.attn_output_gate else _query_heads
-        self.gate_output = _gated_out if cfg.attn_output_gate else _plain_out
-        self.position = _rotated if cfg.rope_theta is not None else _unrotated
-        self.scale_keys = _scaled_keys if cfg.key_multiplier != 1 else _same_keys
+        self.norm_projections = _norm_qk if cfg.attention.qk_norm_full else _same_qk
+        self.norm_heads = _norm_qk if cfg.attention.qk_norm else _same_qk
+        self.split_query = _query_and_gate_heads if cfg.attention.attn_output_gate else _query_heads
+        self.gate_output = _gated_out if cfg.attention.attn_output_gate else _plain_out
+        self.position = _rotated if cfg.attention.rope_theta is not None else _unrotated
+        self.scale_keys = _scaled_keys if cfg.attention.key_multiplier != 1 else _same_keys
 
     def build_buffers(self, device):
         """RoPE frequencies (non-persistent: never in a checkpoint, rebuilt after a meta-device build)."""
-        if self.cfg.rope_theta is not None:
+        if self.cfg.attention.rope_theta is not None:
             self.inv_freq = rope_inv_freq(self.cfg).to(device)
 
     def forward(self, x, attention_mask=None, position_ids=None):
         b, l, _ = x.shape
-        hd = self.cfg.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
+        hd = self.cfg.attention.head_dim  # head counts from the projections' widths: a tensor-parallel shard has fewer
         q, k = self.norm_projections(self, self.q_proj(x), self.k_proj(x))
         k, v = (t.view(b, l, t.shape[-1] // hd, hd) for t in (k, self.v_proj(x)))
         q, gate = self.split_query(q, hd)
@@ -181,20 +181,20 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = self.position(self, q, k, position_ids)
         gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
-        window = cfg.sliding_window is not None and l > cfg.sliding_window
+        window = cfg.attention.sliding_window is not None and l > cfg.attention.sliding_window
         if attention_mask is None and not window:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=cfg.attention_scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=cfg.attention.attention_scale)
         else:  # causal AND inside the window AND key not padded
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=_keep(cfg, l, attention_mask, q.device),
-                                               enable_gqa=gqa, scale=cfg.attention_scale)
+                                               enable_gqa=gqa, scale=cfg.attention.attention_scale)
         return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])
 
 
 def _keep(cfg, l: int, attention_mask, device):
     """[1 or b, 1, l, l]: causal, inside the sliding window, key not padded (a row never fully masked)."""
     keep = torch.ones(l, l, dtype=torch.bool, device=device).tril()
-    if cfg.sliding_window is not None and l > cfg.sliding_window:
-        keep = keep & ~torch.ones_like(keep).tril(-cfg.sliding_window)
+    if cfg.attention.sliding_window is not None and l > cfg.attention.sliding_window:
+        keep = keep & ~torch.ones_like(keep).tril(-cfg.attention.sliding_window)
     keep = keep[None, None]
     if attention_mask is not None:
         keep = keep & attention_mask[:, None, None, :].bool()
@@ -207,26 +207,26 @@ class AttentionKind(LayerKind):
         return Attention(cfg)
 
     def validate(self, cfg, need):
-        need(cfg.num_attention_heads > 0 and cfg.num_key_value_heads > 0 and cfg.head_dim > 0,
+        need(cfg.attention.num_attention_heads > 0 and cfg.attention.num_key_value_heads > 0 and cfg.attention.head_dim > 0,
              "attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
-        need(not cfg.qk_norm_full or not (cfg.qk_norm or cfg.attn_output_gate),
+        need(not cfg.attention.qk_norm_full or not (cfg.attention.qk_norm or cfg.attention.attn_output_gate),
              "qk_norm_full (q/k norms over all heads) excludes per-head qk_norm and attn_output_gate")
-        need(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
-             f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-             f"num_key_value_heads={cfg.num_key_value_heads}")
-        if cfg.rope_theta is not None:
-            need(0 < cfg.partial_rotary_factor <= 1, f"partial_rotary_factor must be in (0, 1], got "
-                 f"{cfg.partial_rotary_factor}")
+        need(cfg.attention.num_attention_heads % cfg.attention.num_key_value_heads == 0,
+             f"num_attention_heads={cfg.attention.num_attention_heads} is not a multiple of "
+             f"num_key_value_heads={cfg.attention.num_key_value_heads}")
+        if cfg.attention.rope_theta is not None:
+            need(0 < cfg.attention.partial_rotary_factor <= 1, f"partial_rotary_factor must be in (0, 1], got "
+                 f"{cfg.attention.partial_rotary_factor}")
             need(rope_dim(cfg) > 0 and rope_dim(cfg) % 2 == 0, f"RoPE needs an even number of rotated channels, got "
-                 f"{rope_dim(cfg)} (head_dim={cfg.head_dim}, partial_rotary_factor={cfg.partial_rotary_factor})")
-        if cfg.rope_scaling is not None:
-            need(cfg.rope_scaling.get("rope_type") == "llama3",
-                 f"unsupported RoPE type {cfg.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
+                 f"{rope_dim(cfg)} (head_dim={cfg.attention.head_dim}, partial_rotary_factor={cfg.attention.partial_rotary_factor})")
+        if cfg.attention.rope_scaling is not None:
+            need(cfg.attention.rope_scaling.get("rope_type") == "llama3",
+                 f"unsupported RoPE type {cfg.attention.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
 
     def summary(self, cfg):
-        return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-                "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
-                **({"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1 else {})}
+        return {"num_attention_heads": cfg.attention.num_attention_heads, "num_key_value_heads": cfg.attention.num_key_value_heads,
+                "head_dim": cfg.attention.head_dim, "rope_theta": cfg.attention.rope_theta,
+                **({"partial_rotary_factor": cfg.attention.partial_rotary_factor} if cfg.attention.partial_rotary_factor != 1 else {})}
 
     state_row = "KV cache"
 
@@ -234,7 +234,7 @@ class AttentionKind(LayerKind):
         return {"kv_cache": 2 * batch * seq_len * w["kv_heads"] * w["head_dim"] * kv_bytes}
 
     def mixing_flops(self, cfg, seq_len):
-        return 4 * seq_len * cfg.num_attention_heads * cfg.head_dim  # scores and values, no causal discount
+        return 4 * seq_len * cfg.attention.num_attention_heads * cfg.attention.head_dim  # scores and values, no causal discount
 
     def sites(self, cfg):
         return (Site("attn", "o_proj", "input"),)
@@ -242,20 +242,20 @@ class AttentionKind(LayerKind):
     def keep(self, cfg, score, t, p):
         if "attn_heads" not in t:
             return {}
-        s = score(p + "attn", (cfg.num_attention_heads, cfg.head_dim), "--attn-heads")
-        return {p + "attn_heads": top_per_group(s.norm(dim=1), cfg.num_key_value_heads, t["attn_heads"])}
+        s = score(p + "attn", (cfg.attention.num_attention_heads, cfg.attention.head_dim), "--attn-heads")
+        return {p + "attn_heads": top_per_group(s.norm(dim=1), cfg.attention.num_key_value_heads, t["attn_heads"])}
 
     def magnitude(self, cfg, local, t):
         if local == "o_proj.weight":
             return [("attn", sq(t, 1))]
         if local in ("q_proj.weight", "q_proj.bias"):  # a gated head's query and gate rows add up
             s = sq(t, 0)
-            return [("attn", s.view(cfg.num_attention_heads, -1, cfg.head_dim).sum(1).flatten())]
+            return [("attn", s.view(cfg.attention.num_attention_heads, -1, cfg.attention.head_dim).sum(1).flatten())]
         return []
 
     def check_tp(self, cfg, tp, need):
-        need(cfg.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
-             f"{cfg.num_key_value_heads} is not divisible by tp={tp}")
+        need(cfg.attention.num_key_value_heads % tp == 0, f"tensor parallelism: num_key_value_heads="
+             f"{cfg.attention.num_key_value_heads} is not divisible by tp={tp}")
 
 
 ATTENTION = AttentionKind(
@@ -268,8 +268,8 @@ ATTENTION = AttentionKind(
      Param("q_norm.weight", ("attn_q",), ("qk_norm_full",)), Param("k_norm.weight", ("attn_kv",), ("qk_norm_full",))),
     # q_proj rows: per head its query (and, gated, then its gate): heads x attn_qg_head
     sizes={"attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
-           "attn_qg": lambda cfg, w: w["attn_heads"] * w["head_dim"] * (2 if cfg.attn_output_gate else 1),
-           "attn_qg_head": lambda cfg, w: w["head_dim"] * (2 if cfg.attn_output_gate else 1),
+           "attn_qg": lambda cfg, w: w["attn_heads"] * w["head_dim"] * (2 if cfg.attention.attn_output_gate else 1),
+           "attn_qg_head": lambda cfg, w: w["head_dim"] * (2 if cfg.attention.attn_output_gate else 1),
            "head_dim": lambda cfg, w: w["head_dim"], "attn_heads": lambda cfg, w: w["attn_heads"]},
     units={"attn_heads": "num_attention_heads"},
     products={"attn_q": ("attn_heads", "head_dim"), "attn_qg": ("attn_heads", "attn_qg_head")},

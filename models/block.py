@@ -1,4 +1,4 @@
-"""One residual layer: x + mixer(norm(x)) (x + norm(mixer(x)) for a post_norm kind) (the mixer's output times cfg.residual_multiplier), the mixer built
+"""One residual layer: x + mixer(norm(x)) (x + norm(mixer(x)) for a post_norm kind) (the mixer's output times cfg.scales.residual_multiplier), the mixer built
 by the layer kind of its pattern character."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Block(nn.Module):
         self.kind, self.spec = kind, KINDS[kind]
         self.add_module(self.spec.norm_name, trunk_norm(cfg))  # 'post_norm' after the mixer
         self.mixer = self.spec.build(cfg)
-        self.residual_multiplier = cfg.residual_multiplier  # the mixer's output joins the stream scaled
+        self.residual_multiplier = cfg.scales.residual_multiplier  # the mixer's output joins the stream scaled
 
     @property
     def norm(self):
@@ -42,6 +42,6 @@ class Block(nn.Module):
         return self.join(x, self.mixer(self.norm(x), *(given[a] for a in self.spec.inputs)))
 
     def join(self, x, y):
-        """The residual update: x + the mixer's output y (times cfg.residual_multiplier); forward and the
+        """The residual update: x + the mixer's output y (times cfg.scales.residual_multiplier); forward and the
         streaming checks that run the mixer themselves both call it."""
         return x + (y if self.residual_multiplier == 1 else y * self.residual_multiplier)

@@ -17,7 +17,7 @@ from .errors import RemodelError
 from .kinds import KINDS, used
 from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, plain, reals
 
-__all__ = ["ModelConfig", "Scales", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
+__all__ = ["ModelConfig", "Scales", "Slot", "OWNERS", "SECTIONS", "path_of", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
 
 
 @dataclass(frozen=True)
@@ -38,26 +38,34 @@ def section_classes() -> dict:
 
 
 def _owners() -> dict:
-    """{flat field name: the section holding it} (the old flat ModelConfig names; each named once)."""
+    """{field name: the sections declaring it}: a bare field name in the constructor or replace() is
+    accepted where exactly one section declares it (an input convenience; reads name the section)."""
     out: dict = {}
     for name, cls in section_classes().items():
         for f in cls.names():
-            if f in out:
-                raise RemodelError(f"config field {f!r} is declared by two sections ({out[f]}, {name})")
-            out[f] = name
+            out.setdefault(f, []).append(name)
     return out
 
 
 SECTIONS = section_classes()
-FLAT = _owners()
+OWNERS = _owners()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One trunk layer: its kind and the config section that kind reads (the instance ModelConfig holds;
+    layers of one kind share it: widths are homogeneous per kind)."""
+    index: int
+    kind: object  # models.spec.LayerKind
+    section: Section | None
 
 
 @dataclass(init=False)
 class ModelConfig:
     """The trunk's fields plus one config section per layer kind (`sections`, each owned by its kind's
-    module) and the trunk's `scales`. Every section field also reads and writes under its flat name
-    (cfg.num_attention_heads is cfg.sections["attention"].num_attention_heads), and the constructor and
-    replace() take flat names, so a kind's fields are named once, by the kind."""
+    module) and the trunk's `scales`. A section is read by its name (cfg.attention.num_attention_heads); a
+    section field is no attribute of the config. The constructor and replace() take trunk fields, whole
+    sections, and "section.field" keys (a bare field name only where one section alone declares it)."""
     vocab_size: int = ints(dataclasses.MISSING, 1, MAX_VOCAB, raw={"vocab_size": 1})
     hidden_size: int = ints(dataclasses.MISSING, 1, MAX_WIDTH, raw={"hidden_size": 1})
     pattern: str = plain(dataclasses.MISSING)
@@ -85,47 +93,52 @@ class ModelConfig:
         secs = {n: cls() for n, cls in SECTIONS.items()}
         for n, v in {**(sections or {}), **{n: given.pop(n) for n in list(given) if n in SECTIONS}}.items():
             secs[n] = _section(n, v)
-        unknown = sorted(set(given) - set(FLAT))
-        if unknown:
-            raise RemodelError(f"unknown remodel config fields: {unknown}")
-        for n in SECTIONS:
-            mine = {k: v for k, v in given.items() if FLAT[k] == n}
-            if mine:
-                secs[n] = secs[n].replace(**mine)
+        for n, fields in _by_section(given).items():
+            secs[n] = secs[n].replace(**fields)
         d["sections"] = secs
         self.validate()
 
-    # ---- the sections and their flat names ----------------------------------------------
+    # ---- the sections, by name ------------------------------------------------------------
     def __getattr__(self, name):
         secs = self.__dict__.get("sections")
-        if secs is None or name.startswith("__"):
-            raise AttributeError(name)
-        if name in secs:
-            return secs[name]
-        owner = FLAT.get(name)
-        if owner is None:
-            raise AttributeError(f"ModelConfig has no field {name!r}")
-        return getattr(secs[owner], name)
+        if secs is None or name.startswith("__") or name not in secs:
+            owners = OWNERS.get(name)
+            hint = f" (a field of section {', '.join(owners)}: cfg.{owners[0]}.{name})" if owners else ""
+            raise AttributeError(f"ModelConfig has no field {name!r}{hint}")
+        return secs[name]
 
     def __setattr__(self, name, value):
-        if name in FLAT:
-            n = FLAT[name]
-            self.__dict__["sections"] = {**self.sections, n: self.sections[n].replace(**{name: value})}
-        else:
-            object.__setattr__(self, name, value)
+        if name in OWNERS or name in SECTIONS:
+            raise AttributeError(f"ModelConfig sections are immutable: use cfg.replace(**{{'section.{name}': ...}})")
+        object.__setattr__(self, name, value)
+
+    def value(self, path: str):
+        """A trunk field ("hidden_size") or a section's ("mamba.n_groups") by its path."""
+        section, _, name = path.rpartition(".")
+        return getattr(self.sections[section] if section else self, name)
+
+    def get(self, name: str, section: str | None = None):
+        """The field `name` as a kind's code reads it: a path, a trunk field, a field of `section`,
+        or else of the one section that declares it (path_of)."""
+        return self.value(path_of(name, section))
 
     # ---- derived sizes -------------------------------------------------------------
+    @property
+    def slots(self) -> tuple:
+        """The trunk as layer slots, in order (the pattern names their kinds)."""
+        return tuple(Slot(i, KINDS[c], self.sections.get(KINDS[c].section_name)) for i, c in enumerate(self.pattern))
+
     @property
     def num_layers(self) -> int:
         return len(self.pattern)
 
     @property
     def mamba_inner(self) -> int:
-        return self.mamba_num_heads * self.mamba_head_dim
+        return self.mamba.mamba_num_heads * self.mamba.mamba_head_dim
 
     @property
     def moe_input_size(self) -> int:
-        return self.moe_latent_size or self.hidden_size
+        return self.moe.moe_latent_size or self.hidden_size
 
     @property
     def mtp_full_pattern(self) -> str:
@@ -136,17 +149,17 @@ class ModelConfig:
         return self.pattern.count(layer_char)
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with `changes` (trunk fields, whole sections or flat section fields) applied."""
+        """A copy with `changes` (trunk fields, whole sections, "section.field" keys) applied."""
         trunk = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         sections = {**trunk.pop("sections"), **{n: changes.pop(n) for n in list(changes) if n in SECTIONS}}
         return ModelConfig(**{**trunk, **changes}, sections=sections)
 
     def flat(self) -> dict:
-        """Every field under its flat name (trunk and sections), for reports and differences."""
+        """Every field by its path (trunk fields bare, section fields "section.field"), for reports and
+        differences."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
         for n, s in self.sections.items():
-            for k in s.names():
-                out.setdefault(k, getattr(self, k))
+            out.update({f"{n}.{k}": getattr(s, k) for k in s.names()})
         return out
 
     def to_dict(self) -> dict:
@@ -164,7 +177,7 @@ class ModelConfig:
         the sections) reads the same."""
         if not isinstance(d, dict):
             raise RemodelError(f"a remodel config must be an object, got {type(d).__name__}")
-        d = {k: float("inf") if k == "time_step_max" and v == "inf" else v for k, v in d.items()}
+        d = {k: float("inf") if k.rpartition(".")[2] == "time_step_max" and v == "inf" else v for k, v in d.items()}
         missing = [k for k in ("vocab_size", "hidden_size", "pattern") if k not in d]
         if missing:
             raise RemodelError(f"remodel config lacks {', '.join(missing)}")
@@ -186,7 +199,8 @@ class ModelConfig:
              "MTP needs both mtp_layers > 0 and a non-empty mtp_pattern (or neither)")
         need(set(self.mtp_pattern) <= set(self.pattern),
              f"MTP layer types {self.mtp_pattern!r} must also occur in the trunk (they share its widths)")
-        need(not self.mtp_layers or (self.logits_scaling, self.embedding_multiplier, self.lm_head_multiplier) == (1, 1, 1),
+        sc = self.scales
+        need(not self.mtp_layers or (sc.logits_scaling, sc.embedding_multiplier, sc.lm_head_multiplier) == (1, 1, 1),
              "MTP layers read the trunk's final hidden states and embeddings unscaled: logits_scaling, "
              "embedding_multiplier and lm_head_multiplier must be 1")
         for k in used(self):
@@ -203,6 +217,40 @@ class ModelConfig:
              f"{len(self.pattern)} layers (pattern length), at most {MAX_LAYERS}")
         for s in self.sections.values():
             s.check(need)
+
+
+TRUNK_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def path_of(name: str, section: str | None = None) -> str:
+    """The path of a field a kind names: itself when dotted or a trunk field; `section.name` when that
+    section declares it; else the one section that declares it (two: name the section)."""
+    if "." in name or name in TRUNK_FIELDS:
+        return name
+    if section and name in SECTIONS[section].names():
+        return f"{section}.{name}"
+    owners = OWNERS.get(name, ())
+    if len(owners) != 1:
+        raise RemodelError(f"config field {name!r} is declared by {len(owners)} sections: name it as section.field")
+    return f"{owners[0]}.{name}"
+
+
+def _by_section(given: dict) -> dict:
+    """{section: {field: value}} of "section.field" keys and bare names one section alone declares."""
+    out: dict = {}
+    unknown = []
+    for key, v in given.items():
+        section, _, name = key.rpartition(".")
+        owners = [section] if section else OWNERS.get(name, [])
+        if (section and section not in SECTIONS) or not owners or name not in SECTIONS[owners[0]].names():
+            unknown.append(key)
+        elif len(owners) > 1:
+            raise RemodelError(f"config field {name!r} is declared by {', '.join(owners)}: name it as section.field")
+        else:
+            out.setdefault(owners[0], {})[name] = v
+    if unknown:
+        raise RemodelError(f"unknown remodel config fields: {sorted(unknown)}")
+    return out
 
 
 def _section(name: str, v) -> Section:

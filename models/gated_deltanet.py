@@ -85,7 +85,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        H, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        H, hv = cfg.hidden_size, cfg.gated_deltanet.linear_num_value_heads
         qk, v = GATED_DELTANET.axis_size(cfg, "lin_qk"), GATED_DELTANET.axis_size(cfg, "lin_v")
         self.in_proj_q, self.in_proj_k = nn.Linear(H, qk, bias=False), nn.Linear(H, qk, bias=False)
         self.in_proj_v = nn.Linear(H, v, bias=False)
@@ -93,15 +93,15 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(H, hv, bias=False)
         self.in_proj_a = nn.Linear(H, hv, bias=False)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-            nn.Conv1d(n, n, cfg.linear_conv_kernel_dim, groups=n, bias=cfg.linear_conv_bias) for n in (qk, qk, v))
+            nn.Conv1d(n, n, cfg.gated_deltanet.linear_conv_kernel_dim, groups=n, bias=cfg.gated_deltanet.linear_conv_bias) for n in (qk, qk, v))
         self.conv_out = nn.Identity()  # the activation scores read q and k channels here
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.empty(hv))
         if not self.A_log.is_meta:
             with torch.no_grad():
                 self.A_log.copy_(torch.empty(hv).uniform_(0.01, 16).log())
-        self.norm = GatedHeadNorm(cfg.linear_value_head_dim,
-                                  cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps)
+        self.norm = GatedHeadNorm(cfg.gated_deltanet.linear_value_head_dim,
+                                  cfg.norm_eps if cfg.gated_deltanet.linear_norm_eps is None else cfg.gated_deltanet.linear_norm_eps)
         self.out_proj = nn.Linear(v, H, bias=False)
 
     def forward(self, u, attention_mask=None):
@@ -109,11 +109,11 @@ class GatedDeltaNet(nn.Module):
             u = u * attention_mask[:, :, None].to(u.dtype)
         b, l, _ = u.shape
         a, beta = self.in_proj_a(u), self.in_proj_b(u).sigmoid()
-        if self.cfg.linear_allow_neg_eigval:  # this kind's delta_rule variant (off: beta in (0, 1))
+        if self.cfg.gated_deltanet.linear_allow_neg_eigval:  # this kind's delta_rule variant (off: beta in (0, 1))
             beta = beta * 2.0
         cd = compute_dtype(a)  # fp32 (transformers' float()), float64 stays float64
         g = -self.A_log.to(cd).exp() * F.softplus(a.to(cd) + self.dt_bias.to(cd))
-        z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.linear_value_head_dim))
+        z = self.in_proj_z(u).unflatten(-1, (-1, self.cfg.gated_deltanet.linear_value_head_dim))
         mixed = torch.cat([self.in_proj_q(u), self.in_proj_k(u), self.in_proj_v(u)], dim=-1)
         out = maybe_checkpoint(self, self._core, mixed, g, beta, z)
         return self.out_proj(out.flatten(2))
@@ -129,10 +129,10 @@ class GatedDeltaNet(nn.Module):
         cfg, hv = self.cfg, self.A_log.shape[0]  # head counts from the shapes (a TP rank holds fewer)
         k = conv_kernels(mixed)
         x = self.conv_out(causal_conv_silu(mixed, self.conv(), k.conv, k.conv_fla))
-        kd = (x.shape[-1] - hv * cfg.linear_value_head_dim) // 2
+        kd = (x.shape[-1] - hv * cfg.gated_deltanet.linear_value_head_dim) // 2
         q, k, v = x.split([kd, kd, x.shape[-1] - 2 * kd], dim=-1)
-        q, k = (t.unflatten(-1, (-1, cfg.linear_key_head_dim)) for t in (q, k))
-        o, _ = chunk_gated_delta_rule(q, k, v.unflatten(-1, (hv, -1)), g, beta, cfg.linear_chunk_size)
+        q, k = (t.unflatten(-1, (-1, cfg.gated_deltanet.linear_key_head_dim)) for t in (q, k))
+        o, _ = chunk_gated_delta_rule(q, k, v.unflatten(-1, (hv, -1)), g, beta, cfg.gated_deltanet.linear_chunk_size)
         return self.norm(o, z)
 
 
@@ -142,7 +142,7 @@ class GatedDeltaNetKind(LayerKind):
 
     def head_units(self, cfg):
         """Value heads, and key-head groups (a key head with the value heads it feeds), as out_proj input channels."""
-        dv, hk, hv = cfg.linear_value_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dv, hk, hv = cfg.gated_deltanet.linear_value_head_dim, cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads
         r = hv // hk
         return [("lin_v_heads_loo", [torch.arange(j * dv, (j + 1) * dv) for j in range(hv)]),
                 ("lin_k_heads_loo", [torch.arange(g * r * dv, (g + 1) * r * dv) for g in range(hk)])]
@@ -168,13 +168,13 @@ class GatedDeltaNetKind(LayerKind):
         return True
 
     def validate(self, cfg, need):
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        need(hk > 0 and hv > 0 and cfg.linear_key_head_dim > 0 and cfg.linear_value_head_dim > 0,
+        hk, hv = cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads
+        need(hk > 0 and hv > 0 and cfg.gated_deltanet.linear_key_head_dim > 0 and cfg.gated_deltanet.linear_value_head_dim > 0,
              "Gated DeltaNet layers need linear_num_key_heads, linear_num_value_heads and both head dims > 0")
         need(hv % hk == 0, f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
 
     def summary(self, cfg):
-        return {k: getattr(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        return {k: cfg.get(k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                              "linear_value_head_dim", "linear_conv_kernel_dim")}
 
     state_row = "GDN state (conv + fp32 recurrent)"
@@ -182,15 +182,15 @@ class GatedDeltaNetKind(LayerKind):
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps its kernel's columns of q, k, v; the recurrent state is dk x dv per value head."""
         conv = 2 * self.axis_size(cfg, "lin_qk", w) + self.axis_size(cfg, "lin_v", w)
-        return {"gdn_conv_state": batch * conv * cfg.linear_conv_kernel_dim * conv_bytes,
+        return {"gdn_conv_state": batch * conv * cfg.gated_deltanet.linear_conv_kernel_dim * conv_bytes,
                 "gdn_recurrent_state": batch * w["linear_value_heads"] * w["linear_key_head_dim"]
                 * w["linear_value_head_dim"] * state_bytes}
 
     def mixing_flops(self, cfg, seq_len):
         """Per token: the state's read, correction and write (3 dk x dv products per value head) and the
         chunk's intra-block attention (64 steps of q.k and of the values)."""
-        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        return 2 * hv * (3 * dk * dv + min(seq_len, cfg.linear_chunk_size) * (dk + dv))
+        hv, dk, dv = cfg.gated_deltanet.linear_num_value_heads, cfg.gated_deltanet.linear_key_head_dim, cfg.gated_deltanet.linear_value_head_dim
+        return 2 * hv * (3 * dk * dv + min(seq_len, cfg.gated_deltanet.linear_chunk_size) * (dk + dv))
 
     def sites(self, cfg):
         qk = self.axis_size(cfg, "lin_qk")
@@ -200,8 +200,8 @@ class GatedDeltaNetKind(LayerKind):
     def keep(self, cfg, score, t, p):
         if not any(n in t for n in self.widths):
             return {}
-        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim)
+        hk, hv, dk, dv = (cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads, cfg.gated_deltanet.linear_key_head_dim,
+                          cfg.gated_deltanet.linear_value_head_dim)
         flags = "--linear-key-heads/--linear-value-heads/--linear-key-head-dim/--linear-value-head-dim"
         qk = torch.stack([score(p + s, (hk, dk), flags) for s in ("lin_q", "lin_k")]).norm(dim=0)  # [hk, dk]
         sv = score(p + "lin_v", (hv, dv), flags)
@@ -218,7 +218,7 @@ class GatedDeltaNetKind(LayerKind):
     def _keep_heads(self, cfg, heads, t, p):
         """Key-head groups by the norm of their value heads' scores, then the same number of value heads in
         every kept group (value heads of a dropped group go with it)."""
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        hk, hv = cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads
         r, nk = hv // hk, t.get("linear_key_heads", hk)
         nv = t.get("linear_value_heads", nk * r)
         if nv % nk or nv // nk > r:
@@ -243,8 +243,8 @@ class GatedDeltaNetKind(LayerKind):
         return []
 
     def check_tp(self, cfg, tp, need):
-        need(cfg.linear_num_key_heads % tp == 0, f"tensor parallelism: linear_num_key_heads="
-             f"{cfg.linear_num_key_heads} is not divisible by tp={tp} (heads are split by key-head group)")
+        need(cfg.gated_deltanet.linear_num_key_heads % tp == 0, f"tensor parallelism: linear_num_key_heads="
+             f"{cfg.gated_deltanet.linear_num_key_heads} is not divisible by tp={tp} (heads are split by key-head group)")
 
 
 _CONVS = (("q", "lin_qk"), ("k", "lin_qk"), ("v", "lin_v"))  # each conv's channels follow its projection's rows
@@ -270,7 +270,7 @@ GATED_DELTANET = GatedDeltaNetKind(
            "lin_dk": lambda cfg, w: w["linear_key_head_dim"], "lin_dv": lambda cfg, w: w["linear_value_head_dim"],
            "lin_qk": lambda cfg, w: w["linear_key_heads"] * w["linear_key_head_dim"],
            "lin_v": lambda cfg, w: w["linear_value_heads"] * w["linear_value_head_dim"],
-           "lin_conv_kernel": lambda cfg, w: cfg.linear_conv_kernel_dim},
+           "lin_conv_kernel": lambda cfg, w: cfg.gated_deltanet.linear_conv_kernel_dim},
     units={"lin_k_heads": "linear_num_key_heads", "lin_v_heads": "linear_num_value_heads",
            "lin_dk": "linear_key_head_dim", "lin_dv": "linear_value_head_dim"},
     products={"lin_qk": ("lin_k_heads", "lin_dk"), "lin_v": ("lin_v_heads", "lin_dv")},

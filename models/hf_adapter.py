@@ -74,8 +74,8 @@ def _compiled(family: str, side: int) -> dict[str, list[tuple[_Pattern, _Pattern
 def _check_expert(cfg: ModelConfig, family: str, name: str, expert, wants: bool):
     if wants != (expert is not None):
         raise RemodelError(f"{family} tensor {name!r} {'needs' if wants else 'takes no'} expert index")
-    if wants and not 0 <= expert < (cfg.n_routed_experts or 0):
-        raise RemodelError(f"expert {expert} of {name!r} is out of range (the model has {cfg.n_routed_experts})")
+    if wants and not 0 <= expert < (cfg.moe.n_routed_experts or 0):
+        raise RemodelError(f"expert {expert} of {name!r} is out of range (the model has {cfg.moe.n_routed_experts})")
 
 
 def _lookup(cfg: ModelConfig, family: str, our_name: str):
@@ -97,7 +97,7 @@ def to_hf_part(cfg: ModelConfig, family: str, our_name: str, expert: int | None 
     several of ours, which part of it. RemodelError when the family has no such tensor."""
     hf, values, part = _lookup(cfg, family, our_name)
     _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
-    blocks = getattr(cfg, part.blocks) if isinstance(part.blocks, str) else part.blocks
+    blocks = cfg.get(part.blocks) if isinstance(part.blocks, str) else part.blocks
     return replace(part, name=hf.fill({**values, "e": expert}), blocks=blocks,
                    sizes=_sibling_sizes(cfg, family, hf, values, part) if part.sized else ())
 

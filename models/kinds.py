@@ -60,7 +60,7 @@ def used(cfg, mtp: bool = True) -> list[LayerKind]:
 
 def layer_kinds(cfg) -> list[LayerKind]:
     """The kind of every trunk layer, in order."""
-    return [KINDS[c] for c in cfg.pattern]
+    return [s.kind for s in cfg.slots]
 
 
 def count(cfg, k: LayerKind) -> int:

@@ -23,7 +23,7 @@ MTP_FIRST = (Param("enorm.weight", ("hidden",)), Param("hnorm.weight", ("hidden"
              Param("eh_proj.weight", ("hidden", "mtp_eh_in")))
 MTP_LAST = (Param("final_layernorm.weight", ("hidden",)),)
 BUFFERS = ("e_score_correction_bias",)  # stored and exported, but buffers, not parameters
-_CONDITIONS = {"sigmoid_router": lambda cfg: cfg.router == "sigmoid"}
+_CONDITIONS = {"sigmoid_router": lambda cfg: cfg.moe.router == "sigmoid"}
 _SIZE = {  # the axes no kind owns: size under the widths w
     "hidden": lambda cfg, w: w["hidden_size"], "vocab": lambda cfg, w: w["vocab_size"], "one": lambda cfg, w: 1,
     "mtp_eh_in": lambda cfg, w: 2 * w["hidden_size"],
@@ -31,7 +31,7 @@ _SIZE = {  # the axes no kind owns: size under the widths w
 
 
 def _holds(cfg: ModelConfig, flag: str) -> bool:
-    return _CONDITIONS[flag](cfg) if flag in _CONDITIONS else bool(getattr(cfg, flag))
+    return _CONDITIONS[flag](cfg) if flag in _CONDITIONS else bool(cfg.get(flag))
 
 
 def layer_params(cfg: ModelConfig, kind: str) -> tuple[Param, ...]:
@@ -80,7 +80,7 @@ def axis_size(cfg: ModelConfig, axis: str, w: dict | None = None) -> int:
 
 def resolve(cfg: ModelConfig, axes: tuple) -> tuple:
     """The axes with 'moe_io' named as what it is under `cfg` ('latent' or 'hidden')."""
-    io = "latent" if cfg.moe_latent_size else "hidden"
+    io = "latent" if cfg.moe.moe_latent_size else "hidden"
     return tuple(io if a == "moe_io" else a for a in axes)
 
 

@@ -184,9 +184,9 @@ class Gate(nn.Module):
 
 def mamba_norm(cfg) -> nn.Module:
     """The module between the scan and out_proj, as cfg's Mamba variant says."""
-    if not cfg.mamba_rms_norm:
+    if not cfg.mamba.mamba_rms_norm:
         return Gate()
-    return (RMSNormThenGate if cfg.mamba_norm_before_gate else GatedRMSNorm)(cfg.mamba_inner, cfg.n_groups, cfg.norm_eps)
+    return (RMSNormThenGate if cfg.mamba.mamba_norm_before_gate else GatedRMSNorm)(cfg.mamba_inner, cfg.mamba.n_groups, cfg.norm_eps)
 
 
 class Mamba2Mixer(nn.Module):
@@ -198,36 +198,36 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.cfg = cfg
         conv = MAMBA.axis_size(cfg, "mamba_conv")
-        self.in_proj = nn.Linear(cfg.hidden_size, MAMBA.axis_size(cfg, "mamba_in_proj"), bias=cfg.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(conv, conv, cfg.conv_kernel, groups=conv, bias=cfg.use_conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(cfg.mamba_num_heads))
-        self.A_log = nn.Parameter(torch.empty(cfg.mamba_num_heads))
+        self.in_proj = nn.Linear(cfg.hidden_size, MAMBA.axis_size(cfg, "mamba_in_proj"), bias=cfg.mamba.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(conv, conv, cfg.mamba.conv_kernel, groups=conv, bias=cfg.mamba.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.mamba.mamba_num_heads))
+        self.A_log = nn.Parameter(torch.empty(cfg.mamba.mamba_num_heads))
         if not self.A_log.is_meta:  # arange on the meta device imports torch._dynamo (slow)
             with torch.no_grad():
                 init_a_log(self.A_log)
-        self.D = nn.Parameter(torch.ones(cfg.mamba_num_heads))
+        self.D = nn.Parameter(torch.ones(cfg.mamba.mamba_num_heads))
         self.norm = mamba_norm(cfg)
-        self.out_proj = nn.Linear(cfg.mamba_inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+        self.out_proj = nn.Linear(cfg.mamba_inner, cfg.hidden_size, bias=cfg.mamba.mamba_proj_bias)
 
     def forward(self, u, attention_mask=None):
         b, l, _ = u.shape
         if attention_mask is not None:
             u = u * attention_mask[:, :, None].to(u.dtype)
         proj = self.in_proj(u)
-        if self.cfg.ssm_multipliers != PLAIN_SSM:  # the variant: each in_proj segment z|x|B|C|dt times its own
+        if self.cfg.mamba.ssm_multipliers != PLAIN_SSM:  # the variant: each in_proj segment z|x|B|C|dt times its own
             proj = proj * self._mup(proj)
         if b == 0 or l == 0:  # nothing to scan (the blocked kernels cannot view an empty tensor)
-            return self.out_proj(proj.new_zeros(b, l, self.dt_bias.shape[0] * self.cfg.mamba_head_dim))
+            return self.out_proj(proj.new_zeros(b, l, self.dt_bias.shape[0] * self.cfg.mamba.mamba_head_dim))
         A = -torch.exp(self.A_log.float())
         core = self._core if _on_gpu(u) else self._fused_core
         return self.out_proj(maybe_checkpoint(self, core, proj, A, attention_mask).to(u.dtype))
 
     def _mup(self, proj):
-        """The in_proj output's per-segment multipliers (cfg.ssm_multipliers, in the spec's segment order) as one
+        """The in_proj output's per-segment multipliers (cfg.mamba.ssm_multipliers, in the spec's segment order) as one
         vector over its columns (transformers' mup_vector), under this mixer's local widths."""
         sizes = MAMBA.segment_sizes(self._local()[0], "mamba_in_proj").values()
         return torch.cat([torch.full((n,), m, dtype=torch.float32, device=proj.device)
-                          for n, m in zip(sizes, self.cfg.ssm_multipliers)]).to(proj.dtype)
+                          for n, m in zip(sizes, self.cfg.mamba.ssm_multipliers)]).to(proj.dtype)
 
     def _local(self):
         """(cfg with the head and group counts this mixer's parameters hold, the spec's column slices of its
@@ -235,7 +235,7 @@ class Mamba2Mixer(nn.Module):
         nh, rows = self.dt_bias.shape[0], self.in_proj.weight.shape[0]
         if self.__dict__.get("_local_key") != (nh, rows):
             cfg = self.cfg
-            groups = (rows - nh * (2 * cfg.mamba_head_dim + 1)) // (2 * cfg.ssm_state_size)
+            groups = (rows - nh * (2 * cfg.mamba.mamba_head_dim + 1)) // (2 * cfg.mamba.ssm_state_size)
             local = cfg.replace(mamba_num_heads=nh, n_groups=groups)
             self._local_key, self._local_val = (nh, rows), CoreLayout(local, layout_spans(local))
         return self._local_val
@@ -254,22 +254,22 @@ class Mamba2Mixer(nn.Module):
         conv_out = causal_conv_silu(proj[..., sp.conv], self.conv1d, k.conv, k.conv_fla)
         if attention_mask is not None:
             conv_out = conv_out * attention_mask[:, :, None].to(conv_out.dtype)
-        x = conv_out[..., sp.x].unflatten(-1, (cfg.mamba_num_heads, cfg.mamba_head_dim))
-        B, C = (conv_out[..., s].unflatten(-1, (cfg.n_groups, cfg.ssm_state_size)) for s in (sp.B, sp.C))
+        x = conv_out[..., sp.x].unflatten(-1, (cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim))
+        B, C = (conv_out[..., s].unflatten(-1, (cfg.mamba.n_groups, cfg.mamba.ssm_state_size)) for s in (sp.B, sp.C))
         dt, z = proj[..., sp.dt], proj[..., sp.z]
         if k.scan is not None:  # dt + dt_bias, softplus and the clamp inside the kernel, as transformers calls it
-            y = k.scan(x, dt, A, B, C, cfg.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                       dt_limit=(cfg.time_step_min, cfg.time_step_max))
+            y = k.scan(x, dt, A, B, C, cfg.mamba.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                       dt_limit=(cfg.mamba.time_step_min, cfg.mamba.time_step_max))
         else:
             cd = compute_dtype(dt)
-            dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.time_step_min, cfg.time_step_max)
-            y = ssd_scan(x, dt, A, B, C, cfg.chunk_size, D=self.D)
+            dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(cfg.mamba.time_step_min, cfg.mamba.time_step_max)
+            y = ssd_scan(x, dt, A, B, C, cfg.mamba.chunk_size, D=self.D)
         y = y.flatten(2)
-        if k.norm is None or not cfg.mamba_rms_norm:
+        if k.norm is None or not cfg.mamba.mamba_rms_norm:
             return self.norm(y, z)
         n = self.norm  # one norm per group of channels, the gate before it unless the config says after
         return k.norm(y, n.weight, None, z=z, eps=n.eps, group_size=y.shape[-1] // n.groups,
-                      norm_before_gate=cfg.mamba_norm_before_gate)
+                      norm_before_gate=cfg.mamba.mamba_norm_before_gate)
 
 
 def masked_gated_norm(norm, y, z, keep: torch.Tensor):
@@ -293,8 +293,8 @@ class MambaKind(LayerKind):
         return Mamba2Mixer(cfg)
 
     def head_units(self, cfg):
-        hd = cfg.mamba_head_dim
-        return [("mamba_heads_loo", [torch.arange(h * hd, (h + 1) * hd) for h in range(cfg.mamba_num_heads)])]
+        hd = cfg.mamba.mamba_head_dim
+        return [("mamba_heads_loo", [torch.arange(h * hd, (h + 1) * hd) for h in range(cfg.mamba.mamba_num_heads)])]
 
     def remove_channels(self, mixer, keep, fired):
         """The gated norm over the kept channels only (each group's RMS over those it keeps), as the pruned model's."""
@@ -315,21 +315,21 @@ class MambaKind(LayerKind):
             dt = dt.clamp(min=1e-4)
             p.copy_(dt + torch.log(-torch.expm1(-dt)))
         elif local == "conv1d.weight":
-            p.uniform_(-1.0 / math.sqrt(cfg.conv_kernel), 1.0 / math.sqrt(cfg.conv_kernel), generator=g)
+            p.uniform_(-1.0 / math.sqrt(cfg.mamba.conv_kernel), 1.0 / math.sqrt(cfg.mamba.conv_kernel), generator=g)
         else:
             return False
         return True
 
     def validate(self, cfg, need):
-        need(cfg.mamba_num_heads > 0 and cfg.mamba_head_dim > 0 and cfg.ssm_state_size > 0,
+        need(cfg.mamba.mamba_num_heads > 0 and cfg.mamba.mamba_head_dim > 0 and cfg.mamba.ssm_state_size > 0,
              "Mamba layers need mamba_num_heads, mamba_head_dim and ssm_state_size > 0")
-        need(cfg.n_groups > 0 and cfg.mamba_num_heads % cfg.n_groups == 0,
-             f"mamba_num_heads={cfg.mamba_num_heads} is not a multiple of n_groups={cfg.n_groups}")
-        need(cfg.chunk_size > 0 and cfg.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
+        need(cfg.mamba.n_groups > 0 and cfg.mamba.mamba_num_heads % cfg.mamba.n_groups == 0,
+             f"mamba_num_heads={cfg.mamba.mamba_num_heads} is not a multiple of n_groups={cfg.mamba.n_groups}")
+        need(cfg.mamba.chunk_size > 0 and cfg.mamba.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
 
     def summary(self, cfg):
-        return {"mamba_num_heads": cfg.mamba_num_heads, "mamba_head_dim": cfg.mamba_head_dim, "n_groups": cfg.n_groups,
-                "ssm_state_size": cfg.ssm_state_size, "conv_kernel": cfg.conv_kernel, "mamba_inner": cfg.mamba_inner,
+        return {"mamba_num_heads": cfg.mamba.mamba_num_heads, "mamba_head_dim": cfg.mamba.mamba_head_dim, "n_groups": cfg.mamba.n_groups,
+                "ssm_state_size": cfg.mamba.ssm_state_size, "conv_kernel": cfg.mamba.conv_kernel, "mamba_inner": cfg.mamba_inner,
                 "mamba_conv_dim": self.axis_size(cfg, "mamba_conv"),
                 "mamba_in_proj_size": self.axis_size(cfg, "mamba_in_proj")}
 
@@ -338,7 +338,7 @@ class MambaKind(LayerKind):
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """The conv state keeps conv_kernel columns of the conv channels; the SSM state does not grow with seq_len."""
         inner, N = w["mamba_heads"] * w["mamba_head_dim"], w["ssm_state_size"]
-        return {"mamba_conv_state": batch * (inner + 2 * cfg.n_groups * N) * cfg.conv_kernel * conv_bytes,
+        return {"mamba_conv_state": batch * (inner + 2 * cfg.mamba.n_groups * N) * cfg.mamba.conv_kernel * conv_bytes,
                 "mamba_ssm_state": batch * inner * N * state_bytes}
 
     def sites(self, cfg):
@@ -347,19 +347,19 @@ class MambaKind(LayerKind):
     def keep(self, cfg, score, t, p):
         if "mamba_heads" not in t and "mamba_head_dim" not in t:
             return {}
-        keep, nh, hd = {}, cfg.mamba_num_heads, cfg.mamba_head_dim
+        keep, nh, hd = {}, cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim
         s = score(p + "mamba_x", (nh, hd), "--mamba-heads/--mamba-head-dim")
         chans = top(s.norm(dim=0), t["mamba_head_dim"]) if "mamba_head_dim" in t else torch.arange(hd)
         if "mamba_head_dim" in t:
             keep[p + "mamba_head_dim"] = chans
         if "mamba_heads" in t:  # ranked over the kept channels, the same count in every group
-            keep[p + "mamba_heads"] = top_per_group(s[:, chans].norm(dim=1), cfg.n_groups, t["mamba_heads"])
+            keep[p + "mamba_heads"] = top_per_group(s[:, chans].norm(dim=1), cfg.mamba.n_groups, t["mamba_heads"])
         return keep
 
     def magnitude(self, cfg, local, t):
         """in_proj z and x rows, out_proj columns, and each head's dt row spread over its channels."""
         if local in ("in_proj.weight", "in_proj.bias"):
-            sizes, hd = self.segment_sizes(cfg, "mamba_in_proj"), cfg.mamba_head_dim
+            sizes, hd = self.segment_sizes(cfg, "mamba_in_proj"), cfg.mamba.mamba_head_dim
             seg = dict(zip(sizes, sq(t, 0).split(list(sizes.values()))))
             return [("mamba_x", seg["z"] + seg["x"] + (seg["dt"] / hd).repeat_interleave(hd))]
         if local == "out_proj.weight":
@@ -367,7 +367,7 @@ class MambaKind(LayerKind):
         return []
 
     def check_tp(self, cfg, tp, need):
-        need(cfg.n_groups % tp == 0, f"tensor parallelism: Mamba n_groups={cfg.n_groups} is not divisible "
+        need(cfg.mamba.n_groups % tp == 0, f"tensor parallelism: Mamba n_groups={cfg.mamba.n_groups} is not divisible "
              f"by tp={tp} (heads are split by whole groups)")
 
 
@@ -387,7 +387,7 @@ MAMBA = MambaKind(
               "mamba_conv": (("x", "mamba_inner"), ("B", "mamba_bc"), ("C", "mamba_bc"))},
     sizes={"mamba_heads": lambda cfg, w: w["mamba_heads"], "mamba_head_dim": lambda cfg, w: w["mamba_head_dim"],
            "mamba_inner": lambda cfg, w: w["mamba_heads"] * w["mamba_head_dim"],
-           "mamba_bc": lambda cfg, w: cfg.n_groups * w["ssm_state_size"], "conv_kernel": lambda cfg, w: cfg.conv_kernel},
+           "mamba_bc": lambda cfg, w: cfg.mamba.n_groups * w["ssm_state_size"], "conv_kernel": lambda cfg, w: cfg.mamba.conv_kernel},
     units={"mamba_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim"},
     products={"mamba_inner": ("mamba_heads", "mamba_head_dim")}, scored={"mamba_x": ("mamba_heads", "mamba_head_dim")},
     widths=("mamba_heads", "mamba_head_dim", "ssm_state_size"),

@@ -282,7 +282,7 @@ def _tril(Q, device, dtype):
 
 def _core_dims(cfg, l):
     """(heads, groups, state size, head dim, scan chunk) of the core under `cfg`, for length l."""
-    return cfg.mamba_num_heads, cfg.n_groups, cfg.ssm_state_size, cfg.mamba_head_dim, min(CPU_CHUNK, l)
+    return cfg.mamba.mamba_num_heads, cfg.mamba.n_groups, cfg.mamba.ssm_state_size, cfg.mamba.mamba_head_dim, min(CPU_CHUNK, l)
 
 
 def _scan_views(conv_out, sp: Spans, h: int, g: int):
@@ -306,7 +306,7 @@ class _MambaCore(torch.autograd.Function):
         wk = w.view(w.shape[0], -1).t().to(cd).contiguous()  # [K, C]
         conv_b, dt_bias, A, D = (t.to(cd) if t is not None else None for t in (conv_b, dt_bias, A, D))
         src = proj[..., sp.conv]
-        dt = F.softplus(proj[..., sp.dt].to(cd) + dt_bias).clamp(cfg.time_step_min, cfg.time_step_max)
+        dt = F.softplus(proj[..., sp.dt].to(cd) + dt_bias).clamp(cfg.mamba.time_step_min, cfg.mamba.time_step_max)
         c = -(-l // Q)
         ys = proj.new_empty(b, l, h * p, dtype=cd)
         prev = proj.new_empty(b, c, g, h // g, p, n, dtype=cd)  # state entering each chunk
@@ -331,7 +331,7 @@ class _MambaCore(torch.autograd.Function):
         proj, wk, conv_b, dt_bias, A, D, mask, prev, *y_off = ctx.saved_tensors
         cfg, sp, cd, (b, l, _), K = ctx.cfg, ctx.sp, ctx.cd, proj.shape, wk.shape[0]
         h, g, n, p, Q = _core_dims(cfg, l)
-        tmin, tmax = cfg.time_step_min, cfg.time_step_max
+        tmin, tmax = cfg.mamba.time_step_min, cfg.mamba.time_step_max
         src, raw = proj[..., sp.conv], proj[..., sp.dt]
         dproj = torch.empty(proj.shape, dtype=proj.dtype, device=proj.device)
         if dz is None:

@@ -97,14 +97,14 @@ def ffn_magnitude(site: str, local: str, t: torch.Tensor) -> list:
 
 class MLPKind(LayerKind):
     def build(self, cfg):
-        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_gated, cfg.mlp_bias, cfg.mlp_multipliers)
+        return MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.mlp_act, cfg.mlp.mlp_gated, cfg.mlp.mlp_bias, cfg.mlp.mlp_multipliers)
 
     def validate(self, cfg, need):
-        need(cfg.intermediate_size > 0, "MLP layers need intermediate_size > 0")
-        need(cfg.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp_act!r}")
+        need(cfg.mlp.intermediate_size > 0, "MLP layers need intermediate_size > 0")
+        need(cfg.mlp.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp.mlp_act!r}")
 
     def summary(self, cfg):
-        return {"intermediate_size": cfg.intermediate_size, "mlp_act": cfg.mlp_act, "mlp_gated": cfg.mlp_gated}
+        return {"intermediate_size": cfg.mlp.intermediate_size, "mlp_act": cfg.mlp.mlp_act, "mlp_gated": cfg.mlp.mlp_gated}
 
     def sites(self, cfg):
         return (Site("ffn", "down_proj", "input", norm_of="down_proj.weight"),)
@@ -112,13 +112,13 @@ class MLPKind(LayerKind):
     def keep(self, cfg, score, t, p):
         if "ffn_size" not in t:
             return {}
-        return {p + "ffn": top(score(p + "ffn", (cfg.intermediate_size,), "--ffn-size"), t["ffn_size"])}
+        return {p + "ffn": top(score(p + "ffn", (cfg.mlp.intermediate_size,), "--ffn-size"), t["ffn_size"])}
 
     def magnitude(self, cfg, local, t):
         return ffn_magnitude("ffn", local, t)
 
     def check_tp(self, cfg, tp, need):
-        need(cfg.intermediate_size % tp == 0, f"tensor parallelism: intermediate_size={cfg.intermediate_size} "
+        need(cfg.mlp.intermediate_size % tp == 0, f"tensor parallelism: intermediate_size={cfg.mlp.intermediate_size} "
              f"is not divisible by tp={tp}")
 
 

@@ -30,7 +30,7 @@ class HybridLM(nn.Module):
                                        _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         if not self.embeddings.weight.is_meta:
             nn.init.normal_(self.embeddings.weight)
-        self.layers = nn.ModuleList(Block(cfg, c) for c in cfg.pattern)
+        self.layers = nn.ModuleList(Block(cfg, s.kind.char) for s in cfg.slots)
         self.norm_f = trunk_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_input = nn.Identity()  # what the output projection reads (tensor parallelism puts its entry here)
@@ -42,7 +42,7 @@ class HybridLM(nn.Module):
         return init_buffers(self, device)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
-        """-> (the final hidden states: norm_f's output divided by cfg.logits_scaling (times cfg.lm_head_multiplier),
+        """-> (the final hidden states: norm_f's output divided by cfg.scales.logits_scaling (times cfg.scales.lm_head_multiplier),
         so that any output projection of them gives the model's logits; the residual stream after every layer, or None)."""
         x = start(self.cfg, self.embed(input_ids))
         record = [x] if output_hidden_states else None

@@ -68,34 +68,34 @@ class Router(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.router == "sigmoid":
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed_experts, cfg.hidden_size))
+        if cfg.moe.router == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x):
         """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k]); fp64 stays fp64."""
         cfg = self.cfg
         logits = F.linear(wide(x), wide(self.weight))
-        k = cfg.num_experts_per_tok
-        if cfg.router == "sigmoid":
+        k = cfg.moe.num_experts_per_tok
+        if cfg.moe.router == "sigmoid":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias
-            if cfg.n_group > 1:
-                E, G = cfg.n_routed_experts, cfg.n_group
+            if cfg.moe.n_group > 1:
+                E, G = cfg.moe.n_routed_experts, cfg.moe.n_group
                 group = choice.view(choice.shape[0], G, E // G).topk(2, dim=-1)[0].sum(-1)
-                top_groups = group.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+                top_groups = group.topk(cfg.moe.topk_group, dim=-1, sorted=False)[1]
                 gmask = torch.zeros_like(group).scatter_(1, top_groups, 1.0).bool()
                 choice = choice.masked_fill(~gmask.repeat_interleave(E // G, dim=1), float("-inf"))
             idx = choice.topk(k, dim=-1, sorted=False)[1]
             w = scores.gather(1, idx)
-            if cfg.norm_topk_prob:
+            if cfg.moe.norm_topk_prob:
                 w = w / (w.sum(-1, keepdim=True) + 1e-20)
         else:
             probs = logits.softmax(-1)
             w, idx = probs.topk(k, dim=-1)
-            if cfg.norm_topk_prob:
+            if cfg.moe.norm_topk_prob:
                 w = w / w.sum(-1, keepdim=True)
-        return logits, w * cfg.routed_scaling_factor, idx
+        return logits, w * cfg.moe.routed_scaling_factor, idx
 
 
 # F.grouped_mm (torch >= 2.10; CPU and CUDA), else the private op it wraps (CUDA bf16 since torch 2.8)
@@ -158,10 +158,10 @@ class Experts(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        E, Fm, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
-        self.act = ACT[cfg.mlp_act]
+        E, Fm, L = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size, cfg.moe_input_size
+        self.act = ACT[cfg.mlp.mlp_act]
         self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
-        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp_gated else None
+        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp.mlp_gated else None
         self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
         self._expert_hooks: OrderedDict = OrderedDict()  # torch's hook handles need a weak-referable dict
 
@@ -256,12 +256,12 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        S = cfg.moe_shared_expert_intermediate_size
-        self.shared_experts = MLP(cfg.hidden_size, S, cfg.mlp_act, cfg.mlp_gated) if S else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
-        if cfg.moe_latent_size:
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False)
-            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
+        S = cfg.moe.moe_shared_expert_intermediate_size
+        self.shared_experts = MLP(cfg.hidden_size, S, cfg.mlp.mlp_act, cfg.mlp.mlp_gated) if S else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.moe.shared_expert_gate else None
+        if cfg.moe.moe_latent_size:
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe.moe_latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(cfg.moe.moe_latent_size, cfg.hidden_size, bias=False)
         self.router_logits = None  # last forward's [T, E] logits, read by the trainer's aux losses
 
     def forward(self, x):
@@ -269,9 +269,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, w, idx = self.gate(x)
         self.router_logits = logits
-        h = self.fc1_latent_proj(x) if self.cfg.moe_latent_size else x
+        h = self.fc1_latent_proj(x) if self.cfg.moe.moe_latent_size else x
         y = self.experts(h, w, idx)
-        if self.cfg.moe_latent_size:
+        if self.cfg.moe.moe_latent_size:
             y = self.fc2_latent_proj(y)
         if self.shared_experts is not None:
             s = self.shared_experts(x)
@@ -286,57 +286,57 @@ class MoEKind(LayerKind):
         return MoE(cfg)
 
     def validate(self, cfg, need):
-        need(cfg.n_routed_experts > 0 and cfg.moe_intermediate_size > 0,
+        need(cfg.moe.n_routed_experts > 0 and cfg.moe.moe_intermediate_size > 0,
              "MoE layers need n_routed_experts and moe_intermediate_size > 0")
-        need(0 < cfg.num_experts_per_tok <= cfg.n_routed_experts,
-             f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..n_routed_experts={cfg.n_routed_experts}")
-        need(cfg.router in ROUTERS, f"unknown router {cfg.router!r} (allowed: {ROUTERS})")
-        need(cfg.n_group > 0 and cfg.n_routed_experts % cfg.n_group == 0,
-             f"n_routed_experts={cfg.n_routed_experts} is not a multiple of n_group={cfg.n_group}")
-        need(0 < cfg.topk_group <= cfg.n_group, f"topk_group={cfg.topk_group} must be in 1..n_group")
-        if cfg.n_group > 1:
-            need(cfg.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
-            need(cfg.n_routed_experts // cfg.n_group >= 2, "grouped routing needs at least 2 experts per group")
-        need(cfg.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp_act!r}")
+        need(0 < cfg.moe.num_experts_per_tok <= cfg.moe.n_routed_experts,
+             f"num_experts_per_tok={cfg.moe.num_experts_per_tok} must be in 1..n_routed_experts={cfg.moe.n_routed_experts}")
+        need(cfg.moe.router in ROUTERS, f"unknown router {cfg.moe.router!r} (allowed: {ROUTERS})")
+        need(cfg.moe.n_group > 0 and cfg.moe.n_routed_experts % cfg.moe.n_group == 0,
+             f"n_routed_experts={cfg.moe.n_routed_experts} is not a multiple of n_group={cfg.moe.n_group}")
+        need(0 < cfg.moe.topk_group <= cfg.moe.n_group, f"topk_group={cfg.moe.topk_group} must be in 1..n_group")
+        if cfg.moe.n_group > 1:
+            need(cfg.moe.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
+            need(cfg.moe.n_routed_experts // cfg.moe.n_group >= 2, "grouped routing needs at least 2 experts per group")
+        need(cfg.mlp.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp.mlp_act!r}")
 
     def summary(self, cfg):
-        return {"mlp_act": cfg.mlp_act, "mlp_gated": cfg.mlp_gated, "n_routed_experts": cfg.n_routed_experts,
-                "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
-                "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
-                "moe_latent_size": cfg.moe_latent_size, "router": cfg.router}
+        return {"mlp_act": cfg.mlp.mlp_act, "mlp_gated": cfg.mlp.mlp_gated, "n_routed_experts": cfg.moe.n_routed_experts,
+                "num_experts_per_tok": cfg.moe.num_experts_per_tok, "moe_intermediate_size": cfg.moe.moe_intermediate_size,
+                "moe_shared_expert_intermediate_size": cfg.moe.moe_shared_expert_intermediate_size,
+                "moe_latent_size": cfg.moe.moe_latent_size, "router": cfg.moe.router}
 
     def target_problem(self, cfg, width, v):
         """Expert counts the router's top-k and groups can use; expert rows transformers can load."""
         if width == "experts":
-            k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+            k, G, tg = cfg.moe.num_experts_per_tok, cfg.moe.n_group, cfg.moe.topk_group
             if v < k:
                 return f"is fewer than num_experts_per_tok={k}"
             if G > 1 and not (v % G == 0 and v // G >= 2 and tg * (v // G) >= k):
                 return (f"does not fit n_group={G} expert groups (the same number in every group, >= 2 each, "
                         f"topk_group={tg} groups holding num_experts_per_tok={k})")
-        rows = ("expert_ffn_size", "latent_size" if cfg.moe_latent_size else "hidden_size")
+        rows = ("expert_ffn_size", "latent_size" if cfg.moe.moe_latent_size else "hidden_size")
         if width in rows and v % MOE_ALIGN:
             return (f"is not a multiple of {MOE_ALIGN}, which transformers' grouped expert matmul needs "
                     f"(16-byte rows in bf16)")
         return None
 
     def buffer_elements(self, cfg, w):
-        return w["experts"] if cfg.router == "sigmoid" else 0  # e_score_correction_bias, fp32
+        return w["experts"] if cfg.moe.router == "sigmoid" else 0  # e_score_correction_bias, fp32
 
     def keep(self, cfg, score, t, p):
-        keep, E = {}, cfg.n_routed_experts
+        keep, E = {}, cfg.moe.n_routed_experts
         experts = torch.arange(E)
         if "experts" in t:
-            experts = top_per_group(score(p + "experts", (E,), "--experts"), cfg.n_group, t["experts"])
+            experts = top_per_group(score(p + "experts", (E,), "--experts"), cfg.moe.n_group, t["experts"])
             keep[p + "experts"] = experts  # n_group=1: plain top-k
         if "expert_ffn_size" in t:
-            s = score(p + "expert_ffn", (E, cfg.moe_intermediate_size), "--expert-ffn-size")[experts]
+            s = score(p + "expert_ffn", (E, cfg.moe.moe_intermediate_size), "--expert-ffn-size")[experts]
             keep[p + "expert_ffn"] = torch.stack([top(row, t["expert_ffn_size"]) for row in s])
         if "shared_expert_size" in t:
-            s = score(p + "shared_ffn", (cfg.moe_shared_expert_intermediate_size,), "--shared-expert-size")
+            s = score(p + "shared_ffn", (cfg.moe.moe_shared_expert_intermediate_size,), "--shared-expert-size")
             keep[p + "shared_ffn"] = top(s, t["shared_expert_size"])
         if "latent_size" in t:
-            keep[p + "latent"] = top(score(p + "latent", (cfg.moe_latent_size,), "--latent-size"), t["latent_size"])
+            keep[p + "latent"] = top(score(p + "latent", (cfg.moe.moe_latent_size,), "--latent-size"), t["latent_size"])
         return keep
 
     def magnitude(self, cfg, local, t):
@@ -345,7 +345,7 @@ class MoEKind(LayerKind):
         if local in ("experts.up_proj", "experts.gate_proj", "experts.down_proj"):
             per = t.square().sum(1 if local == "experts.down_proj" else 2)  # [E, Fm]
             out = [("expert_ffn", per), ("experts", per.sum(1))]
-            if cfg.moe_latent_size:
+            if cfg.moe.moe_latent_size:
                 out.append(("latent", sq(t, 1 if local == "experts.down_proj" else 2)))
             return out
         if local in ("fc1_latent_proj.weight", "fc2_latent_proj.weight"):
@@ -353,7 +353,7 @@ class MoEKind(LayerKind):
         return []
 
     def check_tp(self, cfg, tp, need):
-        S = cfg.moe_shared_expert_intermediate_size
+        S = cfg.moe.moe_shared_expert_intermediate_size
         need(S % tp == 0, f"tensor parallelism: moe_shared_expert_intermediate_size={S} is not divisible by tp={tp}")
 
 
@@ -370,7 +370,7 @@ MOE = MoEKind(
        Param("fc2_latent_proj.weight", ("hidden", "latent"), ("moe_latent_size",))),
     sizes={"experts": lambda cfg, w: w["experts"], "expert_ffn": lambda cfg, w: w["expert_ffn_size"],
            "shared_ffn": lambda cfg, w: w["shared_expert_size"], "latent": lambda cfg, w: w["latent_size"],
-           "moe_io": lambda cfg, w: w["latent_size"] if cfg.moe_latent_size else w["hidden_size"]},  # what experts read
+           "moe_io": lambda cfg, w: w["latent_size"] if cfg.moe.moe_latent_size else w["hidden_size"]},  # what experts read
     units={"experts": "n_routed_experts", "expert_ffn": "moe_intermediate_size",
            "shared_ffn": "moe_shared_expert_intermediate_size", "latent": "moe_latent_size"},
     scored={"experts": ("experts",), "expert_ffn": ("experts", "expert_ffn"), "shared_ffn": ("shared_ffn",),

@@ -45,9 +45,9 @@ class ParallelMixer(nn.Module):
 
     def forward(self, u, attention_mask=None, position_ids=None):
         cfg = self.cfg
-        m = _scaled(self.mamba(_scaled(u, cfg.ssm_in_multiplier), attention_mask), cfg.ssm_out_multiplier)
-        a = self.attn(_scaled(u, cfg.attention_in_multiplier), attention_mask, position_ids)
-        return m + _scaled(a, cfg.attention_out_multiplier)
+        m = _scaled(self.mamba(_scaled(u, cfg.parallel.ssm_in_multiplier), attention_mask), cfg.parallel.ssm_out_multiplier)
+        a = self.attn(_scaled(u, cfg.parallel.attention_in_multiplier), attention_mask, position_ids)
+        return m + _scaled(a, cfg.parallel.attention_out_multiplier)
 
 
 def _part(local: str):

@@ -18,7 +18,7 @@ from .kinds import KINDS, WIDTHS, count, kind as kind_of, used, widths
 from .layout import BUFFERS, axis_size, layer_table
 
 TYPES = ("embeddings", *(k.name for k in KINDS.values()), "norms", "lm_head")
-AXES = {n: w.field for n, w in WIDTHS.items()}  # width name (the prune / plan flag) -> ModelConfig field
+AXES = {n: w.path for n, w in WIDTHS.items()}  # width name (the prune / plan flag) -> its ModelConfig path
 
 
 def _numel(shape) -> int:
@@ -106,7 +106,7 @@ def _layer(cfg: ModelConfig, k, one: dict, active: bool = False) -> int:
     """layer_params from `per_layer(cfg)` computed once."""
     p = one[k.name]
     if active and k.routed:
-        p -= one["routed"] - one["routed"] * cfg.num_experts_per_tok // cfg.n_routed_experts
+        p -= one["routed"] - one["routed"] * cfg.moe.num_experts_per_tok // cfg.moe.n_routed_experts
     return p + cfg.hidden_size
 
 
@@ -173,7 +173,7 @@ def active_params(cfg: ModelConfig, with_mtp: bool = False) -> int:
 
 
 def _active(cfg: ModelConfig, total: int, routed: int) -> int:
-    return total - routed + (routed * cfg.num_experts_per_tok // cfg.n_routed_experts if routed else 0)
+    return total - routed + (routed * cfg.moe.num_experts_per_tok // cfg.moe.n_routed_experts if routed else 0)
 
 
 def _mtp_type(name: str, cfg: ModelConfig) -> str:

@@ -32,6 +32,18 @@ class Width:
     why: str = ""
     step_lcm: str | None = None
     absent: str = ""  # what a model lacks when the field is 0 / None (an optional part of its kind)
+    section: str | None = None  # the config section holding `field` (None: the trunk; filled in by its kind)
+
+    @property
+    def path(self) -> str:
+        """Its field's path in ModelConfig ("hidden_size", "mamba.mamba_num_heads")."""
+        return f"{self.section}.{self.field}" if self.section else self.field
+
+    def of(self, cfg, name: str | None = None):
+        """This width's size in `cfg`, or of its sibling field `name` (multiple_of, step_lcm)."""
+        if name is None:
+            return cfg.value(self.path)
+        return cfg.value(f"{self.section}.{name}" if self.section else name)
 
 
 TRUNK_WIDTHS = (
@@ -45,7 +57,7 @@ WIDTHS: dict = {w.name: w for w in TRUNK_WIDTHS}
 
 def widths(cfg, **changes) -> dict:
     """{width name: size} of `cfg`, with `changes` applied (any value, even 0: nothing is validated)."""
-    return {**{n: getattr(cfg, w.field) or 0 for n, w in WIDTHS.items()}, **changes}
+    return {**{n: w.of(cfg) or 0 for n, w in WIDTHS.items()}, **changes}
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class LayerKind:
         """Enter the widths this kind declares in WIDTHS, under its layer character (once: a second kind
         declaring one of them is refused)."""
         for w in self.declares:
-            w = replace(w, layer=self.char)
+            w = replace(w, layer=self.char, section=self.section_name)
             if WIDTHS.setdefault(w.name, w) != w:
                 raise ValueError(f"width {w.name!r} declared twice (kind {self.name!r})")
 

@@ -13,20 +13,20 @@ from collections.abc import Callable, Iterable, Iterator, MutableMapping
 
 
 def start(cfg, rows):
-    """The residual stream's start from the embedding rows: times cfg.embedding_multiplier (Granite,
+    """The residual stream's start from the embedding rows: times cfg.scales.embedding_multiplier (Granite,
     Falcon-H1)."""
-    return rows if cfg.embedding_multiplier == 1 else rows * cfg.embedding_multiplier
+    return rows if cfg.scales.embedding_multiplier == 1 else rows * cfg.scales.embedding_multiplier
 
 
 def finish(cfg, norm_f, x, head: Callable | None = None):
-    """The walked stream x through the final norm, times cfg.lm_head_multiplier, divided by
-    cfg.logits_scaling (what any output projection reads to give the model's logits), then through `head`
+    """The walked stream x through the final norm, times cfg.scales.lm_head_multiplier, divided by
+    cfg.scales.logits_scaling (what any output projection reads to give the model's logits), then through `head`
     (the logits' projection, a loss over vocab chunks, two streams' logits compared; None: the final hidden
     states themselves). The one place the final norm meets a head."""
     h = norm_f(x)
-    if cfg.lm_head_multiplier != 1:
-        h = h * cfg.lm_head_multiplier
-    h = h if cfg.logits_scaling == 1 else h / cfg.logits_scaling
+    if cfg.scales.lm_head_multiplier != 1:
+        h = h * cfg.scales.lm_head_multiplier
+    h = h if cfg.scales.logits_scaling == 1 else h / cfg.scales.logits_scaling
     return h if head is None else head(h)
 
 

@@ -129,8 +129,8 @@ def random_model(cfg, seed=0, bias=0.3, std=0.15, gain=0.3, final_norm=False, d_
         elif d_std is not None and name.endswith(".D"):
             p.copy_(d_std * torch.randn(p.shape, generator=g))
     moes = model.moe_layers() + ([b.mixer for b in model.mtp.layers if b.spec.routed] if mtp and cfg.mtp_layers else [])
-    for m in moes if cfg.router == "sigmoid" else []:
-        m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.n_routed_experts, generator=g))
+    for m in moes if cfg.moe.router == "sigmoid" else []:
+        m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.moe.n_routed_experts, generator=g))
     return model.eval()
 
 
@@ -473,7 +473,7 @@ def _smaller(cfg, name: str) -> int:
     from remodel.models.errors import RemodelError
     from remodel.models.kinds import WIDTHS
     w = WIDTHS[name]
-    v, step = getattr(cfg, w.field), math.lcm(*(getattr(cfg, f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
+    v, step = w.of(cfg), math.lcm(*(cfg.get(f) or 1 for f in (w.multiple_of, w.step_lcm) if f))
     for t in sorted((t for t in range(v - 1, 0, -1) if t % step == 0), key=lambda t: (t > v - max(1, v // 4), -t)):
         try:
             validate_targets(cfg, {name: t})
@@ -488,7 +488,7 @@ def prune_axes(cfg) -> dict:
     from remodel.models.kinds import used
     from remodel.models.kinds import WIDTHS
     names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
-    return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and getattr(cfg, w.field)}
+    return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and w.of(cfg)}
 
 
 @pytest.fixture(scope="module")

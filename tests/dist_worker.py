@@ -90,7 +90,7 @@ def case_train(name, mesh_shape, dims, tp_dim, ep_dim, dp_dim, tp4=False, cfg=No
     cfg = cfg or tiny_cfg(tp4)
     torch.manual_seed(0)
     model = init_weights(HybridLM(cfg), seed=0)
-    if cfg.qk_norm_full:  # every channel its own q/k norm weight: a misplaced slice shows
+    if cfg.attention.qk_norm_full:  # every channel its own q/k norm weight: a misplaced slice shows
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith(("q_norm.weight", "k_norm.weight")):

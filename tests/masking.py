@@ -57,10 +57,10 @@ def _masked_softmax_router(gate, drop):
     def forward(x):
         logits = F.linear(wide(x), wide(gate.weight))  # (as the router: fp32, or fp64 for a float64 model)
         logits[:, drop] = float("-inf")
-        w, idx = logits.softmax(-1).topk(cfg.num_experts_per_tok, dim=-1)
-        if cfg.norm_topk_prob:
+        w, idx = logits.softmax(-1).topk(cfg.moe.num_experts_per_tok, dim=-1)
+        if cfg.moe.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
-        return logits, w * cfg.routed_scaling_factor, idx
+        return logits, w * cfg.moe.routed_scaling_factor, idx
     gate.forward = forward
 
 
@@ -98,9 +98,9 @@ def _mask_hidden(ref, kept):
 
 
 def _mask_mamba(cfg, m, keep, p):
-    mask = torch.zeros(cfg.mamba_num_heads, cfg.mamba_head_dim)
-    heads = keep.get(p + "mamba_heads", torch.arange(cfg.mamba_num_heads))
-    chans = keep.get(p + "mamba_head_dim", torch.arange(cfg.mamba_head_dim))
+    mask = torch.zeros(cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim)
+    heads = keep.get(p + "mamba_heads", torch.arange(cfg.mamba.mamba_num_heads))
+    chans = keep.get(p + "mamba_head_dim", torch.arange(cfg.mamba.mamba_head_dim))
     mask[heads[:, None], chans[None, :]] = 1
     mask = mask.reshape(-1)
     m.out_proj.weight[:, mask == 0] = 0
@@ -113,8 +113,8 @@ def _mask_gdn(cfg, m, keep, p):
     q / k / v projections: the state never holds them, the L2 norms do not see them). The per-head gated norm then
     averages over the kept value channels, and q's scale dk**-0.5 becomes dk'**-0.5: the rule's output is
     linear in q, so the norm's input is scaled by sqrt(dk / dk') -- what the sliced model computes."""
-    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
+    hk, hv, dk, dv = (cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads, cfg.gated_deltanet.linear_key_head_dim,
+                      cfg.gated_deltanet.linear_value_head_dim)
     heads = keep.get(p + "lin_v_heads", torch.arange(hv))
     vch, kch = keep.get(p + "lin_dv", torch.arange(dv)), keep.get(p + "lin_dk", torch.arange(dk))
     mask = torch.zeros(hv, dv)
@@ -138,8 +138,8 @@ def _mask_gdn(cfg, m, keep, p):
 def _mask_full_q_norm(cfg, m, heads):
     """An all-heads q norm (qk_norm_full) of a pruned model sees only the kept heads: the dropped heads' query
     rows are zeroed and the norm divides by the kept channels."""
-    hd = cfg.head_dim
-    for h in dropped(heads, cfg.num_attention_heads):
+    hd = cfg.attention.head_dim
+    for h in dropped(heads, cfg.attention.num_attention_heads):
         m.q_proj.weight[h * hd:(h + 1) * hd] = 0
         if m.q_proj.bias is not None:
             m.q_proj.bias[h * hd:(h + 1) * hd] = 0
@@ -147,19 +147,19 @@ def _mask_full_q_norm(cfg, m, heads):
 
 
 def _mask_moe(cfg, m, keep, p):
-    experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
-    if p + "experts" in keep and cfg.router == "softmax":
-        _masked_softmax_router(m.gate, dropped(experts, cfg.n_routed_experts))
+    experts = keep.get(p + "experts", torch.arange(cfg.moe.n_routed_experts))
+    if p + "experts" in keep and cfg.moe.router == "softmax":
+        _masked_softmax_router(m.gate, dropped(experts, cfg.moe.n_routed_experts))
     elif p + "experts" in keep:
         # the router must never select a dropped expert: selection runs on score + correction bias, so a
         # -inf bias masks the selection logit (sigmoid(-inf logit) alone would leave the bias selectable);
         # kept experts' weights use the unbiased scores, as when sliced
-        m.gate.e_score_correction_bias[dropped(experts, cfg.n_routed_experts)] = float("-inf")
+        m.gate.e_score_correction_bias[dropped(experts, cfg.moe.n_routed_experts)] = float("-inf")
     if p + "expert_ffn" in keep:
         for row, e in enumerate(experts.tolist()):
-            m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe_intermediate_size)] = 0
+            m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe.moe_intermediate_size)] = 0
     if p + "shared_ffn" in keep:
-        S = cfg.moe_shared_expert_intermediate_size
+        S = cfg.moe.moe_shared_expert_intermediate_size
         m.shared_experts.down_proj.weight[:, dropped(keep[p + "shared_ffn"], S)] = 0
 
 
@@ -180,11 +180,11 @@ def masked_reference(model, keep):
         p = f"layers.{i}."
         for c, m in _parts(layer).items():
             if c in "-=" and p + "ffn" in keep:
-                m.down_proj.weight[:, dropped(keep[p + "ffn"], cfg.intermediate_size)] = 0
+                m.down_proj.weight[:, dropped(keep[p + "ffn"], cfg.mlp.intermediate_size)] = 0
             if c in "*A" and p + "attn_heads" in keep:
-                for h in dropped(keep[p + "attn_heads"], cfg.num_attention_heads):
-                    m.o_proj.weight[:, h * cfg.head_dim:(h + 1) * cfg.head_dim] = 0
-                if cfg.qk_norm_full:  # the q norm averages over the kept heads' channels: zero queries, kept mean
+                for h in dropped(keep[p + "attn_heads"], cfg.attention.num_attention_heads):
+                    m.o_proj.weight[:, h * cfg.attention.head_dim:(h + 1) * cfg.attention.head_dim] = 0
+                if cfg.attention.qk_norm_full:  # the q norm averages over the kept heads' channels: zero queries, kept mean
                     _mask_full_q_norm(cfg, m, keep[p + "attn_heads"])
             if c == "M" and (p + "mamba_heads" in keep or p + "mamba_head_dim" in keep):
                 _mask_mamba(cfg, m, keep, p)

@@ -36,7 +36,7 @@ def test_config_maps_to_pairs(case, root):
     _, ours, _ = build(case, root)
     attn = CASES[case]["attn_layer_indices"]
     assert ours.cfg.pattern == "".join("*-" if j in attn else "M-" for j in range(4))
-    assert ours.cfg.partial_rotary_factor == 0.5 and ours.cfg.mlp_gated and ours.cfg.mlp_act == "silu"
+    assert ours.cfg.attention.partial_rotary_factor == 0.5 and ours.cfg.mlp.mlp_gated and ours.cfg.mlp.mlp_act == "silu"
     assert FAMILIES["bamba"].depth_units(ours.cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
@@ -74,7 +74,7 @@ def test_raw_config_bounds(key, value, words):
 
     d = {"model_type": "bamba", **BASE, key: value}
     if words is None:
-        assert config_from_hf(d).mamba_head_dim == 2 * BASE["hidden_size"] // BASE["mamba_n_heads"]
+        assert config_from_hf(d).mamba.mamba_head_dim == 2 * BASE["hidden_size"] // BASE["mamba_n_heads"]
         return
     with pytest.raises(RemodelError, match=words):
         config_from_hf(d)

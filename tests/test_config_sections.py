@@ -33,17 +33,22 @@ def test_json_keeps_the_sections_in_use_and_old_flat_dicts_read_the_same(name):
         assert cfg.sections[n] != SECTIONS[n](), n
     assert set(SECTIONS) - set(d) - in_use, "no section is left out"
     assert ModelConfig.from_dict(d) == cfg
-    flat = json.loads(json.dumps({k: "inf" if v == float("inf") else v for k, v in cfg.flat().items()}))
-    assert ModelConfig.from_dict(flat) == cfg
-    for k, v in cfg.flat().items():  # every flat name reads its owner's value
-        assert getattr(cfg, k) == v
+    paths = json.loads(json.dumps({k: "inf" if v == float("inf") else v for k, v in cfg.flat().items()}))
+    assert ModelConfig.from_dict(paths) == cfg  # "section.field" keys
+    old = {k.rpartition(".")[2]: v for k, v in paths.items()}  # a config written before the sections: flat
+    assert ModelConfig.from_dict(old) == cfg
+    for k, v in cfg.flat().items():  # every path reads its owner's value; no section field is a config attribute
+        assert cfg.value(k) == v
+        if "." in k:
+            with pytest.raises(AttributeError, match="a field of section"):
+                getattr(cfg, k.rpartition(".")[2])
 
 
-def test_flat_names_write_their_owning_sections():
+def test_paths_write_their_owning_sections():
     cfg = FAMILY_CONFIGS["mixtral"]
-    assert cfg.mlp_act == "silu" == cfg.mlp.mlp_act  # the experts are the MLP kind's FFNs
-    new = cfg.replace(num_attention_heads=2 * cfg.num_attention_heads, mlp_act="gelu")
-    assert new.sections["attention"].num_attention_heads == 2 * cfg.num_attention_heads
+    assert cfg.mlp.mlp_act == "silu"  # the experts are the MLP kind's FFNs
+    new = cfg.replace(**{"attention.num_attention_heads": 2 * cfg.attention.num_attention_heads}, mlp_act="gelu")
+    assert new.sections["attention"].num_attention_heads == 2 * cfg.attention.num_attention_heads
     assert new.mlp.mlp_act == "gelu" and cfg.mlp.mlp_act == "silu"  # cfg itself unchanged
     assert new.sections["mamba"] is cfg.sections["mamba"]  # untouched sections are shared (frozen)
 
@@ -120,3 +125,36 @@ def test_raw_config_json_bounds_come_from_the_fields_that_hold_them():
     with pytest.raises(RemodelError, match=r"'time_step_max' must be finite"):
         hf.check_raw_config({"time_step_max": float("nan")})
     hf.check_raw_config({"time_step_max": float("inf"), "num_local_experts": 0})  # +inf and 0 experts allowed
+
+
+def test_section_fields_are_read_through_their_section_only():
+    cfg = FAMILY_CONFIGS["nemotron_h"]
+    assert cfg.attention.num_attention_heads == cfg.sections["attention"].num_attention_heads == 4
+    for name in ("num_attention_heads", "ssm_state_size", "n_routed_experts", "embedding_multiplier"):
+        with pytest.raises(AttributeError, match="a field of section"):
+            getattr(cfg, name)
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(cfg, name, 1)
+    assert cfg.value("mamba.ssm_state_size") == cfg.mamba.ssm_state_size and cfg.value("hidden_size") == 24
+    assert cfg.get("n_groups", "mamba") == cfg.mamba.n_groups == cfg.get("mamba.n_groups")
+
+
+def test_two_sections_may_name_a_field_alike(monkeypatch):
+    """No cross-section uniqueness rule: a bare name two sections declare is refused in input and in
+    path_of (name the section), while "section.field" keys and reads through the section work."""
+    from remodel.models import config as config_mod
+    monkeypatch.setitem(config_mod.OWNERS, "head_dim", ["attention", "mamba"])
+    cfg = FAMILY_CONFIGS["llama"]
+    with pytest.raises(RemodelError, match="declared by attention, mamba: name it as section.field"):
+        cfg.replace(head_dim=4)
+    with pytest.raises(RemodelError, match="name it as section.field"):
+        config_mod.path_of("head_dim")
+    assert config_mod.path_of("head_dim", "attention") == "attention.head_dim"
+    assert cfg.replace(**{"attention.head_dim": 4}).attention.head_dim == 4
+
+
+def test_slots_name_each_layer_kind_and_its_section():
+    cfg = FAMILY_CONFIGS["nemotron_h"]
+    assert "".join(s.kind.char for s in cfg.slots) == cfg.pattern and [s.index for s in cfg.slots] == list(range(4))
+    for s in cfg.slots:
+        assert s.section is cfg.sections[s.kind.section_name]

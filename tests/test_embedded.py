@@ -46,10 +46,10 @@ def test_checkpoint_shape_suits_pruning(log):
     assert reader.config["model_type"] == "nemotron_h"
     cfg = load_config(EMBEDDED)
     assert set(cfg.pattern) == {"M", "*", "-"} and cfg.vocab_size == VOCAB
-    heads_per_group, rem = divmod(cfg.mamba_num_heads, cfg.n_groups)
+    heads_per_group, rem = divmod(cfg.mamba.mamba_num_heads, cfg.mamba.n_groups)
     assert heads_per_group >= 4 and heads_per_group % 4 == 0 and rem == 0  # 25% / 50% head pruning stays integral
-    assert cfg.intermediate_size % 4 == 0 and cfg.hidden_size % 4 == 0
-    assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
+    assert cfg.mlp.intermediate_size % 4 == 0 and cfg.hidden_size % 4 == 0
+    assert cfg.attention.num_attention_heads % cfg.attention.num_key_value_heads == 0
     assert not cfg.tie_word_embeddings and cfg.extra["eos_token_id"] == 0
     assert {reader.dtype(k) for k in reader.keys()} == {torch.bfloat16}
     n = sum(math.prod(reader.shape(k)) for k in reader.keys())
@@ -115,7 +115,7 @@ def test_moe_is_the_trained_upcycle_of_the_dense_model(moe_log):
     path, dense = embedded_moe_path(), load_config(EMBEDDED)
     cfg = load_config(path)
     assert "E" in cfg.pattern and cfg.pattern == dense.pattern.replace("-", "E")
-    assert (cfg.n_routed_experts, cfg.num_experts_per_tok) == (8, 4) and cfg.hidden_size == dense.hidden_size
+    assert (cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok) == (8, 4) and cfg.hidden_size == dense.hidden_size
     reader = CheckpointReader(path)
     fp32 = {k for k in reader.keys() if reader.dtype(k) != torch.bfloat16}  # the routers' bias stays fp32
     assert {k.rsplit(".", 1)[-1] for k in fp32} == {"e_score_correction_bias"} and len(fp32) == 3

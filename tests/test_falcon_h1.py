@@ -50,10 +50,10 @@ def test_config_maps_to_pairs(case, root):
     c, cfg = CASES[case], ours.cfg
     assert cfg.pattern == "P-" * 3 and FAMILIES[FAMILY].depth_units(cfg) == [[0, 1], [2, 3], [4, 5]]
     assert default_family(cfg) == FAMILY
-    assert (cfg.head_dim, cfg.mamba_inner, cfg.mamba_head_dim) == (12, 48, 8)
-    assert {k: getattr(cfg, k) for k in SCALARS} == {k: c[k] for k in SCALARS}
-    assert cfg.ssm_multipliers == tuple(c["ssm_multipliers"]) and cfg.mlp_multipliers == tuple(c["mlp_multipliers"])
-    assert (cfg.mamba_rms_norm, cfg.mamba_norm_before_gate) == (c.get("mamba_rms_norm", False),
+    assert (cfg.attention.head_dim, cfg.mamba_inner, cfg.mamba.mamba_head_dim) == (12, 48, 8)
+    assert {k: cfg.get(k) for k in SCALARS} == {k: c[k] for k in SCALARS}
+    assert cfg.mamba.ssm_multipliers == tuple(c["ssm_multipliers"]) and cfg.mlp.mlp_multipliers == tuple(c["mlp_multipliers"])
+    assert (cfg.mamba.mamba_rms_norm, cfg.mamba.mamba_norm_before_gate) == (c.get("mamba_rms_norm", False),
                                                                 c.get("mamba_norm_before_gate", True))
 
 
@@ -74,7 +74,7 @@ def test_each_multiplier_is_used(field, index, root):
 
     hf, ours, _ = build("rms_norm", root)
     blocks = ids(7, n=2 * B)
-    v = getattr(ours.cfg, field)
+    v = ours.cfg.get(field)
     off = HybridLM(ours.cfg.replace(**{field: v * 1.1 if index is None else
                                        tuple(x * 1.1 if i == index else x for i, x in enumerate(v))}))
     off.load_state_dict(ours.state_dict())
@@ -123,9 +123,9 @@ def test_prune_every_axis_then_transformers_reloads(case, root):
     assert len(keep["layers"]) == 4 and all(keep["layers"][1::2] == keep["layers"][0::2] + 1)  # whole pairs
     small = prune_model(ours, keep)
     c = small.cfg
-    assert (c.pattern, c.hidden_size, c.intermediate_size, c.num_attention_heads) == ("P-P-", 24, 32, 2)
-    assert (c.mamba_num_heads, c.mamba_head_dim) == (4, 4)
-    assert {k: getattr(c, k) for k in SCALARS} == {k: getattr(cfg, k) for k in SCALARS}
+    assert (c.pattern, c.hidden_size, c.mlp.intermediate_size, c.attention.num_attention_heads) == ("P-P-", 24, 32, 2)
+    assert (c.mamba.mamba_num_heads, c.mamba.mamba_head_dim) == (4, 4)
+    assert {k: c.get(k) for k in SCALARS} == {k: cfg.get(k) for k in SCALARS}
     out = save_model(small, root / f"{case}_pruned", family=FAMILY)
     hf = AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert sum(p.numel() for p in hf.parameters()) == count_params(c, family=FAMILY)["hf_total"]

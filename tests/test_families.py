@@ -77,7 +77,7 @@ def tiny_config(family: str, case: str | None = None):
 
 def dense_case(family: str) -> str | None:
     """The family's first tiny case without routed experts (an upcycling source), if any."""
-    return next((c for c in FAMILIES[family].tiny if not tiny_config(family, c).n_routed_experts), None)
+    return next((c for c in FAMILIES[family].tiny if not tiny_config(family, c).moe.n_routed_experts), None)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_logits_and_gradients(family, case, root):
         err, scale = (g - g_ref).abs().max().item(), g_ref.abs().max().item()
         assert err <= 1e-5 + 1e-4 * scale, f"{n}: grad diff {err:.2e} (scale {scale:.2e})"
     nonzero = sum(1 for p in got.values() if p.grad.abs().max() > 0)
-    assert nonzero >= len(got) - (ours.cfg.n_routed_experts or 0)  # gradients actually flow
+    assert nonzero >= len(got) - (ours.cfg.moe.n_routed_experts or 0)  # gradients actually flow
 
 
 @pytest.mark.parametrize("family,case", CASES)
@@ -145,7 +145,7 @@ def test_left_padding(family, case, root):
     hf, ours, _ = build(family, case, root)
     x = ids(ours.cfg.vocab_size, 2)
     out = assert_left_padding(hf, ours, x)  # row 1 left-padded by 7 tokens
-    if ours.cfg.rope_theta is None and not ours.cfg.partial_rotary_factor < 1:  # no positions: padded = unpadded
+    if ours.cfg.attention.rope_theta is None and not ours.cfg.attention.partial_rotary_factor < 1:  # no positions: padded = unpadded
         with torch.no_grad():
             unpadded = ours(x[1:, 7:])
         assert (out[1, 7:] - unpadded[0]).abs().max().item() <= 1e-4
@@ -351,7 +351,7 @@ def test_distill_dp2_tp2_equals_one_process(family, distilled):
             if exp.get(k) is not None:
                 assert _rel(got[k], exp[k]) <= 1e-5, (k, got[k], exp[k])
     assert min(r["kl"] for r in rep["history"]) > 0.5  # a confident teacher: KL far from 0
-    if tiny_config(family).n_routed_experts:  # the load-balancing term ran over all dp ranks
+    if tiny_config(family).moe.n_routed_experts:  # the load-balancing term ran over all dp ranks
         assert rep["history"][0]["lb"] > 0.5
     w, w_ref = (load_file(d / f"{family}-{x}" / "model.safetensors") for x in ("dp2tp2", "ref"))
     w0 = load_file(d / f"{family}-student" / "model.safetensors")

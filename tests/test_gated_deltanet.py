@@ -77,8 +77,8 @@ def test_activation_scores_equal_a_direct_computation(pair):
     scores, _ = score_model(ours, batches, loss_increase=False)
     want = _direct(hf, batches)
     assert want
-    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
+    hk, hv, dk, dv = (cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads, cfg.gated_deltanet.linear_key_head_dim,
+                      cfg.gated_deltanet.linear_value_head_dim)
     for j, w in want.items():
         p = f"layers.{2 * j}."
         assert scores[p + "lin_q"].shape == (hk, dk) and scores[p + "lin_v"].shape == (hv, dv)

@@ -48,10 +48,10 @@ def test_config_maps_to_pairs(case, root):
     assert FAMILIES[FAMILY].depth_units(ours.cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert default_family(ours.cfg) == FAMILY
     cfg = ours.cfg
-    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == \
+    assert (cfg.scales.embedding_multiplier, cfg.scales.residual_multiplier, cfg.scales.logits_scaling) == \
         (c.get("embedding_multiplier", 1.0), c.get("residual_multiplier", 1.0), c.get("logits_scaling", 1.0))
-    assert cfg.attention_scale == c.get("attention_multiplier", 1.0)
-    assert (cfg.rope_theta is not None) == (c.get("position_embedding_type") == "rope")
+    assert cfg.attention.attention_scale == c.get("attention_multiplier", 1.0)
+    assert (cfg.attention.rope_theta is not None) == (c.get("position_embedding_type") == "rope")
 
 
 def _hf_loss(hf, blocks):
@@ -68,7 +68,7 @@ def test_each_multiplier_is_used(field, root):
 
     hf, ours, _ = build("moe", root)
     blocks = ids(7, n=2 * B)
-    cfg = ours.cfg.replace(**{field: getattr(ours.cfg, field) * 1.1})
+    cfg = ours.cfg.replace(**{field: ours.cfg.get(field) * 1.1})
     off = HybridLM(cfg)
     off.load_state_dict(ours.state_dict())
     ref, same, changed = _hf_loss(hf, blocks), evaluate(ours, blocks, batch=B)["loss"], evaluate(off.eval(), blocks, batch=B)["loss"]
@@ -85,7 +85,7 @@ def test_multipliers_refused_by_other_families(root):
     # plain multipliers (attention_multiplier the default 1/sqrt(head_dim)): a Llama in granitemoehybrid's clothes
     plain = config_from_hf({"model_type": FAMILY, **BASE, "layer_types": ["full_attention"] * 4, "num_local_experts": 0,
                             "position_embedding_type": "rope", "attention_multiplier": 1 / math.sqrt(16)})
-    assert plain.attention_scale is None and plain.pattern == "*-" * 4 and default_family(plain) == "llama"
+    assert plain.attention.attention_scale is None and plain.pattern == "*-" * 4 and default_family(plain) == "llama"
 
 
 def test_refusals(root):
@@ -131,7 +131,7 @@ def test_prune_every_axis_then_transformers_reloads(case, targets, root):
     with torch.no_grad():
         a, b = hf(ids(5)).logits, small(ids(5))
     assert (a - b).abs().max().item() < 1e-4
-    assert (small.cfg.embedding_multiplier, small.cfg.logits_scaling) == (cfg.embedding_multiplier, cfg.logits_scaling)
+    assert (small.cfg.scales.embedding_multiplier, small.cfg.scales.logits_scaling) == (cfg.scales.embedding_multiplier, cfg.scales.logits_scaling)
 
 
 def test_streaming_prune_equals_in_memory(root):

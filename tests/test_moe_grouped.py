@@ -34,7 +34,7 @@ def test_grouped_equals_the_loop(name, monkeypatch):
     ids = torch.randint(0, 64, (1, 5) if "sparse" in name else (2, 23), generator=torch.Generator().manual_seed(1))
     if "sparse" in name:  # the comparison covers experts with no rows
         logits, w, idx = model.layers[0].mixer.gate(model.embeddings(ids).reshape(-1, 32))
-        assert len(idx.unique()) < cfg.n_routed_experts
+        assert len(idx.unique()) < cfg.moe.n_routed_experts
     loop, g_loop = run(model, ids, False, monkeypatch)
     grouped, g_grouped = run(model, ids, True, monkeypatch)
     assert (grouped - loop).abs().max().item() <= 1e-6 * max(1.0, loop.abs().max().item())

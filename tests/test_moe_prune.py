@@ -50,19 +50,19 @@ def masked(model, keep):
         if layer.kind != "E":
             continue
         if p + "latent" in keep:
-            d = dropped(keep[p + "latent"], cfg.moe_latent_size)
+            d = dropped(keep[p + "latent"], cfg.moe.moe_latent_size)
             m.fc1_latent_proj.weight[d] = 0  # the experts read zero on d ...
             m.fc2_latent_proj.weight[:, d] = 0  # ... and what they write on d is not read back
-        experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
+        experts = keep.get(p + "experts", torch.arange(cfg.moe.n_routed_experts))
         if p + "experts" in keep:
-            drop = dropped(experts, cfg.n_routed_experts)
-            if cfg.router == "softmax":
+            drop = dropped(experts, cfg.moe.n_routed_experts)
+            if cfg.moe.router == "softmax":
                 _softmax_router_without(m.gate, drop)
             else:  # selection runs on score + bias: -inf there means never selected; weights stay unbiased
                 m.gate.e_score_correction_bias[drop] = float("-inf")
         if p + "expert_ffn" in keep:
             for row, e in enumerate(experts.tolist()):
-                m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe_intermediate_size)] = 0
+                m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe.moe_intermediate_size)] = 0
     return ref
 
 
@@ -84,8 +84,8 @@ def test_latent_pruning_equals_masking(targets):
     assert {k for k in keep if k.endswith("latent")} == {"layers.1.latent", "layers.3.latent"}
     assert not torch.equal(keep["layers.1.latent"], keep["layers.3.latent"])  # per layer, by its own scores
     pruned = check_pruned_equals_masked(model, keep)
-    Lt, E, Fm, H = targets["latent_size"], pruned.cfg.n_routed_experts, pruned.cfg.moe_intermediate_size, 32
-    assert pruned.cfg.moe_latent_size == Lt and E == targets.get("experts", 8)
+    Lt, E, Fm, H = targets["latent_size"], pruned.cfg.moe.n_routed_experts, pruned.cfg.moe.moe_intermediate_size, 32
+    assert pruned.cfg.moe.moe_latent_size == Lt and E == targets.get("experts", 8)
     for m in pruned.moe_layers():
         assert m.fc1_latent_proj.weight.shape == (Lt, H) and m.fc2_latent_proj.weight.shape == (H, Lt)
         assert m.experts.up_proj.shape == (E, Fm, Lt) and m.experts.down_proj.shape == (E, Lt, Fm)
@@ -148,7 +148,7 @@ def test_contribution_differs_from_frequency():
     for i in (1, 3):
         p = f"layers.{i}."
         freq, contrib = scores[p + "expert_frequency"], scores[p + "expert_contribution"]
-        assert freq.sum().item() == tokens * cfg.num_experts_per_tok
+        assert freq.sum().item() == tokens * cfg.moe.num_experts_per_tok
         assert torch.allclose(contrib, scores[p + "experts"] * freq, rtol=1e-5)  # sum = mean x count
     by = {m: rank_experts(scores, cfg, m)["layers.1.experts"] for m in ("contribution", "frequency", "random")}
     assert scores["layers.1.expert_frequency"][0].item() == tokens  # selected for every token
@@ -170,19 +170,19 @@ ROUTERS = {"softmax": (SOFTMAX, 0.0), "softmax_renorm": (SOFTMAX.replace(norm_to
 def test_expert_pruning_equals_router_masking(name):
     cfg, bias = ROUTERS[name]
     model = make_model(cfg, seed=4, bias=bias)
-    n = 4 if cfg.n_group > 1 else 5
+    n = 4 if cfg.moe.n_group > 1 else 5
     keep = plan_keep(cfg, random_scores(cfg, seed=5), dict(experts=n))
     pruned = check_pruned_equals_masked(model, keep)
     for i, m in enumerate(pruned.moe_layers()):
         old = model.moe_layers()[i]
         kept = keep[f"layers.{[j for j, c in enumerate(cfg.pattern) if c == 'E'][i]}.experts"]
         assert torch.equal(m.gate.weight, old.gate.weight[kept])  # router rows follow the experts
-        if cfg.router == "sigmoid":
+        if cfg.moe.router == "sigmoid":
             assert torch.equal(m.gate.e_score_correction_bias, old.gate.e_score_correction_bias[kept])
         _, _, idx = m.gate(torch.randn(50, 32))
-        assert idx.shape == (50, cfg.num_experts_per_tok) and idx.max() < n  # top-k stays valid
-        if cfg.n_group > 1:  # every group keeps the same number of experts
-            assert (kept // (cfg.n_routed_experts // cfg.n_group)).bincount().tolist() == [n // 2] * 2
+        assert idx.shape == (50, cfg.moe.num_experts_per_tok) and idx.max() < n  # top-k stays valid
+        if cfg.moe.n_group > 1:  # every group keeps the same number of experts
+            assert (kept // (cfg.moe.n_routed_experts // cfg.moe.n_group)).bincount().tolist() == [n // 2] * 2
 
 
 def test_expert_targets_keep_top_k_valid():
@@ -225,7 +225,7 @@ def test_cli_scores_experts_and_prunes_latent(tmp_path, capsys):
     argv = ["prune", str(src), str(out), "--scores", str(tmp_path / "contrib"), "--latent-size", "16", "--experts", "6"]
     assert main(argv) == 0
     ours = load_model(out)
-    assert ours.cfg.moe_latent_size == 16 and ours.cfg.n_routed_experts == 6
+    assert ours.cfg.moe.moe_latent_size == 16 and ours.cfg.moe.n_routed_experts == 6
     assert count_params(ours.cfg)["total"] == sum(p.numel() for p in ours.parameters())
     ids = torch.randint(0, 2048, (2, 19), generator=torch.Generator().manual_seed(3))
     keep = plan_keep(cfg, c, dict(latent_size=16, experts=6))

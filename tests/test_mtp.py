@@ -164,22 +164,22 @@ def _mask_block(b, p, keep, cfg, d):
     """Zero what pruning removes from block b (keep prefix p); d: dropped hidden channels or None."""
     m = b.mixer
     if b.kind == "*" and p + "attn_heads" in keep:
-        for h in _dropped(keep[p + "attn_heads"], cfg.num_attention_heads):
-            m.o_proj.weight[:, h * cfg.head_dim:(h + 1) * cfg.head_dim] = 0
+        for h in _dropped(keep[p + "attn_heads"], cfg.attention.num_attention_heads):
+            m.o_proj.weight[:, h * cfg.attention.head_dim:(h + 1) * cfg.attention.head_dim] = 0
     if b.kind == "E":
-        experts = keep.get(p + "experts", torch.arange(cfg.n_routed_experts))
+        experts = keep.get(p + "experts", torch.arange(cfg.moe.n_routed_experts))
         if p + "experts" in keep:  # never selected: -inf on the selection score
-            m.gate.e_score_correction_bias[_dropped(experts, cfg.n_routed_experts)] = float("-inf")
+            m.gate.e_score_correction_bias[_dropped(experts, cfg.moe.n_routed_experts)] = float("-inf")
         for row, e in enumerate(experts.tolist()):
             if p + "expert_ffn" in keep:
-                m.experts.down_proj[e][:, _dropped(keep[p + "expert_ffn"][row], cfg.moe_intermediate_size)] = 0
+                m.experts.down_proj[e][:, _dropped(keep[p + "expert_ffn"][row], cfg.moe.moe_intermediate_size)] = 0
         if p + "latent" in keep:
-            lat = _dropped(keep[p + "latent"], cfg.moe_latent_size)
+            lat = _dropped(keep[p + "latent"], cfg.moe.moe_latent_size)
             m.fc1_latent_proj.weight[lat] = 0
             m.fc2_latent_proj.weight[:, lat] = 0
         if p + "shared_ffn" in keep:
             m.shared_experts.down_proj.weight[:, _dropped(keep[p + "shared_ffn"],
-                                                          cfg.moe_shared_expert_intermediate_size)] = 0
+                                                          cfg.moe.moe_shared_expert_intermediate_size)] = 0
     if d is None:
         return
     outs = {"M": lambda: [m.out_proj], "*": lambda: [m.o_proj],
@@ -221,9 +221,9 @@ def test_pruned_equals_masked_trunk_and_mtp(targets):
     assert (m - m0).abs().max().item() > 1e-3  # the MTP head did change: the comparison is not vacuous
     c, s = pruned.cfg, dict(pruned.state_dict())
     assert s["mtp.layers.0.eh_proj.weight"].shape == (c.hidden_size, 2 * c.hidden_size)
-    assert s["mtp.layers.1.mixer.experts.down_proj"].shape == (c.n_routed_experts, c.moe_input_size,
-                                                               c.moe_intermediate_size)
-    assert s["mtp.layers.0.mixer.q_proj.weight"].shape == (c.num_attention_heads * c.head_dim, c.hidden_size)
+    assert s["mtp.layers.1.mixer.experts.down_proj"].shape == (c.moe.n_routed_experts, c.moe_input_size,
+                                                               c.moe.moe_intermediate_size)
+    assert s["mtp.layers.0.mixer.q_proj.weight"].shape == (c.attention.num_attention_heads * c.attention.head_dim, c.hidden_size)
 
 
 # ---- scoring: the MTP head is run on the calibration data and scores its own units ----------------
@@ -249,7 +249,7 @@ def test_a_scorer_on_the_trunk_alone_leaves_the_unrun_heads_unscored():
     got = scorer.result()
     trunk = [k for k in got if k.endswith("expert_reconstruction")]
     assert trunk and all(k.startswith("layers.") for k in trunk) and not _mtp_keys(got)
-    assert sorted(got[trunk[0]].tolist()) == list(range(CFG.n_routed_experts))
+    assert sorted(got[trunk[0]].tolist()) == list(range(CFG.moe.n_routed_experts))
 
 
 def test_activation_scores_come_from_the_mtp_heads_own_activations():

@@ -50,8 +50,8 @@ def test_logits_equal_transformers(case):
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.3)
     cfg = config_from_hf(hc.to_dict() | {"model_type": "olmo_hybrid"})
-    assert cfg.linear_allow_neg_eigval == hc.linear_allow_neg_eigval and cfg.linear_norm_eps == 1e-5
-    assert set(cfg.pattern[0::2]) == {"D", "A"} and cfg.qk_norm_full
+    assert cfg.gated_deltanet.linear_allow_neg_eigval == hc.linear_allow_neg_eigval and cfg.gated_deltanet.linear_norm_eps == 1e-5
+    assert set(cfg.pattern[0::2]) == {"D", "A"} and cfg.attention.qk_norm_full
     ids = torch.randint(0, hc.vocab_size, (2, 21))
     with torch.no_grad():
         want, got = hf(ids).logits, _ours(hf, cfg)(ids)

@@ -153,7 +153,7 @@ def test_sharding_plan_world8():
     u = torch.randn(2, 12, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     want = [layer.mixer(u) for layer in full.layers[:3]]
     got = [0, 0, 0]
-    Im, GN, nh = cfg.mamba_inner, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
+    Im, GN, nh = cfg.mamba_inner, cfg.mamba.n_groups * cfg.mamba.ssm_state_size, cfg.mamba.mamba_num_heads
     for r in range(8):
         model = copy.deepcopy(full)
         with fake_world(r, 8):
@@ -178,8 +178,8 @@ def test_sharding_plan_world8():
                           2 * Im + 2 * GN + torch.arange(r * nh // 8, (r + 1) * nh // 8)])
         assert torch.equal(local["layers.0.mixer.in_proj.weight"], fsd["layers.0.mixer.in_proj.weight"][rows])
         # the mixers read one group / one KV head from their shards' shapes; their config is the full one
-        assert model.layers[0].mixer._local()[0].n_groups == 1 and model.layers[0].mixer.norm.groups == 1
-        assert local_tensor(model.layers[1].mixer.k_proj.weight).shape[0] == cfg.head_dim
+        assert model.layers[0].mixer._local()[0].mamba.n_groups == 1 and model.layers[0].mixer.norm.groups == 1
+        assert local_tensor(model.layers[1].mixer.k_proj.weight).shape[0] == cfg.attention.head_dim
         assert all(getattr(layer.mixer, "cfg", cfg) == cfg for layer in model.layers)
         assert local["layers.3.mixer.experts.up_proj"].shape[0] == 1
     for g, w in zip(got, want):

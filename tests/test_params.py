@@ -46,7 +46,7 @@ def test_real_configs_match_transformers(name):
         assert c["active"] == c["total"] and c["routed"] == 0
         return
     # active: routed expert tensors of the meta model at k/E, everything else in full
-    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    k, E = cfg.moe.num_experts_per_tok, cfg.moe.n_routed_experts
     routed = sum(p.numel() for n, p in m.named_parameters() if ".mixer.experts." in n)
     assert routed > 0 and routed % E == 0
     active = theirs - routed + routed * k // E
@@ -74,7 +74,7 @@ def test_counts_match_our_model_and_transformers_export(name):
     for blk in model.layers:
         assert layer_params(cfg, blk.kind) == numel(blk.parameters())
     routed = sum(numel(mod.experts.parameters()) for mod in model.moe_layers())
-    assert c["active"] == c["total"] - routed + routed * cfg.num_experts_per_tok // max(cfg.n_routed_experts, 1)
+    assert c["active"] == c["total"] - routed + routed * cfg.moe.num_experts_per_tok // max(cfg.moe.n_routed_experts, 1)
     # hf_total: what transformers builds from the exported config (size-1 shared expert included)
     family = default_family(cfg)
     theirs = numel(hf_meta_model(config_to_hf(cfg, family)).parameters())
@@ -87,18 +87,18 @@ def test_counts_match_our_model_and_transformers_export(name):
 def test_by_axis_marginals_are_exact(name):
     cfg = tiny_configs()[name]
     c = count_params(cfg, by_axis=True)
-    steps = {"mamba_heads": cfg.n_groups, "attn_heads": cfg.num_key_value_heads}
-    if cfg.rope_theta is not None:
+    steps = {"mamba_heads": cfg.mamba.n_groups, "attn_heads": cfg.attention.num_key_value_heads}
+    if cfg.attention.rope_theta is not None:
         steps["head_dim"] = 2
     tested = set()
     for axis, v in c["by_axis"].items():
         step = steps.get(axis, 1)
         field = AXES[axis]
         if axis == "kv_heads":
-            smaller = cfg.replace(num_key_value_heads=1, num_attention_heads=cfg.num_attention_heads)
-            step = cfg.num_key_value_heads - 1
+            smaller = cfg.replace(num_key_value_heads=1, num_attention_heads=cfg.attention.num_attention_heads)
+            step = cfg.attention.num_key_value_heads - 1
         else:
-            smaller = cfg.replace(**{field: getattr(cfg, field) - step})
+            smaller = cfg.replace(**{field: cfg.get(field) - step})
         assert count_params(smaller)["total"] == c["total"] - step * v["per_unit"], axis
         # params using the axis are exactly those that are linear in it: size * per_unit
         assert v["params"] == v["size"] * v["per_unit"], axis

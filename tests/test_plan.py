@@ -306,15 +306,15 @@ def _scores_dir(tmp_path, cfg, with_loss=True, seed=0):
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
         if c == "-":
-            t[p + "ffn"] = torch.rand(cfg.intermediate_size, generator=g)
+            t[p + "ffn"] = torch.rand(cfg.mlp.intermediate_size, generator=g)
         elif c == "*":
-            t[p + "attn"] = torch.rand(cfg.num_attention_heads, cfg.head_dim, generator=g)
+            t[p + "attn"] = torch.rand(cfg.attention.num_attention_heads, cfg.attention.head_dim, generator=g)
         elif c == "M":
-            t[p + "mamba_x"] = torch.rand(cfg.mamba_num_heads, cfg.mamba_head_dim, generator=g)
+            t[p + "mamba_x"] = torch.rand(cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, generator=g)
         elif c == "E":
-            t[p + "experts"] = torch.rand(cfg.n_routed_experts, generator=g)
-            t[p + "expert_ffn"] = torch.rand(cfg.n_routed_experts, cfg.moe_intermediate_size, generator=g)
-            t[p + "shared_ffn"] = torch.rand(cfg.moe_shared_expert_intermediate_size, generator=g)
+            t[p + "experts"] = torch.rand(cfg.moe.n_routed_experts, generator=g)
+            t[p + "expert_ffn"] = torch.rand(cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size, generator=g)
+            t[p + "shared_ffn"] = torch.rand(cfg.moe.moe_shared_expert_intermediate_size, generator=g)
     out = tmp_path / f"scores{int(with_loss)}"
     save_scores(out, t, {"config": cfg.to_dict(), "samples": 1, "seq_len": 8, "tokens": 8})
     return out, t

@@ -41,14 +41,14 @@ def test_kind_counts_and_prunes_by_its_spec(kind_config):
     model = init_weights(HybridLM(cfg), std=0.1, seed=0).eval()
     assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     kind = next(k for k in KINDS.values() if k.name == name)
-    targets = {w.name: getattr(cfg, w.field) // 2 for w in WIDTHS.values()
-               if w.name in kind.widths and w.unit in kind.units and getattr(cfg, w.field)}
+    targets = {w.name: w.of(cfg) // 2 for w in WIDTHS.values()
+               if w.name in kind.widths and w.unit in kind.units and w.of(cfg)}
     if "mamba_heads" in targets:
-        targets["mamba_heads"] = cfg.n_groups * (cfg.mamba_num_heads // cfg.n_groups // 2)
+        targets["mamba_heads"] = cfg.mamba.n_groups * (cfg.mamba.mamba_num_heads // cfg.mamba.n_groups // 2)
     if "attn_heads" in targets:
-        targets["attn_heads"] = cfg.num_key_value_heads
+        targets["attn_heads"] = cfg.attention.num_key_value_heads
     if "experts" in targets:
-        targets["experts"] = max(targets["experts"], cfg.num_experts_per_tok)
+        targets["experts"] = max(targets["experts"], cfg.moe.num_experts_per_tok)
     targets.pop("expert_ffn_size", None)  # transformers' grouped expert matmul wants multiples of 8
     targets.pop("shared_expert_size", None)
     assert targets or name == "moe", name

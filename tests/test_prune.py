@@ -14,12 +14,12 @@ from remodel.compress.axes import tensor_axes
 from remodel.compress.prune import new_config, plan_keep, prune_model
 from remodel.compress.scores import save_scores
 from remodel.models.checkpoint import CheckpointReader, CheckpointWriter
-from remodel.models.config import FLAT, ModelConfig
+from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.hf import config_to_hf, our_shapes
 from remodel.models.load import iter_hf_tensors, load_model, save_model
 from remodel.pipelines.commands.prune import prune
-from tests.conftest import random_model
+from tests.conftest import FAMILY_CONFIGS, random_model
 from tests.masking import masked_reference
 from tests.rss import PEAK_RSS
 
@@ -63,16 +63,16 @@ def random_scores(cfg, seed=0):
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
         if c == "-":
-            s[p + "ffn"] = r(cfg.intermediate_size)
+            s[p + "ffn"] = r(cfg.mlp.intermediate_size)
         elif c == "*":
-            s[p + "attn"] = r(cfg.num_attention_heads, cfg.head_dim)
+            s[p + "attn"] = r(cfg.attention.num_attention_heads, cfg.attention.head_dim)
         elif c == "M":
-            s[p + "mamba_x"] = r(cfg.mamba_num_heads, cfg.mamba_head_dim)
+            s[p + "mamba_x"] = r(cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim)
         else:
-            s[p + "experts"] = r(cfg.n_routed_experts)
-            s[p + "expert_ffn"] = r(cfg.n_routed_experts, cfg.moe_intermediate_size)
-            if cfg.moe_shared_expert_intermediate_size:
-                s[p + "shared_ffn"] = r(cfg.moe_shared_expert_intermediate_size)
+            s[p + "experts"] = r(cfg.moe.n_routed_experts)
+            s[p + "expert_ffn"] = r(cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size)
+            if cfg.moe.moe_shared_expert_intermediate_size:
+                s[p + "shared_ffn"] = r(cfg.moe.moe_shared_expert_intermediate_size)
     return s
 
 
@@ -108,7 +108,7 @@ def test_axes_table_covers_every_tensor():
 def test_group_aware_mamba_and_attention():
     cfg = NEMO
     s = random_scores(cfg, seed=3)
-    r, q = cfg.mamba_num_heads // cfg.n_groups, cfg.num_attention_heads // cfg.num_key_value_heads
+    r, q = cfg.mamba.mamba_num_heads // cfg.mamba.n_groups, cfg.attention.num_attention_heads // cfg.attention.num_key_value_heads
     for i, c in enumerate(cfg.pattern):  # group 0 outscores group 1 everywhere: group-unaware would fail
         if c == "M":
             s[f"layers.{i}.mamba_x"][:r] += 10
@@ -120,19 +120,19 @@ def test_group_aware_mamba_and_attention():
     for i, c in enumerate(cfg.pattern):
         if c == "M":
             heads = keep[f"layers.{i}.mamba_heads"]
-            assert torch.bincount(heads // r, minlength=cfg.n_groups).tolist() == [2, 2]
+            assert torch.bincount(heads // r, minlength=cfg.mamba.n_groups).tolist() == [2, 2]
             # new head j sits in new group j // (4/G); its original head must come from the same group
-            assert torch.equal(heads // r, torch.arange(4) // (4 // cfg.n_groups))
+            assert torch.equal(heads // r, torch.arange(4) // (4 // cfg.mamba.n_groups))
             # B and C (per group) are untouched; x rows are the kept heads' rows
-            Im, Im2, GN = cfg.mamba_inner, 4 * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size
+            Im, Im2, GN = cfg.mamba_inner, 4 * cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.ssm_state_size
             W, W2 = model.layers[i].mixer.in_proj.weight, pruned.layers[i].mixer.in_proj.weight
             assert torch.equal(W2[2 * Im2:2 * Im2 + 2 * GN], W[2 * Im:2 * Im + 2 * GN])
-            rows = (heads[:, None] * cfg.mamba_head_dim + torch.arange(cfg.mamba_head_dim)).reshape(-1)
+            rows = (heads[:, None] * cfg.mamba.mamba_head_dim + torch.arange(cfg.mamba.mamba_head_dim)).reshape(-1)
             assert torch.equal(W2[Im2:2 * Im2], W[Im + rows])
             assert torch.equal(pruned.layers[i].mixer.A_log, model.layers[i].mixer.A_log[heads])
         if c == "*":
             heads = keep[f"layers.{i}.attn_heads"]
-            assert torch.bincount(heads // q, minlength=cfg.num_key_value_heads).tolist() == [2, 2]
+            assert torch.bincount(heads // q, minlength=cfg.attention.num_key_value_heads).tolist() == [2, 2]
             assert torch.equal(pruned.layers[i].mixer.k_proj.weight, model.layers[i].mixer.k_proj.weight)
     assert logits(pruned).isfinite().all()
     diff = (logits(pruned) - logits(masked_reference(model, keep))).abs().max().item()
@@ -157,10 +157,10 @@ def test_identity_pipeline(checkpoints, family):
     root, ck = checkpoints
     model, src, scores_dir, _ = ck[family]
     cfg = model.cfg
-    full = dict(hidden_size=cfg.hidden_size, ffn_size=cfg.intermediate_size, attn_heads=cfg.num_attention_heads)
+    full = dict(hidden_size=cfg.hidden_size, ffn_size=cfg.mlp.intermediate_size, attn_heads=cfg.attention.num_attention_heads)
     if family == "nemotron_h":
-        full.update(mamba_heads=cfg.mamba_num_heads, mamba_head_dim=cfg.mamba_head_dim, experts=cfg.n_routed_experts,
-                    expert_ffn_size=cfg.moe_intermediate_size, shared_expert_size=cfg.moe_shared_expert_intermediate_size)
+        full.update(mamba_heads=cfg.mamba.mamba_num_heads, mamba_head_dim=cfg.mamba.mamba_head_dim, experts=cfg.moe.n_routed_experts,
+                    expert_ffn_size=cfg.moe.moe_intermediate_size, shared_expert_size=cfg.moe.moe_shared_expert_intermediate_size)
     out = root / f"{family}_identity"
     report = prune(src, out, scores_dir, **full)
     back = load_model(out)
@@ -279,7 +279,8 @@ def test_scores_of_another_model_are_refused(checkpoints):
     with pytest.raises(RemodelError, match="different model") as e:
         prune(src, root / "wrong", llama_scores, ffn_size=32)
     named = re.search(r"differs in ([^)]*)\)", str(e.value)).group(1).split(", ")
-    assert "pattern" in named and set(named) <= set(FLAT) | set(ModelConfig.__dataclass_fields__), named
+    paths = FAMILY_CONFIGS["nemotron_h"].flat()  # every field by its path ("moe.n_routed_experts")
+    assert "pattern" in named and set(named) <= set(paths), named
     assert not (root / "wrong").exists()
 
 

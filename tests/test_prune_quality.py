@@ -56,12 +56,12 @@ def test_magnitude_scores_equal_direct_computation():
     s = magnitude_scores(cfg, W.items())
     assert {k: tuple(v.shape) for k, v in s.items()} == {k: v for k, v in score_shapes(cfg).items()
                                                         if k != "loss_increase"}
-    Im, nh, hd, GN = cfg.mamba_inner, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size
+    Im, nh, hd, GN = cfg.mamba_inner, cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.ssm_state_size
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}.mixer."
         if c == "-":
             up, down = W[p + "up_proj.weight"], W[p + "down_proj.weight"]
-            want = torch.stack([(sq(up[j]) + sq(down[:, j])).sqrt() for j in range(cfg.intermediate_size)])
+            want = torch.stack([(sq(up[j]) + sq(down[:, j])).sqrt() for j in range(cfg.mlp.intermediate_size)])
             torch.testing.assert_close(s[f"layers.{i}.ffn"].double(), want, rtol=1e-5, atol=0)
         elif c == "M":
             ip, op = W[p + "in_proj.weight"], W[p + "out_proj.weight"]
@@ -71,13 +71,13 @@ def test_magnitude_scores_equal_direct_computation():
                 assert abs(s[f"layers.{i}.mamba_x"][h].double().norm() - want) <= 1e-5 * want
         elif c == "*":
             q, o = W[p + "q_proj.weight"], W[p + "o_proj.weight"]
-            for h in range(cfg.num_attention_heads):
-                ch = slice(h * cfg.head_dim, (h + 1) * cfg.head_dim)
+            for h in range(cfg.attention.num_attention_heads):
+                ch = slice(h * cfg.attention.head_dim, (h + 1) * cfg.attention.head_dim)
                 want = (sq(q[ch]) + sq(o[:, ch])).sqrt()
                 assert abs(s[f"layers.{i}.attn"][h].double().norm() - want) <= 1e-5 * want
         else:
             ex = m.layers[i].mixer.experts
-            for e in range(cfg.n_routed_experts):
+            for e in range(cfg.moe.n_routed_experts):
                 want = (sq(ex.up_proj[e]) + sq(ex.down_proj[e])).sqrt()
                 assert abs(s[f"layers.{i}.experts"][e].double() - want) <= 1e-5 * want
     # hidden channel c: writers' rows, readers' columns times the gain of the norm in front of them
@@ -133,8 +133,8 @@ def test_baseline_scores_through_score_and_prune(tmp_path):
     for name in ("mag", "r1"):
         prune(src, tmp_path / f"pruned_{name}", tmp_path / name, **targets)
         cfg = load_config(tmp_path / f"pruned_{name}")
-        assert (cfg.hidden_size, cfg.intermediate_size, cfg.mamba_num_heads, cfg.num_attention_heads,
-                cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size,
+        assert (cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mamba.mamba_num_heads, cfg.attention.num_attention_heads,
+                cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size, cfg.moe.moe_shared_expert_intermediate_size,
                 cfg.pattern) == (24, 24, 4, 2, 4, 8, 8, CFG.pattern)
         out = load_model(tmp_path / f"pruned_{name}")(torch.randint(0, 64, (1, 12)))
         assert out.shape == (1, 12, 64) and out.isfinite().all()
@@ -165,9 +165,9 @@ def test_activation_beats_random_on_the_embedded_model():
         return evaluate(pruned, held_out, seq_len=256, batch=16)["ppl"]
 
     base = evaluate(model, held_out, seq_len=256, batch=16)["ppl"]
-    mamba_half = {"mamba_heads": cfg.mamba_num_heads // 2}
-    for targets in ({"ffn_size": cfg.intermediate_size * 3 // 4}, {"ffn_size": cfg.intermediate_size // 2},
-                    {"mamba_heads": cfg.mamba_num_heads * 3 // 4}, mamba_half, {"hidden_size": cfg.hidden_size // 2},
+    mamba_half = {"mamba_heads": cfg.mamba.mamba_num_heads // 2}
+    for targets in ({"ffn_size": cfg.mlp.intermediate_size * 3 // 4}, {"ffn_size": cfg.mlp.intermediate_size // 2},
+                    {"mamba_heads": cfg.mamba.mamba_num_heads * 3 // 4}, mamba_half, {"hidden_size": cfg.hidden_size // 2},
                     {"num_layers": cfg.num_layers - cfg.num_layers // 4}):
         a = ppl(act, targets)
         rnd = [ppl(random_scores(cfg, seed), targets) for seed in range(3)]

@@ -31,8 +31,8 @@ def direct_reap(model, ids) -> dict:
         moe = model.layers[i].mixer
         x = x.reshape(-1, x.shape[-1])
         _, w, idx = moe.gate(x)
-        h = moe.fc1_latent_proj(x) if moe.cfg.moe_latent_size else x
-        s = torch.zeros(moe.cfg.n_routed_experts, dtype=torch.float64)
+        h = moe.fc1_latent_proj(x) if moe.cfg.moe.moe_latent_size else x
+        s = torch.zeros(moe.cfg.moe.n_routed_experts, dtype=torch.float64)
         for e in range(len(s)):
             tok, slot = (idx == e).nonzero(as_tuple=True)
             if len(tok):
@@ -53,7 +53,7 @@ def test_reap_equals_direct_computation(case):
     assert sorted(want) == [0, 1]
     for i, s in want.items():
         got = reap[f"layers.{i}.experts"]
-        assert got.shape == (cfg.n_routed_experts,)  # routed experts only: no slot for the shared expert
+        assert got.shape == (cfg.moe.n_routed_experts,)  # routed experts only: no slot for the shared expert
         assert torch.allclose(got.double(), s, rtol=1e-5, atol=1e-7), (i, got, s)
         assert torch.equal(alias[f"layers.{i}.experts"], got)
         assert len(set(s[s > 0].tolist())) >= 3  # several experts routed, with distinct scores: a ranking

@@ -73,7 +73,7 @@ def test_search_over_a_released_config_miniature(tmp_path):
     from remodel.pipelines.data.data import embedded_corpus
 
     src, cfg, family = scaled("granite-4.0-h-tiny", 32)
-    assert family == "granitemoehybrid" and cfg.pattern == src.pattern and cfg.n_routed_experts == 64
+    assert family == "granitemoehybrid" and cfg.pattern == src.pattern and cfg.moe.n_routed_experts == 64
     budget = count_params(cfg)["total"] * 4.5e9 / count_params(src)["total"]
     build(cfg, family, tmp_path / "mini")
     text = tmp_path / "train.txt"  # a slice of the embedded corpus: tokenized in seconds

@@ -67,11 +67,11 @@ def ffn_hidden(x, up, gate, act):
 
 def attention_inputs(mix, cfg, n):
     b, l, _ = n.shape
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nq, nkv, hd = cfg.attention.num_attention_heads, cfg.attention.num_key_value_heads, cfg.attention.head_dim
     q = F.linear(n, mix.q_proj.weight).view(b, l, nq, hd).transpose(1, 2)
     k = F.linear(n, mix.k_proj.weight).view(b, l, nkv, hd).transpose(1, 2)
     v = F.linear(n, mix.v_proj.weight).view(b, l, nkv, hd).transpose(1, 2)
-    if cfg.rope_theta is not None:
+    if cfg.attention.rope_theta is not None:
         f = torch.arange(l).float()[:, None] * rope_inv_freq(cfg)
         cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -83,32 +83,32 @@ def attention_inputs(mix, cfg, n):
 
 def route(moe, cfg, x):
     logits = x @ moe.gate.weight.T
-    k = cfg.num_experts_per_tok
-    if cfg.router == "sigmoid":
+    k = cfg.moe.num_experts_per_tok
+    if cfg.moe.router == "sigmoid":
         s = logits.sigmoid()
         idx = (s + moe.gate.e_score_correction_bias).topk(k, -1)[1]
         w = s.gather(1, idx)
     else:
         w, idx = logits.softmax(-1).topk(k, -1)
-    if cfg.norm_topk_prob:
+    if cfg.moe.norm_topk_prob:
         w = w / w.sum(-1, keepdim=True)
-    return w * cfg.routed_scaling_factor, idx
+    return w * cfg.moe.routed_scaling_factor, idx
 
 
 def brute_elimination(moe, cfg, x, y):
     """Greedy elimination recomputing every candidate's routed output from scratch (expert_select's
     removal costs are incremental): x [T, H] router input, y [T, E, D] every expert's output."""
     logits = (x @ moe.gate.weight.T).double()
-    sig = cfg.router == "sigmoid"
+    sig = cfg.moe.router == "sigmoid"
     w = logits.sigmoid() if sig else logits.softmax(-1)
     c = w + moe.gate.e_score_correction_bias.double() if sig else w
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    E, k = cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok
 
     def out(alive):
         t = torch.arange(len(w))[:, None]
         idx = c[:, alive].topk(min(k, len(alive)), -1)[1]
         ids, wk = torch.tensor(alive)[idx], w[:, alive][t, idx]
-        wk = wk / wk.sum(-1, keepdim=True) if cfg.norm_topk_prob else wk
+        wk = wk / wk.sum(-1, keepdim=True) if cfg.moe.norm_topk_prob else wk
         return (wk[..., None] * y.double()[t, ids]).sum(1)
 
     alive, order, full = list(range(E)), torch.empty(E), out(list(range(E)))
@@ -124,7 +124,7 @@ def brute_elimination(moe, cfg, x, y):
 @torch.no_grad()
 def direct_scores(model, batches):
     cfg, acc = model.cfg, {}
-    act = ACT[cfg.mlp_act]
+    act = ACT[cfg.mlp.mlp_act]
 
     def add(k, v):
         acc[k] = acc[k] + v if k in acc else v
@@ -148,13 +148,13 @@ def direct_scores(model, batches):
             else:
                 x = n.reshape(b * l, -1)
                 w, idx = route(mix, cfg, x)
-                if cfg.moe_latent_size:  # experts read and write the latent space
+                if cfg.moe.moe_latent_size:  # experts read and write the latent space
                     x = F.linear(x, mix.fc1_latent_proj.weight)
-                ex, E = mix.experts, cfg.n_routed_experts
+                ex, E = mix.experts, cfg.moe.n_routed_experts
                 acc.setdefault(p + "recon_x", []).append(n.reshape(b * l, -1))
                 acc.setdefault(p + "recon_y", []).append(torch.stack([ex.expert(e, x) for e in range(E)], 1))
-                ffn = torch.zeros(E, cfg.moe_intermediate_size, dtype=torch.float64)
-                routed = torch.zeros(E, cfg.moe_intermediate_size, dtype=torch.float64)
+                ffn = torch.zeros(E, cfg.moe.moe_intermediate_size, dtype=torch.float64)
+                routed = torch.zeros(E, cfg.moe.moe_intermediate_size, dtype=torch.float64)
                 norms = torch.zeros(2, E, dtype=torch.float64)
                 for e in range(E):
                     for s in range(b):
@@ -193,8 +193,8 @@ def direct_scores(model, batches):
             k = f"layers.{i}." + ("ffn" if layer.kind == "-" else "mamba_x")
             out[k] = out[k] * getattr(layer.mixer, w).weight.double().norm(dim=0)
     for i in range(cfg.num_layers):
-        for k, shape in (("attn", (cfg.num_attention_heads, cfg.head_dim)),
-                         ("mamba_x", (cfg.mamba_num_heads, cfg.mamba_head_dim))):
+        for k, shape in (("attn", (cfg.attention.num_attention_heads, cfg.attention.head_dim)),
+                         ("mamba_x", (cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim))):
             if f"layers.{i}.{k}" in out:
                 out[f"layers.{i}.{k}"] = out[f"layers.{i}.{k}"].view(shape)
     return out
@@ -216,14 +216,14 @@ def test_hooks_equal_direct_computation(name):
     assert all("expert" not in m.experts.__dict__ for m in model.moe_layers())  # nothing rebound
     assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
     got, want = scorer.result(), direct_scores(model, batches)
-    n_e, F_e = cfg.n_routed_experts, cfg.moe_intermediate_size
+    n_e, F_e = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
     expected_shapes = {"hidden": (32,), "block_importance": (cfg.num_layers,)}
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
-        moe = {p + "shared_ffn": (16,)} if cfg.moe_shared_expert_intermediate_size else {}
+        moe = {p + "shared_ffn": (16,)} if cfg.moe.moe_shared_expert_intermediate_size else {}
         moe.update({p + "expert_contribution": (n_e,), p + "expert_frequency": (n_e,),
                     p + "expert_reconstruction": (n_e,), p + "expert_ffn_contribution": (n_e, F_e)})
-        moe.update({p + "latent": (cfg.moe_latent_size,)} if cfg.moe_latent_size else {})
+        moe.update({p + "latent": (cfg.moe.moe_latent_size,)} if cfg.moe.moe_latent_size else {})
         expected_shapes.update({"-": {p + "ffn": (48,)}, "*": {p + "attn": (4, 8)}, "M": {p + "mamba_x": (8, 4)},
                                 "E": {p + "experts": (n_e,), p + "expert_ffn": (n_e, F_e), **moe}}[c])
     assert {k: tuple(v.shape) for k, v in got.items()} == expected_shapes

@@ -57,11 +57,11 @@ def random_scores(d, cfg, seed=0):
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
         if c == "-":
-            t[p + "ffn"] = r(cfg.intermediate_size)
+            t[p + "ffn"] = r(cfg.mlp.intermediate_size)
         elif c == "*":
-            t[p + "attn"] = r(cfg.num_attention_heads, cfg.head_dim)
+            t[p + "attn"] = r(cfg.attention.num_attention_heads, cfg.attention.head_dim)
         elif c == "M":
-            t[p + "mamba_x"] = r(cfg.mamba_num_heads, cfg.mamba_head_dim)
+            t[p + "mamba_x"] = r(cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim)
     return save_scores(d, t, {"config": cfg.to_dict(), "samples": 1, "seq_len": 8, "tokens": 8})
 
 
@@ -98,7 +98,7 @@ def test_search_end_to_end(tmp_path, data):
     # the written model is that candidate: its shape, within the budget, loads in transformers
     cfg = load_config(out)
     assert cfg.pattern == pick["pattern"] and count_params(cfg)["total"] == pick["params"] <= budget
-    assert cfg.hidden_size == pick["widths"]["hidden_size"] and cfg.intermediate_size == pick["widths"]["ffn_size"]
+    assert cfg.hidden_size == pick["widths"]["hidden_size"] and cfg.mlp.intermediate_size == pick["widths"]["ffn_size"]
     ev = evaluate(out, heldout(out, data), batch=KW["batch"])
     assert ev["loss"] == pytest.approx(pick["distilled_loss"], abs=1e-4)
     hf = AutoModelForCausalLM.from_pretrained(out).float().eval()
@@ -168,11 +168,11 @@ def test_scaled_56b_plan_picks_the_47b_class(scale):
     first = d["candidates"][0]
     assert first["layers_removed"] == dry.CLASS_47B and first["num_layers"] == 98
     assert dry.counts(first["pattern"]) == {"M": 45, "-": 48, "*": 5}
-    assert first["widths"]["ffn_size"] * 32 == cfg.intermediate_size * 30
+    assert first["widths"]["ffn_size"] * 32 == cfg.mlp.intermediate_size * 30
     alone = plan(cfg, params=b["params"], top=100, verbose=False,
                  **{**b["plan_options"], "seq_len": 4096})["candidates"]
     ranks = [c["rank"] for c in alone if c["layers_removed"] == dry.CLASS_47B
-             and c["widths"]["ffn_size"] * 32 == cfg.intermediate_size * 30]
+             and c["widths"]["ffn_size"] * 32 == cfg.mlp.intermediate_size * 30]
     assert len(ranks) == 1 and ranks[0] > 1
 
 

@@ -94,13 +94,13 @@ def random_scores(d, cfg, seed=0):
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}."
         if c == "*":
-            t[p + "attn"] = r(cfg.num_attention_heads, cfg.head_dim)
+            t[p + "attn"] = r(cfg.attention.num_attention_heads, cfg.attention.head_dim)
         elif c == "M":
-            t[p + "mamba_x"] = r(cfg.mamba_num_heads, cfg.mamba_head_dim)
+            t[p + "mamba_x"] = r(cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim)
         elif c == "E":
-            t.update({p + "experts": r(cfg.n_routed_experts), p + "latent": r(cfg.moe_latent_size),
-                      p + "expert_ffn": r(cfg.n_routed_experts, cfg.moe_intermediate_size),
-                      p + "shared_ffn": r(cfg.moe_shared_expert_intermediate_size)})
+            t.update({p + "experts": r(cfg.moe.n_routed_experts), p + "latent": r(cfg.moe.moe_latent_size),
+                      p + "expert_ffn": r(cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size),
+                      p + "shared_ffn": r(cfg.moe.moe_shared_expert_intermediate_size)})
     return save_scores(d, t, {"config": cfg.to_dict(), "samples": 1, "seq_len": 8, "tokens": 8})
 
 
@@ -121,7 +121,7 @@ def test_dry_run_smoke(tmp_path, data):
     layer, and transformers loads the result with our logits."""
     dry = _dry()
     cfg = dry.scaled_config(32).replace(vocab_size=2048, n_routed_experts=16, num_experts_per_tok=4)
-    assert cfg.pattern == dry.reference(NAME).pattern and (cfg.hidden_size, cfg.moe_latent_size) == (128, 32)
+    assert cfg.pattern == dry.reference(NAME).pattern and (cfg.hidden_size, cfg.moe.moe_latent_size) == (128, 32)
     dry.build_checkpoint(cfg, tmp_path / "src")
     b = dry.scaled_budget(cfg, 32)
     target = count_params(cfg.replace(moe_latent_size=24))["total"]
@@ -129,7 +129,7 @@ def test_dry_run_smoke(tmp_path, data):
     rep = search_job(tmp_path / "src", tmp_path / "out", data, params=target, plan_options=opts, top=1, candidates=1,
                  scores=random_scores(tmp_path / "scores", cfg), seq_len=32, batch=2, eval_tokens=128, progress=False)
     got = load_config(tmp_path / "out")
-    assert got.moe_latent_size == 24 and got.pattern == cfg.pattern
+    assert got.moe.moe_latent_size == 24 and got.pattern == cfg.pattern
     assert count_params(got)["total"] == rep["pick"]["params"] == target
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert hf.model.layers[1].mixer.fc1_latent_proj.weight.shape == (24, 128)

@@ -21,7 +21,7 @@ def tiny_checkpoint(family, root):
     """A random tiny model of `family` with the shipped tokenizer (vocab 2048, so every id fits); weights
     N(0, 0.5), so its choices differ by more than rounding (at the default 0.15 they nearly tie)."""
     cfg = dataclasses.replace(FAMILY_CONFIGS[family], vocab_size=2048)
-    if cfg.n_routed_experts:  # transformers' grouped_mm on CPU wants 16-byte strides
+    if cfg.moe.n_routed_experts:  # transformers' grouped_mm on CPU wants 16-byte strides
         cfg = dataclasses.replace(cfg, moe_intermediate_size=12)
     return write_checkpoint(random_model(cfg, seed=1, std=0.5), root / family, family=family)
 

@@ -87,7 +87,7 @@ def test_relu2_virtual_groups_exact_in_our_model(nemo, router):
             out, sel = _selections(moe, ids)
             assert p.exact and math.isclose(p.s ** 3, G, rel_tol=1e-12)
             assert (out - ref).abs().max().item() < TOL, (G, S)
-            assert moe.cfg.pattern == "M*EME" and moe.cfg.moe_intermediate_size == (64 - S) // G
+            assert moe.cfg.pattern == "M*EME" and moe.cfg.moe.moe_intermediate_size == (64 - S) // G
             for idx in sel:  # whole groups, and the routing really varies across tokens
                 assert _whole_groups(idx, G)
                 assert len({tuple(sorted(set((r // G).tolist()))) for r in idx}) > 1
@@ -251,7 +251,7 @@ def test_check_shard_experts_equal_per_expert_dispatch(gated, dtype):
     cfg = ModelConfig(**{**NEMO, "pattern": "E", "n_routed_experts": N, "num_experts_per_tok": k,
                          "moe_intermediate_size": Fm, "mlp_act": "silu" if gated else "relu2", "mlp_gated": gated})
     ref = Experts(cfg.replace(hidden_size=H))
-    ex = ShardExperts(cfg.mlp_act)
+    ex = ShardExperts(cfg.mlp.mlp_act)
     for n, v in sh.items():
         if n == "gate_proj" and not gated:
             continue

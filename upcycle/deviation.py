@@ -148,7 +148,7 @@ class StreamCheck:
                     parent, _, leaf = name.rpartition(".")
                     setattr(b.get_submodule(parent), leaf, StreamLinear())
             if KINDS[kind].routed:
-                b.mixer.experts = ShardExperts(cfg.mlp_act)
+                b.mixer.experts = ShardExperts(cfg.mlp.mlp_act)
             _materialise(b)
             init_buffers(b, "cpu")
             self.blocks[kind] = b.eval()

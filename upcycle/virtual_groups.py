@@ -91,14 +91,14 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
               router: str = "topk-softmax", placement: str = "balanced") -> Plan:
     """Check the request against a dense config (one-line RemodelError) and fix a, s and exactness.
     placement "down" puts the whole factor a on W2 (exact for any activation, see module doc)."""
-    N, G, T, S, F = experts, granularity, top_k, shared, cfg.intermediate_size
+    N, G, T, S, F = experts, granularity, top_k, shared, cfg.mlp.intermediate_size
     if router not in ROUTER_MODES:
         raise RemodelError(f"unknown router {router!r} (supported: {', '.join(ROUTER_MODES)})")
     if not any(k.upcycles_to for k in used(cfg)):
         raise RemodelError(f"the source has no dense MLP layers to upcycle (pattern {cfg.pattern!r})")
     if routed(cfg):
         raise RemodelError("the source already has MoE layers; upcycling needs a dense-MLP model")
-    if cfg.mlp_bias:
+    if cfg.mlp.mlp_bias:
         raise RemodelError("MLP biases cannot be upcycled (experts have no bias)")
     if G < 1 or N < 2:
         raise RemodelError(f"need --granularity >= 1 and --experts >= 2, got G={G}, N={N}")
@@ -111,7 +111,7 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
     if (F - S) % G:
         raise RemodelError(f"intermediate size F={F} minus shared size S={S} is not divisible by G={G}")
     a = {"softmax-topk": (N // G) * G * G / T, "sigmoid-raw": 2 * G / T}.get(router, float(G))
-    s = a ** (1.0 / output_degree(cfg.mlp_act, cfg.mlp_gated))
+    s = a ** (1.0 / output_degree(cfg.mlp.mlp_act, cfg.mlp.mlp_gated))
     why = []
     if router == "softmax-topk":
         why.append("the softmax-topk router never reproduces the dense model (kept weights sum to < 1)")
@@ -119,13 +119,13 @@ def make_plan(cfg: ModelConfig, experts: int, granularity: int, top_k: int, shar
         why.append("the sigmoid-raw router's gates are sigmoid(logit) ~ 0.5, never exactly (close, not exact)")
     if T % G:
         why.append(f"top-k T={T} is not a multiple of granularity G={G}, so virtual groups are split")
-    if G > 1 and cfg.mlp_act not in HOMOGENEOUS and placement == "balanced":
-        kind = "gated " if cfg.mlp_gated else ""
-        why.append(f"granularity G={G} with the {kind}{cfg.mlp_act} activation is approximate "
+    if G > 1 and cfg.mlp.mlp_act not in HOMOGENEOUS and placement == "balanced":
+        kind = "gated " if cfg.mlp.mlp_gated else ""
+        why.append(f"granularity G={G} with the {kind}{cfg.mlp.mlp_act} activation is approximate "
                    f"(only relu2/relu are homogeneous; use G=1)")
     if placement not in ("balanced", "down"):
         raise RemodelError(f"unknown scaling placement {placement!r} (balanced or down)")
-    return Plan(N, G, T, S, router, F, cfg.mlp_act, cfg.mlp_gated, (F - S) // G, a, s, not why, why, placement)
+    return Plan(N, G, T, S, router, F, cfg.mlp.mlp_act, cfg.mlp.mlp_gated, (F - S) // G, a, s, not why, why, placement)
 
 
 def gated_shared(family: str | None) -> bool:

@@ -60,14 +60,14 @@ class Bamba(Family):
         mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
         need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {_MLP},
              f"needs the layer pattern of (Mamba 'M' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu", "needs SwiGLU MLPs")
         if ATTENTION in used(cfg):
-            need(cfg.rope_theta is not None and cfg.rope_scaling is None, "bamba attention uses default RoPE")
-            need(cfg.partial_rotary_factor == ROTARY, f"bamba rotates {ROTARY} of each head's channels "
-                 f"(partial_rotary_factor), got {cfg.partial_rotary_factor}")
-            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-            need(not cfg.qk_norm, "bamba attention has no q/k norm")
-            need(cfg.sliding_window is None, "bamba has no sliding-window attention")
+            need(cfg.attention.rope_theta is not None and cfg.attention.rope_scaling is None, "bamba attention uses default RoPE")
+            need(cfg.attention.partial_rotary_factor == ROTARY, f"bamba rotates {ROTARY} of each head's channels "
+                 f"(partial_rotary_factor), got {cfg.attention.partial_rotary_factor}")
+            need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(not cfg.attention.qk_norm, "bamba attention has no q/k norm")
+            need(cfg.attention.sliding_window is None, "bamba has no sliding-window attention")
         if MAMBA in used(cfg):
             need(cfg.mamba_inner % cfg.hidden_size == 0, f"bamba's Mamba width is mamba_expand * hidden_size: "
                  f"mamba_num_heads * mamba_head_dim = {cfg.mamba_inner} is not a multiple of {cfg.hidden_size}")
@@ -77,17 +77,17 @@ class Bamba(Family):
         return dict(
             num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
             attn_layer_indices=[j for j, c in enumerate(cfg.pattern[0::2]) if c == ATTENTION.char],
-            num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
-            head_dim=cfg.head_dim or 1, attention_bias=cfg.attention_bias,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0,
+            num_attention_heads=cfg.attention.num_attention_heads or 1, num_key_value_heads=cfg.attention.num_key_value_heads or 1,
+            head_dim=cfg.attention.head_dim or 1, attention_bias=cfg.attention.attention_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.attention.rope_theta or 10000.0,
                              "partial_rotary_factor": ROTARY},
-            intermediate_size=cfg.intermediate_size, mlp_bias=cfg.mlp_bias,
+            intermediate_size=cfg.mlp.intermediate_size, mlp_bias=cfg.mlp.mlp_bias,
             # without Mamba layers any consistent widths do: one head of the whole hidden size
-            mamba_n_heads=cfg.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba_head_dim if mamba else H,
-            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.n_groups if mamba else 1,
-            mamba_d_state=cfg.ssm_state_size or 1, mamba_d_conv=cfg.conv_kernel, mamba_chunk_size=cfg.chunk_size,
-            mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
-            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)])
+            mamba_n_heads=cfg.mamba.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba.mamba_head_dim if mamba else H,
+            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.mamba.n_groups if mamba else 1,
+            mamba_d_state=cfg.mamba.ssm_state_size or 1, mamba_d_conv=cfg.mamba.conv_kernel, mamba_chunk_size=cfg.mamba.chunk_size,
+            mamba_conv_bias=cfg.mamba.use_conv_bias, mamba_proj_bias=cfg.mamba.mamba_proj_bias,
+            time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)])
 
     def key_map(self):
         """Our layer 2j's mixer is HF layer j's `mamba` or `self_attn` (their tensor names differ), 2j+1's

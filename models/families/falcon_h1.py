@@ -78,32 +78,32 @@ class FalconH1(Family):
         need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
         need(cfg.num_layers % 2 == 0 and cfg.pattern == _PAIR * (cfg.num_layers // 2),
              f"needs the layer pattern {_PAIR!r} * N (parallel attention + Mamba mixer, then an MLP), got {cfg.pattern!r}")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
-        need(cfg.residual_multiplier == 1 and cfg.logits_scaling == 1,
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu", "needs SwiGLU MLPs")
+        need(cfg.scales.residual_multiplier == 1 and cfg.scales.logits_scaling == 1,
              "falcon_h1 has no residual_multiplier or logits_scaling (its lm_head_multiplier scales the logits)")
-        need(cfg.attention_scale is None or cfg.attention_scale == 1 / math.sqrt(cfg.head_dim),
+        need(cfg.attention.attention_scale is None or cfg.attention.attention_scale == 1 / math.sqrt(cfg.attention.head_dim),
              "falcon_h1 scales attention scores by 1/sqrt(head_dim) (its key_multiplier scales the keys)")
-        need(cfg.rope_theta is not None and cfg.rope_scaling is None and cfg.partial_rotary_factor == 1.0,
+        need(cfg.attention.rope_theta is not None and cfg.attention.rope_scaling is None and cfg.attention.partial_rotary_factor == 1.0,
              "falcon_h1 attention has default RoPE on whole heads")
-        need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-        need(not cfg.qk_norm, "falcon_h1 attention has no q/k norm")
-        need(cfg.sliding_window is None, "falcon_h1 has no sliding-window attention")
+        need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+        need(not cfg.attention.qk_norm, "falcon_h1 attention has no q/k norm")
+        need(cfg.attention.sliding_window is None, "falcon_h1 has no sliding-window attention")
 
     def to_hf(self, cfg):
         return dict(
             num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, attention_bias=cfg.attention_bias,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            intermediate_size=cfg.intermediate_size, mlp_bias=cfg.mlp_bias,
-            mamba_d_ssm=cfg.mamba_inner, mamba_n_heads=cfg.mamba_num_heads, mamba_d_head=cfg.mamba_head_dim,
-            mamba_n_groups=cfg.n_groups, mamba_d_state=cfg.ssm_state_size, mamba_d_conv=cfg.conv_kernel,
-            mamba_chunk_size=cfg.chunk_size, mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
-            projectors_bias=cfg.mamba_proj_bias, mamba_rms_norm=cfg.mamba_rms_norm,
-            mamba_norm_before_gate=cfg.mamba_norm_before_gate,
-            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)],
-            **{k: getattr(cfg, k) for k in _SCALARS},
-            ssm_multipliers=list(cfg.ssm_multipliers), mlp_multipliers=list(cfg.mlp_multipliers))
+            num_attention_heads=cfg.attention.num_attention_heads, num_key_value_heads=cfg.attention.num_key_value_heads,
+            head_dim=cfg.attention.head_dim, attention_bias=cfg.attention.attention_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.attention.rope_theta},
+            intermediate_size=cfg.mlp.intermediate_size, mlp_bias=cfg.mlp.mlp_bias,
+            mamba_d_ssm=cfg.mamba_inner, mamba_n_heads=cfg.mamba.mamba_num_heads, mamba_d_head=cfg.mamba.mamba_head_dim,
+            mamba_n_groups=cfg.mamba.n_groups, mamba_d_state=cfg.mamba.ssm_state_size, mamba_d_conv=cfg.mamba.conv_kernel,
+            mamba_chunk_size=cfg.mamba.chunk_size, mamba_conv_bias=cfg.mamba.use_conv_bias, mamba_proj_bias=cfg.mamba.mamba_proj_bias,
+            projectors_bias=cfg.mamba.mamba_proj_bias, mamba_rms_norm=cfg.mamba.mamba_rms_norm,
+            mamba_norm_before_gate=cfg.mamba.mamba_norm_before_gate,
+            time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)],
+            **{k: cfg.get(k) for k in _SCALARS},
+            ssm_multipliers=list(cfg.mamba.ssm_multipliers), mlp_multipliers=list(cfg.mlp.mlp_multipliers))
 
     def key_map(self):
         """Our layer 2j's parallel mixer is HF layer j's `self_attn` and `mamba`, 2j+1's MLP its `feed_forward`."""

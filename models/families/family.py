@@ -30,24 +30,24 @@ GROUPS = {g: variants(_CLASSES, g) for g in sorted({f.metadata.get("variant") fo
 
 def varied(cfg, group: str) -> list[str]:
     """The fields of variant group `group` that `cfg` holds away from their plain values, as 'name=value'."""
-    return [f"{k}={getattr(cfg, k)}" for k, plain in GROUPS[group].items() if getattr(cfg, k) != plain]
+    return [f"{k}={cfg.get(k)}" for k, plain in GROUPS[group].items() if cfg.get(k) != plain]
 
 
 def projected(cfg) -> list[str]:
     """The PROJECTIONS fields of `cfg` away from their plain values, as 'name=value'."""
-    return [f"{k}={getattr(cfg, k)}" for k, plain in PROJECTIONS.items() if getattr(cfg, k) != plain]
+    return [f"{k}={cfg.get(k)}" for k, plain in PROJECTIONS.items() if cfg.get(k) != plain]
 
 
 def plain_attention_scale(cfg) -> float | None:
-    """cfg.attention_scale, None where it is the default 1/sqrt(head_dim) anyway or no layer attends."""
-    s = cfg.attention_scale
-    return None if ATTENTION not in used(cfg) or (cfg.head_dim and s == 1 / math.sqrt(cfg.head_dim)) else s
+    """cfg.attention.attention_scale, None where it is the default 1/sqrt(head_dim) anyway or no layer attends."""
+    s = cfg.attention.attention_scale
+    return None if ATTENTION not in used(cfg) or (cfg.attention.head_dim and s == 1 / math.sqrt(cfg.attention.head_dim)) else s
 
 
 def scaled(cfg) -> list[str]:
     """The multipliers of `cfg` away from their plain values, as 'name=value'."""
-    got = {k: getattr(cfg, k) for k in MULTIPLIERS} | {"attention_scale": plain_attention_scale(cfg)}
-    return [f"{k}={getattr(cfg, k)}" for k, plain in MULTIPLIERS.items() if got[k] != plain]
+    got = {k: cfg.get(k) for k in MULTIPLIERS} | {"attention_scale": plain_attention_scale(cfg)}
+    return [f"{k}={cfg.get(k)}" for k, plain in MULTIPLIERS.items() if got[k] != plain]
 
 
 def feed_forward_keys(final_norm: str = "model.final_layernorm.weight") -> dict:

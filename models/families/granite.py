@@ -107,20 +107,20 @@ class Granite(Family):
              and set(ffns) in ({MOE.char}, {MLP_KIND.char}),
              f"needs the layer pattern of (Mamba 'M' or attention '*') + (every one MoE 'E' or every one MLP '-') "
              f"pairs, got {cfg.pattern!r}")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
         if routed(cfg):
-            need(cfg.router == "softmax" and cfg.norm_topk_prob and cfg.n_group == 1,
+            need(cfg.moe.router == "softmax" and cfg.moe.norm_topk_prob and cfg.moe.n_group == 1,
                  "granitemoehybrid routes by softmax over the top-k logits (a renormalised softmax router)")
-            need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
-            need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
-            need(cfg.moe_shared_expert_intermediate_size > 0 and not cfg.shared_expert_gate,
+            need(cfg.moe.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+            need(cfg.moe.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+            need(cfg.moe.moe_shared_expert_intermediate_size > 0 and not cfg.moe.shared_expert_gate,
                  "granitemoehybrid MoE layers always hold an ungated shared expert (its shared_mlp)")
         if ATTENTION in used(cfg):
-            need(cfg.rope_scaling is None and cfg.partial_rotary_factor == 1.0,
+            need(cfg.attention.rope_scaling is None and cfg.attention.partial_rotary_factor == 1.0,
                  "granitemoehybrid attention has default RoPE on whole heads, or none")
-            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-            need(not cfg.qk_norm, "granitemoehybrid attention has no q/k norm")
-            need(cfg.sliding_window is None, "granitemoehybrid has no sliding-window attention")
+            need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(not cfg.attention.qk_norm, "granitemoehybrid attention has no q/k norm")
+            need(cfg.attention.sliding_window is None, "granitemoehybrid has no sliding-window attention")
         if MAMBA in used(cfg):
             need(cfg.mamba_inner % cfg.hidden_size == 0, f"granitemoehybrid's Mamba width is mamba_expand * "
                  f"hidden_size: mamba_num_heads * mamba_head_dim = {cfg.mamba_inner} is not a multiple of "
@@ -128,26 +128,26 @@ class Granite(Family):
 
     def to_hf(self, cfg):
         mamba, moe, H = MAMBA in used(cfg), routed(cfg), cfg.hidden_size
-        scale = cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim or 1)
+        scale = cfg.attention.attention_scale if cfg.attention.attention_scale is not None else 1 / math.sqrt(cfg.attention.head_dim or 1)
         d = dict(
             num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
             layer_types=[_TYPE[c] for c in cfg.pattern[0::2]],
-            num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
-            attention_bias=cfg.attention_bias, position_embedding_type=_ROPE if cfg.rope_theta is not None else None,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0},
-            num_local_experts=cfg.n_routed_experts if moe else 0, num_experts_per_tok=cfg.num_experts_per_tok or 1,
-            intermediate_size=cfg.moe_intermediate_size if moe else cfg.intermediate_size,
-            shared_intermediate_size=cfg.moe_shared_expert_intermediate_size if moe else cfg.intermediate_size,
+            num_attention_heads=cfg.attention.num_attention_heads or 1, num_key_value_heads=cfg.attention.num_key_value_heads or 1,
+            attention_bias=cfg.attention.attention_bias, position_embedding_type=_ROPE if cfg.attention.rope_theta is not None else None,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.attention.rope_theta or 10000.0},
+            num_local_experts=cfg.moe.n_routed_experts if moe else 0, num_experts_per_tok=cfg.moe.num_experts_per_tok or 1,
+            intermediate_size=cfg.moe.moe_intermediate_size if moe else cfg.mlp.intermediate_size,
+            shared_intermediate_size=cfg.moe.moe_shared_expert_intermediate_size if moe else cfg.mlp.intermediate_size,
             # without Mamba layers any consistent widths do: one head of the whole hidden size
-            mamba_n_heads=cfg.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba_head_dim if mamba else H,
-            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.n_groups if mamba else 1,
-            mamba_d_state=cfg.ssm_state_size or 1, mamba_d_conv=cfg.conv_kernel, mamba_chunk_size=cfg.chunk_size,
-            mamba_conv_bias=cfg.use_conv_bias, mamba_proj_bias=cfg.mamba_proj_bias,
-            time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)],
-            embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
-            attention_multiplier=scale, logits_scaling=cfg.logits_scaling)
-        if cfg.head_dim:
-            d["head_dim"] = cfg.head_dim  # transformers' default hidden // heads need not hold (pruning)
+            mamba_n_heads=cfg.mamba.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba.mamba_head_dim if mamba else H,
+            mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.mamba.n_groups if mamba else 1,
+            mamba_d_state=cfg.mamba.ssm_state_size or 1, mamba_d_conv=cfg.mamba.conv_kernel, mamba_chunk_size=cfg.mamba.chunk_size,
+            mamba_conv_bias=cfg.mamba.use_conv_bias, mamba_proj_bias=cfg.mamba.mamba_proj_bias,
+            time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)],
+            embedding_multiplier=cfg.scales.embedding_multiplier, residual_multiplier=cfg.scales.residual_multiplier,
+            attention_multiplier=scale, logits_scaling=cfg.scales.logits_scaling)
+        if cfg.attention.head_dim:
+            d["head_dim"] = cfg.attention.head_dim  # transformers' default hidden // heads need not hold (pruning)
         return d
 
     def key_map(self):

@@ -24,16 +24,16 @@ class GraniteDense(LlamaFamily):
     def from_hf(self, h, extra):
         cfg = super().from_hf(h, extra)
         att = cfg_float(h, "attention_multiplier", 1.0)
-        return cfg.replace(attention_scale=None if att == 1 / math.sqrt(cfg.head_dim) else att,
+        return cfg.replace(attention_scale=None if att == 1 / math.sqrt(cfg.attention.head_dim) else att,
                            **{ours: cfg_float(h, k, 1.0, lo=lo) for k, (ours, lo) in SCALARS.items()})
 
     def check(self, cfg, need):
         super().check(cfg.replace(mlp_bias=False), need)  # Llama's rules but for the MLP bias, which granite has
 
     def to_hf(self, cfg):
-        scale = cfg.attention_scale if cfg.attention_scale is not None else 1 / math.sqrt(cfg.head_dim)
-        return {**super().to_hf(cfg), "mlp_bias": cfg.mlp_bias, "attention_multiplier": scale,
-                **{k: getattr(cfg, ours) for k, (ours, _) in SCALARS.items()}}
+        scale = cfg.attention.attention_scale if cfg.attention.attention_scale is not None else 1 / math.sqrt(cfg.attention.head_dim)
+        return {**super().to_hf(cfg), "mlp_bias": cfg.mlp.mlp_bias, "attention_multiplier": scale,
+                **{k: cfg.get(ours) for k, (ours, _) in SCALARS.items()}}
 
     def key_map(self):
         out = key_map(ATTN, "mlp")

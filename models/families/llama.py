@@ -94,46 +94,46 @@ class LlamaFamily(Family):
         L = cfg.num_layers // 2
         need(cfg.num_layers % 2 == 0 and cfg.pattern == self.layer * L,
              f"needs the layer pattern {self.layer!r} * N, got {cfg.pattern!r}")
-        need(cfg.rope_theta is not None and cfg.partial_rotary_factor == 1, "needs RoPE attention on whole heads")
-        need(cfg.sliding_window is None or self.window, "sliding-window attention is mistral/mixtral only")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu", "needs SwiGLU MLPs")
-        need(cfg.qk_norm == self.qk_norm, "q/k norm must match (only qwen3 families have it)")
+        need(cfg.attention.rope_theta is not None and cfg.attention.partial_rotary_factor == 1, "needs RoPE attention on whole heads")
+        need(cfg.attention.sliding_window is None or self.window, "sliding-window attention is mistral/mixtral only")
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu", "needs SwiGLU MLPs")
+        need(cfg.attention.qk_norm == self.qk_norm, "q/k norm must match (only qwen3 families have it)")
         if self.qkv_bias is True:
-            need(cfg.attention_bias and not cfg.attention_out_bias, f"{self.name} has q/k/v bias and no o_proj bias")
+            need(cfg.attention.attention_bias and not cfg.attention.attention_out_bias, f"{self.name} has q/k/v bias and no o_proj bias")
         elif self.qkv_bias:
-            need(not cfg.attention_out_bias, f"{self.name} has no o_proj bias")
+            need(not cfg.attention.attention_out_bias, f"{self.name} has no o_proj bias")
         else:
-            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-        need(not cfg.mlp_bias, "MLP bias is not supported by this family")
+            need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+        need(not cfg.mlp.mlp_bias, "MLP bias is not supported by this family")
 
     def to_hf(self, cfg):
-        rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+        rope = {"rope_theta": cfg.attention.rope_theta, "rope_type": "default"} if cfg.attention.rope_scaling is None else dict(cfg.attention.rope_scaling)
         d = dict(num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps,
-                 num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                 head_dim=cfg.head_dim, rope_parameters=rope, hidden_act="silu")
+                 num_attention_heads=cfg.attention.num_attention_heads, num_key_value_heads=cfg.attention.num_key_value_heads,
+                 head_dim=cfg.attention.head_dim, rope_parameters=rope, hidden_act="silu")
         if self.qkv_bias is None:
-            d["attention_bias"] = cfg.attention_bias
+            d["attention_bias"] = cfg.attention.attention_bias
         elif isinstance(self.qkv_bias, str):
-            d[self.qkv_bias] = cfg.attention_bias
+            d[self.qkv_bias] = cfg.attention.attention_bias
         if self.window:
-            d["sliding_window"] = cfg.sliding_window
+            d["sliding_window"] = cfg.attention.sliding_window
         if self.qwen_window:
             d["use_sliding_window"] = False
         return {**d, **self.ffn_to_hf(cfg)}
 
     def ffn_to_hf(self, cfg) -> dict:
-        return {"intermediate_size": cfg.intermediate_size}
+        return {"intermediate_size": cfg.mlp.intermediate_size}
 
     def key_map(self):
         return key_map(self.attn, "mlp")
 
     def claims(self, cfg):
         L = cfg.num_layers // 2
-        return (cfg.rope_theta is not None and cfg.partial_rotary_factor == 1 and cfg.mlp_gated
-                and cfg.pattern == self.layer * L and cfg.qk_norm == self.qk_norm)
+        return (cfg.attention.rope_theta is not None and cfg.attention.partial_rotary_factor == 1 and cfg.mlp.mlp_gated
+                and cfg.pattern == self.layer * L and cfg.attention.qk_norm == self.qk_norm)
 
     def upcycle_into(self, cfg, router, shared):
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             return "qwen3_moe"
         return "qwen2_moe" if shared or router == "softmax-topk" else "mixtral"
 

@@ -47,22 +47,22 @@ class MoEFamily(LlamaFamily):
 
     def check(self, cfg, need):
         super().check(cfg, need)
-        need(cfg.router == "softmax" and cfg.n_group == 1, "needs a softmax router without expert groups")
-        need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
-        need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
-        need(cfg.norm_topk_prob or not self.renormalises, f"{self.name} always renormalises the top-k weights")
-        need(self.shared or not cfg.moe_shared_expert_intermediate_size,
+        need(cfg.moe.router == "softmax" and cfg.moe.n_group == 1, "needs a softmax router without expert groups")
+        need(cfg.moe.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+        need(cfg.moe.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+        need(cfg.moe.norm_topk_prob or not self.renormalises, f"{self.name} always renormalises the top-k weights")
+        need(self.shared or not cfg.moe.moe_shared_expert_intermediate_size,
              f"{self.name} has no shared expert (use qwen2_moe)")
-        need(cfg.shared_expert_gate == self.shared_expert_gate or not cfg.moe_shared_expert_intermediate_size,
+        need(cfg.moe.shared_expert_gate == self.shared_expert_gate or not cfg.moe.moe_shared_expert_intermediate_size,
              "shared-expert gate must match the family")
 
     def ffn_to_hf(self, cfg):
-        d = {self.experts_field: cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-             "intermediate_size": cfg.moe_intermediate_size, self.expert_size_field: cfg.moe_intermediate_size}
+        d = {self.experts_field: cfg.moe.n_routed_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
+             "intermediate_size": cfg.moe.moe_intermediate_size, self.expert_size_field: cfg.moe.moe_intermediate_size}
         if not self.renormalises:  # Qwen-MoE: norm_topk_prob, and every layer sparse
-            d.update(norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+            d.update(norm_topk_prob=cfg.moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
         if self.shared:
-            d["shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size or 1
+            d["shared_expert_intermediate_size"] = cfg.moe.moe_shared_expert_intermediate_size or 1
         return d
 
     def key_map(self):
@@ -70,7 +70,7 @@ class MoEFamily(LlamaFamily):
 
     def extra_tensors(self, cfg):
         """transformers always builds the shared expert and its gate: size-1 zeros stand for 'none'."""
-        if not self.shared or cfg.moe_shared_expert_intermediate_size:
+        if not self.shared or cfg.moe.moe_shared_expert_intermediate_size:
             return {}
         H, out = cfg.hidden_size, {}
         for i, k in enumerate(layer_kinds(cfg)):
@@ -83,12 +83,12 @@ class MoEFamily(LlamaFamily):
     def claims(self, cfg):
         if not super().claims(cfg):
             return False
-        return self.qk_norm or bool(cfg.moe_shared_expert_intermediate_size) == self.shared
+        return self.qk_norm or bool(cfg.moe.moe_shared_expert_intermediate_size) == self.shared
 
     def upcycle_check(self, cfg, router):
         if router == "sigmoid":
             return f"{self.name} routers are softmax: use --router topk-softmax or softmax-topk"
-        if self.qk_norm and not cfg.qk_norm:
+        if self.qk_norm and not cfg.attention.qk_norm:
             return (f"cannot upcycle to {self.name} exactly: the source attention has no q/k norm "
                     "(use --to mixtral or qwen2_moe, or a qwen3 source)")
         if router not in self.routers:

@@ -55,29 +55,29 @@ class NemotronH(Family):
     def check(self, cfg, need):
         odd = sorted(set(cfg.pattern + cfg.mtp_pattern) - set(_TYPE))
         need(not odd, f"nemotron_h has no layers of kind {', '.join(odd)} (it holds {' '.join(_TYPE)})")
-        need(cfg.rope_theta is None or ATTENTION not in used(cfg), "nemotron_h attention has no RoPE")
-        need(not (cfg.attention_bias or cfg.attention_out_bias or cfg.qk_norm), "nemotron_h attention has no bias or q/k norm")
-        need(not cfg.mlp_gated, "nemotron_h MLPs and experts are not gated (SwiGLU models go to llama/mixtral/qwen)")
-        need(cfg.sliding_window is None, "nemotron_h has no sliding-window attention")
-        need(not (cfg.mlp_bias and routed(cfg)), "nemotron_h MoE layers with MLP bias are not supported")
-        need(not routed(cfg) or (cfg.router == "sigmoid" and not cfg.shared_expert_gate),
+        need(cfg.attention.rope_theta is None or ATTENTION not in used(cfg), "nemotron_h attention has no RoPE")
+        need(not (cfg.attention.attention_bias or cfg.attention.attention_out_bias or cfg.attention.qk_norm), "nemotron_h attention has no bias or q/k norm")
+        need(not cfg.mlp.mlp_gated, "nemotron_h MLPs and experts are not gated (SwiGLU models go to llama/mixtral/qwen)")
+        need(cfg.attention.sliding_window is None, "nemotron_h has no sliding-window attention")
+        need(not (cfg.mlp.mlp_bias and routed(cfg)), "nemotron_h MoE layers with MLP bias are not supported")
+        need(not routed(cfg) or (cfg.moe.router == "sigmoid" and not cfg.moe.shared_expert_gate),
              "nemotron_h MoE uses the sigmoid router without a shared-expert gate")
 
     def to_hf(self, cfg):
         d = dict(layers_block_type=[_TYPE[c] for c in cfg.pattern], layer_norm_epsilon=cfg.norm_eps,
-                 num_attention_heads=cfg.num_attention_heads or 1, num_key_value_heads=cfg.num_key_value_heads or 1,
-                 head_dim=cfg.head_dim or 1, intermediate_size=cfg.intermediate_size or 1,
-                 mlp_hidden_act=cfg.mlp_act, mlp_bias=cfg.mlp_bias,
-                 mamba_num_heads=cfg.mamba_num_heads or 1, mamba_head_dim=cfg.mamba_head_dim or 1,
-                 n_groups=cfg.n_groups, ssm_state_size=cfg.ssm_state_size or 1, conv_kernel=cfg.conv_kernel,
-                 chunk_size=cfg.chunk_size, use_conv_bias=cfg.use_conv_bias, use_bias=cfg.mamba_proj_bias,
-                 time_step_limit=[float(cfg.time_step_min), float(cfg.time_step_max)])
+                 num_attention_heads=cfg.attention.num_attention_heads or 1, num_key_value_heads=cfg.attention.num_key_value_heads or 1,
+                 head_dim=cfg.attention.head_dim or 1, intermediate_size=cfg.mlp.intermediate_size or 1,
+                 mlp_hidden_act=cfg.mlp.mlp_act, mlp_bias=cfg.mlp.mlp_bias,
+                 mamba_num_heads=cfg.mamba.mamba_num_heads or 1, mamba_head_dim=cfg.mamba.mamba_head_dim or 1,
+                 n_groups=cfg.mamba.n_groups, ssm_state_size=cfg.mamba.ssm_state_size or 1, conv_kernel=cfg.mamba.conv_kernel,
+                 chunk_size=cfg.mamba.chunk_size, use_conv_bias=cfg.mamba.use_conv_bias, use_bias=cfg.mamba.mamba_proj_bias,
+                 time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)])
         if routed(cfg):
-            d.update(n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                     moe_intermediate_size=cfg.moe_intermediate_size,
-                     moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 1,
-                     moe_latent_size=cfg.moe_latent_size, norm_topk_prob=cfg.norm_topk_prob,
-                     routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
+            d.update(n_routed_experts=cfg.moe.n_routed_experts, num_experts_per_tok=cfg.moe.num_experts_per_tok,
+                     moe_intermediate_size=cfg.moe.moe_intermediate_size,
+                     moe_shared_expert_intermediate_size=cfg.moe.moe_shared_expert_intermediate_size or 1,
+                     moe_latent_size=cfg.moe.moe_latent_size, norm_topk_prob=cfg.moe.norm_topk_prob,
+                     routed_scaling_factor=cfg.moe.routed_scaling_factor, n_group=cfg.moe.n_group, topk_group=cfg.moe.topk_group)
         if cfg.mtp_layers:
             d.update(num_nextn_predict_layers=cfg.mtp_layers, mtp_layers_block_type=[_TYPE[c] for c in cfg.mtp_pattern])
         return d
@@ -100,7 +100,7 @@ class NemotronH(Family):
 
     def extra_tensors(self, cfg):
         """transformers always builds a shared expert: a size-1 zero one stands for 'none'."""
-        if cfg.moe_shared_expert_intermediate_size:
+        if cfg.moe.moe_shared_expert_intermediate_size:
             return {}
         H = cfg.hidden_size
         return {f"layers.{i}.mixer.shared_experts.{leaf}": shape for i, k in enumerate(layer_kinds(cfg)) if k.routed

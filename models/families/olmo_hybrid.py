@@ -53,26 +53,26 @@ class OlmoHybrid(Family):
              f"needs the layer pattern of Gated DeltaNet 'D-' and post-norm attention 'A=' pairs, got {cfg.pattern!r}")
         need(set(pairs) == set(BLOCK_TYPES.values()), f"{self.name} needs both a 'D-' and an 'A=' decoder layer")
         need(cfg.norm_offset == 0, f"{self.name} RMSNorms scale by w (norm_offset 0)")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs without bias")
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
         if KINDS["A"] in used(cfg):
-            need(cfg.qk_norm_full and not cfg.qk_norm, f"{self.name} attention normalises q and k over all heads")
-            need(cfg.rope_scaling is None and cfg.partial_rotary_factor == 1,
+            need(cfg.attention.qk_norm_full and not cfg.attention.qk_norm, f"{self.name} attention normalises q and k over all heads")
+            need(cfg.attention.rope_scaling is None and cfg.attention.partial_rotary_factor == 1,
                  f"{self.name} attention uses default RoPE on whole heads (or none)")
-            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-            need(cfg.sliding_window is None, f"{self.name} has no sliding-window attention")
+            need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(cfg.attention.sliding_window is None, f"{self.name} has no sliding-window attention")
         if GATED_DELTANET in used(cfg):
-            need(not cfg.linear_conv_bias, f"{self.name}'s Gated DeltaNet conv has no bias")
-            need(cfg.linear_norm_eps == GDN_NORM_EPS, f"{self.name}'s gated output norm has eps {GDN_NORM_EPS}")
+            need(not cfg.gated_deltanet.linear_conv_bias, f"{self.name}'s Gated DeltaNet conv has no bias")
+            need(cfg.gated_deltanet.linear_norm_eps == GDN_NORM_EPS, f"{self.name}'s gated output norm has eps {GDN_NORM_EPS}")
 
     def to_hf(self, cfg):
-        rope = None if cfg.rope_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        rope = None if cfg.attention.rope_theta is None else {"rope_type": "default", "rope_theta": cfg.attention.rope_theta}
         return dict(
             num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
             layer_types=[next(t for t, p in BLOCK_TYPES.items() if p[0] == c) for c in cfg.pattern[0::2]],
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, attention_bias=cfg.attention_bias, rope_parameters=rope,
-            intermediate_size=cfg.intermediate_size, linear_allow_neg_eigval=cfg.linear_allow_neg_eigval,
-            **{k: getattr(cfg, k) for k in _LINEAR})
+            num_attention_heads=cfg.attention.num_attention_heads, num_key_value_heads=cfg.attention.num_key_value_heads,
+            head_dim=cfg.attention.head_dim, attention_bias=cfg.attention.attention_bias, rope_parameters=rope,
+            intermediate_size=cfg.mlp.intermediate_size, linear_allow_neg_eigval=cfg.gated_deltanet.linear_allow_neg_eigval,
+            **{k: cfg.get(k) for k in _LINEAR})
 
     def key_map(self):
         """Layer 2j is HF layer j's `linear_attn` (input_layernorm before it) or `self_attn`

@@ -59,33 +59,33 @@ class Qwen35(Family):
         need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {self.FFN},
              f"needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + {self.FFN!r} pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3.5 RMSNorm is zero-centred (norm_offset 1)")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs / experts without bias")
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs / experts without bias")
         self.check_mixers(cfg, need)
 
     def check_mixers(self, cfg, need):
         """need(ok, why) for the attention and Gated DeltaNet layers (Qwen3-Next's are the same)."""
         if ATTENTION in used(cfg):
-            need(cfg.attn_output_gate and cfg.qk_norm, "Qwen3.5 attention has an output gate and q/k norms")
-            need(cfg.rope_theta is not None and cfg.rope_scaling is None, f"{self.name} attention uses default RoPE")
-            need(cfg.attention_bias == cfg.attention_out_bias, "q/k/v and o_proj bias must match")
-            need(cfg.sliding_window is None, f"{self.name} has no sliding-window attention")
+            need(cfg.attention.attn_output_gate and cfg.attention.qk_norm, "Qwen3.5 attention has an output gate and q/k norms")
+            need(cfg.attention.rope_theta is not None and cfg.attention.rope_scaling is None, f"{self.name} attention uses default RoPE")
+            need(cfg.attention.attention_bias == cfg.attention.attention_out_bias, "q/k/v and o_proj bias must match")
+            need(cfg.attention.sliding_window is None, f"{self.name} has no sliding-window attention")
         if GATED_DELTANET in used(cfg):
-            need(not cfg.linear_conv_bias, "Qwen3.5's Gated DeltaNet conv has no bias")
+            need(not cfg.gated_deltanet.linear_conv_bias, "Qwen3.5's Gated DeltaNet conv has no bias")
 
     def to_hf(self, cfg):
         attn = ATTENTION in used(cfg)
         return dict(
             num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
             layer_types=[next(t for t, c in BLOCK_TYPES.items() if c == m) for m in cfg.pattern[0::2]],
-            num_attention_heads=cfg.num_attention_heads if attn else 1,
-            num_key_value_heads=cfg.num_key_value_heads if attn else 1, head_dim=cfg.head_dim or 1,
-            attention_bias=cfg.attention_bias,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta or 10000.0,
-                             "partial_rotary_factor": cfg.partial_rotary_factor},
-            **{k: getattr(cfg, k) or 1 for k in _LINEAR}, **self.ffn_to_hf(cfg))
+            num_attention_heads=cfg.attention.num_attention_heads if attn else 1,
+            num_key_value_heads=cfg.attention.num_key_value_heads if attn else 1, head_dim=cfg.attention.head_dim or 1,
+            attention_bias=cfg.attention.attention_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.attention.rope_theta or 10000.0,
+                             "partial_rotary_factor": cfg.attention.partial_rotary_factor},
+            **{k: cfg.get(k) or 1 for k in _LINEAR}, **self.ffn_to_hf(cfg))
 
     def ffn_to_hf(self, cfg) -> dict:
-        return {"intermediate_size": cfg.intermediate_size}
+        return {"intermediate_size": cfg.mlp.intermediate_size}
 
     def key_map(self):
         """Our layer 2j's mixer is HF layer j's `linear_attn` or `self_attn`, 2j+1's MLP its `mlp`."""

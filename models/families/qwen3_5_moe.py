@@ -31,17 +31,17 @@ class Qwen35Moe(Qwen35):
 
     def check(self, cfg, need):
         super().check(cfg, need)
-        need(cfg.router == "softmax" and cfg.n_group == 1, "needs a softmax router without expert groups")
-        need(cfg.norm_topk_prob, f"{self.name} always renormalises the top-k weights")
-        need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
-        need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
-        need(cfg.shared_expert_gate or not cfg.moe_shared_expert_intermediate_size,
+        need(cfg.moe.router == "softmax" and cfg.moe.n_group == 1, "needs a softmax router without expert groups")
+        need(cfg.moe.norm_topk_prob, f"{self.name} always renormalises the top-k weights")
+        need(cfg.moe.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+        need(cfg.moe.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+        need(cfg.moe.shared_expert_gate or not cfg.moe.moe_shared_expert_intermediate_size,
              f"{self.name}'s shared expert is gated (shared_expert_gate)")
 
     def ffn_to_hf(self, cfg):
-        return {"num_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-                "moe_intermediate_size": cfg.moe_intermediate_size,
-                "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size or 1}
+        return {"num_experts": cfg.moe.n_routed_experts, "num_experts_per_tok": cfg.moe.num_experts_per_tok,
+                "moe_intermediate_size": cfg.moe.moe_intermediate_size,
+                "shared_expert_intermediate_size": cfg.moe.moe_shared_expert_intermediate_size or 1}
 
     def ffn_keys(self):
         """qwen2_moe's MoE keys: router `mlp.gate`, experts `mlp.experts.{e}.*`, `mlp.shared_expert(_gate)`."""

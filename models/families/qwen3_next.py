@@ -47,22 +47,22 @@ class Qwen3Next(Qwen35):
              and _MOE in mlps, "needs the layer pattern of (Gated DeltaNet 'D' or attention '*') + (MoE 'E' or "
              f"MLP '-') pairs with at least one MoE, got {cfg.pattern!r}")
         need(cfg.norm_offset == 1, "every Qwen3-Next RMSNorm is zero-centred (norm_offset 1)")
-        need(cfg.mlp_gated and cfg.mlp_act == "silu" and not cfg.mlp_bias, "needs SwiGLU MLPs / experts without bias")
-        need(cfg.router == "softmax" and cfg.n_group == 1, "needs a softmax router without expert groups")
-        need(cfg.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
-        need(cfg.moe_latent_size is None, "latent MoE projections are nemotron_h only")
-        need(cfg.shared_expert_gate or not cfg.moe_shared_expert_intermediate_size,
+        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs / experts without bias")
+        need(cfg.moe.router == "softmax" and cfg.moe.n_group == 1, "needs a softmax router without expert groups")
+        need(cfg.moe.routed_scaling_factor == 1.0, "routed_scaling_factor must be 1")
+        need(cfg.moe.moe_latent_size is None, "latent MoE projections are nemotron_h only")
+        need(cfg.moe.shared_expert_gate or not cfg.moe.moe_shared_expert_intermediate_size,
              f"{self.name}'s shared expert is sigmoid-gated (shared_expert_gate)")
         self.check_mixers(cfg, need)
 
     def to_hf(self, cfg):
         mlps = cfg.pattern[1::2]
-        return {**super().to_hf(cfg), "num_experts": cfg.n_routed_experts,
-                "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
-                "norm_topk_prob": cfg.norm_topk_prob,
-                "shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size or 1,
+        return {**super().to_hf(cfg), "num_experts": cfg.moe.n_routed_experts,
+                "num_experts_per_tok": cfg.moe.num_experts_per_tok, "moe_intermediate_size": cfg.moe.moe_intermediate_size,
+                "norm_topk_prob": cfg.moe.norm_topk_prob,
+                "shared_expert_intermediate_size": cfg.moe.moe_shared_expert_intermediate_size or 1,
                 "decoder_sparse_step": 1, "mlp_only_layers": [j for j, m in enumerate(mlps) if m == MLP_LAYER],
-                "intermediate_size": cfg.intermediate_size or cfg.moe_intermediate_size}
+                "intermediate_size": cfg.mlp.intermediate_size or cfg.moe.moe_intermediate_size}
 
     def key_map(self):
         """Qwen3.5's map with the fused Gated DeltaNet projections and the MoE (router `gate`, per-expert

@@ -62,8 +62,8 @@ class WithTower(Family):
             v = h
             for k in path.split("."):
                 v = getattr(v, k, None)
-            if v != getattr(cfg, field):
-                raise RemodelError(f"{path}={v} differs from the text model's {field} {getattr(cfg, field)}, and "
+            if v != cfg.get(field):
+                raise RemodelError(f"{path}={v} differs from the text model's {field} {cfg.get(field)}, and "
                                    f"{self.why}: they must be equal")
         return cfg.replace(tie_word_embeddings=bool(h.tie_word_embeddings))
 
@@ -74,8 +74,8 @@ class WithTower(Family):
              f"(read a {self.name} checkpoint, or export the text model to {self.text.name})")
         for field, path in (self.feeds or {}).items():
             v = outer_value(cfg, path)
-            need(getattr(cfg, field) == v, f"{self.why} ({path}={v}) and the tower passes through unpruned: "
-                                           f"{field} must stay {v}, got {getattr(cfg, field)}")
+            need(cfg.get(field) == v, f"{self.why} ({path}={v}) and the tower passes through unpruned: "
+                                           f"{field} must stay {v}, got {cfg.get(field)}")
 
     def fixed_fields(self, cfg) -> tuple:
         return tuple(self.feeds or ())

@@ -146,7 +146,7 @@ def demo(out="remodel-demo", quick: bool = False, overwrite: bool = False) -> di
         score(EMBEDDED, train_txt, work / "scores", samples=32 if quick else 128, seq_len=256, batch=8)
 
         print("[3/6] pruning to about half the parameters (FFN, Mamba heads, hidden)")
-        targets = dict(ffn_size=cfg.intermediate_size // 2, mamba_heads=cfg.mamba_num_heads // 2,
+        targets = dict(ffn_size=cfg.mlp.intermediate_size // 2, mamba_heads=cfg.mamba.mamba_num_heads // 2,
                        hidden_size=cfg.hidden_size * 3 // 4)
         prune(EMBEDDED, work / "pruned", scores_dir=work / "scores", **targets)
         rows.append(_row("pruned", work / "pruned", ev(work / "pruned"), "no retraining", tasks))

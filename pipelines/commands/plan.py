@@ -42,7 +42,7 @@ from .inspection import fmt_count, resolve_source
 from .options import given, make
 from .plan_file import candidate_config, check_plan_out, write_plan
 
-FIELDS = {a: w.field for a, w in WIDTHS.items()}  # axis -> config field (flat name)
+FIELDS = {a: w.path for a, w in WIDTHS.items()}  # axis -> its config path
 SHORT = {a: w.short for a, w in WIDTHS.items()}  # axis -> table column label
 
 
@@ -121,7 +121,7 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     exact = [c["total"], c["active"], mem["total"]]
     if exact != row["metrics"]:  # the grid's arithmetic against models.params: must never differ
         raise AssertionError(f"plan arithmetic {row['metrics']} != count_params/memory_bytes {exact} for {w} {pattern}")
-    changed = {a: [getattr(cfg, FIELDS[a]), v] for a, v in w.items() if v != getattr(cfg, FIELDS[a])}
+    changed = {a: [cfg.value(FIELDS[a]), v] for a, v in w.items() if v != cfg.value(FIELDS[a])}
     by_kind = {}
     for t, r in row["removed"].items():
         for ch in t:

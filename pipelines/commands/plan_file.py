@@ -32,7 +32,7 @@ def candidate_config(cfg: ModelConfig, cand: dict, family: str | None = None) ->
     drop = set(cand.get("drop_layers") or ())
     kept = [i for j, u in enumerate(depth_units(cfg, family)) if j not in drop for i in u]
     return cfg.replace(pattern="".join(cfg.pattern[i] for i in kept),
-                       **{WIDTHS[a].field: v for a, v in cand["widths"].items()})
+                       **{WIDTHS[a].path: v for a, v in cand["widths"].items()})
 
 
 def check_plan_out(path, overwrite: bool) -> Path:
@@ -133,7 +133,7 @@ def _check_row(path, row, k: int, cfg: ModelConfig, family: str) -> dict:
         raise _bad(path, f"candidate {k}: not a shape of MODEL ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
     if got != params:
         raise _bad(path, f"candidate {k}: its shape has {got:,} parameters, the row says {params:,} (edited?)")
-    targets = {a: v for a, v in widths.items() if v != getattr(cfg, WIDTHS[a].field)}
+    targets = {a: v for a, v in widths.items() if v != WIDTHS[a].of(cfg)}
     return {**targets, **({"drop_layers": sorted(drop)} if drop else {}), "params": params}
 
 

@@ -50,7 +50,7 @@ def _params(cfg: ModelConfig, family: str) -> dict:
 
 def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
     full = {"hidden": cfg.hidden_size, "layers": cfg.num_layers,  # and each kind's units (its spec)
-            **{unit: getattr(cfg, field) for k in KINDS.values() for unit, field in k.units.items()}}
+            **{unit: cfg.get(field, k.section_name) for k in KINDS.values() for unit, field in k.units.items()}}
     return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
             for k, v in keep.items()}
 

@@ -167,7 +167,7 @@ def check_layout(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
             k.check_tp(cfg, tp, need)
         need(cfg.vocab_size % tp == 0, f"tensor parallelism: vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
     if ep > 1 and routed(cfg):
-        need(cfg.n_routed_experts % ep == 0, f"expert parallelism: n_routed_experts={cfg.n_routed_experts} is not "
+        need(cfg.moe.n_routed_experts % ep == 0, f"expert parallelism: n_routed_experts={cfg.moe.n_routed_experts} is not "
              f"divisible by ep={ep}")
 
 
@@ -216,7 +216,7 @@ def parallelize(model, mesh, tp_dim: str | None = "tp", ep_dim: str | None = Non
         scale = 1.0 / dp if info.ep_over == "dp" else 1.0
         for i, layer in enumerate(model.layers):
             if layer.spec.routed:
-                style = ExpertParallel(f"layers.{i}.mixer.experts.", specs, cfg.n_routed_experts,
+                style = ExpertParallel(f"layers.{i}.mixer.experts.", specs, cfg.moe.n_routed_experts,
                                        info.ep_over == "tp", scale)
                 parallelize_module(layer.mixer.experts, mesh[ep_dim], style)
                 if info.ep_over == "dp":

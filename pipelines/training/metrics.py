@@ -187,7 +187,7 @@ class MoEStats:
 
     def _hook(self, label: str):
         def keep(module, inputs, out):  # out: (logits [T, E], weights [T, k], indices [T, k])
-            self.last[label] = (module.cfg.router, out[0].detach(), out[2].detach())
+            self.last[label] = (module.cfg.moe.router, out[0].detach(), out[2].detach())
         return keep
 
     @torch.no_grad()

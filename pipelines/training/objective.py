@@ -104,7 +104,7 @@ def _other_losses(student, w, fns, total, parts, states, autocast):
         cfg = student.cfg
         logits = [m.router_logits for m in moe]
         if w["lb"] > 0:
-            lb = fns["load_balancing_loss"](logits, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.router)
+            lb = fns["load_balancing_loss"](logits, cfg.moe.num_experts_per_tok, cfg.moe.n_routed_experts, cfg.moe.router)
             total = total + w["lb"] * lb
             parts["lb"] = lb.item()
         if w["z"] > 0:
