@@ -35,3 +35,6 @@ HIDDEN_DIVIDES_HEADS = WidthRule(("hidden_size",), ("attn_heads",), "head_dim = 
 MAMBA_WIDTH_FROM_HIDDEN = WidthRule(("mamba_heads", "mamba_head_dim"), ("hidden_size",),
                                     "the Mamba width is mamba_expand * hidden_size",
                                     ("the Mamba width {of}", "hidden_size {by}"))
+SHARED_FROM_EXPERT = WidthRule(("shared_expert_size",), ("expert_ffn_size",),
+                               "the shared experts are n_shared_experts * moe_intermediate_size",
+                               ("the shared expert size {of}", "the expert FFN size {by}"))

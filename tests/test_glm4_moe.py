@@ -1,0 +1,100 @@
+"""GLM-4.5-shaped MoE (transformers' `glm4_moe`) by the CLI alone (issue 56 acceptance for the family): a
+tiny model built and saved by transformers' own class (a dense first layer, DeepSeek routing over 2 expert
+groups with a correction bias and routed scaling, 2 shared experts, partial RoPE, q/k norm and q/k/v bias)
+goes through inspect, score, prune on every width at once and by decoder layer, and eval (its loss equal to
+transformers': test_families.test_eval_loss); transformers reloads each pruned checkpoint with the logits of the same pruning done in memory. An
+expert target that would leave the groups unequal is refused in one line. (The family suite: test_families.)"""
+import json
+import shutil
+
+import pytest
+import torch
+
+from remodel import cli
+from remodel.compress.prune import plan_keep, prune_model, validate_targets
+from remodel.compress.scores import load_scores
+from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES
+from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
+from tests.conftest import hf_pair, prune_axes
+
+FAMILY, CASE = "glm4_moe", "grouped"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tiny = dict(FAMILIES[FAMILY].tiny[CASE], vocab_size=2048)  # the embedded tokenizer's vocabulary
+    hf, ours, d = hf_pair(FAMILY, tmp_path_factory.mktemp(FAMILY), "model", 5, **tiny)
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    return hf, ours, d
+
+
+def _flags(targets):
+    return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def _reloaded_equals_in_memory(out, model):
+    from transformers import AutoModelForCausalLM
+
+    from remodel.models.load import load_model
+    x = torch.randint(0, model.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want, ours = AutoModelForCausalLM.from_pretrained(out).float().eval()(x).logits, model(x), load_model(out)(x)
+    assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
+
+
+def test_cli_inspect_score_prune_every_width_and_depth(pair, tmp_path, capsys):
+    _, ours, d = pair
+    data = str(embedded_corpus()[1])
+    assert cli.main(["inspect", str(d)]) == 0
+    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
+    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
+                     "--seq-len", "32"]) == 0
+    scores, _ = load_scores(tmp_path / "s")
+    targets = {**prune_axes(ours.cfg), "expert_ffn_size": 8, "shared_expert_size": 16}  # 2 x 8: n_shared_experts 2
+    assert {"experts", "expert_ffn_size", "shared_expert_size", "attn_heads", "hidden_size", "ffn_size"} <= set(targets)
+    out = tmp_path / "widths"
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *_flags(targets)]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["model_type"] == FAMILY and hf["n_routed_experts"] == targets["experts"] and hf["n_group"] == 2
+    assert hf["n_shared_experts"] * hf["moe_intermediate_size"] == targets["shared_expert_size"]
+    _reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
+    assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
+    out = tmp_path / "depth"  # decoder layer 1 (attention + its MoE) dropped whole: the dense layer stays first
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "1"]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["num_hidden_layers"], hf["first_k_dense_replace"]) == (2, 1)
+
+
+def test_expert_groups_stay_equal_or_the_target_is_refused(pair):
+    _, ours, _ = pair
+    validate_targets(ours.cfg, {"experts": 6})  # 3 of 4 in each of the 2 groups
+    with pytest.raises(RemodelError) as e:
+        validate_targets(ours.cfg, {"experts": 5})
+    assert "n_group" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shared_experts_stay_a_multiple_of_the_expert_size(pair):
+    """n_shared_experts = shared size / moe_intermediate_size: a cut that breaks it is refused in one line."""
+    _, ours, _ = pair
+    validate_targets(ours.cfg, {"shared_expert_size": 16, "expert_ffn_size": 8})
+    with pytest.raises(RemodelError) as e:
+        validate_targets(ours.cfg, {"shared_expert_size": 20})
+    assert "n_shared_experts" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_search_grid_keeps_the_shared_experts_whole(pair):
+    """The search proposes only shapes transformers' glm4_moe config can hold (the family's width rule)."""
+    from remodel.compress.search_space import build_space, search
+    from remodel.models.hf import config_to_hf
+    from remodel.models.params import count_params
+    from remodel.pipelines.commands.plan_file import candidate_config
+    _, ours, _ = pair
+    cfg = ours.cfg
+    space = build_space(cfg, axes=("shared_expert_size", "expert_ffn_size"), family=FAMILY, max_width_cut=0.9)
+    rows, _ = search(space, {"params": count_params(cfg)["total"]}, tol=0.5, window_only=False)
+    assert rows and all(r["widths"]["shared_expert_size"] % r["widths"]["expert_ffn_size"] == 0 for r in rows)
+    assert {r["widths"]["expert_ffn_size"] for r in rows} == {8, 12}
+    for r in rows:
+        config_to_hf(candidate_config(cfg, r, FAMILY), FAMILY)
