@@ -69,6 +69,17 @@ def test_dense_to_moe_recipe_end_to_end(tmp_path, capsys):
     assert _params(work / "train") == _params(work / "upcycle") > _params(EMBEDDED)
     assert json.loads((work / "train" / "remodel_report.json").read_text())["steps"] == 6
     assert math.isfinite(json.loads((work / "eval" / "remodel_report.json").read_text())["ppl"])
+    made = {n: (work / n / "remodel_report.json").stat().st_mtime_ns for n in ("upcycle", "train")}
+    again, err = _run(capsys, "dense-to-moe", "--workdir", work, "--from", "train")  # outputs replaced from train on
+    assert _status(again) == {"upcycle": "skipped", "train": "ran", "eval": "ran"} and "--overwrite" in err
+    now = {n: (work / n / "remodel_report.json").stat().st_mtime_ns for n in ("upcycle", "train")}
+    assert now["upcycle"] == made["upcycle"] and now["train"] > made["train"]
+    edited = tmp_path / "r.yaml"  # a step whose command line changed since its output: run again from there
+    edited.write_text((ROOT / "data" / "recipes" / "dense-to-moe.yaml").read_text().replace("8192", "4096"))
+    again, err = _run(capsys, edited, "--workdir", work)
+    assert _status(again) == {"upcycle": "skipped", "train": "skipped", "eval": "ran"}
+    assert json.loads((work / "eval" / "remodel_report.json").read_text())["tokens"] == 4096
+    fails(capsys, "run", "dense-to-moe", "--workdir", work, "--from", "evl", match="--from evl: no such step")
 
 
 def test_killed_run_resumes_from_its_last_complete_step(tmp_path, capsys):
