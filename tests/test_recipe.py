@@ -130,7 +130,8 @@ def _recipe(tmp_path, steps: str, head: str = "workdir: {w}\n") -> Path:
 
 UPCYCLE = "  - name: up\n    command: upcycle\n    options: {model: builtin:embedded, experts: 8}\n"
 BAD = {  # recipe steps -> what the one error line names
-    "unknown option": (UPCYCLE.replace("experts: 8", "experts: 8, expert: 3"), "step 'up' (upcycle) option 'expert': unknown"),
+    "unknown option": (UPCYCLE.replace("experts: 8", "experts: 8, expert: 3"),
+                       "step 'up' (upcycle) option 'expert': unknown (did you mean 'experts'?)"),
     "unknown command": ("  - {name: x, command: finetune}\n", "unknown command 'finetune'"),
     "missing reference": (UPCYCLE + "  - name: ev\n    command: eval\n    options: {model: '${steps.upp.out}'}\n",
                           "${steps.upp.out} names no earlier step (earlier: up)"),
@@ -145,7 +146,8 @@ BAD = {  # recipe steps -> what the one error line names
     "step key": (UPCYCLE + "    option: {}\n", "step 1: unknown key 'option'"),
     "missing required": ("  - {name: up, command: upcycle, options: {model: builtin:embedded}}\n",
                          "required: --experts"),
-    "builtin escape": (UPCYCLE.replace("builtin:embedded", "builtin:../cli.py"), "builtin:../cli.py is no shipped file"),
+    "builtin escape": (UPCYCLE.replace("builtin:embedded", "builtin:../cli.py"),
+                       "builtin:../cli.py is no shipped file"),
     "same name": (UPCYCLE + UPCYCLE, "name 'up' is used by an earlier step"),
 }
 
@@ -171,3 +173,13 @@ def test_bad_recipe_file_is_one_line(tmp_path, capsys, text, match):
 
 def test_unknown_recipe_names_the_shipped_ones(tmp_path, capsys):
     fails(capsys, "run", tmp_path / "nope.yaml", match="shipped: dense-to-moe, shrink-56b-47b")
+
+
+def test_readme_example_recipe_is_valid(tmp_path, capsys):
+    """README's example recipe passes every check (a dry run prints its two commands)."""
+    text = (ROOT / "README.md").read_text().split("### Recipes", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "r.yaml").write_text(text)
+    capsys.readouterr()
+    assert cli.main(["run", str(tmp_path / "r.yaml"), "--workdir", str(tmp_path / "w"), "--dry-run"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remodel ")]
+    assert [shlex.split(ln)[1] for ln in lines] == ["prune", "eval"] and not (tmp_path / "w").exists()

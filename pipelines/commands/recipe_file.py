@@ -12,6 +12,7 @@ resolves wherever remodel is installed; any other path is the command line's own
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import shlex
@@ -222,7 +223,9 @@ def _step(name: str, command: str, wd: Path, sub: argparse.ArgumentParser, vals:
         if key == "out":
             raise RemodelError(f"{where} 'out': set by the recipe (this step writes {out})")
         if act is None:
-            raise RemodelError(f"{where} {key!r}: unknown (the options of {command}: {', '.join(acts)})")
+            near = difflib.get_close_matches(key, acts, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"the options of {command}: {', '.join(acts)}"
+            raise RemodelError(f"{where} {key!r}: unknown ({hint})")
         if act.nargs == 0:
             if not isinstance(v, bool):
                 raise RemodelError(f"{where} {key!r}: a switch, true or false (got {v!r})")
