@@ -183,3 +183,14 @@ def test_readme_example_recipe_is_valid(tmp_path, capsys):
     assert cli.main(["run", str(tmp_path / "r.yaml"), "--workdir", str(tmp_path / "w"), "--dry-run"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remodel ")]
     assert [shlex.split(ln)[1] for ln in lines] == ["prune", "eval"] and not (tmp_path / "w").exists()
+
+
+def test_second_run_on_a_workdir_in_use_is_refused(tmp_path, capsys):
+    from remodel.pipelines.distributed.runtime import RunLock
+    work = tmp_path / "w"
+    lock = RunLock(work, work).acquire()  # as a run in progress holds it
+    try:
+        fails(capsys, "run", "dense-to-moe", "--workdir", work, match="is in use by another run")
+    finally:
+        lock.release()
+    assert not work.exists()
