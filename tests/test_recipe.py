@@ -194,3 +194,15 @@ def test_second_run_on_a_workdir_in_use_is_refused(tmp_path, capsys):
     finally:
         lock.release()
     assert not work.exists()
+
+
+def test_step_that_fails_is_one_line_naming_it_and_the_report_says_so(tmp_path, capsys):
+    steps = UPCYCLE + f"  - name: ev\n    command: eval\n    options: {{model: {tmp_path / 'nothing'}, data: x}}\n"
+    capsys.readouterr()
+    assert cli.main(["run", str(_recipe(tmp_path, steps))]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("remodel run: error: step 'ev' (eval): ") and "Traceback" not in err
+    assert sum("error" in ln for ln in err.splitlines()) == 1, err
+    report = json.loads((tmp_path / "w" / "recipe_report.json").read_text())
+    assert report["status"] == "failed" and _status(report) == {"up": "ran", "ev": "failed"}
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["recipe_report.json", "up"]  # no empty ev/

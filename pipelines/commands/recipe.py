@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -157,7 +158,12 @@ def _run_step(s: Step, commands: Commands, overwrite: bool):
     (s.folder / "remodel_report.json").unlink(missing_ok=True)  # run again: not complete until written anew
     s.folder.mkdir(parents=True, exist_ok=True)
     mark_dir(s.folder, STEP_MARKER, step=s.name, recipe=str(s.line))
-    r = commands.run(a)
+    try:
+        r = commands.run(a)
+    except BaseException:
+        if {p.name for p in s.folder.iterdir()} == {STEP_MARKER}:  # nothing but our marker: the folder goes again
+            shutil.rmtree(s.folder)
+        raise
     write_json(s.folder / "remodel_report.json", {"command": s.command, **(r or {})})
     return r
 
