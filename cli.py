@@ -32,7 +32,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line too (`remodel CMD: error: ... (see --help)`), from rank 0
     only under torchrun, exit 2; the subcommand parsers inherit it."""
 
+    raising = False  # True: a usage error is raised as a RemodelError (a recipe's steps, checked before any runs)
+
     def error(self, message):
+        if self.raising:
+            from remodel.models.errors import RemodelError
+            raise RemodelError(message)
         if _lead():
             print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
@@ -58,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     # every command's --help shows each option's default (a parser may still pass its own formatter)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
     for name in TYPED:
-        if name in ("distill", "train"):
-            (_add_distill if name == "distill" else _add_train)(sub)
+        if name in ("distill", "train", "run"):
+            {"distill": _add_distill, "train": _add_train, "run": _add_run}[name](sub)
         else:
             _typed(sub, name)
     return ap
@@ -74,7 +79,8 @@ TYPED = {"demo": "the main job on the embedded checkpoint and corpus, offline",
          "distill": None, "train": None,  # TrainConfig's (pipelines/training/train_config.py)
          "upcycle": "dense -> MoE upcycling (virtual groups, weight scaling)",
          "tokenize": "tokenize DATA once into a token set that train/distill read from disk",
-         "eval": "perplexity and tokens/s, and lm-eval tasks (--tasks)"}  # command -> its --help line
+         "eval": "perplexity and tokens/s, and lm-eval tasks (--tasks)",
+         "run": "a recipe: named steps of the commands above, resumable (README \"Recipes\")"}  # command -> --help line
 
 
 def _typed(sub, name: str):
@@ -102,6 +108,12 @@ def _add_train(sub):
     _train_flags(p, False)
 
 
+def _add_run(sub):
+    from remodel.pipelines.commands.options import add_flags
+    from remodel.pipelines.commands.recipe import RunOptions
+    add_flags(sub.add_parser("run", help=TYPED["run"]), RunOptions)
+
+
 def _dtype(name):
     import torch
     return getattr(torch, name) if name else None
@@ -114,14 +126,25 @@ def _run_demo(a):
 
 
 def _run_inspect(a):
-    from remodel.models.errors import RemodelError
     from remodel.pipelines.commands.inspection import format_inspect, inspect
     d = inspect(a.model)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(d, a.command) if a.json else format_inspect(d))
+    _check_inspected(d)
+
+
+def _check_inspected(d: dict):
+    from remodel.models.errors import RemodelError
     bad = (d.get("checkpoint") or {}).get("config_mismatches")
     if bad:
         raise RemodelError(f"{len(bad)} tensor(s) disagree with config.json, e.g. {bad[0]}")
+
+
+def _inspect_report(a) -> dict:
+    from remodel.pipelines.commands.inspection import inspect
+    d = inspect(a.model)
+    _check_inspected(d)
+    return d
 
 
 def _run_convert(a):
@@ -138,10 +161,7 @@ def _opts(a):
 
 
 def _run_score(a):
-    from remodel.models.errors import RemodelError
     from remodel.pipelines.commands.score import score
-    if a.method in ("activation", "loo") and not a.data:
-        raise RemodelError(f"--data is required for --method {a.method}")
     return score(opts=_opts(a))
 
 
@@ -150,9 +170,13 @@ def _run_prune(a):
     return prune(opts=_opts(a))
 
 
-def _run_plan(a):
+def _plan_report(a) -> dict:
     from remodel.pipelines.commands.plan import plan
-    r = plan(opts=_opts(a))
+    return plan(opts=_opts(a))
+
+
+def _run_plan(a):
+    r = _plan_report(a)
     if a.json:
         from remodel.pipelines.commands.report import strict_json
         print(strict_json(r, a.command))
@@ -176,11 +200,15 @@ def _run_upcycle(a):
     return upcycle(opts=_opts(a))
 
 
-def _run_eval(a):
+def _eval_report(a) -> dict:
     from remodel.pipelines.commands.evaluation import TaskRequest, eval_job
     o = _opts(a)
-    r = eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens,
-                 request=TaskRequest(o.tasks, o.task_dir, o.limit, o.trust_task_code))
+    return eval_job(o.model, o.data, seq_len=o.seq_len, batch=o.batch, max_tokens=o.max_tokens,
+                    request=TaskRequest(o.tasks, o.task_dir, o.limit, o.trust_task_code))
+
+
+def _run_eval(a):
+    r = _eval_report(a)
     _show_tasks(r)
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))
@@ -209,9 +237,30 @@ def _run_tokenize(a):
                overwrite=o.overwrite, shard_tokens=o.shard_tokens)
 
 
+def _run_recipe(a):
+    """`remodel run`: the recipe's steps parsed by their commands' own parsers (errors raised, not exiting) and
+    checked as main checks them, then run in this process through _step_report."""
+    from remodel.pipelines.commands.options import from_args
+    from remodel.pipelines.commands.recipe import Commands, RunOptions, run_recipe
+    ap = build_parser()
+    for p in (ap, *_subparsers(ap).values()):
+        p.raising = True
+    return run_recipe(from_args(RunOptions, a), Commands(ap, functools.partial(check_options, ap), _step_report))
+
+
+def _step_report(a) -> dict | None:
+    """One recipe step: command `a` run as main runs it; eval, plan and inspect return their report unprinted."""
+    return {"eval": _eval_report, "plan": _plan_report, "inspect": _inspect_report}.get(a.command, run)(a)
+
+
+def _subparsers(ap: argparse.ArgumentParser) -> dict:
+    return next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices
+
+
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
             "prune": _run_prune, "plan": _run_plan, "search": _run_search, "distill": _run_training,
-            "train": _run_training, "upcycle": _run_upcycle, "eval": _run_eval, "tokenize": _run_tokenize}
+            "train": _run_training, "upcycle": _run_upcycle, "eval": _run_eval, "tokenize": _run_tokenize,
+            "run": _run_recipe}
 
 
 def run(a) -> object:
@@ -237,8 +286,12 @@ def _options(command: str | None = None):
 def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
     from remodel.models.errors import RemodelError
+    if a.command == "score" and a.method in ("activation", "loo") and not a.data:
+        raise RemodelError(f"--data is required for --method {a.method}")
+    if a.command == "run":  # no numeric option; each step is checked here when the recipe is read
+        return
     rules = _options()[1] if a.command in ("train", "distill") else _options(a.command)
-    sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction)).choices[a.command]
+    sub = _subparsers(ap)[a.command]
     for act in sub._actions:
         chk, v = rules.get(act.dest), getattr(a, act.dest, None)
         if chk is None or v is None or isinstance(v, bool):

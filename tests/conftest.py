@@ -290,6 +290,11 @@ MARKS = {
     "test_demo.py": {
         "test_demo_quick": "slow",
     },
+    "test_recipe.py": {
+        "test_shrink_recipe_end_to_end_then_every_step_skipped": "slow",
+        "test_dense_to_moe_recipe_end_to_end": "slow",
+        "test_killed_run_resumes_from_its_last_complete_step": "slow",
+    },
     "test_tasks.py": {
         "test_eval_tasks_equals_lm_eval_cli": "slow",
     },

@@ -1,8 +1,10 @@
 """remodel_report.json: what was done, inputs, figures."""
 import json
 import math
+import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,8 +15,24 @@ def write_report(out_dir, report: dict) -> Path:
     report = {"remodel_report": 1, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "cpu_threads": torch.get_num_threads()}, **report}
-    p = Path(out_dir) / "remodel_report.json"
-    p.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return write_json(Path(out_dir) / "remodel_report.json", report)
+
+
+def write_json(path, obj) -> Path:
+    """`obj` as JSON at `path`, atomically: a temporary file beside it, renamed over it (a reader, or a run
+    killed meanwhile, sees the old file or the whole new one, never part of one)."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(obj, indent=2, default=str) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return p
 
 

@@ -25,7 +25,13 @@ def upcycle_summary(r: dict) -> str:
             f"written to {r['output']}")
 
 
-SUMMARIES = {"prune": prune_summary, "upcycle": upcycle_summary}
+def run_summary(r: dict) -> str:
+    ran = sum(s["status"] == "ran" for s in r["steps"])
+    return (f"run: {len(r['steps'])} steps ({ran} ran, {len(r['steps']) - ran} skipped) in {r['seconds']:.1f} s; "
+            f"outputs in {r['workdir']}, report {r['workdir']}/recipe_report.json")
+
+
+SUMMARIES = {"prune": prune_summary, "upcycle": upcycle_summary, "run": run_summary}
 
 
 def summary(r) -> str | None:
