@@ -13,6 +13,8 @@ A *keep* dict holds the units kept on the primary axes, as sorted LongTensors of
   layers.{i}.expert_ffn       [E' or E, Fm'] per kept expert (rows in kept-expert order) its own neurons
   layers.{i}.shared_ffn       [S']          'E' layers with a shared expert
   layers.{i}.latent           [Lt']         'E' layers of a LatentMoE (fc1/fc2_latent_proj and the experts)
+  layers.{i}.sc_inner         [H']          'C' layers: the short conv's channels, as many as `hidden` keeps
+                                            (a kind's hidden_units: its keep picks them by its own score)
   layers                      [L']          kept layers (depth pruning)
   mtp.layers.{j}.<axis>                     the MTP blocks' own units, keyed like the trunk's (never dropped)
 

@@ -11,6 +11,7 @@ from .mamba import MAMBA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
+from .short_conv import SHORT_CONV
 from .spec import WIDTHS, LayerKind, widths
 
 
@@ -22,7 +23,7 @@ def post_norm(k: LayerKind, char: str) -> LayerKind:
                                section=k.name, upcycles_to=None)
 
 
-KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET,
+KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV,
                                                    post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 
@@ -41,7 +42,8 @@ def _in_kind_order() -> None:
 
 _in_kind_order()
 PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
-UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden")  # per-layer keep-dict axes
+UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden") + tuple(
+    a for k in KINDS.values() for a in k.hidden_units)  # per-layer keep-dict axes (hidden_units: kept at hidden's count)
 
 
 def kind(c: str) -> LayerKind:

@@ -129,6 +129,7 @@ class LayerKind:
     declares: tuple = ()  # the Widths this kind owns (their layer is filled in by models/kinds.py)
     tp_axes: tuple = ()
     fixed: tuple = ()  # its axes pruning never cuts (a conv kernel, SSM B/C groups)
+    hidden_units: tuple = ()  # its keep-dict axes sized as hidden_size: hidden pruning keeps as many (its keep picks)
     inputs: tuple = ()
     routed: bool = False
     upcycles_to: str | None = None  # the kind (pattern character) its layers become when upcycled to MoE

@@ -43,6 +43,8 @@ def test_kind_counts_and_prunes_by_its_spec(kind_config):
     kind = next(k for k in KINDS.values() if k.name == name)
     targets = {w.name: w.of(cfg) // 2 for w in WIDTHS.values()
                if w.name in kind.widths and w.unit in kind.units and w.of(cfg)}
+    if kind.hidden_units:  # its units kept at hidden's count (the short conv's channels): pruned with hidden_size
+        targets["hidden_size"] = cfg.hidden_size // 2
     if "mamba_heads" in targets:
         targets["mamba_heads"] = cfg.mamba.n_groups * (cfg.mamba.mamba_num_heads // cfg.mamba.n_groups // 2)
     if "attn_heads" in targets:

@@ -1,4 +1,4 @@
-"""The released Granite 4.0-H, Bamba and Falcon-H1 configs (models/configs, provenance in its README): our
+"""The released Granite 4.0-H, Bamba, Falcon-H1 and LFM2 configs (models/configs, provenance in its README): our
 counts equal transformers' own models built from each file and the model cards' published sizes at the
 cards' rounding, and `plan` over them (Granite 4.0-H-Small 32B -> 20B, Falcon-H1-34B -> 24B, Bamba-9B -> 7B)
 returns candidates whose exported configs transformers counts exactly as plan does."""
@@ -17,7 +17,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 # name -> (total as the card rounds it: (value, digits of 1e9)), active per token likewise or None)
 CARDS = {"bamba-9b": ((9.78, 2), None), "falcon-h1-0.5b": ((0.5, 1), None), "falcon-h1-7b": ((7.59, 2), None),
          "falcon-h1-34b": ((34, 0), None), "granite-4.0-h-micro": ((3, 0), None),
-         "granite-4.0-h-tiny": ((7, 0), (1, 0)), "granite-4.0-h-small": ((32, 0), (9, 0))}
+         "granite-4.0-h-tiny": ((7, 0), (1, 0)), "granite-4.0-h-small": ((32, 0), (9, 0)),
+         "lfm2-350m": ((0.354, 3), None), "lfm2-1.2b": ((1.17, 2), None)}
 
 
 def load(name) -> dict:
