@@ -1,7 +1,8 @@
-"""GLM-4.5-shaped MoE (transformers' `glm4_moe`) by the CLI alone (issue 56 acceptance for the family): a
-tiny model built and saved by transformers' own class (a dense first layer, DeepSeek routing over 2 expert
-groups with a correction bias and routed scaling, 2 shared experts, partial RoPE, q/k norm and q/k/v bias)
-goes through inspect, score, prune on every width at once and by decoder layer, and eval (its loss equal to
+"""The sigmoid-routed MoE families by the CLI alone (issue 56 acceptance for each family): tiny models built
+and saved by transformers' own classes -- glm4_moe (GLM-4.5: a dense first layer, DeepSeek routing over 2 expert
+groups with a correction bias and routed scaling, 2 shared experts, partial RoPE, q/k norm and q/k/v bias) and
+minimax_m2 (q/k norms over all heads, which shrink with head pruning; renormalised sigmoid top-k with a
+correction bias; the legacy rotary_dim) -- go through inspect, score, prune on every width at once and by decoder layer, and eval (its loss equal to
 transformers': test_families.test_eval_loss); transformers reloads each pruned checkpoint with the logits of the same pruning done in memory. An
 expert target that would leave the groups unequal is refused in one line. (The family suite: test_families.)"""
 import json
@@ -19,15 +20,31 @@ from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import hf_pair, prune_axes
 
 FAMILY, CASE = "glm4_moe", "grouped"
+# family -> (tiny case, targets beside prune_axes' (glm4_moe: 2 x 8 keeps n_shared_experts whole), its config.json
+# fields that must follow the targets)
+CLI_CASES = {"glm4_moe": ("grouped", {"expert_ffn_size": 8, "shared_expert_size": 16},
+                          lambda hf, t: (hf["n_routed_experts"], hf["n_group"], hf["n_shared_experts"] * hf["moe_intermediate_size"])
+                          == (t["experts"], 2, t["shared_expert_size"])),
+             "minimax_m2": ("plain", {}, lambda hf, t: (hf["num_local_experts"], hf["intermediate_size"], hf["num_attention_heads"])
+                            == (t["experts"], t["expert_ffn_size"], t["attn_heads"]))}
+
+
+def _pair(family, case, tmp_path_factory):
+    tiny = dict(FAMILIES[family].tiny[case], vocab_size=2048)  # the embedded tokenizer's vocabulary
+    hf, ours, d = hf_pair(family, tmp_path_factory.mktemp(family), "model", 5, **tiny)
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    return hf, ours, d
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tiny = dict(FAMILIES[FAMILY].tiny[CASE], vocab_size=2048)  # the embedded tokenizer's vocabulary
-    hf, ours, d = hf_pair(FAMILY, tmp_path_factory.mktemp(FAMILY), "model", 5, **tiny)
-    for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, d / f.name)
-    return hf, ours, d
+    return _pair(FAMILY, CASE, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=list(CLI_CASES))
+def cli_pair(request, tmp_path_factory):
+    return request.param, _pair(request.param, CLI_CASES[request.param][0], tmp_path_factory)
 
 
 def _flags(targets):
@@ -44,27 +61,27 @@ def _reloaded_equals_in_memory(out, model):
     assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
 
 
-def test_cli_inspect_score_prune_every_width_and_depth(pair, tmp_path, capsys):
-    _, ours, d = pair
+def test_cli_inspect_score_prune_every_width_and_depth(cli_pair, tmp_path, capsys):
+    family, (_, ours, d) = cli_pair
+    _, extra_targets, follows = CLI_CASES[family]
     data = str(embedded_corpus()[1])
     assert cli.main(["inspect", str(d)]) == 0
     assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
     assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
                      "--seq-len", "32"]) == 0
     scores, _ = load_scores(tmp_path / "s")
-    targets = {**prune_axes(ours.cfg), "expert_ffn_size": 8, "shared_expert_size": 16}  # 2 x 8: n_shared_experts 2
-    assert {"experts", "expert_ffn_size", "shared_expert_size", "attn_heads", "hidden_size", "ffn_size"} <= set(targets)
+    targets = {**prune_axes(ours.cfg), **extra_targets}
+    assert {"experts", "expert_ffn_size", "attn_heads", "hidden_size"} <= set(targets)
     out = tmp_path / "widths"
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *_flags(targets)]) == 0
     hf = json.loads((out / "config.json").read_text())
-    assert hf["model_type"] == FAMILY and hf["n_routed_experts"] == targets["experts"] and hf["n_group"] == 2
-    assert hf["n_shared_experts"] * hf["moe_intermediate_size"] == targets["shared_expert_size"]
+    assert hf["model_type"] == family and hf["hidden_size"] == targets["hidden_size"] and follows(hf, targets)
     _reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
     assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
-    out = tmp_path / "depth"  # decoder layer 1 (attention + its MoE) dropped whole: the dense layer stays first
+    out = tmp_path / "depth"  # decoder layer 1 (attention + its MoE) dropped whole (glm4_moe: the dense layer stays)
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "1"]) == 0
     hf = json.loads((out / "config.json").read_text())
-    assert (hf["num_hidden_layers"], hf["first_k_dense_replace"]) == (2, 1)
+    assert hf["num_hidden_layers"] == ours.cfg.num_layers // 2 - 1 and hf.get("first_k_dense_replace", 1) == 1
 
 
 def test_expert_groups_stay_equal_or_the_target_is_refused(pair):
