@@ -472,6 +472,34 @@ def hf_pair(model_type, root, name, seed, **hf_config):
     return _HF_BUILT[key]
 
 
+def cli_pair(family, case, root):
+    """(transformers model, ours, checkpoint dir) of a family's tiny case at the embedded tokenizer's vocabulary,
+    the tokenizer copied beside it: a checkpoint the CLI reads as a user's (score, prune, eval)."""
+    import shutil
+
+    from remodel.pipelines.data.data import embedded_tokenizer_path
+    hf, ours, d = hf_pair(family, root, "model", 5, **dict(FAMILIES[family].tiny[case], vocab_size=2048))
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    return hf, ours, d
+
+
+def cli_flags(targets: dict) -> list:
+    """prune's width flags of {width: target}."""
+    return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def reloaded_equals_in_memory(out, model):
+    """transformers' model from `out` and ours from `out` give the in-memory pruned model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from remodel.models.load import load_model
+    x = torch.randint(0, model.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want, ours = AutoModelForCausalLM.from_pretrained(out).float().eval()(x).logits, model(x), load_model(out)(x)
+    assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
+
+
 def _smaller(cfg, name: str) -> int:
     """A smaller value of width `name` that prune accepts for the model's family (its divisibility rules, and
     the family's own: a Mamba width that is a multiple of hidden), a quarter less or the nearest below it."""

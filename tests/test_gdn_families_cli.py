@@ -6,18 +6,15 @@ expert sizes, hidden) and by decoder layer, and eval; transformers reloads each 
 logits of the same pruning done in memory. (Qwen3.5 dense: tests/test_gated_deltanet.py; convert, export
 and upcycling of every family: tests/test_families.py.)"""
 import json
-import shutil
 
 import pytest
-import torch
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.compress.scores import load_scores
 from remodel.models.families import FAMILIES
-from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
-from tests.conftest import hf_pair
-from tests.conftest import prune_axes
+from remodel.pipelines.data.data import embedded_corpus
+from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
 
 CASES = {"qwen3_5_moe_text": "grouped_biased_tied", "qwen3_next": "grouped_dense_layer"}
 
@@ -25,26 +22,8 @@ CASES = {"qwen3_5_moe_text": "grouped_biased_tied", "qwen3_next": "grouped_dense
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     family = request.param
-    tiny = dict(FAMILIES[family].tiny[CASES[family]], vocab_size=2048)  # the embedded tokenizer's vocabulary
-    hf, ours, d = hf_pair(family, tmp_path_factory.mktemp(family), "model", 5, **tiny)
-    for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, d / f.name)
+    _, ours, d = cli_pair(family, CASES[family], tmp_path_factory.mktemp(family))
     return family, ours, d
-
-
-def _flags(targets):
-    return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
-
-
-def _reloaded_equals_in_memory(out, model):
-    """transformers' model from `out` and ours from `out` give the in-memory pruned model's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from remodel.models.load import load_model
-    x = torch.randint(0, model.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        got, want, ours = AutoModelForCausalLM.from_pretrained(out).float().eval()(x).logits, model(x), load_model(out)(x)
-    assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
 
 
 def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, capsys):
@@ -59,11 +38,11 @@ def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, caps
     assert {"experts", "expert_ffn_size", "shared_expert_size", "attn_heads", "hidden_size", "linear_key_heads",
             "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim"} <= set(targets)
     out = tmp_path / "widths"
-    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *_flags(targets)]) == 0
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *cli_flags(targets)]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert hf["model_type"] == family and hf["num_experts"] == targets["experts"]
     assert (hf["linear_num_value_heads"], hf["hidden_size"]) == (targets["linear_value_heads"], targets["hidden_size"])
-    _reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
+    reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
     assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
     # depth by decoder layer: HF layer 2 (its mixer with its MoE / MLP) dropped whole
     out = tmp_path / "depth"

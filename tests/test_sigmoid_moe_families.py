@@ -6,18 +6,15 @@ correction bias; the legacy rotary_dim) -- go through inspect, score, prune on e
 transformers': test_families.test_eval_loss); transformers reloads each pruned checkpoint with the logits of the same pruning done in memory. An
 expert target that would leave the groups unequal is refused in one line. (The family suite: test_families.)"""
 import json
-import shutil
 
 import pytest
-import torch
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model, validate_targets
 from remodel.compress.scores import load_scores
 from remodel.models.errors import RemodelError
-from remodel.models.families import FAMILIES
-from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
-from tests.conftest import hf_pair, prune_axes
+from remodel.pipelines.data.data import embedded_corpus
+from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
 
 FAMILY, CASE = "glm4_moe", "grouped"
 # family -> (tiny case, targets beside prune_axes' (glm4_moe: 2 x 8 keeps n_shared_experts whole), its config.json
@@ -29,40 +26,18 @@ CLI_CASES = {"glm4_moe": ("grouped", {"expert_ffn_size": 8, "shared_expert_size"
                             == (t["experts"], t["expert_ffn_size"], t["attn_heads"]))}
 
 
-def _pair(family, case, tmp_path_factory):
-    tiny = dict(FAMILIES[family].tiny[case], vocab_size=2048)  # the embedded tokenizer's vocabulary
-    hf, ours, d = hf_pair(family, tmp_path_factory.mktemp(family), "model", 5, **tiny)
-    for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, d / f.name)
-    return hf, ours, d
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return _pair(FAMILY, CASE, tmp_path_factory)
+    return cli_pair(FAMILY, CASE, tmp_path_factory.mktemp(FAMILY))
 
 
 @pytest.fixture(scope="module", params=list(CLI_CASES))
-def cli_pair(request, tmp_path_factory):
-    return request.param, _pair(request.param, CLI_CASES[request.param][0], tmp_path_factory)
+def cli_case(request, tmp_path_factory):
+    return request.param, cli_pair(request.param, CLI_CASES[request.param][0], tmp_path_factory.mktemp(request.param))
 
 
-def _flags(targets):
-    return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]
-
-
-def _reloaded_equals_in_memory(out, model):
-    from transformers import AutoModelForCausalLM
-
-    from remodel.models.load import load_model
-    x = torch.randint(0, model.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        got, want, ours = AutoModelForCausalLM.from_pretrained(out).float().eval()(x).logits, model(x), load_model(out)(x)
-    assert (got - want).abs().max().item() <= 1e-4 and (ours - want).abs().max().item() <= 1e-5
-
-
-def test_cli_inspect_score_prune_every_width_and_depth(cli_pair, tmp_path, capsys):
-    family, (_, ours, d) = cli_pair
+def test_cli_inspect_score_prune_every_width_and_depth(cli_case, tmp_path, capsys):
+    family, (_, ours, d) = cli_case
     _, extra_targets, follows = CLI_CASES[family]
     data = str(embedded_corpus()[1])
     assert cli.main(["inspect", str(d)]) == 0
@@ -73,10 +48,10 @@ def test_cli_inspect_score_prune_every_width_and_depth(cli_pair, tmp_path, capsy
     targets = {**prune_axes(ours.cfg), **extra_targets}
     assert {"experts", "expert_ffn_size", "attn_heads", "hidden_size"} <= set(targets)
     out = tmp_path / "widths"
-    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *_flags(targets)]) == 0
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *cli_flags(targets)]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert hf["model_type"] == family and hf["hidden_size"] == targets["hidden_size"] and follows(hf, targets)
-    _reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
+    reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
     assert cli.main(["eval", str(out), "--data", data, "--seq-len", "32", "--max-tokens", "2048"]) == 0
     out = tmp_path / "depth"  # decoder layer 1 (attention + its MoE) dropped whole (glm4_moe: the dense layer stays)
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "1"]) == 0
@@ -112,6 +87,6 @@ def test_search_grid_keeps_the_shared_experts_whole(pair):
     space = build_space(cfg, axes=("shared_expert_size", "expert_ffn_size"), family=FAMILY, max_width_cut=0.9)
     rows, _ = search(space, {"params": count_params(cfg)["total"]}, tol=0.5, window_only=False)
     assert rows and all(r["widths"]["shared_expert_size"] % r["widths"]["expert_ffn_size"] == 0 for r in rows)
-    assert {r["widths"]["expert_ffn_size"] for r in rows} == {8, 12}
+    assert {r["widths"]["expert_ffn_size"] for r in rows} == {8, 16}
     for r in rows:
         config_to_hf(candidate_config(cfg, r, FAMILY), FAMILY)

@@ -110,6 +110,23 @@ def read_rope(h, family: str, types=("default",), partial: bool = False) -> tupl
     return theta, dict(rp), rotary
 
 
+def gqa_attention(h, family: str, **variant) -> dict:
+    """The attention section of a Llama-shaped HF config `h`: heads, KV heads, head_dim (else hidden / heads),
+    RoPE on part of each head or all of it (read_rope), and the family's `variant` fields."""
+    theta, rp, rotary = read_rope(h, family, types=ROPE_TYPES, partial=True)
+    return dict(num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
+                head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, rope_theta=theta,
+                rope_scaling=None if rp.get("rope_type", "default") == "default" else rp, partial_rotary_factor=rotary,
+                **variant)
+
+
+def gqa_to_hf(a) -> dict:
+    """config.json's attention fields of the attention section `a` (the inverse of gqa_attention)."""
+    rope = {"rope_theta": a.rope_theta, "rope_type": "default"} if a.rope_scaling is None else dict(a.rope_scaling)
+    return dict(num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
+                head_dim=a.head_dim, rope_parameters={**rope, "partial_rotary_factor": a.partial_rotary_factor})
+
+
 def time_step_limit(h) -> tuple[float, float]:
     """(lower, upper) clamp of Mamba's dt from a HF config; None means no clamp (softplus(.) >= 0 already)."""
     from remodel.models.errors import RemodelError

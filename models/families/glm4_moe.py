@@ -14,7 +14,7 @@ from remodel.models.config import MAX_LAYERS, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed
 
-from .family import ROPE_TYPES, Family, read_rope
+from .family import Family, gqa_attention, gqa_to_hf
 from .llama import QWEN3_ATTN, TINY, LlamaFamily, key_map
 from .width_rules import SHARED_FROM_EXPERT
 
@@ -43,16 +43,11 @@ class Glm4Moe(LlamaFamily):
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for glm4_moe (only silu)")
         if not h.n_shared_experts:
             raise RemodelError("glm4_moe with n_shared_experts=0 is not supported (every GLM MoE has shared experts)")
-        theta, rp, rotary = read_rope(h, self.name, types=ROPE_TYPES, partial=True)
         L = h.num_hidden_layers
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, pattern=_pattern(L, min(h.first_k_dense_replace, L)),
             norm_eps=h.rms_norm_eps, tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra,
-            attention=dict(num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-                           head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
-                           rope_theta=theta, rope_scaling=None if rp.get("rope_type", "default") == "default" else rp,
-                           partial_rotary_factor=rotary, attention_bias=bool(h.attention_bias),
-                           qk_norm=bool(h.use_qk_norm)),
+            attention=gqa_attention(h, self.name, attention_bias=bool(h.attention_bias), qk_norm=bool(h.use_qk_norm)),
             mlp=dict(intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True),
             moe=dict(n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
                      moe_intermediate_size=h.moe_intermediate_size,
@@ -85,12 +80,9 @@ class Glm4Moe(LlamaFamily):
 
     def to_hf(self, cfg):
         a, m = cfg.attention, cfg.moe
-        rope = ({"rope_theta": a.rope_theta, "rope_type": "default"} if a.rope_scaling is None else dict(a.rope_scaling))
         shared = m.moe_shared_expert_intermediate_size or m.moe_intermediate_size
         return dict(num_hidden_layers=cfg.num_layers // 2, first_k_dense_replace=self.dense_layers(cfg),
-                    rms_norm_eps=cfg.norm_eps, num_attention_heads=a.num_attention_heads,
-                    num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, hidden_act="silu",
-                    rope_parameters={**rope, "partial_rotary_factor": a.partial_rotary_factor},
+                    rms_norm_eps=cfg.norm_eps, hidden_act="silu", **gqa_to_hf(a),
                     attention_bias=a.attention_bias, use_qk_norm=a.qk_norm,
                     intermediate_size=cfg.mlp.intermediate_size or 1,
                     n_routed_experts=m.n_routed_experts or 1, num_experts_per_tok=m.num_experts_per_tok,
@@ -120,7 +112,7 @@ class Glm4Moe(LlamaFamily):
         return None
 
 
-_TINY = {**{k: v for k, v in TINY.items() if k != "num_hidden_layers"}, "moe_intermediate_size": 12,
+_TINY = {**{k: v for k, v in TINY.items() if k != "num_hidden_layers"}, "moe_intermediate_size": 16,
          "n_routed_experts": 8, "num_experts_per_tok": 2}
 GLM4_MOE = Glm4Moe("glm4_moe", "Glm4MoeForCausalLM", padding_idx=True, width_rules=(SHARED_FROM_EXPERT,),
                    raw={"first_k_dense_replace": (0, MAX_LAYERS), "n_shared_experts": (0, 1024)},

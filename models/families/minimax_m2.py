@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 
-from .family import ROPE_TYPES, Family, read_rope
+from .family import Family, gqa_attention, gqa_to_hf
 from .llama import SPARSE, TINY, LlamaFamily, key_map
 
 _ATTN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")
@@ -34,14 +34,10 @@ class MiniMaxM2(LlamaFamily):
     def from_hf(self, h, extra):
         if getattr(h, "hidden_act", "silu") != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for minimax_m2 (only silu)")
-        theta, rp, rotary = read_rope(h, self.name, types=ROPE_TYPES, partial=True)
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, pattern=SPARSE * h.num_hidden_layers,
             norm_eps=h.rms_norm_eps, tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra,
-            attention=dict(num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-                           head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
-                           rope_theta=theta, rope_scaling=None if rp.get("rope_type", "default") == "default" else rp,
-                           partial_rotary_factor=rotary, qk_norm_full=True),
+            attention=gqa_attention(h, self.name, qk_norm_full=True),
             mlp=dict(mlp_act="silu", mlp_gated=True),
             moe=dict(n_routed_experts=h.num_local_experts, num_experts_per_tok=h.num_experts_per_tok,
                      moe_intermediate_size=h.intermediate_size, router="sigmoid", norm_topk_prob=True))
@@ -62,11 +58,7 @@ class MiniMaxM2(LlamaFamily):
 
     def to_hf(self, cfg):
         a, m = cfg.attention, cfg.moe
-        rope = ({"rope_theta": a.rope_theta, "rope_type": "default"} if a.rope_scaling is None else dict(a.rope_scaling))
-        return dict(num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps,
-                    num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-                    head_dim=a.head_dim, hidden_act="silu",
-                    rope_parameters={**rope, "partial_rotary_factor": a.partial_rotary_factor},
+        return dict(num_hidden_layers=cfg.num_layers // 2, rms_norm_eps=cfg.norm_eps, hidden_act="silu", **gqa_to_hf(a),
                     rotary_dim=round(a.head_dim * a.partial_rotary_factor),  # the released configs' spelling
                     num_local_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
                     intermediate_size=m.moe_intermediate_size)
