@@ -13,7 +13,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.kinds import used
 from remodel.models.short_conv import SHORT_CONV
 
-from .family import Family, read_rope
+from .family import Family, gqa_attention
 
 BLOCK_TYPES = {"conv": "C", "full_attention": "*"}  # HF layer type -> our mixer layer
 _MLP = "-"
@@ -43,14 +43,12 @@ class Lfm2(Family):
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
         if unknown:
             raise RemodelError(f"'layer_types' has unknown types {unknown} (known: {', '.join(BLOCK_TYPES)})")
-        theta, _, _ = read_rope(h, self.name)
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.norm_eps,
             pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
-            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-            head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
-            rope_theta=theta, qk_norm=True, intermediate_size=ffn_size(h), mlp_act="silu", mlp_gated=True,
+            attention=gqa_attention(h, self.name, partial=False, qk_norm=True),
+            intermediate_size=ffn_size(h), mlp_act="silu", mlp_gated=True,
             short_conv_kernel=h.conv_L_cache, short_conv_bias=bool(h.conv_bias), extra=extra)
 
     def check(self, cfg, need):
