@@ -41,6 +41,8 @@ class MoEConfig(Section):
     n_group: int = ints(1, 1, MAX_SMALL, raw={"n_group": 1})
     topk_group: int = ints(1, 1, MAX_SMALL, raw={"topk_group": 1})
     shared_expert_gate: bool = plain(False)
+    topk_norm_eps: float = reals(1e-20, gt=0, lt=1, variant="topk_norm_eps",
+                                 doc="added to the sigmoid top-k weights' sum before renormalising (LFM2-MoE: 1e-6)")
 
 
 def router_probs(logits: torch.Tensor, router: str) -> torch.Tensor:
@@ -89,7 +91,7 @@ class Router(nn.Module):
             idx = choice.topk(k, dim=-1, sorted=False)[1]
             w = scores.gather(1, idx)
             if cfg.moe.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                w = w / (w.sum(-1, keepdim=True) + cfg.moe.topk_norm_eps)
         else:
             probs = logits.softmax(-1)
             w, idx = probs.topk(k, dim=-1)

@@ -8,11 +8,13 @@ expert target that would leave the groups unequal is refused in one line. (The f
 import json
 
 import pytest
+import torch
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model, validate_targets
 from remodel.compress.scores import load_scores
 from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
 
@@ -90,3 +92,22 @@ def test_search_grid_keeps_the_shared_experts_whole(pair):
     assert {r["widths"]["expert_ffn_size"] for r in rows} == {8, 16}
     for r in rows:
         config_to_hf(candidate_config(cfg, r, FAMILY), FAMILY)
+
+
+def test_lfm2_moe_router_weights_equal_transformers(tmp_path):
+    """LFM2-MoE renormalises its top-k sigmoid weights over (sum + 1e-6): ours (the MoE kind's topk_norm_eps, set by
+    the family) gives transformers' weights to 1e-7 on a router with a nonzero expert bias (with the kind's default
+    1e-20 they differ by ~1e-6 of their size)."""
+    from tests.conftest import hf_pair
+    hf, ours, _ = hf_pair("lfm2_moe", tmp_path, "m", 3, **FAMILIES["lfm2_moe"].tiny["plain"])
+    j = next(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.feed_forward, "gate"))
+    block, gate = hf.model.layers[j].feed_forward, ours.layers[2 * j + 1].mixer.gate
+    with torch.no_grad():
+        block.expert_bias.copy_(torch.linspace(-0.3, 0.3, block.expert_bias.numel()))
+        gate.e_score_correction_bias.copy_(block.expert_bias)
+        x = torch.randn(64, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        _, w_ref, i_ref = block.gate(x, block.expert_bias)
+        _, w, i = gate(x)
+    order, order_ref = i.sort(-1), i_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    assert (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max().item() <= 1e-7

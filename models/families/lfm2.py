@@ -39,7 +39,8 @@ class Lfm2(Family):
         need = [("num_hidden_layers",), ("intermediate_size", "block_ff_dim")]
         return need + ([("num_attention_heads",)] if "full_attention" in h.layer_types else [])
 
-    def from_hf(self, h, extra):
+    def from_hf(self, h, extra, ffn: int | None = None):
+        """ffn: the dense MLPs' size when the config states it exactly (LFM2-MoE), else ffn_size(h)."""
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
         if unknown:
             raise RemodelError(f"'layer_types' has unknown types {unknown} (known: {', '.join(BLOCK_TYPES)})")
@@ -48,13 +49,13 @@ class Lfm2(Family):
             pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
             attention=gqa_attention(h, self.name, partial=False, qk_norm=True),
-            intermediate_size=ffn_size(h), mlp_act="silu", mlp_gated=True,
+            intermediate_size=ffn_size(h) if ffn is None else ffn, mlp_act="silu", mlp_gated=True,
             short_conv_kernel=h.conv_L_cache, short_conv_bias=bool(h.conv_bias), extra=extra)
 
     def check(self, cfg, need):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
         mixers, mlps = cfg.pattern[0::2], cfg.pattern[1::2]
-        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) == {_MLP},
+        need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(mlps) <= set(self.ffn_layers(cfg)),
              f"needs the layer pattern of (short conv 'C' or attention '*') + MLP '-' pairs, got {cfg.pattern!r}")
         need(cfg.norm_offset == 0, f"{self.name}'s RMSNorms scale by w (norm_offset 0)")
         need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
@@ -90,6 +91,10 @@ class Lfm2(Family):
                     for ours, hf in _FFN.items()})
         out.update({"norm_f.weight": "model.embedding_norm.weight", "lm_head.weight": "lm_head.weight"})
         return out
+
+    def ffn_layers(self, cfg) -> tuple:
+        """The feed-forward layer kinds its decoder layers hold (LFM2: the dense MLP)."""
+        return (_MLP,)
 
     def claims(self, cfg):
         return self.holds(cfg)
