@@ -376,7 +376,7 @@ def test_help_teaches_upcycle_and_convert_progress(work, capsys):
     assert "N = E x G" in " ".join(text.split())
     flat = " ".join(text.split())  # the defaults per source family, from the family registry
     router = next(x.help for x in _subparsers()["upcycle"]._actions if x.dest == "router")
-    assert "default (None): sigmoid-raw for nemotron_h sources (sigmoid with --exact); topk-softmax for the others" \
+    assert "default (None): sigmoid-raw for nemotron_h, lfm2 sources (sigmoid with --exact); topk-softmax for the others" \
         in router  # issue 59: the README's recommended router is the default
     assert "router scoring: topk-softmax and sigmoid renormalise" in flat
     assert "output family; default (None): nemotron_h for nemotron_h sources; qwen3_moe with q/k norm" in flat

@@ -134,13 +134,15 @@ def gated_shared(family: str | None) -> bool:
 
 
 def moe_config(cfg: ModelConfig, p: Plan, family: str) -> ModelConfig:
-    """The upcycled config: every dense MLP layer becomes MoE; routed scale kept at 1 (exactness), no bias groups."""
+    """The upcycled config: every dense MLP layer becomes MoE; routed scale kept at 1 (exactness), no bias groups;
+    then the target family's own MoE numerics (Family.upcycled)."""
     kind, norm = ROUTER_MODES[p.router]
-    return cfg.replace(
+    out = cfg.replace(
         pattern=upcycled_pattern(cfg), n_routed_experts=p.experts, num_experts_per_tok=p.top_k,
         moe_intermediate_size=p.expert_size, moe_shared_expert_intermediate_size=p.shared,
         moe_latent_size=None, router=kind, norm_topk_prob=norm, routed_scaling_factor=1.0,
         n_group=1, topk_group=1, shared_expert_gate=gated_shared(family) and p.shared > 0)
+    return FAMILIES[family].upcycled(out) if family in FAMILIES else out  # the target's own MoE numerics
 
 
 def router_std(router: str, hidden: int) -> float:

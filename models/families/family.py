@@ -241,6 +241,10 @@ class Family:
         raise RemodelError(f"{self.name} has no default upcycling target; --to names one "
                            f"({self.upcycle_help or 'none known'})")
 
+    def upcycled(self, cfg):
+        """An upcycled config with this (target) family's own MoE numerics set (default: as upcycling made it)."""
+        return cfg
+
     def upcycle_check(self, cfg, router: str) -> str | None:
         """Why an upcycled `cfg` with `router` cannot be held exactly by this (MoE) family; None: it can."""
         if router not in self.routers:

@@ -92,6 +92,12 @@ class Lfm2(Family):
         out.update({"norm_f.weight": "model.embedding_norm.weight", "lm_head.weight": "lm_head.weight"})
         return out
 
+    def upcycle_router(self):
+        return "sigmoid"
+
+    def upcycle_into(self, cfg, router, shared):
+        return "lfm2_moe"
+
     def ffn_layers(self, cfg) -> tuple:
         """The feed-forward layer kinds its decoder layers hold (LFM2: the dense MLP)."""
         return (_MLP,)
@@ -103,7 +109,7 @@ class Lfm2(Family):
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, block_auto_adjust_ff_dim=False,
             num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
             layer_types=["conv", "full_attention", "conv", "conv"])
-LFM2 = Lfm2("lfm2", "Lfm2ForCausalLM", depth=2, block_types=BLOCK_TYPES, padding_idx=True,
+LFM2 = Lfm2("lfm2", "Lfm2ForCausalLM", depth=2, block_types=BLOCK_TYPES, padding_idx=True, upcycle_help="lfm2_moe",
             # tied, no bias (LFM2's release); then attention first, every conv bias, untied, a longer kernel
             tiny={"plain": TINY,
                   "biased_untied": dict(TINY, conv_bias=True, tie_word_embeddings=False, conv_L_cache=4,

@@ -21,7 +21,7 @@ NORM_EPS = 1e-6  # Lfm2MoeTopKRouter: weights / (sum + 1e-6)
 @dataclass(frozen=True)
 class Lfm2Moe(Lfm2):
     moe: bool = True
-    routers: tuple = ("sigmoid",)
+    routers: tuple = ("sigmoid", "sigmoid-raw")
     variants: tuple = ("topk_norm_eps",)
     upcycle_help: str = "none (already MoE)"
 
@@ -71,6 +71,12 @@ class Lfm2Moe(Lfm2):
 
     def upcycle_into(self, cfg, router, shared):
         return Family.upcycle_into(self, cfg, router, shared)  # already MoE: --to names a target
+
+    def upcycle_router(self):
+        return Family.upcycle_router(self)  # (as a source: already MoE)
+
+    def upcycled(self, cfg):
+        return cfg.replace(**{"moe.topk_norm_eps": NORM_EPS})
 
 
 _TINY = {**LFM2.tiny["plain"], "moe_intermediate_size": 16, "num_experts": 6, "num_experts_per_tok": 2}
