@@ -9,11 +9,17 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# under pytest-xdist (`-n 2`, the README's command) each worker is one torch thread: two workers of two
+# threads each on the 2-core machine wait on each other's OpenMP barriers; the processes tests start inherit it
+XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
-# token sets cached by training runs go to a fresh folder per test session, not ~/.cache
-if "REMODEL_CACHE" not in os.environ:
+# token sets cached by training runs go to a fresh folder per test session (per xdist worker), not ~/.cache
+if "REMODEL_CACHE" not in os.environ or (XDIST and os.environ.get("REMODEL_TEST_CACHE_PID", str(os.getpid())) != str(os.getpid())):
     import tempfile
     os.environ["REMODEL_CACHE"] = tempfile.mkdtemp(prefix="remodel-test-cache-")
+    os.environ["REMODEL_TEST_CACHE_PID"] = str(os.getpid())
 
 # ---- shared tiny models (issue 26: one builder per layer kind and per family, no test module imports another)
 import torch  # noqa: E402
@@ -23,6 +29,9 @@ from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.families import FAMILIES  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
+
+if XDIST:
+    torch.set_num_threads(1)
 
 _BASE = dict(vocab_size=96, hidden_size=24, norm_eps=1e-5)
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=6)
@@ -262,7 +271,8 @@ def recompute_step(model, ids, am):
 
 
 # ---- markers ---------------------------------------------------------------------------------------
-# `python -m pytest -q tests` runs everything (CI); `python -m pytest -q -m "not slow" tests` is the
+# README's command runs everything (CI: the rest on two xdist workers, then the serial tests below, alone);
+# `python -m pytest -q tests` runs the same tests in one process; `python -m pytest -q -m "not slow" tests` is the
 # edit-test loop. The markers (registered in pyproject.toml) are given here, not in the test files:
 #   multiprocess  torchrun / several processes (process groups, killed ranks)
 #   timing        asserts a speed ratio
@@ -408,6 +418,22 @@ MARKS = {
 }
 
 KINDS = ("multiprocess", "timing", "quality")  # each of these implies slow
+# serial: never beside another test. The README's command runs the rest on two pytest-xdist workers, then these
+# alone (`-n 2 --dist loadfile -m "not serial" ... && -m serial`): every multiprocess and timing test, the tests
+# that assert a peak RSS (below), and a test sharing a module fixture of its file with one of these.
+# (xdist's `--dist loadgroup` would do it in one pass, but pytest-xdist 3.8 cannot group under pytest 9:
+# it renames item._nodeid, which pytest 9 no longer reads.)
+SERIAL_KINDS = ("multiprocess", "timing")
+PEAK_RSS = {
+    "test_checkpoint.py": {"test_copy_memory_is_bounded"},
+    "test_convert_cli.py": {"test_conversion_memory_bounded"},
+    "test_fused_loss.py": {"test_peak_memory_far_below_logits"},
+    "test_prune.py": {"test_pruning_memory_is_bounded"},
+    "test_score.py": {"test_streaming_memory_stays_under_cap"},
+    "test_sharded_memory.py": {"test_each_rank_peaks_well_under_one_process"},
+    "test_tokens.py": {"test_rss_flat_with_10x_corpus"},
+    "test_tokenize_stream.py": {"test_peak_rss_flat_with_10x_corpus"},
+}
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -441,14 +467,36 @@ def pytest_collection_modifyitems(session, config, items):
         names.update(m.name for m in item.iter_markers() if m.name in KINDS)
         if names & set(KINDS):
             names.add("slow")
+        if names & set(SERIAL_KINDS) or getattr(item, "originalname", item.name) in PEAK_RSS.get(item.path.name, ()):
+            names.add("serial")
         for name in sorted(names):
             item.add_marker(name)
+    _serial_with_its_fixtures(items)
     if session.testsfailed or not _whole_folder(config):
         return  # a file that failed to import, or a partial run: unmatched entries prove nothing
     stale = [f"{f}::{t}" for f, tests in MARKS.items() for t in tests if (f, t) not in used]
     if stale:
         raise pytest.UsageError("tests/conftest.py MARKS names tests that were not collected (renamed or "
                                 "removed? update the table): " + ", ".join(stale))
+
+
+def _module_fixtures(item) -> set:
+    """(file, name) of the module-scoped fixtures defined in the item's own test file that it uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = item.getparent(pytest.Module)
+    if info is None or module is None:
+        return set()
+    return {(item.path.name, n) for n, defs in info.name2fixturedefs.items()
+            if defs and defs[-1].scope == "module" and defs[-1].baseid == module.nodeid}
+
+
+def _serial_with_its_fixtures(items):
+    """A test sharing a module fixture of its file with a serial test is serial too: the fixture (a launch)
+    then runs once, in the serial phase."""
+    shared = set().union(*(_module_fixtures(i) for i in items if i.get_closest_marker("serial")))
+    for item in items:
+        if not item.get_closest_marker("serial") and _module_fixtures(item) & shared:
+            item.add_marker("serial")
 
 
 _HF_BUILT = {}
@@ -523,6 +571,14 @@ def prune_axes(cfg) -> dict:
     from remodel.models.kinds import WIDTHS
     names = {"hidden_size"} | {n for k in used(cfg) for n in k.widths}
     return {n: _smaller(cfg, n) for n, w in WIDTHS.items() if w.unit and n in names and w.of(cfg)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _worker_thread_count():
+    """Under pytest-xdist a module that sets its own thread count (test_embedded's 2) leaves its worker at one."""
+    yield
+    if XDIST:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
