@@ -78,7 +78,7 @@ class MiniMaxM2(LlamaFamily):
 
 
 _TINY = {**{k: v for k, v in TINY.items() if k != "intermediate_size"}, "intermediate_size": 16,
-         "num_local_experts": 6, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6}
+         "num_local_experts": 6, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}
 MINIMAX_M2 = MiniMaxM2("minimax_m2", "MiniMaxM2ForCausalLM", padding_idx=True,
                        tiny={"plain": dict(_TINY, rotary_dim=4),
                              "tied_full_rope": dict(_TINY, tie_word_embeddings=True,
