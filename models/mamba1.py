@@ -65,6 +65,16 @@ def selective_scan(x, dt, A, B, C, D):
     return y + x * D.to(cd)
 
 
+class SelectiveScan(nn.Module):
+    """The scan as a submodule whose first input is B | C (the dt / B / C projection is replicated over
+    tensor-parallel ranks, each rank's channels read all of it): its tp_plan entry makes that input enter the
+    parallel region (identity forward, gradient summed over ranks in backward)."""
+
+    def forward(self, bc, x, dt, A, D):
+        B, C = bc.chunk(2, dim=-1)
+        return selective_scan(x, dt, A, B, C, D)
+
+
 class Mamba1Mixer(nn.Module):
     """u [b, l, hidden] -> [b, l, hidden]; attention_mask [b, l] (0: padding). The inner channel count comes from
     the weights (a tensor-parallel rank holds a slice)."""
@@ -83,6 +93,7 @@ class Mamba1Mixer(nn.Module):
                 init_a_log(self.A_log)
         self.D = nn.Parameter(torch.ones(n))
         self.out_proj = nn.Linear(n, H, bias=s.proj_bias)
+        self.ssm = SelectiveScan()
         if s.dt_bc_norm:
             self.dt_layernorm = RMSNorm(s.dt_rank, s.dt_bc_norm_eps)
             self.b_layernorm = RMSNorm(s.d_state, s.dt_bc_norm_eps)
@@ -104,7 +115,7 @@ class Mamba1Mixer(nn.Module):
         if s.dt_bc_norm:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         dt = F.softplus(self.dt_proj(dt).float())
-        y = selective_scan(x, dt, -torch.exp(self.A_log.float()), B, C, self.D) * F.silu(z.float())
+        y = self.ssm(torch.cat([B, C], dim=-1), x, dt, -torch.exp(self.A_log.float()), self.D) * F.silu(z.float())
         return self.out_proj(y.to(u.dtype))
 
 
@@ -193,6 +204,6 @@ MAMBA1 = Mamba1Kind(
     hidden_units=("m1_inner",),
     fixed=("m1_kernel", "m1_dt_rank", "m1_state", "m1_x_proj"),
     tp_axes=("m1_in_proj", "m1_inner"), inputs=("attention_mask",), color="tab:cyan",
-    tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "x_proj": "rowwise", "dt_proj": "colwise", "": "shard",
-             "out_proj": "rowwise"},
+    tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "x_proj": "rowwise", "dt_proj": "colwise",
+             "ssm": "shard_entry", "": "shard", "out_proj": "rowwise"},
     config=Mamba1Config)

@@ -61,7 +61,8 @@ class Jamba(Family):
         need(not cfg.mtp_layers, f"MTP layers are not stored by {self.name}")
         mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
         need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(ffns) <= set(_FFN.values()),
-             f"needs the layer pattern of (Mamba-1 'S' or attention '*') + (MLP '-' or MoE 'E') pairs, got {cfg.pattern!r}")
+             f"needs the layer pattern of (Mamba-1 'S' or attention '*') + (MLP '-' or MoE 'E') pairs, "
+             f"got {cfg.pattern!r}")
         need(period_of([c == "*" for c in mixers]) is not None and period_of([c == "E" for c in ffns]) is not None,
              f"{self.name} places attention and experts every period layers from an offset: {cfg.pattern!r} is not so")
         need(cfg.norm_offset == 0, f"{self.name}'s RMSNorms scale by w (norm_offset 0)")
