@@ -50,6 +50,7 @@ KIND_CONFIGS = {
     "attention_post_norm": ModelConfig(pattern="AA", **_BASE, **_ATTN),
     "mlp_post_norm": ModelConfig(pattern="==", intermediate_size=40, **_BASE),
     "short_conv": ModelConfig(pattern="CC", short_conv_kernel=3, short_conv_bias=True, **_BASE),
+    "mamba1": ModelConfig(pattern="SS", d_state=4, d_conv=4, dt_rank=3, expand=2, proj_bias=True, **_BASE),
 }
 FAMILY_CONFIGS = {
     "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,

@@ -78,7 +78,7 @@ def _outputs(layer):
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
         else:
             outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "-": "down_proj",
-                                       "=": "down_proj", "D": "out_proj", "C": "out_proj"}[c]))
+                                       "=": "down_proj", "D": "out_proj", "C": "out_proj", "S": "out_proj"}[c]))
     return outs
 
 
@@ -164,7 +164,7 @@ def _mask_moe(cfg, m, keep, p):
 
 
 KNOWN = {"hidden", "ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn",
-         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner"}
+         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner", "m1_inner"}
 
 
 @torch.no_grad()
@@ -194,5 +194,8 @@ def masked_reference(model, keep):
                 _mask_gdn(cfg, m, keep, p)
             if c == "C" and p + "sc_inner" in keep:  # a dropped channel of y = C * conv(B * x) writes nothing
                 m.out_proj.weight[:, dropped(keep[p + "sc_inner"], m.out_proj.weight.shape[1])] = 0
-            assert c in "*M-ED=AC", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            if c == "S" and p + "m1_inner" in keep:  # a dropped channel adds nothing to dt / B / C, writes nothing
+                gone = dropped(keep[p + "m1_inner"], m.out_proj.weight.shape[1])
+                m.x_proj.weight[:, gone], m.out_proj.weight[:, gone] = 0, 0
+            assert c in "*M-ED=ACS", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref

@@ -48,3 +48,18 @@ def test_mamba_a_d_dt_as_nemotron_h():
     assert torch.equal(mine.A_log, theirs.A_log) and torch.equal(mine.D, theirs.D)
     for dt in (F.softplus(theirs.dt_bias), F.softplus(mine.dt_bias)):  # dt log-uniform in [0.001, 0.1]
         assert dt.min() >= 0.001 - 1e-6 and dt.max() <= 0.1 + 1e-6
+
+
+@torch.no_grad()
+def test_mamba1_as_jamba():
+    """A = -1..-d_state on every channel, D one, dt_proj's bias zero, the conv and the dt / B / C norms as
+    transformers' Jamba initialises them."""
+    hf, ours = _pair("jamba", hidden_size=64, mamba_expand=4)
+    theirs = next(layer.mamba for layer in hf.model.layers if hasattr(layer, "mamba"))
+    mine = _mixer(ours, "mamba1")
+    assert torch.equal(mine.A_log, theirs.A_log) and torch.equal(mine.D, theirs.D)
+    assert torch.equal(mine.dt_proj.bias, theirs.dt_proj.bias) and not mine.dt_proj.bias.any()
+    for n in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+        assert torch.equal(getattr(mine, n).weight, getattr(theirs, n).weight)
+    a, b = mine.conv1d.weight, theirs.conv1d.weight  # normal(0.02): 1024 draws each
+    assert abs(a.std() / b.std() - 1) < 0.1 and abs(a.mean()) < 0.003

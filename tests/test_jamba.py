@@ -1,0 +1,46 @@
+"""The Mamba-1 kind ('S', models/mamba1.py) and the jamba family beyond the family suite: the Mamba-1 and Mamba-2
+sections each declare their own SSM state size, read through their own section; Jamba with projection biases
+(left padding reaches real tokens in transformers too: compared with transformers, not with the unpadded run);
+attention and expert placements transformers' periods cannot express are refused."""
+import pytest
+import torch
+
+from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES
+from remodel.models.families.jamba import period_of
+from remodel.models.hf import check_exportable
+from remodel.models.mamba import MambaConfig
+from remodel.models.mamba1 import Mamba1Config
+from tests.conftest import assert_left_padding, hf_pair
+
+TINY = FAMILIES["jamba"].tiny["plain"]
+
+
+def test_mamba1_and_mamba2_each_declare_their_state_size():
+    assert "d_state" in Mamba1Config.names() and "ssm_state_size" in MambaConfig.names()
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="SM", d_state=3, ssm_state_size=5, mamba_num_heads=2,
+                      mamba_head_dim=8, dt_rank=2)
+    assert cfg.mamba1.d_state == 3 and cfg.mamba.ssm_state_size == 5
+    assert cfg.replace(**{"mamba1.d_state": 7}).mamba.ssm_state_size == 5
+    model_s = cfg.replace(pattern="S")
+    from remodel.models.model import HybridLM
+    assert HybridLM(model_s).layers[0].mixer.A_log.shape == (32, 3)
+
+
+def test_proj_bias_matches_transformers_with_left_padding(tmp_path):
+    hf, ours, _ = hf_pair("jamba", tmp_path, "jamba-bias", 3, **dict(TINY, mamba_proj_bias=True))
+    assert ours.cfg.mamba1.proj_bias
+    x = torch.randint(0, TINY["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max().item() <= 1e-4
+    assert_left_padding(hf, ours, x)
+
+
+def test_periods_round_trip_and_irregular_placements_are_refused():
+    assert period_of([False, True, False, True]) == (2, 1) and period_of([False] * 3) == (4, 3)
+    assert period_of([True, False, False, True]) == (3, 0) and period_of([True, True, False, False]) is None
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="*-*-S-S-", num_attention_heads=2, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=24, mlp_gated=True, mlp_act="silu", dt_rank=2)
+    with pytest.raises(RemodelError, match="every period layers from an offset"):
+        check_exportable(cfg, "jamba")
