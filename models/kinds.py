@@ -8,6 +8,7 @@ from .attention import ATTENTION
 from .errors import RemodelError
 from .gated_deltanet import GATED_DELTANET
 from .mamba import MAMBA
+from .mla import MLA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
@@ -23,7 +24,7 @@ def post_norm(k: LayerKind, char: str) -> LayerKind:
                                section=k.name, upcycles_to=None)
 
 
-KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV,
+KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV, MLA,
                                                    post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 

@@ -78,7 +78,7 @@ def _outputs(layer):
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
         else:
             outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "-": "down_proj",
-                                       "=": "down_proj", "D": "out_proj", "C": "out_proj"}[c]))
+                                       "=": "down_proj", "D": "out_proj", "C": "out_proj", "L": "o_proj"}[c]))
     return outs
 
 
@@ -164,7 +164,7 @@ def _mask_moe(cfg, m, keep, p):
 
 
 KNOWN = {"hidden", "ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn",
-         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner"}
+         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner", "mla_heads"}
 
 
 @torch.no_grad()
@@ -194,5 +194,9 @@ def masked_reference(model, keep):
                 _mask_gdn(cfg, m, keep, p)
             if c == "C" and p + "sc_inner" in keep:  # a dropped channel of y = C * conv(B * x) writes nothing
                 m.out_proj.weight[:, dropped(keep[p + "sc_inner"], m.out_proj.weight.shape[1])] = 0
-            assert c in "*M-ED=AC", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            if c == "L" and p + "mla_heads" in keep:  # a dropped MLA head's values write nothing through o_proj
+                vd = cfg.mla.v_head_dim
+                for h in dropped(keep[p + "mla_heads"], cfg.mla.mla_num_heads):
+                    m.o_proj.weight[:, h * vd:(h + 1) * vd] = 0
+            assert c in "*M-ED=ACL", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref
