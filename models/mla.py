@@ -8,7 +8,8 @@ attends with [q_nope | rope(q_pe)] . [k_nope | rope(k_pe)] at scale (nope + rope
 as the attention kind ('*'), and its v_head_dim values go to o_proj. RoPE is the default type on qk_rope_head_dim
 channels, interleaved pairs (x0, x1), (x2, x3), ... when rope_interleave (DeepSeek's layout) else rotate-half.
 Heads prune together: their q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns; the low-rank
-a-projections and their norms are shared by all heads (replicated under tensor parallelism). Pure PyTorch (SDPA).
+a-projections and their norms are shared by all heads (replicated under tensor parallelism; the latent's gradient
+is summed by kv_b_proj's / q_b_proj's colwise entry, k_pe's by k_pe_entry). Pure PyTorch (SDPA).
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class Mla(nn.Module):
         self.kv_a_layernorm = trunk_norm(cfg, c.kv_lora_rank)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * c.v_head_dim, H, bias=c.mla_bias)
+        self.k_pe_entry = nn.Identity()  # under TP, k_pe enters the heads' region here: its gradient is summed
         self.register_buffer("inv_freq", mla_inv_freq(cfg), persistent=False)
         self.rope = rope_interleaved if c.rope_interleave else rope_half
 
@@ -107,7 +109,7 @@ class Mla(nn.Module):
         cos, sin = freqs.cos().to(q.dtype), freqs.sin().to(q.dtype)
         if cos.dim() == 3:  # per-batch positions
             cos, sin = cos[:, None], sin[:, None]
-        q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(k_rot[:, None], cos, sin)
+        q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(self.k_pe_entry(k_rot)[:, None], cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         mask = None if attention_mask is None else causal_padding_mask(l, attention_mask, x.device)
@@ -195,5 +197,6 @@ MLA = MlaKind(
     declares=(Width("mla_heads", "mla_num_heads", None, "mla_heads", None, "mla.heads", "heads per MLA layer"),),
     fixed=("mla_kv_a", "mla_q_rank", "mla_kv_rank", "mla_rope", "mla_qk_head", "mla_kv_head", "mla_v_dim"),
     tp_axes=("mla_q", "mla_kv", "mla_o"), inputs=("attention_mask", "position_ids"), color="tab:red",
-    tp_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"},
+    tp_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
+             "k_pe_entry": "shard_entry"},  # k_pe serves every head: a parameter-free entry of the parallel region
     config=MlaConfig)
