@@ -13,6 +13,7 @@ is summed by kv_b_proj's / q_b_proj's colwise entry, k_pe's by k_pe_entry). Pure
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +35,59 @@ class MlaConfig(Section):
     qk_rope_head_dim: int = ints(0, 0, MAX_SMALL, raw={"qk_rope_head_dim": 0})
     v_head_dim: int = ints(0, 0, MAX_SMALL, raw={"v_head_dim": 1})
     mla_rope_theta: float = reals(10000.0, gt=0, raw=("rope_theta",))
+    mla_rope_scaling: dict | None = plain(None, "HF rope_parameters of a 'yarn' RoPE (None: the default type)")
     rope_interleave: bool = plain(True, "RoPE on interleaved channel pairs (DeepSeek's layout) else rotate-half")
     mla_bias: bool = plain(False, "biases of q_a_proj, kv_a_proj_with_mqa and o_proj (attention_bias)")
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's mscale (transformers' yarn_get_mscale): 0.1 * m * ln(scale) + 1, 1 for scale <= 1."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_ramp(rs: dict, d: int, base: float) -> torch.Tensor:
+    """YaRN's per-frequency extrapolation weight (1: the unscaled frequency) over the d // 2 frequencies."""
+    old = rs["original_max_position_embeddings"]
+    low, high = (d * math.log(old / (r * 2 * math.pi)) / (2 * math.log(base))
+                 for r in (rs.get("beta_fast") or 32, rs.get("beta_slow") or 1))
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    return 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+
+
 def mla_inv_freq(cfg) -> torch.Tensor:
-    d = cfg.mla.qk_rope_head_dim
-    return 1.0 / (cfg.mla.mla_rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    """RoPE's inverse frequencies over qk_rope_head_dim: the default type, or YaRN's blend of the unscaled and the
+    factor-scaled ones (transformers' _compute_yarn_parameters, head_dim = qk_rope_head_dim as deepseek_v3 sets)."""
+    d, base, rs = cfg.mla.qk_rope_head_dim, cfg.mla.mla_rope_theta, cfg.mla.mla_rope_scaling
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    if rs is None:
+        return 1.0 / pos
+    extra = yarn_ramp(rs, d, base)
+    return 1.0 / (rs["factor"] * pos) * (1 - extra) + 1.0 / pos * extra
+
+
+def mla_rope_factor(cfg) -> float:
+    """YaRN's attention_factor on cos / sin (1 for the default type)."""
+    rs = cfg.mla.mla_rope_scaling
+    if rs is None:
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return yarn_mscale(rs["factor"], rs["mscale"]) / yarn_mscale(rs["factor"], rs["mscale_all_dim"])
+    return yarn_mscale(rs["factor"])
+
+
+def mla_scale(cfg) -> float:
+    """The softmax scale: (nope + rope)**-0.5, times YaRN's mscale(factor, mscale_all_dim)**2 where set
+    (transformers' yarn_apply_mscale)."""
+    c = cfg.mla
+    s = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    if c.mla_rope_scaling is not None and c.mla_rope_scaling.get("mscale_all_dim"):
+        s = s * yarn_mscale(c.mla_rope_scaling["factor"], c.mla_rope_scaling["mscale_all_dim"]) ** 2
+    return s
 
 
 def rope_interleaved(x, cos, sin):
@@ -85,6 +132,7 @@ class Mla(nn.Module):
         self.k_pe_entry = nn.Identity()  # under TP, k_pe enters the heads' region here: its gradient is summed
         self.register_buffer("inv_freq", mla_inv_freq(cfg), persistent=False)
         self.rope = rope_interleaved if c.rope_interleave else rope_half
+        self.rope_factor, self.scale = mla_rope_factor(cfg), mla_scale(cfg)
 
     def build_buffers(self, device):
         """RoPE frequencies (non-persistent: rebuilt after a meta-device build)."""
@@ -106,14 +154,14 @@ class Mla(nn.Module):
         k_pass, v = kv.split([nope, vd], dim=-1)
         pos = torch.arange(l, device=x.device) if position_ids is None else position_ids
         freqs = pos[..., None].float() * self.inv_freq.float()
-        cos, sin = freqs.cos().to(q.dtype), freqs.sin().to(q.dtype)
+        cos, sin = (freqs.cos() * self.rope_factor).to(q.dtype), (freqs.sin() * self.rope_factor).to(q.dtype)
         if cos.dim() == 3:  # per-batch positions
             cos, sin = cos[:, None], sin[:, None]
         q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(self.k_pe_entry(k_rot)[:, None], cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         mask = None if attention_mask is None else causal_padding_mask(l, attention_mask, x.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=(nope + rd) ** -0.5)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, l, -1))
 
 
@@ -127,6 +175,11 @@ class MlaKind(LayerKind):
              "MLA layers need mla_num_heads, kv_lora_rank and v_head_dim > 0")
         need(c.qk_rope_head_dim > 0 and c.qk_rope_head_dim % 2 == 0,
              f"MLA needs an even qk_rope_head_dim > 0, got {c.qk_rope_head_dim}")
+        rs = c.mla_rope_scaling
+        if rs is not None:
+            need(rs.get("rope_type") == "yarn" and all(isinstance(rs.get(k), (int, float)) and rs[k] > 0
+                                                       for k in ("factor", "original_max_position_embeddings")),
+                 f"MLA RoPE scaling must be 'yarn' with factor and original_max_position_embeddings > 0, got {rs}")
 
     def summary(self, cfg):
         c = cfg.mla

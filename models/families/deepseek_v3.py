@@ -2,8 +2,8 @@
 attention, the 'L' kind) and 2j+1 (its feed-forward); the first `first_k_dense_replace` feed-forwards are dense
 SwiGLU MLPs, the rest DeepSeek-routed MoE (sigmoid scores, selection on score + e_score_correction_bias within the
 top `topk_group` of `n_group` expert groups, optional renormalisation, routed_scaling_factor) plus `n_shared_experts`
-shared experts fused into one of n_shared_experts * moe_intermediate_size. RoPE: the default type only (YaRN
-checkpoints are refused for now). The checkpoints' MTP layer (model.layers.{num_hidden_layers}) is not read, as
+shared experts fused into one of n_shared_experts * moe_intermediate_size. RoPE: the default type or YaRN (its
+mscale_all_dim on the softmax scale, as transformers applies it). The checkpoints' MTP layer (model.layers.{num_hidden_layers}) is not read, as
 transformers does not read it."""
 from __future__ import annotations
 
@@ -44,14 +44,15 @@ class DeepseekV3(LlamaFamily):
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
         if not h.n_shared_experts:
             raise RemodelError(f"{self.name} with n_shared_experts=0 is not supported")
-        theta, _, _ = read_rope(h, self.name)
+        theta, rp, _ = read_rope(h, self.name, types=("default", "yarn"))
         L = h.num_hidden_layers
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, pattern=mla_pattern(L, min(h.first_k_dense_replace, L)),
             norm_eps=h.rms_norm_eps, tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra,
             mla=dict(mla_num_heads=h.num_attention_heads, q_lora_rank=h.q_lora_rank, kv_lora_rank=h.kv_lora_rank,
                      qk_nope_head_dim=h.qk_nope_head_dim, qk_rope_head_dim=h.qk_rope_head_dim, v_head_dim=h.v_head_dim,
-                     mla_rope_theta=theta, rope_interleave=bool(getattr(h, "rope_interleave", True)),
+                     mla_rope_theta=theta, mla_rope_scaling=rp if rp.get("rope_type") == "yarn" else None,
+                     rope_interleave=bool(getattr(h, "rope_interleave", True)),
                      mla_bias=bool(getattr(h, "attention_bias", False))),
             mlp=dict(intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True),
             moe=dict(n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
@@ -88,7 +89,7 @@ class DeepseekV3(LlamaFamily):
                     rms_norm_eps=cfg.norm_eps, num_attention_heads=c.mla_num_heads, num_key_value_heads=c.mla_num_heads,
                     q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                     qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, hidden_act="silu",
-                    rope_parameters={"rope_theta": c.mla_rope_theta, "rope_type": "default"},
+                    rope_parameters=dict(c.mla_rope_scaling or {"rope_theta": c.mla_rope_theta, "rope_type": "default"}),
                     rope_interleave=c.rope_interleave, attention_bias=c.mla_bias,
                     intermediate_size=cfg.mlp.intermediate_size or 1,
                     n_routed_experts=m.n_routed_experts or 1, num_experts_per_tok=m.num_experts_per_tok,
@@ -129,6 +130,11 @@ DEEPSEEK_V3 = DeepseekV3(
                                  rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
           "direct_q_tied": dict(_TINY, num_hidden_layers=2, first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=None,
                                 n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False,
-                                attention_bias=True, tie_word_embeddings=True)})
+                                attention_bias=True, tie_word_embeddings=True),
+          "yarn": dict(_TINY, num_hidden_layers=2, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=8,
+                       n_group=1, topk_group=1, norm_topk_prob=True,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                        "beta_fast": 32.0, "beta_slow": 1.0})})
 
 REGISTER = (DEEPSEEK_V3,)  # the families this module adds to models.families.FAMILIES, in order
