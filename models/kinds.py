@@ -9,6 +9,7 @@ from .errors import RemodelError
 from .gated_deltanet import GATED_DELTANET
 from .mamba import MAMBA
 from .mamba1 import MAMBA1
+from .mla import MLA
 from .mlp import MLP_KIND
 from .moe import MOE
 from .parallel_mixer import PARALLEL
@@ -25,7 +26,7 @@ def post_norm(k: LayerKind, char: str) -> LayerKind:
 
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV,
-                                                   MAMBA1,
+                                                   MAMBA1, MLA,
                                                    post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 

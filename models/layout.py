@@ -23,7 +23,8 @@ MTP_FIRST = (Param("enorm.weight", ("hidden",)), Param("hnorm.weight", ("hidden"
              Param("eh_proj.weight", ("hidden", "mtp_eh_in")))
 MTP_LAST = (Param("final_layernorm.weight", ("hidden",)),)
 BUFFERS = ("e_score_correction_bias",)  # stored and exported, but buffers, not parameters
-_CONDITIONS = {"sigmoid_router": lambda cfg: cfg.moe.router == "sigmoid"}
+_CONDITIONS = {"sigmoid_router": lambda cfg: cfg.moe.router == "sigmoid",
+               "mla_q_direct": lambda cfg: cfg.mla.q_lora_rank is None}  # MLA: q_proj, no low-rank query
 _SIZE = {  # the axes no kind owns: size under the widths w
     "hidden": lambda cfg, w: w["hidden_size"], "vocab": lambda cfg, w: w["vocab_size"], "one": lambda cfg, w: 1,
     "mtp_eh_in": lambda cfg, w: 2 * w["hidden_size"],

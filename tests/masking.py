@@ -78,7 +78,8 @@ def _outputs(layer):
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
         else:
             outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "-": "down_proj",
-                                       "=": "down_proj", "D": "out_proj", "C": "out_proj", "S": "out_proj"}[c]))
+                                       "=": "down_proj", "D": "out_proj", "C": "out_proj", "S": "out_proj",
+                                       "L": "o_proj"}[c]))
     return outs
 
 
@@ -164,7 +165,7 @@ def _mask_moe(cfg, m, keep, p):
 
 
 KNOWN = {"hidden", "ffn", "attn_heads", "mamba_heads", "mamba_head_dim", "experts", "expert_ffn", "shared_ffn",
-         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner", "m1_inner"}
+         "lin_k_heads", "lin_v_heads", "lin_dk", "lin_dv", "sc_inner", "m1_inner", "mla_heads"}
 
 
 @torch.no_grad()
@@ -197,5 +198,9 @@ def masked_reference(model, keep):
             if c == "S" and p + "m1_inner" in keep:  # a dropped channel adds nothing to dt / B / C, writes nothing
                 gone = dropped(keep[p + "m1_inner"], m.out_proj.weight.shape[1])
                 m.x_proj.weight[:, gone], m.out_proj.weight[:, gone] = 0, 0
-            assert c in "*M-ED=ACS", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            if c == "L" and p + "mla_heads" in keep:  # a dropped MLA head's values write nothing through o_proj
+                vd = cfg.mla.v_head_dim
+                for h in dropped(keep[p + "mla_heads"], cfg.mla.mla_num_heads):
+                    m.o_proj.weight[:, h * vd:(h + 1) * vd] = 0
+            assert c in "*M-ED=ACSL", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref
