@@ -44,3 +44,21 @@ def test_periods_round_trip_and_irregular_placements_are_refused():
                       head_dim=8, intermediate_size=24, mlp_gated=True, mlp_act="silu", dt_rank=2)
     with pytest.raises(RemodelError, match="every period layers from an offset"):
         check_exportable(cfg, "jamba")
+
+
+def test_period_of_equals_the_exhaustive_search():
+    """period_of is linear in the layers (plan asks it for every candidate of a 4096-layer model: the exhaustive
+    search over (period, offset) was quadratic and ran away in test_options' huge-widths plan) and gives the
+    exhaustive search's answer on every pattern of up to 10 layers."""
+    import itertools
+
+    from remodel.models.families.jamba import period_of
+
+    def exhaustive(flags):
+        n = len(flags)
+        return next(((p, o) for p in range(1, n + 2) for o in range(p)
+                     if all((j % p == o) == f for j, f in enumerate(flags))), None)
+
+    for n in range(11):
+        for flags in itertools.product([False, True], repeat=n):
+            assert period_of(list(flags)) == exhaustive(list(flags)), flags

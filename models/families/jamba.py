@@ -25,13 +25,17 @@ _PERIODS = {k: (0, MAX_LAYERS) for k in ("attn_layer_period", "attn_layer_offset
 
 
 def period_of(flags: list) -> tuple[int, int] | None:
-    """The smallest (period, offset), offset < period, with flags[j] == (j % period == offset); None if none."""
-    n = len(flags)
-    for p in range(1, n + 2):
-        for o in range(p):
-            if all((j % p == o) == f for j, f in enumerate(flags)):
-                return p, o
-    return None
+    """The smallest (period, offset), offset < period, with flags[j] == (j % period == offset); None if none.
+    Linear in len(flags): two marked layers fix the period (their gap), one fixes the offset."""
+    n, marked = len(flags), [j for j, f in enumerate(flags) if f]
+    if not marked:
+        return n + 1, n
+    o = marked[0]
+    if len(marked) == 1:
+        return max(o + 1, n - o), o
+    p = marked[1] - o
+    ok = o < p and all((j % p == o) == bool(f) for j, f in enumerate(flags))
+    return (p, o) if ok else None
 
 
 class Jamba(Family):
