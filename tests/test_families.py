@@ -364,7 +364,8 @@ def test_distill_dp2_tp2_equals_one_process(family, distilled):
         # isolated elements where Adam's m / sqrt(v) amplifies reduction-order noise: 0.1% of the tensor, and one
         # element of any (a tiny expert's 512 elements would allow none)
         assert err.max() <= 1e-4 and (err > 1e-5).sum() <= max(1, 1e-3 * err.numel()), (k, float(err.max()))
-    moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in w0)[len(w0) // 2]
+    live = [k for k in w0 if w_ref[k].abs().max() > 0]  # (a sigmoid router's correction bias stays 0: 0 / 0)
+    moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in live)[len(live) // 2]
     assert moved > 100 * 1e-5  # the 3 Adam steps moved the median tensor by far more than the tolerance
 
 

@@ -22,7 +22,7 @@ def tiny_checkpoint(family, root):
     N(0, 0.5), so its choices differ by more than rounding (at the default 0.15 they nearly tie)."""
     cfg = dataclasses.replace(FAMILY_CONFIGS[family], vocab_size=2048)
     if cfg.moe.n_routed_experts:  # transformers' grouped_mm on CPU wants 16-byte strides
-        cfg = dataclasses.replace(cfg, moe_intermediate_size=12)
+        cfg = dataclasses.replace(cfg, moe_intermediate_size=16)  # (16: also divides glm4 / deepseek shared experts)
     return write_checkpoint(random_model(cfg, seed=1, std=0.5), root / family, family=family)
 
 

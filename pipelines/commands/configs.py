@@ -157,7 +157,7 @@ class SearchOptions:
 def _router_help() -> str:
     from .upcycle_defaults import router_defaults
     return ("router scoring: topk-softmax and sigmoid renormalise the chosen scores (exact), softmax-topk and "
-            f"sigmoid-raw gate by the raw scores (README \"Upcycling\"); default (None): {router_defaults()}")
+            f"sigmoid-raw gate by the raw scores; default (None): {router_defaults()}")
 
 
 def _to_help() -> str:
