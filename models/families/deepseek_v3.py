@@ -1,38 +1,25 @@
-"""DeepSeek-V3 / V3.1 and Kimi-K2 (transformers' `deepseek_v3`): decoder layer j is our pair 2j (multi-head latent
-attention, the 'L' kind) and 2j+1 (its feed-forward); the first `first_k_dense_replace` feed-forwards are dense
-SwiGLU MLPs, the rest DeepSeek-routed MoE (sigmoid scores, selection on score + e_score_correction_bias within the
-top `topk_group` of `n_group` expert groups, optional renormalisation, routed_scaling_factor) plus `n_shared_experts`
-shared experts fused into one of n_shared_experts * moe_intermediate_size. RoPE: the default type or YaRN (its
-mscale_all_dim on the softmax scale, as transformers applies it). The checkpoints' MTP layer (model.layers.{num_hidden_layers}) is not read, as
-transformers does not read it."""
+"""DeepSeek-V3 / V3.1 and Kimi-K2 (transformers' `deepseek_v3`): the DeepSeek-style MoE decoder
+(models/families/deepseek_moe.py: dense first_k_dense_replace layers, then sigmoid-routed grouped experts with shared
+experts) under multi-head latent attention (the 'L' kind). RoPE: the default type or YaRN (its mscale_all_dim on the
+softmax scale, as transformers applies it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from remodel.models.config import MAX_LAYERS, ModelConfig
-from remodel.models.errors import RemodelError
-from remodel.models.kinds import routed
 from remodel.models.mla import MLA
 
-from .family import Family, read_rope
-from .llama import LlamaFamily, key_map
+from .deepseek_moe import DeepSeekMoEFamily
+from .family import read_rope
 from .width_rules import SHARED_FROM_EXPERT
 
 _MLA = tuple(p.leaf for p in MLA.params)
-_SWIGLU = {p: p for p in ("gate_proj", "up_proj", "down_proj")}
-
-
-def mla_pattern(layers: int, dense: int) -> str:
-    """first_k_dense_replace MLA + MLP pairs, then MLA + MoE pairs."""
-    return "L-" * dense + "LE" * (layers - dense)
 
 
 @dataclass(frozen=True)
-class DeepseekV3(LlamaFamily):
+class DeepseekV3(DeepSeekMoEFamily):
     attn: tuple = _MLA
-    moe: bool = True
-    routers: tuple = ("sigmoid", "sigmoid-raw")
-    upcycle_help: str = "none (already MoE)"
+    mixer: str = "L"
 
     def required(self, h):
         return [("num_hidden_layers",), ("num_attention_heads",), ("n_routed_experts",), ("num_experts_per_tok",),
@@ -40,83 +27,27 @@ class DeepseekV3(LlamaFamily):
                 ("qk_nope_head_dim",)]
 
     def from_hf(self, h, extra):
-        if getattr(h, "hidden_act", "silu") != "silu":
-            raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
-        if not h.n_shared_experts:
-            raise RemodelError(f"{self.name} with n_shared_experts=0 is not supported")
         theta, rp, _ = read_rope(h, self.name, types=("default", "yarn"))
-        L = h.num_hidden_layers
         return ModelConfig(
-            vocab_size=h.vocab_size, hidden_size=h.hidden_size, pattern=mla_pattern(L, min(h.first_k_dense_replace, L)),
-            norm_eps=h.rms_norm_eps, tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra,
+            vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
+            tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra, **self.ffn_from_hf(h),
             mla=dict(mla_num_heads=h.num_attention_heads, q_lora_rank=h.q_lora_rank, kv_lora_rank=h.kv_lora_rank,
                      qk_nope_head_dim=h.qk_nope_head_dim, qk_rope_head_dim=h.qk_rope_head_dim, v_head_dim=h.v_head_dim,
                      mla_rope_theta=theta, mla_rope_scaling=rp if rp.get("rope_type") == "yarn" else None,
                      rope_interleave=bool(getattr(h, "rope_interleave", True)),
-                     mla_bias=bool(getattr(h, "attention_bias", False))),
-            mlp=dict(intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True),
-            moe=dict(n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
-                     moe_intermediate_size=h.moe_intermediate_size,
-                     moe_shared_expert_intermediate_size=h.n_shared_experts * h.moe_intermediate_size,
-                     router="sigmoid", norm_topk_prob=bool(h.norm_topk_prob),
-                     routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group, topk_group=h.topk_group))
-
-    def check(self, cfg, need):
-        need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
-        L, k = cfg.num_layers // 2, self.dense_layers(cfg)
-        need(cfg.num_layers % 2 == 0 and cfg.pattern == mla_pattern(L, k),
-             f"needs dense layers 'L-' then MoE layers 'LE' (first_k_dense_replace), got {cfg.pattern!r}")
-        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
-        if routed(cfg):
-            m = cfg.moe
-            need(m.router == "sigmoid" and not m.shared_expert_gate and m.moe_latent_size is None,
-                 f"{self.name} MoE uses the sigmoid router, no shared-expert gate and no latent")
-            s = m.moe_shared_expert_intermediate_size or 0
-            need(s > 0 and s % m.moe_intermediate_size == 0,
-                 f"the shared experts ({s}) must be n_shared_experts >= 1 times moe_intermediate_size "
-                 f"({m.moe_intermediate_size})")
-
-    @staticmethod
-    def dense_layers(cfg) -> int:
-        """first_k_dense_replace: the decoder layers before the first MoE one."""
-        first = cfg.pattern.find("E")
-        return cfg.num_layers // 2 if first < 0 else first // 2
+                     mla_bias=bool(getattr(h, "attention_bias", False))))
 
     def to_hf(self, cfg):
-        c, m = cfg.mla, cfg.moe
-        shared = m.moe_shared_expert_intermediate_size or m.moe_intermediate_size
-        return dict(num_hidden_layers=cfg.num_layers // 2, first_k_dense_replace=self.dense_layers(cfg),
-                    rms_norm_eps=cfg.norm_eps, num_attention_heads=c.mla_num_heads, num_key_value_heads=c.mla_num_heads,
+        c = cfg.mla
+        return dict(**self.ffn_to_hf(cfg), num_attention_heads=c.mla_num_heads, num_key_value_heads=c.mla_num_heads,
                     q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
-                    qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, hidden_act="silu",
+                    qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
                     rope_parameters=dict(c.mla_rope_scaling or {"rope_theta": c.mla_rope_theta, "rope_type": "default"}),
-                    rope_interleave=c.rope_interleave, attention_bias=c.mla_bias,
-                    intermediate_size=cfg.mlp.intermediate_size or 1,
-                    n_routed_experts=m.n_routed_experts or 1, num_experts_per_tok=m.num_experts_per_tok,
-                    moe_intermediate_size=m.moe_intermediate_size or 1,
-                    n_shared_experts=shared // (m.moe_intermediate_size or 1),
-                    norm_topk_prob=m.norm_topk_prob, routed_scaling_factor=m.routed_scaling_factor,
-                    n_group=m.n_group, topk_group=m.topk_group)
-
-    def key_map(self):
-        out = {**key_map(self.attn, "mlp"), **key_map(self.attn, "mlp", "gate", _SWIGLU)}
-        hf_m = "model.layers.{m}.mlp."
-        out["layers.{m}.mixer.gate.e_score_correction_bias"] = hf_m + "gate.e_score_correction_bias"
-        out.update({f"layers.{{m}}.mixer.shared_experts.{p}.weight": f"{hf_m}shared_experts.{p}.weight" for p in _SWIGLU})
-        return out
+                    rope_interleave=c.rope_interleave, attention_bias=c.mla_bias)
 
     def claims(self, cfg):
         """MLA + (dense then sigmoid-routed MoE) decoder layers: no other family holds the MLA kind."""
-        L = cfg.num_layers // 2
-        return cfg.num_layers % 2 == 0 and cfg.pattern == mla_pattern(L, self.dense_layers(cfg))
-
-    def upcycle_into(self, cfg, router, shared):
-        return Family.upcycle_into(self, cfg, router, shared)  # already MoE: --to names a target
-
-    def upcycle_check(self, cfg, router):
-        if router not in self.routers:
-            return f"{self.name} routers are sigmoid (DeepSeek-style): use --router sigmoid or sigmoid-raw, not {router}"
-        return None
+        return self.holds_pattern(cfg)
 
 
 _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=4,
