@@ -110,10 +110,11 @@ def read_rope(h, family: str, types=("default",), partial: bool = False) -> tupl
     return theta, dict(rp), rotary
 
 
-def gqa_attention(h, family: str, partial: bool = True, **variant) -> dict:
+def gqa_attention(h, family: str, types=ROPE_TYPES, partial: bool = True, **variant) -> dict:
     """The attention section of a Llama-shaped HF config `h`: heads, KV heads, head_dim (else hidden / heads),
-    RoPE on part of each head (partial) or all of it (read_rope), and the family's `variant` fields."""
-    theta, rp, rotary = read_rope(h, family, types=ROPE_TYPES if partial else ("default",), partial=partial)
+    RoPE of one of `types` on part of each head (partial) or all of it (read_rope), and the family's `variant`
+    fields."""
+    theta, rp, rotary = read_rope(h, family, types=types, partial=partial)
     return dict(num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
                 head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, rope_theta=theta,
                 rope_scaling=None if rp.get("rope_type", "default") == "default" else rp, partial_rotary_factor=rotary,

@@ -48,7 +48,7 @@ class Lfm2(Family):
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.norm_eps,
             pattern="".join(BLOCK_TYPES[t] + _MLP for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
-            attention=gqa_attention(h, self.name, partial=False, qk_norm=True),
+            attention=gqa_attention(h, self.name, types=("default",), partial=False, qk_norm=True),
             intermediate_size=ffn_size(h) if ffn is None else ffn, mlp_act="silu", mlp_gated=True,
             short_conv_kernel=h.conv_L_cache, short_conv_bias=bool(h.conv_bias), extra=extra)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 
-from .family import ROPE_TYPES, Family, read_rope
+from .family import Family, gqa_attention
 from .width_rules import HIDDEN_DIVIDES_HEADS
 
 _QKV = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
@@ -40,13 +40,6 @@ def key_map(attn: tuple, mlp: str, router: str = "", experts: dict | None = None
     return out
 
 
-def _rope(h, family: str) -> tuple[float, dict | None]:
-    theta, rp, _ = read_rope(h, family, types=ROPE_TYPES)  # a known type, whole heads
-    if rp.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, rp  # validated by ModelConfig (only llama3 is supported)
-
-
 @dataclass(frozen=True)
 class LlamaFamily(Family):
     """attn: the attention tensors its checkpoints hold; qkv_bias: None when attention_bias covers q/k/v
@@ -72,18 +65,16 @@ class LlamaFamily(Family):
             raise RemodelError(f"{mt} with use_sliding_window=true is not supported (per-layer windows)")
         if getattr(h, "hidden_act", "silu") != "silu":
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {mt} (only silu)")
-        theta, scaling = _rope(h, mt)
         if self.qkv_bias is None:
             bias = out_bias = bool(getattr(h, "attention_bias", False))
         else:
             bias, out_bias = self.qkv_bias is True or bool(getattr(h, self.qkv_bias, True)), False
         return dict(vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
                     tie_word_embeddings=bool(h.tie_word_embeddings),
-                    num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-                    head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
-                    rope_theta=theta, rope_scaling=scaling, attention_bias=bias, attention_out_bias=out_bias,
-                    qk_norm=self.qk_norm, mlp_act="silu", mlp_gated=True, mlp_bias=bool(getattr(h, "mlp_bias", False)),
-                    sliding_window=getattr(h, "sliding_window", None) if self.window else None, extra=extra)
+                    attention=gqa_attention(h, mt, partial=False, attention_bias=bias, attention_out_bias=out_bias,
+                                            qk_norm=self.qk_norm,
+                                            sliding_window=getattr(h, "sliding_window", None) if self.window else None),
+                    mlp_act="silu", mlp_gated=True, mlp_bias=bool(getattr(h, "mlp_bias", False)), extra=extra)
 
     def from_hf(self, h, extra):
         return ModelConfig(pattern=self.layer * h.num_hidden_layers, intermediate_size=h.intermediate_size,

@@ -12,7 +12,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.gated_deltanet import GATED_DELTANET
 from remodel.models.kinds import used
 
-from .family import Family, Part, read_rope
+from .family import Family, Part, gqa_attention
 
 BLOCK_TYPES = {"linear_attention": "D", "full_attention": "*"}  # HF layer type -> our mixer layer
 MLP_LAYER = "-"
@@ -39,15 +39,12 @@ class Qwen35(Family):
         unknown = sorted(set(h.layer_types) - set(BLOCK_TYPES))
         if unknown:
             raise RemodelError(f"'layer_types' has unknown types {unknown} (known: {', '.join(BLOCK_TYPES)})")
-        theta, _, rotary = read_rope(h, self.name, partial=True)
         return dict(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps, norm_offset=1.0,
             pattern="".join(BLOCK_TYPES[t] + self.FFN for t in h.layer_types),
             tie_word_embeddings=bool(h.tie_word_embeddings),
-            num_attention_heads=h.num_attention_heads, num_key_value_heads=h.num_key_value_heads,
-            head_dim=getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
-            rope_theta=theta, partial_rotary_factor=rotary, qk_norm=True, attn_output_gate=True,
-            attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
+            attention=gqa_attention(h, self.name, types=("default",), qk_norm=True, attn_output_gate=True,
+                                    attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias)),
             mlp_act="silu", mlp_gated=True, **{k: getattr(h, k) for k in _LINEAR}, extra=extra)
 
     def from_hf(self, h, extra):
