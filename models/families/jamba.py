@@ -34,7 +34,7 @@ def period_of(flags: list) -> tuple[int, int] | None:
     if len(marked) == 1:
         return max(o + 1, n - o), o
     p = marked[1] - o
-    ok = o < p and all((j % p == o) == bool(f) for j, f in enumerate(flags))
+    ok = all((j % p == o) == bool(f) for j, f in enumerate(flags))
     return (p, o) if ok else None
 
 
