@@ -261,10 +261,6 @@ RSS_SCRIPT = PEAK_RSS + textwrap.dedent('''
 ''')
 
 
-@pytest.mark.xfail(reason="with the packages a fresh install gets on 2026-12-06 (transformers 5.25, tokenizers 0.23.3, "
-                   "numpy 2.4.6, multiprocess 0.70.19) the workers' memory grows at the end of a 20 MB corpus (tree "
-                   "PSS 476 MB vs 338 MB at 2 MB; main VmHWM +3%): it fails alike at 1a846ec, which passed CI on "
-                   "2026-11-28; not yet explained (session note 2026-12-06)", strict=False)
 def test_peak_rss_flat_with_10x_corpus(tmp_path):
     """2 MB and 20 MB of text: peak RSS (the process and its workers) grows by under 10%. The in-RAM code
     held 5-8x the text: 100+ MB more for the big corpus, several times the 10% allowed."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
 import itertools
 import json
@@ -167,8 +168,12 @@ def encoded(parts, tok, tail, dtype, num_proc: int):
         return
     import multiprocess
     guard = ChildrenDieWithUs()
-    pool = multiprocess.get_context("fork").Pool(num_proc, initializer=_init,
-                                                 initargs=(tok, tail, dtype, guard.owner))
+    gc.freeze()  # the workers' garbage collector leaves the forked heap alone: no copy-on-write of it
+    try:
+        pool = multiprocess.get_context("fork").Pool(num_proc, initializer=_init,
+                                                     initargs=(tok, tail, dtype, guard.owner))
+    finally:
+        gc.unfreeze()
     workers = list(pool._pool)  # a Pool replaces a dead worker and waits forever for its lost batch
     died = False
     try:
