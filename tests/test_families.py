@@ -209,18 +209,19 @@ PRUNE_CASES = [(f, a) for f in MAIN for a in [*prune_axes(tiny_config(f)), "all"
 @pytest.mark.parametrize("family,axis", PRUNE_CASES)
 def test_pruned_equals_masked(family, axis, root):
     """Width pruning (random scores: the test is about the slicing) gives the logits of the unpruned model
-    with the dropped units zero-masked, on every axis alone and on all at once. A model with Gated DeltaNet
-    layers is compared in float64 (within 1e-10): its per-head gated norm rescales the rule's small outputs,
-    so fp32 rounding alone moves these tiny random models' logits by ~2e-5 (fp32 vs fp64, unpruned)."""
+    with the dropped units zero-masked (tests/masking.py, each kind's tests/kinds/ module), on every axis alone
+    and on all at once. A model with Gated DeltaNet layers (FP64 in its masking module) is compared in float64
+    (within 1e-10): its per-head gated norm rescales the rule's small outputs, so fp32 rounding alone moves
+    these tiny random models' logits by ~2e-5 (fp32 vs fp64, unpruned)."""
     import copy
 
     from remodel.compress.baselines import random_scores
     from remodel.compress.prune import plan_keep, prune_model
-    from remodel.models.gated_deltanet import GATED_DELTANET
     from remodel.models.kinds import used
+    from tests.kinds import masking
     _, model, _ = build(family, MAIN[family], root)
     cfg = model.cfg
-    fp64 = GATED_DELTANET in used(cfg)
+    fp64 = any(getattr(masking(k), "FP64", False) for k in used(cfg))  # a kind's masking module asks for it
     model = copy.deepcopy(model).double() if fp64 else model
     axes = prune_axes(cfg)
     targets = axes if axis == "all" else {axis: axes[axis]}
