@@ -58,6 +58,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from remodel import cli  # noqa: E402
 from remodel.models.families import FAMILIES  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
+from remodel.models.kinds import used  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
 from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair, prune_axes  # noqa: E402
 from tests.masking import masked_reference  # noqa: E402
@@ -188,6 +189,9 @@ def test_inspect_counts(family, case, root, capsys):
     assert cli.main(["inspect", str(d)]) == 0
     shown = capsys.readouterr().out
     assert ours.cfg.pattern in shown and f"{n_hf:,}" in shown
+    for k in used(ours.cfg, mtp=False):  # every field its kinds' summaries name (a partial rotary factor, ...)
+        for name in k.summary(ours.cfg):
+            assert name in shown, (k.name, name)
 
 
 @pytest.mark.parametrize("family,case", CASES)
@@ -217,7 +221,6 @@ def test_pruned_equals_masked(family, axis, root):
 
     from remodel.compress.baselines import random_scores
     from remodel.compress.prune import plan_keep, prune_model
-    from remodel.models.kinds import used
     from tests.kinds import masking
     _, model, _ = build(family, MAIN[family], root)
     cfg = model.cfg
@@ -269,6 +272,8 @@ def test_upcycle_exact_or_refused(family, root, capsys):
     out = root / f"{family}-upcycled-{done[-1]}"
     moe = AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(moe).__name__ == FAMILIES[to].arch and FAMILIES[to].moe
+    got = config_from_hf(json.loads((out / "config.json").read_text())).moe
+    assert (got.n_routed_experts, got.moe_shared_expert_intermediate_size or 0) == (4, done[-1])  # as asked
     x = ids(ours.cfg.vocab_size, 4)
     with torch.no_grad():
         want, got = hf(x).logits, moe(x).logits
