@@ -1,14 +1,15 @@
 """IBM Bamba (models/families/bamba.py) against transformers' `bamba` (the oracle) beyond the family conformance
 suite (tests/test_families.py: logits, gradients, padding, export, convert, inspect, eval of its tiny models,
-Family.tiny): the config mapping, inspect's partial rotary, refusals, raw config bounds, pruning every axis."""
+Family.tiny; inspect showing its kinds' fields, the partial rotary factor among them): the config mapping,
+refusals, raw config bounds, pruning every axis then transformers' reload."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.hf import check_exportable
+from remodel.models.kinds import kind
 from remodel.models.load import save_model
 from tests.conftest import hf_pair
 
@@ -38,13 +39,7 @@ def test_config_maps_to_pairs(case, root):
     assert ours.cfg.pattern == "".join("*-" if j in attn else "M-" for j in range(4))
     assert ours.cfg.attention.partial_rotary_factor == 0.5 and ours.cfg.mlp.mlp_gated and ours.cfg.mlp.mlp_act == "silu"
     assert FAMILIES["bamba"].depth_units(ours.cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-
-def test_inspect(root, capsys):
-    _, _, d = build("plain", root)
-    assert cli.main(["inspect", str(d)]) == 0
-    shown = capsys.readouterr().out
-    assert "M-*-M-M-" in shown and "partial_rotary_factor" in shown
+    assert "partial_rotary_factor" in kind("*").summary(ours.cfg)  # inspect shows it (tests/test_families.py)
 
 
 def test_refusals(root):

@@ -58,6 +58,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from remodel import cli  # noqa: E402
 from remodel.models.families import FAMILIES  # noqa: E402
 from remodel.models.hf import config_from_hf  # noqa: E402
+from remodel.models.kinds import used  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
 from tests.conftest import assert_left_padding, assert_same_tensors, hf_pair, prune_axes  # noqa: E402
 from tests.masking import masked_reference  # noqa: E402
@@ -188,6 +189,9 @@ def test_inspect_counts(family, case, root, capsys):
     assert cli.main(["inspect", str(d)]) == 0
     shown = capsys.readouterr().out
     assert ours.cfg.pattern in shown and f"{n_hf:,}" in shown
+    for k in used(ours.cfg, mtp=False):  # every field its kinds' summaries name (a partial rotary factor, ...)
+        for name in k.summary(ours.cfg):
+            assert name in shown, (k.name, name)
 
 
 @pytest.mark.parametrize("family,case", CASES)
@@ -209,18 +213,18 @@ PRUNE_CASES = [(f, a) for f in MAIN for a in [*prune_axes(tiny_config(f)), "all"
 @pytest.mark.parametrize("family,axis", PRUNE_CASES)
 def test_pruned_equals_masked(family, axis, root):
     """Width pruning (random scores: the test is about the slicing) gives the logits of the unpruned model
-    with the dropped units zero-masked, on every axis alone and on all at once. A model with Gated DeltaNet
-    layers is compared in float64 (within 1e-10): its per-head gated norm rescales the rule's small outputs,
-    so fp32 rounding alone moves these tiny random models' logits by ~2e-5 (fp32 vs fp64, unpruned)."""
+    with the dropped units zero-masked (tests/masking.py, each kind's tests/kinds/ module), on every axis alone
+    and on all at once. A model with Gated DeltaNet layers (FP64 in its masking module) is compared in float64
+    (within 1e-10): its per-head gated norm rescales the rule's small outputs, so fp32 rounding alone moves
+    these tiny random models' logits by ~2e-5 (fp32 vs fp64, unpruned)."""
     import copy
 
     from remodel.compress.baselines import random_scores
     from remodel.compress.prune import plan_keep, prune_model
-    from remodel.models.gated_deltanet import GATED_DELTANET
-    from remodel.models.kinds import used
+    from tests.kinds import masking
     _, model, _ = build(family, MAIN[family], root)
     cfg = model.cfg
-    fp64 = GATED_DELTANET in used(cfg)
+    fp64 = any(getattr(masking(k), "FP64", False) for k in used(cfg))  # a kind's masking module asks for it
     model = copy.deepcopy(model).double() if fp64 else model
     axes = prune_axes(cfg)
     targets = axes if axis == "all" else {axis: axes[axis]}
@@ -268,6 +272,8 @@ def test_upcycle_exact_or_refused(family, root, capsys):
     out = root / f"{family}-upcycled-{done[-1]}"
     moe = AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(moe).__name__ == FAMILIES[to].arch and FAMILIES[to].moe
+    got = config_from_hf(json.loads((out / "config.json").read_text())).moe
+    assert (got.n_routed_experts, got.moe_shared_expert_intermediate_size or 0) == (4, done[-1])  # as asked
     x = ids(ours.cfg.vocab_size, 4)
     with torch.no_grad():
         want, got = hf(x).logits, moe(x).logits

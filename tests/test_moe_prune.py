@@ -1,11 +1,9 @@
 """MoE pruning (issue 20, items 2 and 3): LatentMoE latent-size pruning and expert importance.
 
 Every pruning test compares the pruned model with the unpruned one where the dropped units are
-masked by hand (latent channels: fc1_latent_proj rows and fc2_latent_proj columns zeroed; experts:
-never selectable by the router), in fp32, within 1e-5.
+masked by hand (tests/kinds/moe.py: latent channels: fc1_latent_proj rows and fc2_latent_proj columns zeroed;
+experts: never selectable by the router), in fp32, within 1e-5.
 """
-import copy
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from remodel.models.load import load_model, save_model
 from remodel.models.params import count_params
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import IDS, LATENT, SOFTMAX, random_model as make_model
-from tests.masking import _masked_softmax_router
+from tests.masking import masked_reference as masked
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -29,41 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @torch.no_grad()
 def logits(model, ids=IDS):
     return model(ids).float()
-
-
-def dropped(kept, n):
-    m = torch.ones(n, dtype=torch.bool)
-    m[kept] = False
-    return m.nonzero()[:, 0]
-
-
-_softmax_router_without = _masked_softmax_router  # tests/masking.py: dropped experts' logits -inf
-
-
-@torch.no_grad()
-def masked(model, keep):
-    """The unpruned model with the dropped latent channels, experts and expert neurons masked."""
-    ref = copy.deepcopy(model)
-    cfg = ref.cfg
-    for i, layer in enumerate(ref.layers):
-        m, p = layer.mixer, f"layers.{i}."
-        if layer.kind != "E":
-            continue
-        if p + "latent" in keep:
-            d = dropped(keep[p + "latent"], cfg.moe.moe_latent_size)
-            m.fc1_latent_proj.weight[d] = 0  # the experts read zero on d ...
-            m.fc2_latent_proj.weight[:, d] = 0  # ... and what they write on d is not read back
-        experts = keep.get(p + "experts", torch.arange(cfg.moe.n_routed_experts))
-        if p + "experts" in keep:
-            drop = dropped(experts, cfg.moe.n_routed_experts)
-            if cfg.moe.router == "softmax":
-                _softmax_router_without(m.gate, drop)
-            else:  # selection runs on score + bias: -inf there means never selected; weights stay unbiased
-                m.gate.e_score_correction_bias[drop] = float("-inf")
-        if p + "expert_ffn" in keep:
-            for row, e in enumerate(experts.tolist()):
-                m.experts.down_proj[e][:, dropped(keep[p + "expert_ffn"][row], cfg.moe.moe_intermediate_size)] = 0
-    return ref
 
 
 def check_pruned_equals_masked(model, keep):

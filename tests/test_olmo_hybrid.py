@@ -83,7 +83,7 @@ SMALLER = {"attn_heads": 2, "hidden_size": 24, "ffn_size": 32}  # pruning target
 
 @pytest.mark.parametrize("axis", ["attn_heads", "hidden_size", "ffn_size", "all"])
 def test_pruned_equals_masked_in_memory(axis):
-    """Width pruning of the post-norm layers and the all-heads q norm (tests/masking.py's qk_norm_full
+    """Width pruning of the post-norm layers and the all-heads q norm (tests/kinds/attention.py's qk_norm_full
     masking: the dropped heads' queries zeroed, the norm's mean over the kept heads), float64."""
     import copy
 
