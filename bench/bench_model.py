@@ -70,7 +70,7 @@ def flops_per_token(model, l):
     n_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     f = 6 * n_linear
     f += cfg.count("*") * 6 * l * cfg.attention.num_attention_heads * cfg.attention.head_dim
-    Q, N, G, P, h = cfg.mamba.chunk_size, cfg.mamba.ssm_state_size, cfg.mamba.n_groups, cfg.mamba.mamba_head_dim, cfg.mamba.mamba_num_heads
+    Q, N, G, P, h = cfg.mamba.chunk_size, cfg.mamba.d_state, cfg.mamba.n_groups, cfg.mamba.mamba_head_dim, cfg.mamba.mamba_num_heads
     scan = 2 * (Q / 2) * N * G + 2 * (Q / 2) * P * h + 2 * P * N * h + 2 * P * N * h
     f += cfg.count("M") * 3 * scan
     return f, n_linear
@@ -135,7 +135,7 @@ def main():
         n_params = sum(p.numel() for p in ours.parameters())
         cfg = ours.cfg
         print(f"[{name}] params {n_params / 1e6:.2f}M, pattern {cfg.pattern}, hidden {cfg.hidden_size}, Mamba "
-              f"{cfg.mamba.mamba_num_heads}x{cfg.mamba.mamba_head_dim} state {cfg.mamba.ssm_state_size} groups {cfg.mamba.n_groups} chunk "
+              f"{cfg.mamba.mamba_num_heads}x{cfg.mamba.mamba_head_dim} state {cfg.mamba.d_state} groups {cfg.mamba.n_groups} chunk "
               f"{cfg.mamba.chunk_size}, FFN {cfg.mlp.intermediate_size}, attention {cfg.attention.num_attention_heads}q/"
               f"{cfg.attention.num_key_value_heads}kv x {cfg.attention.head_dim}, vocab {cfg.vocab_size}", flush=True)
         for l in args.lengths:

@@ -76,7 +76,7 @@ def scale_widths(src, scale: int):
                    moe_latent_size=src.moe.moe_latent_size // scale if src.moe.moe_latent_size else None)
     return src.replace(vocab_size=src.vocab_size // scale, hidden_size=src.hidden_size // scale,
                        intermediate_size=src.mlp.intermediate_size // scale, mamba_num_heads=heads,
-                       mamba_head_dim=inner // heads, ssm_state_size=src.mamba.ssm_state_size // scale,
+                       mamba_head_dim=inner // heads, ssm_state_size=src.mamba.d_state // scale,
                        num_attention_heads=nq, num_key_value_heads=1, head_dim=q // nq, chunk_size=64, **moe)
 
 

@@ -240,7 +240,7 @@ def _by_section(given: dict) -> dict:
     out: dict = {}
     unknown = []
     for key, v in given.items():
-        section, _, name = key.rpartition(".")
+        section, name = _current(*key.rpartition(".")[::2])
         owners = [section] if section else OWNERS.get(name, [])
         if (section and section not in SECTIONS) or not owners or name not in SECTIONS[owners[0]].names():
             unknown.append(key)
@@ -251,6 +251,15 @@ def _by_section(given: dict) -> dict:
     if unknown:
         raise RemodelError(f"unknown remodel config fields: {sorted(unknown)}")
     return out
+
+
+def _current(section: str, name: str) -> tuple[str, str]:
+    """(section, field) of a field a section has since renamed (its RENAMED: configs, reports and score files
+    written before the rename read the same), else as given."""
+    for n, cls in SECTIONS.items():
+        if section in ("", n) and name in cls.RENAMED:
+            return n, cls.RENAMED[name]
+    return section, name
 
 
 def _section(name: str, v) -> Section:

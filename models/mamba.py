@@ -21,7 +21,7 @@ import functools
 import math
 import importlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class MambaConfig(Section):
     mamba_num_heads: int = ints(0, 0, MAX_SMALL, raw={"mamba_num_heads": 1, "mamba_n_heads": 1})
     mamba_head_dim: int = ints(0, 0, MAX_SMALL, raw={"mamba_head_dim": 1, "mamba_d_head": 1})
     n_groups: int = ints(1, 1, MAX_SMALL, raw={"n_groups": 1, "mamba_n_groups": 1})
-    ssm_state_size: int = ints(0, 0, MAX_SMALL, raw={"ssm_state_size": 1, "mamba_d_state": 1})
+    d_state: int = ints(0, 0, MAX_SMALL, raw={"ssm_state_size": 1, "mamba_d_state": 1})
     conv_kernel: int = ints(4, 1, 1024, raw={"conv_kernel": 1, "mamba_d_conv": 1})
     chunk_size: int = ints(128, 1, MAX_WIDTH, raw={"chunk_size": 1, "mamba_chunk_size": 1})
     use_conv_bias: bool = plain(True)
@@ -55,6 +55,7 @@ class MambaConfig(Section):
     mamba_rms_norm: bool = plain(True, "the gated group RMSNorm before out_proj", variant="projections")
     mamba_norm_before_gate: bool = plain(False, "normalise y, then gate; False: gate first", variant="projections")
     ssm_multipliers: tuple = vector(PLAIN_SSM, variant="projections")
+    RENAMED: ClassVar[dict] = {"ssm_state_size": "d_state"}  # its name until 2026-12-06 (HF's name for it)
 
 
 class GpuKernels(NamedTuple):
@@ -235,7 +236,7 @@ class Mamba2Mixer(nn.Module):
         nh, rows = self.dt_bias.shape[0], self.in_proj.weight.shape[0]
         if self.__dict__.get("_local_key") != (nh, rows):
             cfg = self.cfg
-            groups = (rows - nh * (2 * cfg.mamba.mamba_head_dim + 1)) // (2 * cfg.mamba.ssm_state_size)
+            groups = (rows - nh * (2 * cfg.mamba.mamba_head_dim + 1)) // (2 * cfg.mamba.d_state)
             local = cfg.replace(mamba_num_heads=nh, n_groups=groups)
             self._local_key, self._local_val = (nh, rows), CoreLayout(local, layout_spans(local))
         return self._local_val
@@ -255,7 +256,7 @@ class Mamba2Mixer(nn.Module):
         if attention_mask is not None:
             conv_out = conv_out * attention_mask[:, :, None].to(conv_out.dtype)
         x = conv_out[..., sp.x].unflatten(-1, (cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim))
-        B, C = (conv_out[..., s].unflatten(-1, (cfg.mamba.n_groups, cfg.mamba.ssm_state_size)) for s in (sp.B, sp.C))
+        B, C = (conv_out[..., s].unflatten(-1, (cfg.mamba.n_groups, cfg.mamba.d_state)) for s in (sp.B, sp.C))
         dt, z = proj[..., sp.dt], proj[..., sp.z]
         if k.scan is not None:  # dt + dt_bias, softplus and the clamp inside the kernel, as transformers calls it
             y = k.scan(x, dt, A, B, C, cfg.mamba.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
@@ -321,15 +322,15 @@ class MambaKind(LayerKind):
         return True
 
     def validate(self, cfg, need):
-        need(cfg.mamba.mamba_num_heads > 0 and cfg.mamba.mamba_head_dim > 0 and cfg.mamba.ssm_state_size > 0,
-             "Mamba layers need mamba_num_heads, mamba_head_dim and ssm_state_size > 0")
+        need(cfg.mamba.mamba_num_heads > 0 and cfg.mamba.mamba_head_dim > 0 and cfg.mamba.d_state > 0,
+             "Mamba layers need mamba_num_heads, mamba_head_dim and d_state > 0")
         need(cfg.mamba.n_groups > 0 and cfg.mamba.mamba_num_heads % cfg.mamba.n_groups == 0,
              f"mamba_num_heads={cfg.mamba.mamba_num_heads} is not a multiple of n_groups={cfg.mamba.n_groups}")
         need(cfg.mamba.chunk_size > 0 and cfg.mamba.conv_kernel > 0, "chunk_size and conv_kernel must be > 0")
 
     def summary(self, cfg):
         return {"mamba_num_heads": cfg.mamba.mamba_num_heads, "mamba_head_dim": cfg.mamba.mamba_head_dim, "n_groups": cfg.mamba.n_groups,
-                "ssm_state_size": cfg.mamba.ssm_state_size, "conv_kernel": cfg.mamba.conv_kernel, "mamba_inner": cfg.mamba_inner,
+                "d_state": cfg.mamba.d_state, "conv_kernel": cfg.mamba.conv_kernel, "mamba_inner": cfg.mamba_inner,
                 "mamba_conv_dim": self.axis_size(cfg, "mamba_conv"),
                 "mamba_in_proj_size": self.axis_size(cfg, "mamba_in_proj")}
 
@@ -394,7 +395,7 @@ MAMBA = MambaKind(
     declares=(Width("mamba_heads", "mamba_num_heads", None, "mamba_heads", None, "m.heads",
                     "Mamba heads per layer (a multiple of n_groups)", multiple_of="n_groups"),
               Width("mamba_head_dim", "mamba_head_dim", None, "mamba_head_dim", 8, "m.hd", "channels per Mamba head"),
-              Width("ssm_state_size", "ssm_state_size", None, None, None, "state", "Mamba SSM state size")),
+              Width("ssm_state_size", "d_state", None, None, None, "state", "Mamba SSM state size")),
     fixed=("conv_kernel", "mamba_bc"),
     tp_axes=("mamba_in_proj", "mamba_conv", "mamba_heads", "mamba_inner"), inputs=("attention_mask",), color="tab:blue",
     tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "": "shard", "norm": "shard", "out_proj": "rowwise"},

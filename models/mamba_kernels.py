@@ -282,7 +282,7 @@ def _tril(Q, device, dtype):
 
 def _core_dims(cfg, l):
     """(heads, groups, state size, head dim, scan chunk) of the core under `cfg`, for length l."""
-    return cfg.mamba.mamba_num_heads, cfg.mamba.n_groups, cfg.mamba.ssm_state_size, cfg.mamba.mamba_head_dim, min(CPU_CHUNK, l)
+    return cfg.mamba.mamba_num_heads, cfg.mamba.n_groups, cfg.mamba.d_state, cfg.mamba.mamba_head_dim, min(CPU_CHUNK, l)
 
 
 def _scan_views(conv_out, sp: Spans, h: int, g: int):

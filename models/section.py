@@ -10,6 +10,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
+from typing import ClassVar
 
 # Bounds of a config's sizes: far above any real model, low enough that nothing allocates or loops
 # without bound on a hostile config.json (models.hf checks the raw JSON against them too).
@@ -103,7 +104,9 @@ def check_field(f: dataclasses.Field, v, need) -> None:
 @dataclass(frozen=True)
 class Section:
     """Base of a kind's config section: frozen (configs share sections), checked by `check`, JSON by
-    to_dict / from_dict (+inf as "inf", vectors as lists)."""
+    to_dict / from_dict (+inf as "inf", vectors as lists). RENAMED: {a field's former name: its name}, read
+    from configs written before the rename."""
+    RENAMED: ClassVar[dict] = {}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # a list from JSON is the same vector
@@ -124,6 +127,7 @@ class Section:
         from .errors import RemodelError
         if not isinstance(d, dict):
             raise RemodelError(f"config section {cls.__name__} must be an object, got {type(d).__name__}")
+        d = {cls.RENAMED.get(k, k): v for k, v in d.items()}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:

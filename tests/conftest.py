@@ -50,7 +50,7 @@ KIND_CONFIGS = {
     "attention_post_norm": ModelConfig(pattern="AA", **_BASE, **_ATTN),
     "mlp_post_norm": ModelConfig(pattern="==", intermediate_size=40, **_BASE),
     "short_conv": ModelConfig(pattern="CC", short_conv_kernel=3, short_conv_bias=True, **_BASE),
-    "mamba1": ModelConfig(pattern="SS", d_state=4, d_conv=4, dt_rank=3, expand=2, proj_bias=True, **_BASE),
+    "mamba1": ModelConfig(pattern="SS", **{"mamba1.d_state": 4}, d_conv=4, dt_rank=3, expand=2, proj_bias=True, **_BASE),
     "mla": ModelConfig(pattern="LL", mla=dict(mla_num_heads=4, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
                                               qk_rope_head_dim=4, v_head_dim=5, mla_bias=True), **_BASE),
 }

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from remodel.models.config import SECTIONS, ModelConfig
+from remodel.models.config import OWNERS, SECTIONS, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import BY_NAME, KINDS
 from tests.conftest import FAMILY_CONFIGS
@@ -16,7 +16,7 @@ def test_every_kind_owns_a_section_of_its_fields():
     for k in KINDS.values():  # a derived kind ('A': attention normalised after the mixer) reads its base's section
         assert SECTIONS[k.section_name] is (k.config or BY_NAME[k.section_name].config)
     fields = [f for cls in SECTIONS.values() for f in cls.names()]
-    assert len(fields) == len(set(fields))  # one name per field: its flat name is unambiguous
+    assert "d_state" in [f for f in fields if fields.count(f) == 2]  # Mamba-1 and Mamba-2: no uniqueness rule
     trunk = set(ModelConfig.__dataclass_fields__) - {"sections"}
     assert trunk == {"vocab_size", "hidden_size", "pattern", "norm_eps", "norm_offset", "tie_word_embeddings",
                      "padding_idx", "mtp_layers", "mtp_pattern", "extra"}
@@ -35,7 +35,10 @@ def test_json_keeps_the_sections_in_use_and_old_flat_dicts_read_the_same(name):
     assert ModelConfig.from_dict(d) == cfg
     paths = json.loads(json.dumps({k: "inf" if v == float("inf") else v for k, v in cfg.flat().items()}))
     assert ModelConfig.from_dict(paths) == cfg  # "section.field" keys
-    old = {k.rpartition(".")[2]: v for k, v in paths.items()}  # a config written before the sections: flat
+    renamed = {f"{n}.{new}": old for n, cls in SECTIONS.items() for old, new in cls.RENAMED.items()}
+    # a config written before the sections: flat, under the names of then (a name two sections share stays a path)
+    old = {renamed.get(k) or (k.rpartition(".")[2] if len(OWNERS.get(k.rpartition(".")[2], ())) == 1 else k): v
+           for k, v in paths.items()}
     assert ModelConfig.from_dict(old) == cfg
     for k, v in cfg.flat().items():  # every path reads its owner's value; no section field is a config attribute
         assert cfg.value(k) == v
@@ -130,12 +133,12 @@ def test_raw_config_json_bounds_come_from_the_fields_that_hold_them():
 def test_section_fields_are_read_through_their_section_only():
     cfg = FAMILY_CONFIGS["nemotron_h"]
     assert cfg.attention.num_attention_heads == cfg.sections["attention"].num_attention_heads == 4
-    for name in ("num_attention_heads", "ssm_state_size", "n_routed_experts", "embedding_multiplier"):
+    for name in ("num_attention_heads", "d_state", "n_routed_experts", "embedding_multiplier"):
         with pytest.raises(AttributeError, match="a field of section"):
             getattr(cfg, name)
         with pytest.raises(AttributeError, match="immutable"):
             setattr(cfg, name, 1)
-    assert cfg.value("mamba.ssm_state_size") == cfg.mamba.ssm_state_size and cfg.value("hidden_size") == 24
+    assert cfg.value("mamba.d_state") == cfg.mamba.d_state and cfg.value("hidden_size") == 24
     assert cfg.get("n_groups", "mamba") == cfg.mamba.n_groups == cfg.get("mamba.n_groups")
 
 

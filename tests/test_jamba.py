@@ -18,11 +18,21 @@ TINY = FAMILIES["jamba"].tiny["plain"]
 
 
 def test_mamba1_and_mamba2_each_declare_their_state_size():
-    assert "d_state" in Mamba1Config.names() and "ssm_state_size" in MambaConfig.names()
-    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="SM", d_state=3, ssm_state_size=5, mamba_num_heads=2,
-                      mamba_head_dim=8, dt_rank=2)
-    assert cfg.mamba1.d_state == 3 and cfg.mamba.ssm_state_size == 5
-    assert cfg.replace(**{"mamba1.d_state": 7}).mamba.ssm_state_size == 5
+    """Both kinds name their state size d_state; a bare d_state names no section and is refused; Mamba-2's
+    former name (ssm_state_size) still reads, flat, as a path and inside a section dict."""
+    assert "d_state" in Mamba1Config.names() and "d_state" in MambaConfig.names()
+    assert "ssm_state_size" not in MambaConfig.names()
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="SM", mamba_num_heads=2, mamba_head_dim=8, dt_rank=2,
+                      **{"mamba1.d_state": 3, "mamba.d_state": 5})
+    assert cfg.mamba1.d_state == 3 and cfg.mamba.d_state == 5
+    assert cfg.replace(**{"mamba1.d_state": 7}).mamba.d_state == 5
+    with pytest.raises(RemodelError, match="declared by mamba, mamba1"):
+        cfg.replace(d_state=4)
+    old = {k: v for k, v in cfg.to_dict().items()}
+    old["mamba"] = {("ssm_state_size" if k == "d_state" else k): v for k, v in old["mamba"].items()}
+    flat = {k: v for k, v in cfg.flat().items() if k != "mamba.d_state"}
+    for written in (old, {**flat, "ssm_state_size": 5}, {**flat, "mamba.ssm_state_size": 5}):
+        assert ModelConfig.from_dict(written) == cfg
     model_s = cfg.replace(pattern="S")
     from remodel.models.model import HybridLM
     assert HybridLM(model_s).layers[0].mixer.A_log.shape == (32, 3)

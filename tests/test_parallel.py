@@ -153,7 +153,7 @@ def test_sharding_plan_world8():
     u = torch.randn(2, 12, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     want = [layer.mixer(u) for layer in full.layers[:3]]
     got = [0, 0, 0]
-    Im, GN, nh = cfg.mamba_inner, cfg.mamba.n_groups * cfg.mamba.ssm_state_size, cfg.mamba.mamba_num_heads
+    Im, GN, nh = cfg.mamba_inner, cfg.mamba.n_groups * cfg.mamba.d_state, cfg.mamba.mamba_num_heads
     for r in range(8):
         model = copy.deepcopy(full)
         with fake_world(r, 8):

@@ -124,7 +124,7 @@ def test_group_aware_mamba_and_attention():
             # new head j sits in new group j // (4/G); its original head must come from the same group
             assert torch.equal(heads // r, torch.arange(4) // (4 // cfg.mamba.n_groups))
             # B and C (per group) are untouched; x rows are the kept heads' rows
-            Im, Im2, GN = cfg.mamba_inner, 4 * cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.ssm_state_size
+            Im, Im2, GN = cfg.mamba_inner, 4 * cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.d_state
             W, W2 = model.layers[i].mixer.in_proj.weight, pruned.layers[i].mixer.in_proj.weight
             assert torch.equal(W2[2 * Im2:2 * Im2 + 2 * GN], W[2 * Im:2 * Im + 2 * GN])
             rows = (heads[:, None] * cfg.mamba.mamba_head_dim + torch.arange(cfg.mamba.mamba_head_dim)).reshape(-1)

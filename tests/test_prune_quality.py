@@ -56,7 +56,7 @@ def test_magnitude_scores_equal_direct_computation():
     s = magnitude_scores(cfg, W.items())
     assert {k: tuple(v.shape) for k, v in s.items()} == {k: v for k, v in score_shapes(cfg).items()
                                                         if k != "loss_increase"}
-    Im, nh, hd, GN = cfg.mamba_inner, cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.ssm_state_size
+    Im, nh, hd, GN = cfg.mamba_inner, cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, cfg.mamba.n_groups * cfg.mamba.d_state
     for i, c in enumerate(cfg.pattern):
         p = f"layers.{i}.mixer."
         if c == "-":

@@ -51,7 +51,7 @@ class Bamba(Family):
             attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
             intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True, mlp_bias=bool(h.mlp_bias),
             mamba_num_heads=h.mamba_n_heads, mamba_head_dim=h.mamba_d_head, n_groups=h.mamba_n_groups,
-            ssm_state_size=h.mamba_d_state, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
+            **{"mamba.d_state": h.mamba_d_state}, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
             use_conv_bias=bool(h.mamba_conv_bias), mamba_proj_bias=bool(h.mamba_proj_bias),
             time_step_min=lo, time_step_max=hi, extra=extra)
 
@@ -85,7 +85,7 @@ class Bamba(Family):
             # without Mamba layers any consistent widths do: one head of the whole hidden size
             mamba_n_heads=cfg.mamba.mamba_num_heads if mamba else 1, mamba_d_head=cfg.mamba.mamba_head_dim if mamba else H,
             mamba_expand=cfg.mamba_inner // H if mamba else 1, mamba_n_groups=cfg.mamba.n_groups if mamba else 1,
-            mamba_d_state=cfg.mamba.ssm_state_size or 1, mamba_d_conv=cfg.mamba.conv_kernel, mamba_chunk_size=cfg.mamba.chunk_size,
+            mamba_d_state=cfg.mamba.d_state or 1, mamba_d_conv=cfg.mamba.conv_kernel, mamba_chunk_size=cfg.mamba.chunk_size,
             mamba_conv_bias=cfg.mamba.use_conv_bias, mamba_proj_bias=cfg.mamba.mamba_proj_bias,
             time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)])
 

@@ -69,7 +69,7 @@ class FalconH1(Family):
             attention_bias=bool(h.attention_bias), attention_out_bias=bool(h.attention_bias),
             intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True, mlp_bias=bool(h.mlp_bias),
             mamba_num_heads=h.mamba_n_heads, mamba_head_dim=h.mamba_d_head, n_groups=h.mamba_n_groups,
-            ssm_state_size=h.mamba_d_state, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
+            **{"mamba.d_state": h.mamba_d_state}, conv_kernel=h.mamba_d_conv, chunk_size=h.mamba_chunk_size,
             use_conv_bias=bool(h.mamba_conv_bias), mamba_proj_bias=bool(h.mamba_proj_bias),
             mamba_rms_norm=bool(h.mamba_rms_norm), mamba_norm_before_gate=bool(h.mamba_norm_before_gate),
             time_step_min=lo, time_step_max=hi, extra=extra, **_multipliers(h))
@@ -97,7 +97,7 @@ class FalconH1(Family):
             rope_parameters={"rope_type": "default", "rope_theta": cfg.attention.rope_theta},
             intermediate_size=cfg.mlp.intermediate_size, mlp_bias=cfg.mlp.mlp_bias,
             mamba_d_ssm=cfg.mamba_inner, mamba_n_heads=cfg.mamba.mamba_num_heads, mamba_d_head=cfg.mamba.mamba_head_dim,
-            mamba_n_groups=cfg.mamba.n_groups, mamba_d_state=cfg.mamba.ssm_state_size, mamba_d_conv=cfg.mamba.conv_kernel,
+            mamba_n_groups=cfg.mamba.n_groups, mamba_d_state=cfg.mamba.d_state, mamba_d_conv=cfg.mamba.conv_kernel,
             mamba_chunk_size=cfg.mamba.chunk_size, mamba_conv_bias=cfg.mamba.use_conv_bias, mamba_proj_bias=cfg.mamba.mamba_proj_bias,
             projectors_bias=cfg.mamba.mamba_proj_bias, mamba_rms_norm=cfg.mamba.mamba_rms_norm,
             mamba_norm_before_gate=cfg.mamba.mamba_norm_before_gate,

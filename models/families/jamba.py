@@ -57,7 +57,7 @@ class Jamba(Family):
             intermediate_size=h.intermediate_size, mlp_act=h.hidden_act, mlp_gated=True,
             n_routed_experts=h.num_experts if any(experts) else 0, num_experts_per_tok=h.num_experts_per_tok,
             moe_intermediate_size=h.intermediate_size, router="softmax", norm_topk_prob=False,
-            d_state=h.mamba_d_state, d_conv=h.mamba_d_conv, dt_rank=h.mamba_dt_rank, expand=h.mamba_expand,
+            **{"mamba1.d_state": h.mamba_d_state}, d_conv=h.mamba_d_conv, dt_rank=h.mamba_dt_rank, expand=h.mamba_expand,
             conv_bias=bool(h.mamba_conv_bias), proj_bias=bool(h.mamba_proj_bias), dt_bc_norm=True,
             dt_bc_norm_eps=h.rms_norm_eps, extra=extra)
 

@@ -44,7 +44,7 @@ class NemotronH(Family):
             head_dim=h.head_dim, rope_theta=None,
             intermediate_size=h.intermediate_size, mlp_act=h.mlp_hidden_act, mlp_gated=False, mlp_bias=h.mlp_bias,
             mamba_num_heads=h.mamba_num_heads, mamba_head_dim=h.mamba_head_dim, n_groups=h.n_groups,
-            ssm_state_size=h.ssm_state_size, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
+            **{"mamba.d_state": h.ssm_state_size}, conv_kernel=h.conv_kernel, chunk_size=h.chunk_size,
             use_conv_bias=h.use_conv_bias, mamba_proj_bias=h.use_bias, time_step_min=lo, time_step_max=hi,
             n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
             moe_intermediate_size=h.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
@@ -69,7 +69,7 @@ class NemotronH(Family):
                  head_dim=cfg.attention.head_dim or 1, intermediate_size=cfg.mlp.intermediate_size or 1,
                  mlp_hidden_act=cfg.mlp.mlp_act, mlp_bias=cfg.mlp.mlp_bias,
                  mamba_num_heads=cfg.mamba.mamba_num_heads or 1, mamba_head_dim=cfg.mamba.mamba_head_dim or 1,
-                 n_groups=cfg.mamba.n_groups, ssm_state_size=cfg.mamba.ssm_state_size or 1, conv_kernel=cfg.mamba.conv_kernel,
+                 n_groups=cfg.mamba.n_groups, ssm_state_size=cfg.mamba.d_state or 1, conv_kernel=cfg.mamba.conv_kernel,
                  chunk_size=cfg.mamba.chunk_size, use_conv_bias=cfg.mamba.use_conv_bias, use_bias=cfg.mamba.mamba_proj_bias,
                  time_step_limit=[float(cfg.mamba.time_step_min), float(cfg.mamba.time_step_max)])
         if routed(cfg):
