@@ -18,7 +18,7 @@ class Block(nn.Module):
         super().__init__()
         self.kind, self.spec = kind, KINDS[kind]
         self.add_module(self.spec.norm_name, trunk_norm(cfg))  # 'post_norm' after the mixer
-        self.mixer = self.spec.build(cfg)
+        self.mixer = self.spec.build(cfg.view(self.spec))  # the trunk and its own sections only
         self.residual_multiplier = cfg.scales.residual_multiplier  # the mixer's output joins the stream scaled
 
     @property

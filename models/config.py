@@ -17,7 +17,7 @@ from .errors import RemodelError
 from .kinds import KINDS, used
 from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, plain, reals
 
-__all__ = ["ModelConfig", "Scales", "Slot", "OWNERS", "SECTIONS", "path_of", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
+__all__ = ["ModelConfig", "KindView", "Scales", "Slot", "OWNERS", "SECTIONS", "path_of", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,14 @@ class ModelConfig:
         if name in OWNERS or name in SECTIONS:
             raise AttributeError(f"ModelConfig sections are immutable: use cfg.replace(**{{'section.{name}': ...}})")
         object.__setattr__(self, name, value)
+
+    def reads(self, section: str | None) -> bool:
+        """Whether this config holds `section` (None: the trunk); a KindView holds only its kind's."""
+        return True
+
+    def view(self, kind) -> "KindView":
+        """What `kind`'s module is given: the trunk and the sections the kind reads (LayerKind.sections)."""
+        return KindView(self, kind.sections)
 
     def value(self, path: str):
         """A trunk field ("hidden_size") or a section's ("mamba.n_groups") by its path."""
@@ -220,6 +228,39 @@ class ModelConfig:
 
 
 TRUNK_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+DERIVED = {"mamba_inner": "mamba", "moe_input_size": "moe"}  # ModelConfig properties: the section each reads
+
+
+class KindView:
+    """One layer kind's config: the trunk's fields (and its scales) and the sections the kind reads, nothing
+    else, so a module that reads another kind's section fails at once (issue 54: a kind receives its section)."""
+
+    def __init__(self, cfg: ModelConfig, sections: tuple):
+        self.__dict__.update(config=cfg, sections={n: cfg.sections[n] for n in ("scales", *sections)})
+
+    def __getattr__(self, name):
+        if name in ("config", "sections") or name.startswith("__"):  # a copy before __init__ (deepcopy, pickle)
+            raise AttributeError(name)
+        if name in TRUNK_FIELDS - {"sections"} or DERIVED.get(name) in self.sections or name in (
+                "num_layers", "mtp_full_pattern", "count"):
+            return getattr(self.config, name)
+        if name in self.sections:
+            return self.sections[name]
+        raise AttributeError(f"a layer kind given sections {sorted(self.sections)} read {name!r}")
+
+    def reads(self, section: str | None) -> bool:
+        return section is None or section in self.sections
+
+    def value(self, path: str):
+        section, _, name = path.rpartition(".")
+        return getattr(self.sections[section] if section else self, name)
+
+    def view(self, kind) -> "KindView":
+        return self.config.view(kind)
+
+    def replace(self, **changes) -> "KindView":
+        """The same view of the config with `changes` (of its own sections' fields) applied."""
+        return KindView(self.config.replace(**changes), tuple(n for n in self.sections if n != "scales"))
 
 
 def path_of(name: str, section: str | None = None) -> str:

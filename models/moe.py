@@ -386,4 +386,5 @@ MOE = MoEKind(
               Width("latent_size", "moe_latent_size", None, "latent", 256, "latent", "LatentMoE latent size",
                     absent="latent MoE (moe_latent_size)")), tp_axes=("shared_ffn",), routed=True,
     color="tab:purple", tp_plan={"shared_experts.up_proj": "colwise", "shared_experts.gate_proj": "colwise",
-                                 "shared_experts.down_proj": "rowwise"}, config=MoEConfig)
+                                 "shared_experts.down_proj": "rowwise"}, config=MoEConfig,
+    reads=("mlp",))  # the experts and the shared expert take the dense MLP's activation

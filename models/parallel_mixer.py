@@ -122,4 +122,4 @@ PARALLEL = ParallelKind(
     tuple(Param(p + q.leaf, q.axes, q.when) for p, k in _PARTS for q in k.params),
     **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "fixed", "tp_axes",
                                "inputs", "tp_plan")},
-    color="tab:cyan", config=ParallelConfig)
+    color="tab:cyan", config=ParallelConfig, reads=tuple(k.section_name for _, k in _PARTS))

@@ -57,7 +57,7 @@ WIDTHS: dict = {w.name: w for w in TRUNK_WIDTHS}
 
 def widths(cfg, **changes) -> dict:
     """{width name: size} of `cfg`, with `changes` applied (any value, even 0: nothing is validated)."""
-    return {**{n: w.of(cfg) or 0 for n, w in WIDTHS.items()}, **changes}
+    return {**{n: w.of(cfg) or 0 for n, w in WIDTHS.items() if cfg.reads(w.section)}, **changes}
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ class LayerKind:
     config: type | None = None  # its config section (models/section.py); ModelConfig holds one instance
     post_norm: bool = False  # the block normalises the mixer's output (x + norm(mixer(x)), OLMo 2) not its input
     section: str = ""  # the config section it reads when another kind declares it (default: its own name)
+    reads: tuple = ()  # further sections its module reads (a composed kind's parts'; MoE's experts: the MLP's act)
 
     def __post_init__(self):
         """Enter the widths this kind declares in WIDTHS, under its layer character (once: a second kind
@@ -155,6 +156,11 @@ class LayerKind:
     def section_name(self) -> str:
         """The name of the config section this kind reads (its own, or the kind it derives from)."""
         return self.section or self.name
+
+    @property
+    def sections(self) -> tuple:
+        """Every config section this kind's module is given (ModelConfig.view): its own and `reads`."""
+        return (self.section_name, *self.reads)
 
     @property
     def norm_name(self) -> str:

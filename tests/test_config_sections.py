@@ -8,7 +8,7 @@ import pytest
 from remodel.models.config import OWNERS, SECTIONS, ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import BY_NAME, KINDS
-from tests.conftest import FAMILY_CONFIGS
+from tests.conftest import FAMILY_CONFIGS, KIND_CONFIGS
 
 
 def test_every_kind_owns_a_section_of_its_fields():
@@ -161,3 +161,28 @@ def test_slots_name_each_layer_kind_and_its_section():
     assert "".join(s.kind.char for s in cfg.slots) == cfg.pattern and [s.index for s in cfg.slots] == list(range(4))
     for s in cfg.slots:
         assert s.section is cfg.sections[s.kind.section_name]
+
+
+@pytest.mark.parametrize("name", sorted(KIND_CONFIGS))
+def test_each_kind_module_is_built_from_its_own_sections(name):
+    """Block gives a kind's module a KindView: the trunk's fields and the kind's sections (LayerKind.sections); a
+    read of any other kind's section raises, so a module cannot depend on another kind's config."""
+    from remodel.models.block import Block
+    from remodel.models.config import KindView
+    cfg = KIND_CONFIGS[name]
+    k = KINDS[cfg.pattern[0]]
+    given = []
+    orig = type(k).build
+    try:
+        type(k).build = lambda self, c: given.append(c) or orig(self, c)
+        Block(cfg, k.char)
+    finally:
+        type(k).build = orig
+    (view,) = given
+    assert isinstance(view, KindView) and set(view.sections) == {"scales", *k.sections}
+    path = f"{k.section_name}.{SECTIONS[k.section_name].names()[0]}"
+    assert view.hidden_size == cfg.hidden_size and view.value(path) == cfg.value(path)
+    for other in set(SECTIONS) - set(k.sections) - {"scales"}:
+        with pytest.raises(AttributeError, match="read"):
+            getattr(view, other)
+

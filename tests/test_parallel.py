@@ -180,7 +180,7 @@ def test_sharding_plan_world8():
         # the mixers read one group / one KV head from their shards' shapes; their config is the full one
         assert model.layers[0].mixer._local()[0].mamba.n_groups == 1 and model.layers[0].mixer.norm.groups == 1
         assert local_tensor(model.layers[1].mixer.k_proj.weight).shape[0] == cfg.attention.head_dim
-        assert all(getattr(layer.mixer, "cfg", cfg) == cfg for layer in model.layers)
+        assert all(layer.mixer.cfg.config == cfg for layer in model.layers if hasattr(layer.mixer, "cfg"))  # a KindView
         assert local["layers.3.mixer.experts.up_proj"].shape[0] == 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
