@@ -9,15 +9,19 @@ apply_mask_to_padding_states). The inner channel count is expand x hidden_size (
 pruning keeps as many channels per kept hidden unit, chosen by this kind's own score (out_proj's input;
 LayerKind.hidden_units). The state size is a width of its own (--mamba1-d-state): x_proj's B and C rows, A_log's
 columns and the B / C norms are sliced together, state channels ranked by |B| x |C| as the scan reads them.
-Pure PyTorch on every device (CUDA included: no fused kernel yet).
+The scan is pure PyTorch, except on CUDA where mamba-ssm imports: its fused `selective_scan_fn` (same inputs, in
+fp32 as the PyTorch scan computes; tests/test_mamba1_kernel.py holds its call to the PyTorch scan).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass
 from torch import nn
 
+from .mamba import optional_import
 from .section import MAX_SMALL, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top
 
@@ -54,8 +58,34 @@ class RMSNorm(nn.Module):
         return rms(x, self.weight, self.eps)
 
 
+USE_KERNEL = True  # False: the PyTorch scan on CUDA too (benchmarks, parity tests)
+SCAN_KERNEL = ("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn")
+
+
+@functools.lru_cache(maxsize=None)
+def scan_kernel():
+    """mamba-ssm's fused CUDA selective scan, or None where it does not import (imported on first CUDA use)."""
+    return optional_import(*SCAN_KERNEL)
+
+
+def on_gpu(t) -> bool:
+    """Whether the fused kernel may run on t (CUDA; float64 is the PyTorch scan's alone)."""
+    return t.is_cuda and t.dtype != torch.float64
+
+
+def kernel_scan(kernel, x, dt, A, B, C, D):
+    """The scan through mamba-ssm's selective_scan_fn, in its layout: u, delta [b, c, l], A [c, n], B, C [b, n, l]
+    (one group), D [c], all fp32 (dt already softplus'd: no delta_bias, delta_softplus False) -> y [b, l, c] fp32."""
+    f = lambda t: t.float().transpose(1, 2)  # noqa: E731
+    return kernel(f(x), f(dt), A.float(), f(B), f(C), D.float(), delta_softplus=False).transpose(1, 2)
+
+
 def selective_scan(x, dt, A, B, C, D):
-    """x, dt [b, l, c], A [c, n], B, C [b, l, n], D [c] -> y [b, l, c], step by step in fp32 (float64 stays)."""
+    """x, dt [b, l, c], A [c, n], B, C [b, l, n], D [c] -> y [b, l, c], step by step in fp32 (float64 stays); on
+    CUDA through mamba-ssm's kernel when it imports (USE_KERNEL)."""
+    kernel = scan_kernel() if USE_KERNEL and on_gpu(x) else None
+    if kernel is not None:
+        return kernel_scan(kernel, x, dt, A, B, C, D)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, dt, B, C = x.to(cd), dt.to(cd), B.to(cd), C.to(cd)
     s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
