@@ -108,8 +108,12 @@ def test_cli_prunes_the_state_of_a_transformers_jamba(tmp_path):
                      "--hidden-size", "24"]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert (hf["mamba_d_state"], hf["hidden_size"]) == (6, 24)
-    reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, {"mamba1_d_state": 6,
-                                                                                    "hidden_size": 24})))
+    keep = plan_keep(ours.cfg, scores, {"mamba1_d_state": 6, "hidden_size": 24})
+    kept = json.loads((out / "remodel_report.json").read_text())["kept"]  # each kept axis of its full size
+    assert {k: (v["size"], v["of"], v["indices"]) for k, v in kept.items()} == \
+        {k: (len(v), {"hidden": 32, "m1_inner": 64, "m1_state": 8}[k.rsplit(".", 1)[-1]], v.tolist())
+         for k, v in keep.items()}
+    reloaded_equals_in_memory(out, prune_model(ours, keep))
     assert cli.main(["prune", str(d), str(tmp_path / "bad"), "--scores", str(tmp_path / "s"),
                      "--mamba1-d-state", "9"]) != 0
     assert not (tmp_path / "bad").exists()
