@@ -181,10 +181,10 @@ class Mamba1Kind(LayerKind):
     state_row = "Mamba-1 state (conv + fp32 SSM)"
 
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
-        """The conv state (d_conv columns per inner channel) and the SSM state (d_state per channel)."""
+        """The conv state (d_conv columns per inner channel) and the SSM state (d_state per channel), at widths w."""
         n, s = self.axis_size(cfg, "m1_inner", w), cfg.mamba1
         return {"mamba1_conv_state": batch * n * s.d_conv * conv_bytes,
-                "mamba1_ssm_state": batch * n * s.d_state * state_bytes}
+                "mamba1_ssm_state": batch * n * w["mamba1_d_state"] * state_bytes}
 
     def mixing_flops(self, cfg, seq_len):
         """Per token: the depthwise conv, and the scan's decay, update and read-out per channel and state."""

@@ -17,7 +17,9 @@ from remodel.compress.scores import load_scores
 from remodel.models.config import ModelConfig
 from remodel.models.families import FAMILIES
 from remodel.models.load import save_model
+from remodel.models.mamba1 import MAMBA1
 from remodel.models.model import HybridLM
+from remodel.models.spec import widths
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_pair, hf_pair, reloaded_equals_in_memory
 from tests.mamba1_masking import mask_state_channels
@@ -64,6 +66,8 @@ def test_jamba_d_state_pruned_equals_masked_and_transformers_reloads_it(tmp_path
     m = pruned.layers[0].mixer
     assert (pruned.cfg.mamba1.d_state, m.A_log.shape, m.x_proj.weight.shape, m.c_layernorm.weight.shape) == \
         (5, (64, 5), (4 + 10, 64), (5,))
+    w = widths(ours.cfg, mamba1_d_state=5)  # what plan / inspect count at the target: the pruned model's own state
+    assert MAMBA1.cache_bytes(ours.cfg, w, 2, 9) == MAMBA1.cache_bytes(pruned.cfg, widths(pruned.cfg), 2, 9)
     out = save_model(pruned, tmp_path / "pruned", family="jamba")
     assert json.loads((out / "config.json").read_text())["mamba_d_state"] == 5
     reloaded_equals_in_memory(out, pruned)
