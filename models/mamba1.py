@@ -7,17 +7,23 @@ softplus -> selective scan s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t, y_t = s_t C
 [inner, d_state] -> y * silu(z) -> out_proj. Padded positions' inputs and conv outputs are zeroed (transformers'
 apply_mask_to_padding_states). The inner channel count is expand x hidden_size (Jamba's mamba_expand): hidden
 pruning keeps as many channels per kept hidden unit, chosen by this kind's own score (out_proj's input;
-LayerKind.hidden_units). Pure PyTorch on every device (CUDA included: no fused kernel yet).
+LayerKind.hidden_units). The state size is a width of its own (--mamba1-d-state): x_proj's B and C rows, A_log's
+columns and the B / C norms are sliced together, state channels ranked by |B| x |C| as the scan reads them.
+The scan is pure PyTorch, except on CUDA where mamba-ssm imports: its fused `selective_scan_fn` (same inputs, in
+fp32 as the PyTorch scan computes; tests/test_mamba1_kernel.py holds its call to the PyTorch scan).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass
 from torch import nn
 
+from .mamba import optional_import
 from .section import MAX_SMALL, Section, ints, plain, reals
-from .spec import LayerKind, Param, Site, sq, top
+from .spec import LayerKind, Param, Site, Width, sq, top
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,34 @@ class RMSNorm(nn.Module):
         return rms(x, self.weight, self.eps)
 
 
+USE_KERNEL = True  # False: the PyTorch scan on CUDA too (benchmarks, parity tests)
+SCAN_KERNEL = ("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn")
+
+
+@functools.lru_cache(maxsize=None)
+def scan_kernel():
+    """mamba-ssm's fused CUDA selective scan, or None where it does not import (imported on first CUDA use)."""
+    return optional_import(*SCAN_KERNEL)
+
+
+def on_gpu(t) -> bool:
+    """Whether the fused kernel may run on t (CUDA; float64 is the PyTorch scan's alone)."""
+    return t.is_cuda and t.dtype != torch.float64
+
+
+def kernel_scan(kernel, x, dt, A, B, C, D):
+    """The scan through mamba-ssm's selective_scan_fn, in its layout: u, delta [b, c, l], A [c, n], B, C [b, n, l]
+    (one group), D [c], all fp32 (dt already softplus'd: no delta_bias, delta_softplus False) -> y [b, l, c] fp32."""
+    f = lambda t: t.float().transpose(1, 2)  # noqa: E731
+    return kernel(f(x), f(dt), A.float(), f(B), f(C), D.float(), delta_softplus=False).transpose(1, 2)
+
+
 def selective_scan(x, dt, A, B, C, D):
-    """x, dt [b, l, c], A [c, n], B, C [b, l, n], D [c] -> y [b, l, c], step by step in fp32 (float64 stays)."""
+    """x, dt [b, l, c], A [c, n], B, C [b, l, n], D [c] -> y [b, l, c], step by step in fp32 (float64 stays); on
+    CUDA through mamba-ssm's kernel when it imports (USE_KERNEL)."""
+    kernel = scan_kernel() if USE_KERNEL and on_gpu(x) else None
+    if kernel is not None:
+        return kernel_scan(kernel, x, dt, A, B, C, D)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, dt, B, C = x.to(cd), dt.to(cd), B.to(cd), C.to(cd)
     s = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
@@ -149,10 +181,10 @@ class Mamba1Kind(LayerKind):
     state_row = "Mamba-1 state (conv + fp32 SSM)"
 
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
-        """The conv state (d_conv columns per inner channel) and the SSM state (d_state per channel)."""
+        """The conv state (d_conv columns per inner channel) and the SSM state (d_state per channel), at widths w."""
         n, s = self.axis_size(cfg, "m1_inner", w), cfg.mamba1
         return {"mamba1_conv_state": batch * n * s.d_conv * conv_bytes,
-                "mamba1_ssm_state": batch * n * s.d_state * state_bytes}
+                "mamba1_ssm_state": batch * n * w["mamba1_d_state"] * state_bytes}
 
     def mixing_flops(self, cfg, seq_len):
         """Per token: the depthwise conv, and the scan's decay, update and read-out per channel and state."""
@@ -160,23 +192,41 @@ class Mamba1Kind(LayerKind):
         return 2 * n * s.d_conv + 6 * n * s.d_state + 4 * n
 
     def sites(self, cfg):
-        return (Site("m1_inner", "out_proj", "input", None, "out_proj.weight"),)
+        """out_proj's input per inner channel; B and C per state channel as the scan reads them (after Jamba's
+        RMSNorms when it has them, else x_proj's B and C rows)."""
+        if cfg.mamba1.dt_bc_norm:
+            bc = (Site("m1_B", "b_layernorm", "output"), Site("m1_C", "c_layernorm", "output"))
+        else:
+            bc = tuple(Site("m1_" + n, "x_proj", "output", self.segment_span(cfg, "m1_x_proj", n)) for n in "BC")
+        return (Site("m1_inner", "out_proj", "input", None, "out_proj.weight"),) + bc
 
     def keep(self, cfg, score, t, p):
-        """Hidden pruning keeps expand channels per kept hidden unit, by out_proj's input."""
-        if "hidden_size" not in t:
-            return {}
-        n = self.axis_size(cfg, "m1_inner")
-        return {p + "m1_inner": top(score(p + "m1_inner", (n,), "--hidden-size"), cfg.mamba1.expand * t["hidden_size"])}
+        """Hidden pruning keeps expand channels per kept hidden unit, by out_proj's input; --mamba1-d-state keeps
+        the state channels with the largest |B| x |C| (channel j adds s_j C_j to y, s_j driven by B_j)."""
+        keep = {}
+        if "hidden_size" in t:
+            n = self.axis_size(cfg, "m1_inner")
+            keep[p + "m1_inner"] = top(score(p + "m1_inner", (n,), "--hidden-size"), cfg.mamba1.expand * t["hidden_size"])
+        if "mamba1_d_state" in t:
+            n, why = cfg.mamba1.d_state, "--mamba1-d-state"
+            keep[p + "m1_state"] = top(score(p + "m1_B", (n,), why) * score(p + "m1_C", (n,), why), t["mamba1_d_state"])
+        return keep
 
     def magnitude(self, cfg, local, t):
-        """in_proj x and z rows, the conv's channels, x_proj columns, dt_proj rows, A_log / D rows, out_proj columns."""
+        """in_proj x and z rows, the conv's channels, x_proj columns, dt_proj rows, A_log / D rows, out_proj columns;
+        per state channel, the B (C) norm's weight where Jamba's norms set B's (C's) scale, else x_proj's B (C) row."""
         if local in ("in_proj.weight", "in_proj.bias"):
             return [("m1_inner", sum(sq(t, 0).chunk(2)))]
         if local in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D"):
             return [("m1_inner", sq(t, 0))]
-        if local in ("x_proj.weight", "out_proj.weight"):
+        if local == "x_proj.weight":
+            rows = [] if cfg.mamba1.dt_bc_norm else [("m1_" + n, sq(t, 0)[self.segment_span(cfg, "m1_x_proj", n)])
+                                                     for n in "BC"]
+            return [("m1_inner", sq(t, 1))] + rows
+        if local == "out_proj.weight":
             return [("m1_inner", sq(t, 1))]
+        if local in ("b_layernorm.weight", "c_layernorm.weight"):
+            return [("m1_" + local[0].upper(), t.square())]
         return []
 
     def check_tp(self, cfg, tp, need):
@@ -197,12 +247,16 @@ MAMBA1 = Mamba1Kind(
      Param("c_layernorm.weight", ("m1_state",), ("dt_bc_norm",))),
     sizes={"m1_inner": lambda cfg, w: cfg.mamba1.expand * w["hidden_size"],
            "m1_kernel": lambda cfg, w: cfg.mamba1.d_conv, "m1_dt_rank": lambda cfg, w: cfg.mamba1.dt_rank,
-           "m1_state": lambda cfg, w: cfg.mamba1.d_state},
+           "m1_state": lambda cfg, w: w["mamba1_d_state"]},
     segments={"m1_in_proj": (("x", "m1_inner"), ("z", "m1_inner")),
               "m1_x_proj": (("dt", "m1_dt_rank"), ("B", "m1_state"), ("C", "m1_state"))},
-    scored={"m1_inner": ("m1_inner",)},
+    units={"m1_state": "d_state"},
+    scored={"m1_inner": ("m1_inner",), "m1_B": ("m1_state",), "m1_C": ("m1_state",)},
+    widths=("mamba1_d_state",),
+    declares=(Width("mamba1_d_state", "d_state", None, "m1_state", None, "m1.state",
+                    "Mamba-1 SSM state size (x_proj's B and C rows, A_log columns, the B / C norms)"),),
     hidden_units=("m1_inner",),
-    fixed=("m1_kernel", "m1_dt_rank", "m1_state", "m1_x_proj"),
+    fixed=("m1_kernel", "m1_dt_rank"),
     tp_axes=("m1_in_proj", "m1_inner"), inputs=("attention_mask",), color="tab:cyan",
     tp_plan={"in_proj": "shard_entry", "conv1d": "shard", "x_proj": "rowwise", "dt_proj": "colwise",
              "ssm": "shard_entry", "": "shard", "out_proj": "rowwise"},

@@ -22,7 +22,7 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families.tower import check_tower
 from remodel.models.hf import config_from_hf, config_to_hf, our_shapes, weight_table
-from remodel.models.kinds import KINDS
+from remodel.models.kinds import KINDS, used
 from remodel.models.load import iter_hf_tensors, iter_our_tensors
 from remodel.models.params import count_params
 
@@ -50,7 +50,8 @@ def _params(cfg: ModelConfig, family: str) -> dict:
 
 def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
     full = {"hidden": cfg.hidden_size, "layers": cfg.num_layers,  # and each kind's units (its spec)
-            **{unit: cfg.get(field, k.section_name) for k in KINDS.values() for unit, field in k.units.items()}}
+            **{unit: cfg.get(field, k.section_name) for k in KINDS.values() for unit, field in k.units.items()},
+            **{a: k.axis_size(cfg, a) for k in used(cfg) for a in k.hidden_units}}  # sized by hidden (Mamba-1, LFM2)
     return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
             for k, v in keep.items()}
 
