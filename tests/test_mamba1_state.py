@@ -1,6 +1,6 @@
 """Pruning the Mamba-1 SSM state (`--mamba1-d-state`, models/mamba1.py): x_proj's B and C rows, A_log's columns and
 Jamba's B / C RMSNorms sliced together give the logits of the unpruned model with those state channels zeroed at
-runtime (tests/mamba1_masking.py: B and C zero on the dropped channels, the B / C norms' RMS over the kept ones);
+runtime (tests/kinds/mamba1.py: B and C zero on the dropped channels, the B / C norms' RMS over the kept ones);
 transformers reloads the pruned Jamba with the same logits; the scores rank state channels by what the scan reads;
 and `remodel prune` does it on a checkpoint transformers saved."""
 import copy
@@ -22,14 +22,14 @@ from remodel.models.model import HybridLM
 from remodel.models.spec import widths
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_pair, hf_pair, reloaded_equals_in_memory
-from tests.mamba1_masking import mask_state_channels
+from tests.kinds.mamba1 import mask_state_channels
 
 TINY = FAMILIES["jamba"].tiny["plain"]  # mamba_d_state 8
 
 
 @torch.no_grad()
 def masked_state(model, keep):
-    """A copy of `model` with the state channels `keep` drops zero-masked (tests/mamba1_masking.py)."""
+    """A copy of `model` with the state channels `keep` drops zero-masked (tests/kinds/mamba1.py)."""
     ref = copy.deepcopy(model)
     for i, layer in enumerate(ref.layers):
         if f"layers.{i}.m1_state" in keep:
@@ -38,7 +38,7 @@ def masked_state(model, keep):
 
 
 def _no_norm_model():
-    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="S-S-", d_state=8, dt_rank=2, intermediate_size=24,
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, pattern="S-S-", **{"mamba1.d_state": 8}, dt_rank=2, intermediate_size=24,
                       mlp_gated=True, mlp_act="silu", dt_bc_norm=False)
     torch.manual_seed(0)
     model = HybridLM(cfg).eval()
