@@ -78,7 +78,8 @@ def axis_index(cfg: ModelConfig, keep: dict, axis: str, layer: int | str | None)
     if product(axis) is None:
         raise KeyError(f"unknown axis {axis!r}")
     outer, inner = product(axis)  # e.g. heads x channels: every kept channel of every kept head
-    o, i = k(outer), (k(inner) if inner in PRIMARY else None)
+    o = k(outer)  # the inner axis a unit, or concatenated segments ('mla_kv_head': k no-RoPE | v) each its own
+    i = k(inner) if inner in PRIMARY else axis_index(cfg, keep, inner, layer) if segments(inner) else None
     if o is None and i is None:
         return None
     n = axis_size(cfg, inner)

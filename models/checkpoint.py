@@ -23,6 +23,7 @@ import torch
 
 from .errors import RemodelError
 from .files import open_regular, parse_json, read_json
+from .fp8 import fp8_views
 from .outputs import atomic_output_dir  # also re-exported: the commands take it from here
 
 SINGLE = "model.safetensors"
@@ -37,6 +38,9 @@ _DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
            "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 DTYPES = {k: getattr(torch, v) for k, v in _DTYPES.items() if hasattr(torch, v)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# quantized checkpoints read as plain weights: each maps (config, {name: (dtype, shape)}, path) to {weight name:
+# models.fp8.Dequantized (the stored parts it is made of, its shape, dtype and read(*parts))}
+DEQUANTIZERS = (fp8_views,)
 
 
 def _entry(path, name, e) -> tuple:
@@ -150,14 +154,18 @@ class CheckpointReader:
                 if name not in header:
                     raise RemodelError(f"{file}: tensor {name!r} listed in {INDEX} is missing from the shard")
                 self._where[name] = (shard, header[name])
-        self._keys = sorted(self._where)
+        self._views = dequantized(self.config, self._where, self.path)  # the hook: quantized weights
+        self._keys = sorted(set(self._where) - {p for v in self._views.values() for p in v.parts} | set(self._views))
+        self._has = set(self._keys)
         self.config = without_absent_mtp(self.config, self._keys)
+        if self._views:  # what it reads is plain weights
+            self.config = {k: v for k, v in self.config.items() if k != "quantization_config"}
 
     def keys(self) -> list[str]:
         return list(self._keys)
 
     def __contains__(self, name) -> bool:
-        return name in self._where
+        return name in self._has
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -168,20 +176,30 @@ class CheckpointReader:
         return self._where[name]
 
     def shape(self, name) -> tuple[int, ...]:
-        return tuple(self._entry(name)[1]["shape"])
+        return self._views[name].shape if name in self._views else tuple(self._entry(name)[1]["shape"])
 
     def dtype(self, name) -> torch.dtype:
-        return DTYPES[self._entry(name)[1]["dtype"]]
+        return self._views[name].dtype if name in self._views else DTYPES[self._entry(name)[1]["dtype"]]
+
+    def stored(self, name) -> list[tuple[torch.dtype, int]]:
+        """(dtype, bytes) of each tensor the file stores for `name` (a quantized weight: its data and scales)."""
+        parts = self._views[name].parts if name in self._views else (name,)
+        return [(DTYPES[self._entry(p)[1]["dtype"]], self._entry(p)[1]["data_offsets"][1]
+                 - self._entry(p)[1]["data_offsets"][0]) for p in parts]
 
     def nbytes(self, name) -> int:
-        start, end = self._entry(name)[1]["data_offsets"]
-        return end - start
+        return sum(n for _, n in self.stored(name))
 
     def total_bytes(self) -> int:
         return sum(self.nbytes(k) for k in self._keys)
 
     def get(self, name) -> torch.Tensor:
-        """Read exactly one tensor into fresh memory (plain file read; no mmap of the shard)."""
+        """Read exactly one tensor into fresh memory (plain file read; no mmap of the shard); a quantized weight
+        dequantized from its stored parts."""
+        v = self._views.get(name)
+        return self._raw(name) if v is None else v.read(*map(self._raw, v.parts))
+
+    def _raw(self, name) -> torch.Tensor:
         shard, e = self._entry(name)
         start, end = e["data_offsets"]
         if shard not in self._handles:
@@ -206,6 +224,13 @@ class CheckpointReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def dequantized(config: dict, where: dict, path) -> dict:
+    """{weight name: Dequantized} of the quantized weights among the header entries `where` ({name: (shard,
+    entry)}) by every DEQUANTIZER (checked from the headers, nothing read)."""
+    stored = {k: (DTYPES[e["dtype"]], tuple(e["shape"])) for k, (_, e) in where.items()}
+    return {k: v for dq in DEQUANTIZERS for k, v in dq(config, stored, path).items()}
 
 
 def _trim_heap():

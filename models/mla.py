@@ -7,8 +7,11 @@ kv_a_layernorm and kv_b_proj (-> heads x (k_nope | v)); k_pe is one RoPE'd key p
 attends with [q_nope | rope(q_pe)] . [k_nope | rope(k_pe)] at scale (nope + rope)**-0.5, causal and padding-masked
 as the attention kind ('*'), and its v_head_dim values go to o_proj. RoPE is the default type on qk_rope_head_dim
 channels, interleaved pairs (x0, x1), (x2, x3), ... when rope_interleave (DeepSeek's layout) else rotate-half.
-Heads prune together: their q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns; the low-rank
-a-projections and their norms are shared by all heads (replicated under tensor parallelism; the latent's gradient
+Heads prune together: their q_b_proj / q_proj rows, kv_b_proj rows and o_proj columns. So do, the same channels
+in every head, v_head_dim (kv_b_proj's v rows, o_proj's columns) and qk_nope_head_dim (the q and kv_b_proj k rows;
+the softmax scale follows the width, as transformers derives it); kv_lora_rank and q_lora_rank cut the latent (its
+a-projection rows, its norm, its b-projection columns). qk_rope_head_dim stays: k_pe is one key part shared by every
+head and its RoPE frequencies are set by its width. The low-rank a-projections and their norms are shared by all heads (replicated under tensor parallelism; the latent's gradient
 is summed by kv_b_proj's / q_b_proj's colwise entry, k_pe's by k_pe_entry). Pure PyTorch (SDPA).
 """
 from __future__ import annotations
@@ -192,36 +195,75 @@ class MlaKind(LayerKind):
     def cache_bytes(self, cfg, w, batch, seq_len, kv_bytes=2, state_bytes=4, conv_bytes=2):
         """transformers' cache holds, per token, the normed latent (kv_lora_rank) and the RoPE'd k_pe
         (qk_rope_head_dim), each as one head: the heads' keys and values are expanded from them on every step."""
-        return {"kv_cache": batch * seq_len * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * kv_bytes}
+        return {"kv_cache": batch * seq_len * (w["kv_lora_rank"] + cfg.mla.qk_rope_head_dim) * kv_bytes}
 
     def mixing_flops(self, cfg, seq_len):
         c = cfg.mla
         return 2 * seq_len * c.mla_num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
 
     def sites(self, cfg):
-        return (Site("mla", "o_proj", "input"),)
+        """Per (head, value channel) at o_proj's input; per (head, channel) of the queries and of kv_b_proj's
+        keys / values; per latent channel at kv_b_proj's (q_b_proj's) input times its weight column's norm."""
+        q = "q_proj" if cfg.mla.q_lora_rank is None else "q_b_proj"
+        out = (Site("mla", "o_proj", "input"), Site("mla_query", q, "output"),
+               Site("mla_keyval", "kv_b_proj", "output"),
+               Site("mla_kv_latent", "kv_b_proj", "input", None, "kv_b_proj.weight"))
+        return out + ((Site("mla_q_latent", "q_b_proj", "input", None, "q_b_proj.weight"),) if q == "q_b_proj" else ())
 
     def keep(self, cfg, score, t, p):
-        if "mla_heads" not in t:
-            return {}
-        s = score(p + "mla", (cfg.mla.mla_num_heads, cfg.mla.v_head_dim), "--mla-heads")
-        return {p + "mla_heads": top(s.norm(dim=1), t["mla_heads"])}
+        """Value channels by their o_proj-input norm over heads, then heads by their kept channels'; no-RoPE
+        query / key channels by |q| x |k| (what a channel adds to the logits) over heads; latent channels by their
+        Wanda scores. Every head keeps the same channels."""
+        c, n, flags = cfg.mla, cfg.mla.mla_num_heads, "--" + "/--".join(x.replace("_", "-") for x in self.widths)
+        nope, keep = c.qk_nope_head_dim, {}
+        if "mla_heads" in t or "v_head_dim" in t:
+            s = score(p + "mla", (n, c.v_head_dim), flags)
+            vch = top(s.norm(dim=0), t["v_head_dim"]) if "v_head_dim" in t else torch.arange(c.v_head_dim)
+            keep.update({p + "mla_v_dim": vch} if "v_head_dim" in t else {})
+            keep.update({p + "mla_heads": top(s[:, vch].norm(dim=1), t["mla_heads"])} if "mla_heads" in t else {})
+        if "qk_nope_head_dim" in t:
+            q = score(p + "mla_query", (n, nope + c.qk_rope_head_dim), flags)[:, :nope]
+            k = score(p + "mla_keyval", (n, nope + c.v_head_dim), flags)[:, :nope]
+            keep[p + "mla_nope"] = top((q * k).norm(dim=0), t["qk_nope_head_dim"])
+        for width, site, unit in (("kv_lora_rank", "mla_kv_latent", "mla_kv_rank"),
+                                  ("q_lora_rank", "mla_q_latent", "mla_q_rank")):
+            if width in t:
+                keep[p + unit] = top(score(p + site, (getattr(c, width),), flags), t[width])
+        return keep
 
     def magnitude(self, cfg, local, t):
-        n = cfg.mla.mla_num_heads
+        """o_proj columns per (head, value channel); the query and kv_b_proj rows per (head, channel) and, spread
+        over its value channels, per head; the latents' a-projection rows and b-projection columns."""
+        n, R = cfg.mla.mla_num_heads, cfg.mla.kv_lora_rank
         if local == "o_proj.weight":
             return [("mla", sq(t, 1))]
+        out = []
         if local in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight"):  # a head's rows add to its v channels
             s = sq(t, 0).view(n, -1).sum(1, keepdim=True) / cfg.mla.v_head_dim
-            return [("mla", s.expand(n, cfg.mla.v_head_dim).flatten())]
-        return []
+            out = [("mla", s.expand(n, cfg.mla.v_head_dim).flatten()),
+                   ("mla_keyval" if local == "kv_b_proj.weight" else "mla_query", sq(t, 0))]
+        if local in ("kv_b_proj.weight", "q_b_proj.weight"):
+            out.append(("mla_kv_latent" if local == "kv_b_proj.weight" else "mla_q_latent", sq(t, 1)))
+        if local.startswith("kv_a_proj_with_mqa."):
+            out.append(("mla_kv_latent", sq(t, 0)[:R]))
+        if local.startswith("q_a_proj."):
+            out.append(("mla_q_latent", sq(t, 0)))
+        return out
 
     def check_tp(self, cfg, tp, need):
         need(cfg.mla.mla_num_heads % tp == 0, f"tensor parallelism: the MLA's mla_num_heads={cfg.mla.mla_num_heads} "
              f"is not divisible by tp={tp}")
 
 
-_QK = lambda cfg, w: cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim  # noqa: E731
+_QK = lambda cfg, w: w["qk_nope_head_dim"] + cfg.mla.qk_rope_head_dim  # noqa: E731
+_DECLARES = (Width("mla_heads", "mla_num_heads", None, "mla_heads", None, "mla.heads", "heads per MLA layer"),
+             Width("v_head_dim", "v_head_dim", None, "mla_v_dim", 16, "mla.vd", "MLA value head size"),
+             Width("qk_nope_head_dim", "qk_nope_head_dim", None, "mla_nope", 16, "mla.nope",
+                   "MLA query / key head size without RoPE (qk_rope_head_dim stays: k_pe is one key part every "
+                   "head shares)"),
+             Width("kv_lora_rank", "kv_lora_rank", None, "mla_kv_rank", 64, "mla.kvr", "MLA key / value latent rank"),
+             Width("q_lora_rank", "q_lora_rank", None, "mla_q_rank", 64, "mla.qr", "MLA query latent rank",
+                   absent="query latent (q_lora_rank: its queries are one q_proj)"))
 MLA = MlaKind(
     "L", "mla",
     (Param("q_proj.weight", ("mla_q", "hidden"), ("mla_q_direct",)),
@@ -234,21 +276,26 @@ MLA = MlaKind(
      Param("kv_a_layernorm.weight", ("mla_kv_rank",)),
      Param("kv_b_proj.weight", ("mla_kv", "mla_kv_rank")),
      Param("o_proj.weight", ("hidden", "mla_o")), Param("o_proj.bias", ("hidden",), ("mla_bias",))),
-    sizes={"mla_heads": lambda cfg, w: w["mla_heads"], "mla_qk_head": _QK,
-           "mla_kv_head": lambda cfg, w: cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim,
-           "mla_v_dim": lambda cfg, w: cfg.mla.v_head_dim,
+    sizes={"mla_heads": lambda cfg, w: w["mla_heads"], "mla_nope": lambda cfg, w: w["qk_nope_head_dim"],
+           "mla_v_dim": lambda cfg, w: w["v_head_dim"],
            "mla_q": lambda cfg, w: w["mla_heads"] * _QK(cfg, w),
-           "mla_kv": lambda cfg, w: w["mla_heads"] * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim),
-           "mla_o": lambda cfg, w: w["mla_heads"] * cfg.mla.v_head_dim,
-           "mla_q_rank": lambda cfg, w: cfg.mla.q_lora_rank or 0, "mla_kv_rank": lambda cfg, w: cfg.mla.kv_lora_rank,
+           "mla_kv": lambda cfg, w: w["mla_heads"] * (w["qk_nope_head_dim"] + w["v_head_dim"]),
+           "mla_o": lambda cfg, w: w["mla_heads"] * w["v_head_dim"],
+           "mla_q_rank": lambda cfg, w: w["q_lora_rank"] or 0, "mla_kv_rank": lambda cfg, w: w["kv_lora_rank"],
            "mla_rope": lambda cfg, w: cfg.mla.qk_rope_head_dim},
-    segments={"mla_kv_a": (("latent", "mla_kv_rank"), ("k_pe", "mla_rope"))},
-    units={"mla_heads": "mla_num_heads"},
+    # per head, q rows are [no-RoPE | RoPE] channels and kv_b_proj rows [k no-RoPE | v]; kv_a_proj's [latent | k_pe]
+    segments={"mla_kv_a": (("latent", "mla_kv_rank"), ("k_pe", "mla_rope")),
+              "mla_qk_head": (("nope", "mla_nope"), ("rope", "mla_rope")),
+              "mla_kv_head": (("k_nope", "mla_nope"), ("v", "mla_v_dim"))},
+    units={"mla_heads": "mla_num_heads", "mla_v_dim": "v_head_dim", "mla_nope": "qk_nope_head_dim",
+           "mla_kv_rank": "kv_lora_rank", "mla_q_rank": "q_lora_rank"},
     products={"mla_q": ("mla_heads", "mla_qk_head"), "mla_kv": ("mla_heads", "mla_kv_head"),
               "mla_o": ("mla_heads", "mla_v_dim")},
-    scored={"mla": ("mla_heads", "mla_v_dim")}, widths=("mla_heads",),
-    declares=(Width("mla_heads", "mla_num_heads", None, "mla_heads", None, "mla.heads", "heads per MLA layer"),),
-    fixed=("mla_kv_a", "mla_q_rank", "mla_kv_rank", "mla_rope", "mla_qk_head", "mla_kv_head", "mla_v_dim"),
+    scored={"mla": ("mla_heads", "mla_v_dim"), "mla_query": ("mla_heads", "mla_qk_head"),
+            "mla_keyval": ("mla_heads", "mla_kv_head"), "mla_kv_latent": ("mla_kv_rank",),
+            "mla_q_latent": ("mla_q_rank",)},
+    widths=tuple(w.name for w in _DECLARES), declares=_DECLARES,
+    fixed=("mla_rope",),  # k_pe: one RoPE'd key part shared by every head, its frequencies set by its width
     tp_axes=("mla_q", "mla_kv", "mla_o"), inputs=("attention_mask", "position_ids"), color="tab:red",
     tp_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
              "k_pe_entry": "shard_entry"},  # k_pe serves every head: a parameter-free entry of the parallel region

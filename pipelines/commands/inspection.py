@@ -64,7 +64,8 @@ def _weights(path: Path, cfg: ModelConfig) -> dict:
         bad = shape_mismatches(r, cfg)
         dtypes, numel = Counter(), 0
         for k in r.keys():
-            dtypes[str(r.dtype(k)).replace("torch.", "")] += r.nbytes(k)
+            for dt, nbytes in r.stored(k):  # as the files hold it (an FP8 weight: float8 data, float32 scales)
+                dtypes[str(dt).replace("torch.", "")] += nbytes
             n = 1
             for s in r.shape(k):
                 n *= s
