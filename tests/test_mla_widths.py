@@ -7,7 +7,7 @@ softmax scale (nope + rope)**-0.5 follows the kept width; the latent channels at
 their RMSNorm averaging over the kept ones). The activation and magnitude scores of the new sites are checked against
 a direct computation, and the CLI prunes a transformers-saved deepseek_v3 on every MLA width that transformers
 reloads with the in-memory pruning's logits (1e-4 fp32) and our parameter count.
-(tests/masking.py, shared with the family suite, does not know these axes yet: see masked_mla.)"""
+The reference is MLA's masking module (tests/kinds/mla.py), which the family suite uses too."""
 import copy
 import json
 
@@ -23,56 +23,11 @@ from remodel.models.families import FAMILIES
 from remodel.models.params import count_params
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_flags, cli_pair, hf_pair, reloaded_equals_in_memory
+from tests.kinds.mla import mask_mla
 
 FAMILY = "deepseek_v3"
 WIDTHS = ("mla_heads", "v_head_dim", "qk_nope_head_dim", "kv_lora_rank", "q_lora_rank")
 TARGETS = {"mla_heads": 3, "v_head_dim": 3, "qk_nope_head_dim": 4, "kv_lora_rank": 8, "q_lora_rank": 6}
-
-
-def dropped(kept, n):
-    m = torch.ones(n, dtype=torch.bool)
-    m[kept] = False
-    return m.nonzero()[:, 0]
-
-
-def kept_mean_norm(norm, n_kept):
-    """A forward hook making `norm` (RMSNorm) average over the n_kept channels its zeroed input keeps."""
-    def hook(module, args, out):
-        x = args[0]
-        cd = torch.promote_types(x.dtype, torch.float32)
-        y = x.to(cd) * torch.rsqrt(x.to(cd).pow(2).sum(-1, keepdim=True) / n_kept + norm.eps)
-        return ((norm.weight.to(cd) + norm.offset) * y).to(x.dtype)
-    return norm.register_forward_hook(hook)
-
-
-def _mask_latent(proj, norm, kept, size):
-    m = torch.ones(proj.weight.shape[0])
-    m[dropped(kept, size)] = 0  # the latent's first `size` rows (kv_a_proj: then k_pe, kept)
-    proj.register_forward_hook(lambda mod, a, out: out * m.to(out.dtype))
-    kept_mean_norm(norm, len(kept))
-
-
-def mask_mla(cfg, m, keep, p):
-    """Hooks on MLA mixer `m` (layer prefix p, e.g. 'layers.2.') computing it with what `keep` drops zeroed (see
-    the module docstring); tests/masking.py's 'L' layers can call this as it is."""
-    c = cfg.mla
-    n, nope, rd, vd, R = c.mla_num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    k = lambda u, size: keep.get(p + u, torch.arange(size or 0))  # noqa: E731
-    heads, vch, nch = k("mla_heads", n), k("mla_v_dim", vd), k("mla_nope", nope)
-    o = torch.zeros(n, vd)
-    o[heads[:, None], vch[None, :]] = 1
-    m.o_proj.register_forward_pre_hook(lambda mod, a, o=o.flatten(): (a[0] * o.to(a[0].dtype),))
-    q = torch.ones(n, nope + rd)
-    q[:, dropped(nch, nope)] = 0
-    q = q.flatten() * ((nope + rd) / (len(nch) + rd)) ** 0.5  # the pruned layer's softmax scale
-    (m.q_proj if c.q_lora_rank is None else m.q_b_proj).register_forward_hook(
-        lambda mod, a, out, q=q: out * q.to(out.dtype))
-    kv = torch.ones(n, nope + vd)
-    kv[:, dropped(nch, nope)] = 0
-    m.kv_b_proj.register_forward_hook(lambda mod, a, out, kv=kv.flatten(): out * kv.to(out.dtype))
-    _mask_latent(m.kv_a_proj_with_mqa, m.kv_a_layernorm, k("mla_kv_rank", R), R)
-    if c.q_lora_rank is not None:
-        _mask_latent(m.q_a_proj, m.q_a_layernorm, k("mla_q_rank", c.q_lora_rank), c.q_lora_rank)
 
 
 @torch.no_grad()
