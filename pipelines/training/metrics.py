@@ -11,6 +11,8 @@ import torch
 
 from remodel.models.moe import router_probs
 
+from .held_out import LOSS_TERMS, last_losses
+
 
 def param_count(model) -> int:
     """Parameters of the full model, also when `model` holds only this rank's shards."""
@@ -122,7 +124,9 @@ def _moe_panel(ax, rows: list[dict], key: str):
 def report(p, run, data_tokens: int, tok_s) -> dict:
     """remodel_report.json of a training run. p: the run's plan (args, family, steps, tokens_per_step, run_dir,
     t_start); run: its figures (n_params, resumed_from, history, evals, flops_tok, peak: the matmul FLOP/s of all
-    the devices used together); tok_s: measured tokens/s (None before a timed step)."""
+    the devices used together); tok_s: measured tokens/s (None before a timed step). The loss terms are
+    named (last_step_losses, explained in loss_terms); eval: teacher, student before and after on the same
+    held-out tokens (the trainer adds "held_out", which names them)."""
     args, steps, tokens_per_step, history, evals = p.args, p.steps, p.tokens_per_step, run.history, run.evals
     flops_tok, peak = run.flops_tok, run.peak
     return {
@@ -131,8 +135,8 @@ def report(p, run, data_tokens: int, tok_s) -> dict:
         "steps": steps, "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "data_tokens": data_tokens, "epochs": steps * tokens_per_step / data_tokens,
         "resumed_from": run.resumed_from, "run_dir": str(p.run_dir),
-        "final_loss": history[-1]["loss"] if history else None,
-        "eval": {k: v for k, v in evals.items()},
+        "last_step_losses": last_losses(history), "loss_terms": LOSS_TERMS,
+        "eval": {k: evals[k] for k in ("teacher", "before", "after") if k in evals},  # on the held_out tokens
         "eval_ppl": evals["after"]["ppl"] if "after" in evals else None,
         "tokens_per_s": tok_s, "flops_per_token": flops_tok, "matmul_flops_per_s": peak,
         "mfu": flops_tok * tok_s / peak if tok_s else None,
