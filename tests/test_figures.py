@@ -99,3 +99,13 @@ def test_report_names_the_loss_terms(distilled):
     from remodel.pipelines.commands.summary import summary
     line = summary(rep)
     assert f"teacher {rep['eval']['teacher']['ppl']:.4g}" in line and f"on {rep['held_out']['tokens']:,} tokens" in line
+
+
+def test_memory_estimate_matches_what_the_ranks_hold(distilled):
+    """The report's train-memory estimate (compress.train_memory, the one plan --train-memory-gb filters by)
+    against the parameter bytes the trainer measured on its rank: fp32 student weights and teacher."""
+    _, rep = distilled
+    est, held = rep["memory"]["estimate_per_rank"], rep["parallel"]["held_bytes"]
+    assert est["student_weight_bytes"] == held["student"][0] and est["state"] == 4 * held["student"][0]
+    assert est["teacher"] == held["teacher"][0]
+    assert est["setup"]["seq_len"] == SEQ and est["setup"]["recompute"] == "none" and est["activations"] > 0

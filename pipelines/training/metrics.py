@@ -145,6 +145,20 @@ def report(p, run, data_tokens: int, tok_s) -> dict:
     }
 
 
+def memory_figures(cfg, c, dp: int, use_bf16: bool, teacher_params: int | None, dev) -> dict:
+    """The report's "memory": compress.train_memory's estimate per rank for this run (the one `plan
+    --train-memory-gb` filters by; c: the TrainConfig) and, on CUDA, the peak bytes torch allocated; the
+    parameter bytes each rank holds are measured in "parallel"'s held_bytes (estimate: student_weight_bytes
+    and teacher)."""
+    from remodel.compress.train_memory import STATE_BYTES, TrainSetup, train_memory_bytes
+    setup = TrainSetup(tp=c.tp, ep=c.ep, dp=dp, recompute=c.recompute, batch=c.batch, seq_len=c.seq_len,
+                       act_bytes=2 if use_bf16 else 4, teacher_params=teacher_params or 0)
+    est = train_memory_bytes(cfg, setup)
+    est["student_weight_bytes"] = est["state"] * 4 // STATE_BYTES  # the fp32 weights within the state
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    return {"estimate_per_rank": est, "peak_allocated_bytes": peak, "unit": "bytes (GiB = 2**30)"}
+
+
 class PeakRSS:
     """This process's peak resident memory (MB, the kernel's high-water mark) at the end of each phase of
     a run (load, first checkpoint, train, export); written per rank beside the checkpoints."""

@@ -459,6 +459,8 @@ class _Training:
                               "ep_over": self.info.ep_over, "teacher": self.teacher_layout,
                               "held_bytes": self.held,  # per rank, measured from the local tensors
                               "backend": dist.get_backend() if procs.mesh is not None else None}
+        report["memory"] = metrics.memory_figures(self.student.cfg, c, procs.dp, p.use_bf16, self.n_params["teacher"],
+                                                  procs.dev)
         if procs.world > 1:
             report["mfu_note"] += f", times {procs.world} processes"
         if self.moe is not None:
