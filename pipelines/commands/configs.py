@@ -115,7 +115,7 @@ class PlanOptions:
     axes: object = opt(None, _axes_help)
     tol: float = opt(0.02, "accepted relative shortfall below the budget", check=Check(float, 0, 1, open_hi=True))
     top: int = opt(20, "candidates to list", check=ints(1, 10**4))
-    batch: int = opt(1, "batch for the memory estimate", check=BATCH)
+    batch: int = opt(1, "sequences of the inference cache for --memory-gb", check=BATCH)
     seq_len: int = opt(4096, "sequence length for the memory estimates", check=SEQ_LEN)
     train_batch: int = opt(8, "sequences per micro-batch over the dp ranks (distill's --batch) for --train-memory-gb",
                            check=BATCH)
@@ -234,7 +234,8 @@ class EvalOptions:
     data: object = opt(None, "held-out text for loss and perplexity (None: only --tasks)")
     seq_len: int = opt(256, "tokens per sequence", check=SEQ_LEN)
     batch: int = opt(8, "sequences per forward pass", check=BATCH)
-    max_tokens: int | None = opt(None, "stop after this many tokens (None: all of DATA)", count=True, check=count())
+    max_tokens: int | None = opt(None, "stop after this many tokens (None: all of DATA); distill's held-out figures: "
+                                 "its --eval-data, --seq-len and --eval-tokens", count=True, check=count())
     tasks: list | None = opt(None, _tasks_help("MODEL"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     limit: int | None = opt(None, LIMIT, check=ints(1, 2**31))
