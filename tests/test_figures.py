@@ -109,3 +109,32 @@ def test_memory_estimate_matches_what_the_ranks_hold(distilled):
     assert est["student_weight_bytes"] == held["student"][0] and est["state"] == 4 * held["student"][0]
     assert est["teacher"] == held["teacher"][0]
     assert est["setup"]["seq_len"] == SEQ and est["setup"]["recompute"] == "none" and est["activations"] > 0
+
+
+@pytest.mark.serial
+def test_two_ranks_give_the_same_held_out_figures(distilled):
+    """`torchrun cli.py distill` on 2 data-parallel ranks (FSDP student and teacher, each evaluated with its
+    own loss after a no-grad sharded forward): teacher, before and after equal the one-process report's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    d, rep = distilled
+    repo = Path(__file__).resolve().parents[1]
+    out = d / "dp2"
+    a = rep["args"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(repo / "cli.py"),
+           "distill", "--teacher", str(d / "teacher"), "--student", str(d / "student"), str(out), "--data",
+           str(d / "train.txt"), "--eval-data", str(d / "valid.txt"), "--eval-tokens", str(EVAL_TOKENS),
+           "--seq-len", str(SEQ), "--batch", "2", "--steps", "3", "--lr", str(a["lr"]), "--warmup", "1",
+           "--lm-loss-weight", "0.1"]
+    path = os.pathsep.join([str(repo)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = json.loads((out / "remodel_report.json").read_text())
+    assert two["parallel"]["dp"] == 2 and two["held_out"]["tokens"] == rep["held_out"]["tokens"]
+    for k in ("teacher", "before", "after"):
+        assert two["eval"][k]["ppl"] == pytest.approx(rep["eval"][k]["ppl"], rel=1e-5), k
+    est, held = two["memory"]["estimate_per_rank"], two["parallel"]["held_bytes"]
+    assert est["setup"]["dp"] == 2 and est["student_weight_bytes"] == pytest.approx(held["student"][0], rel=0.01)
