@@ -56,8 +56,8 @@ FLAGS = {"params": "--params", "active_params": "--active-params", "memory_bytes
 def _budgets(params, active_params, memory_gb, train_memory_gb=None) -> dict:
     """{metric: limit}: parameters, and the memory budgets given in GiB (2**30 bytes) as bytes."""
     out = {}
-    for key, v, scale in (("params", params, 1), ("active_params", active_params, 1), ("memory_bytes", memory_gb, 2**30),
-                          ("train_bytes", train_memory_gb, 2**30)):
+    for key, v, scale in (("params", params, 1), ("active_params", active_params, 1),
+                          ("memory_bytes", memory_gb, 2**30), ("train_bytes", train_memory_gb, 2**30)):
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
