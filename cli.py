@@ -210,6 +210,9 @@ def _eval_report(a) -> dict:
 def _run_eval(a):
     r = _eval_report(a)
     _show_tasks(r)
+    if "ppl" in r and _lead():
+        from remodel.pipelines.commands.summary import eval_summary
+        print(eval_summary(r), file=sys.stderr)  # the perplexity beside its tokens
     from remodel.pipelines.commands.report import strict_json
     print(strict_json(r, a.command))
 

@@ -90,7 +90,7 @@ def scaled_budget(cfg, scale: int) -> dict:
     ctx = CONTEXT_1M // scale
     params = count_params(cfg)["total"] * BUDGET_56B_TO_47B / count_params(src)["total"]
     mem = memory_bytes(cfg, seq_len=ctx)["total"] * MEMORY_GB_1M * 1e9 / memory_bytes(src, seq_len=CONTEXT_1M)["total"]
-    return {"params": params, "memory_gb": mem / 1e9,
+    return {"params": params, "memory_gb": mem / 2**30,  # plan's --memory-gb is in GiB
             "plan_options": {"axes": ("ffn_size", "depth"), "seq_len": ctx,
                              "divisors": {"hidden_size": 256 // scale, "ffn_size": 512 // scale}}}
 
@@ -207,7 +207,7 @@ def main():
         "scale": a.scale,
         "source": {"layers": cfg.num_layers, "counts": counts(cfg.pattern), "params": count_params(cfg)["total"],
                    "hidden": cfg.hidden_size, "ffn": cfg.mlp.intermediate_size, "vocab": cfg.vocab_size},
-        "budget": {"params": int(b["params"]), "memory_bytes": int(b["memory_gb"] * 1e9),
+        "budget": {"params": int(b["params"]), "memory_bytes": int(b["memory_gb"] * 2**30),
                    "context": b["plan_options"]["seq_len"], "axes": list(b["plan_options"]["axes"])},
         "plan": {"window": d["window"], "maximal": d["maximal"], "top": plan_top,
                  "first_is_47b_class": first["layers_removed"] == CLASS_47B

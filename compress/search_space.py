@@ -49,6 +49,7 @@ from remodel.models.kinds import PRUNABLE, WIDTHS as ALL_WIDTHS, widths as cfg_w
 from remodel.models.params import per_layer
 
 from .prune import group_width
+from .train_memory import TrainSetup, base_bytes, layer_figures, unit_bytes
 
 WIDTHS = {n: ALL_WIDTHS[n] for n in PRUNABLE}  # the search axes: the kinds' prunable Widths (models.kinds)
 # {axis of whole groups: the axis counting those groups}, where both are searched (Gated DeltaNet value heads in
@@ -58,7 +59,8 @@ ALL_AXES = tuple(WIDTHS) + ("depth",)
 DEFAULT_AXES = ("hidden_size", "ffn_size", "mamba_heads", "experts", "expert_ffn_size", "shared_expert_size",
                 "latent_size", "depth")
 PRESETS = {"default": DEFAULT_AXES, "width": DEFAULT_AXES[:-1], "depth": ("depth",), "all": ALL_AXES}
-METRICS = ("params", "active_params", "memory_bytes")
+METRICS = ("params", "active_params", "memory_bytes", "train_bytes")
+NM = len(METRICS)
 MAX_AXIS_VALUES = 32  # widths per axis: more multiples of the step and the step grows (a huge config)
 MAX_REMOVABLE = 64  # units of one type a candidate may remove (the largest shipped model: 27)
 MAX_TYPE_OPTIONS = 2 * 10**6  # (widths x units removed) options of one unit type at one hidden size
@@ -151,6 +153,8 @@ class Space:
     batch: int
     seq_len: int
     dtype_bytes: int
+    train: TrainSetup = TrainSetup()  # the training job of the train_bytes metric
+    largest_active: int = 0  # the source's largest layer (active params): replayed under full recomputation
 
     def _axes_of(self, t: str) -> list[str]:
         return [a for a, w in WIDTHS.items()  # the widths of the kinds in t (their specs)
@@ -186,6 +190,7 @@ class Serving:
     batch: int = 1
     seq_len: int = 4096
     dtype_bytes: int = 2
+    train: TrainSetup = TrainSetup()  # the train_bytes metric's job (compress.train_memory)
 
 
 def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_depth_cut: float = 0.2,
@@ -218,7 +223,7 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     n_units = sum(len(js) for js in by_type.values())
     sp = Space(cfg, family, axes, values, list(by_type), by_type, removable,
                int(max_depth_cut * n_units + 1e-9) if deep else 0, serving.batch, serving.seq_len,
-               serving.dtype_bytes)
+               serving.dtype_bytes, serving.train.check(), max((a for _, a in layer_figures(cfg)), default=0))
     _check_size(sp)
     return sp
 
@@ -239,24 +244,26 @@ def _check_size(sp: Space) -> None:
 # ---- exact metrics by parts ----------------------------------------------------------------------
 
 def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
-    """[params, active params, memory bytes] of one unit of type t at widths d (pre-norms included)."""
+    """[params, active params, memory bytes, train bytes] of one unit of type t at widths d (pre-norms included)."""
     cfg = sp.cfg
     one = per_layer(cfg, d)
     H = d["hidden_size"]
-    out = np.zeros(3, dtype=np.int64)
+    out = np.zeros(NM, dtype=np.int64)
     for k in map(KINDS.__getitem__, t):  # weights, the kind's fp32 buffers and its bf16 / fp32 inference cache
         p = one[k.name] + H
         a = p - (one["routed"] - one["routed"] * cfg.moe.num_experts_per_tok // d["experts"] if k.routed else 0)
         m = p * sp.dtype_bytes + 4 * k.buffer_elements(cfg, d) + sum(k.cache_bytes(cfg, d, sp.batch, sp.seq_len).values())
-        out += np.array([p, a, m], dtype=np.int64)
+        out += np.array([p, a, m, unit_bytes(sp.train, p, a, H)], dtype=np.int64)
     return out
 
 
 def base_metrics(sp: Space, H: int) -> np.ndarray:
-    """Embeddings, lm_head and the final norm at hidden size H: [params, active, memory]."""
+    """Embeddings, lm_head and the final norm at hidden size H: [params, active, memory, train bytes] (the
+    latter with the logits, the teacher and a full-recompute replay of the source's largest layer)."""
     cfg = sp.cfg
     p = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H
-    return np.array([p, p, p * sp.dtype_bytes], dtype=np.int64)
+    return np.array([p, p, p * sp.dtype_bytes, base_bytes(sp.train, p, cfg.vocab_size, H, sp.largest_active)],
+                    dtype=np.int64)
 
 
 def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
@@ -269,23 +276,23 @@ def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
 
 
 def _options(sp: Space, t: str, G: dict):
-    """Every (widths, removed) option of unit type t at outer widths G: metrics [n, 3], removed [n], rows."""
+    """Every (widths, removed) option of unit type t at outer widths G: metrics [n, NM], removed [n], rows."""
     axes, n = sp.type_axes(t), len(sp.units[t])
     base = {**cfg_widths(sp.cfg), **G}
     rows, mets = [], []
     for w in itertools.product(*(sp.values[a] for a in axes)):
         d = {**base, **dict(zip(axes, w))}
-        one = unit_metrics(sp, t, d) if _joint_ok(sp, d, t) else np.full(3, INVALID, dtype=np.int64)
+        one = unit_metrics(sp, t, d) if _joint_ok(sp, d, t) else np.full(NM, INVALID, dtype=np.int64)
         for r in range(sp.removable[t] + 1):
             rows.append((dict(zip(axes, w)), r))
             mets.append((n - r) * one if one[0] != INVALID else one)
-    return np.array(mets, dtype=np.int64).reshape(-1, 3), np.array([r for _, r in rows], dtype=np.int64), rows
+    return np.array(mets, dtype=np.int64).reshape(-1, NM), np.array([r for _, r in rows], dtype=np.int64), rows
 
 
 def extremes(sp: Space) -> dict:
     """{metric: (smallest reachable, largest reachable below the source, source)} over the grid."""
     src = evaluate(sp, {}, {})
-    smallest = np.full(3, INVALID, dtype=np.int64)
+    smallest = np.full(NM, INVALID, dtype=np.int64)
     for G in sp.outer_points():  # per type and units removed the smallest option, then a
         dp = {0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap (per metric)
         for t in sp.types:
@@ -362,7 +369,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
     radix = [len(o[1]) for o in opts[0]]
     grid = _Grid(Gs, at, opts, ups)
 
-    def fits(m):  # [n, 3] metrics -> meets every budget
+    def fits(m):  # [n, NM] metrics -> meets every budget
         return np.all(~on | (m <= lim), axis=1)
 
     found, stats = [], {"window": 0, "maximal": 0}
@@ -384,7 +391,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
 
 def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
     """Every combination of the unit types' options at hidden H that can meet the budgets, built type by
-    type (pruning partial sums that cannot): -> (metrics [n, 3], units removed [n], mixed-radix index [n]).
+    type (pruning partial sums that cannot): -> (metrics [n, NM], units removed [n], mixed-radix index [n]).
     tol: also drop partial sums from which no budget can come within tol (the window); None: keep them."""
     lo = [o[0].min(axis=0) for o in opts]
     most = [o[0].max(axis=0) for o in opts]
@@ -392,8 +399,8 @@ def _feasible(sp: Space, opts: list, H: int, fits, on, lim, tol: float | None):
     rem = np.zeros(1, dtype=np.int64)
     idx = np.zeros(1, dtype=np.int64)
     for k, (mets, r, _) in enumerate(opts):
-        least, big = sum(lo[k + 1:], np.zeros(3, dtype=np.int64)), sum(most[k + 1:], np.zeros(3, dtype=np.int64))
-        acc = (acc[:, None, :] + mets[None, :, :]).reshape(-1, 3)
+        least, big = sum(lo[k + 1:], np.zeros(NM, dtype=np.int64)), sum(most[k + 1:], np.zeros(NM, dtype=np.int64))
+        acc = (acc[:, None, :] + mets[None, :, :]).reshape(-1, NM)
         rem = (rem[:, None] + r[None, :]).reshape(-1)
         idx = (idx[:, None] * len(mets) + np.arange(len(mets))[None, :]).reshape(-1)
         ok = (rem <= sp.max_removed) & fits(acc + least)  # even the smallest completion breaks a budget

@@ -140,7 +140,8 @@ def record_of(up: dict, rep: dict, args: dict, command: str) -> dict:
             "params_total": up["params"]["moe_total"], "params_active": up["params"]["moe_active"],
             "tokens_trained": rep["tokens"], "steps": rep["steps"], "warmup_steps": min(100, rep["steps"] // 10),
             "train_minutes": round(rep["wall_s"] / 60, 1), "threads": torch.get_num_threads(),
-            "final_train_loss": sum(last) / len(last) if last else rep["final_loss"],
+            "final_train_loss": sum(last) / len(last) if last
+            else (rep.get("last_step_losses") or {}).get("total", rep.get("final_loss")),  # older reports: final_loss
             "valid_loss_at_init": round(rep["eval"]["before"]["loss"], 5)}
 
 

@@ -310,15 +310,18 @@ NUMBER = st.one_of(st.floats().map(repr), st.integers(-2**70, 2**70).map(str),
                    st.sampled_from(["0", "-0", "1e400", "-1e400", "nan", "inf", "47B", "1e30B", "2M", "-3k", "0x10",
                                     "1_000", "", " ", "1e-400", "4.5e9"]),
                    st.text(max_size=6))
-PLAN_FLAGS = ["--params", "--active-params", "--memory-gb", "--tol", "--top", "--batch", "--seq-len"]
+PLAN_FLAGS = ["--params", "--active-params", "--memory-gb", "--train-memory-gb", "--tol", "--top", "--batch", "--seq-len",
+              "--train-batch", "--tp", "--ep", "--dp"]
 TRAIN_FLAGS = ["--steps", "--tokens", "--seq-len", "--batch", "--grad-accum", "--lr", "--min-lr", "--warmup",
                "--weight-decay", "--grad-clip", "--lb-coeff", "--z-coeff", "--checkpoint-every", "--keep-last",
                "--seed", "--num-proc", "--eval-tokens", "--tp", "--ep", "--log-every"]
 
 
 PLAN_RULES = {"--params": ("count", 1, 10**18), "--active-params": ("count", 1, 10**18),
-              "--memory-gb": ("open", 0, 1e9), "--tol": ("open_hi", 0, 1), "--top": (int, 1, 10**4),
-              "--batch": (int, 1, 2**20), "--seq-len": (int, 1, 2**24)}  # from `remodel plan --help`
+              "--memory-gb": ("open", 0, 1e9), "--train-memory-gb": ("open", 0, 1e9), "--tol": ("open_hi", 0, 1),
+              "--top": (int, 1, 10**4), "--batch": (int, 1, 2**20), "--seq-len": (int, 1, 2**24),
+              "--train-batch": (int, 1, 2**20), "--tp": (int, 1, 1024), "--ep": (int, 1, 1024),
+              "--dp": (int, 1, 2**20)}  # from `remodel plan --help`
 
 
 @FUZZ

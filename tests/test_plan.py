@@ -8,6 +8,7 @@ import torch
 
 from remodel.compress.prune import layer_units, new_config, plan_keep, validate_targets
 from remodel.compress.scores import save_scores
+from remodel.compress.train_memory import TrainSetup, train_memory_bytes
 from remodel.compress.search_space import WIDTHS, Serving, axis_values, build_space, depth_units, extremes, search
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
@@ -39,9 +40,9 @@ def shipped(name):
     return config_from_hf(json.loads((CONFIGS / f"{name}.json").read_text()))
 
 
-def metrics(cfg):
+def metrics(cfg, train=TrainSetup(recompute="selective", tp=2, dp=2, batch=4, seq_len=64, teacher_params=10**6)):
     c = count_params(cfg)
-    return c["total"], c["active"], memory_bytes(cfg)["total"]
+    return c["total"], c["active"], memory_bytes(cfg)["total"], train_memory_bytes(cfg, train)["total"]
 
 
 def find(cands, widths, removed_by_kind):
@@ -82,7 +83,7 @@ def test_56b_to_47b_minipuzzle_shape():
     assert all(x["params"] <= 46.8e9 and x["params"] >= 0.98 * 46.8e9 for x in d["candidates"])
     check_exact(src, d["candidates"])
     # with a long-context deployment budget (1M tokens, attention KV dominates) it moves to the top
-    d2 = plan("nemotron-h-56b", params=46.8e9, memory_gb=116, seq_len=2**20, axes=("ffn_size", "depth"), top=5)
+    d2 = plan("nemotron-h-56b", params=46.8e9, memory_gb=116e9 / 2**30, seq_len=2**20, axes=("ffn_size", "depth"), top=5)
     hit2 = find(d2["candidates"], want_w, want_r)
     assert hit2 and hit2[0]["memory_bytes"] == memory_bytes(pub, seq_len=2**20)["total"] <= 116e9
     assert hit2[0]["rank"] < c["rank"]
@@ -138,7 +139,7 @@ def brute(request):
     """Every grid point of a config over its axes, counted by models.params on its own ModelConfig (granite:
     paired decoder-layer types sharing the expert axes)."""
     src, brute_axes = BRUTE[request.param]
-    sp = build_space(src, brute_axes)
+    sp = build_space(src, brute_axes, serving=Serving(train=metrics.__defaults__[0]))
     if request.param == "granite":
         assert sp.types == ["ME", "*E"] and {"experts", "expert_ffn_size"} <= set(sp.outer_axes())
     axes = [a for a in WIDTHS if len(sp.values[a]) > 1]
@@ -157,11 +158,11 @@ def brute(request):
     return sp, axes, out
 
 
-@pytest.mark.parametrize("budgets", [{"params": 0.7}, {"active_params": 0.8, "memory_bytes": 0.85}])
+@pytest.mark.parametrize("budgets", [{"params": 0.7}, {"active_params": 0.8, "memory_bytes": 0.85}, {"train_bytes": 0.8}])
 def test_search_matches_brute_force(brute, budgets):
     sp, axes, pts = brute
     src = pts[(tuple(sp.values[a][0] for a in axes), (0,) * len(sp.types))]
-    names = ("params", "active_params", "memory_bytes")
+    names = ("params", "active_params", "memory_bytes", "train_bytes")
     lim = {m: int(f * src[names.index(m)]) for m, f in budgets.items()}
     tol = 0.05
 
@@ -202,7 +203,7 @@ def test_extremes_are_the_grid_extremes(brute):
     sp, axes, pts = brute
     ex = extremes(sp)
     ident = (tuple(sp.values[a][0] for a in axes), (0,) * len(sp.types))
-    for k, m in enumerate(("params", "active_params", "memory_bytes")):
+    for k, m in enumerate(("params", "active_params", "memory_bytes", "train_bytes")):
         assert ex[m][0] == min(v[k] for v in pts.values())
         assert ex[m][1] == max(v[k] for key, v in pts.items() if key != ident)
         assert ex[m][2] == pts[ident][k]
@@ -232,14 +233,14 @@ def test_memory_budget_filters():
     src = shipped("nemotron-h-8b")
     by_params = plan("nemotron-h-8b", params=6e9, top=20, verbose=False)["candidates"]
     cap = min(c["memory_bytes"] for c in by_params) - 50e6
-    d = plan("nemotron-h-8b", params=6e9, memory_gb=cap / 1e9, top=20)
+    d = plan("nemotron-h-8b", params=6e9, memory_gb=cap / 2**30, top=20)  # GiB
     assert all(c["memory_bytes"] <= cap and c["params"] <= 6e9 for c in d["candidates"])
     assert not {c["pattern"] + str(c["widths"]) for c in d["candidates"]} & \
         {c["pattern"] + str(c["widths"]) for c in by_params}
     check_exact(src, d["candidates"])
     # memory alone, at another context length: KV/state for batch x seq_len as memory_bytes counts it
     d = plan("nemotron-h-8b", memory_gb=10, batch=2, seq_len=32768, top=10, verbose=False)
-    assert all(0.98 * 10e9 <= c["memory_bytes"] <= 10e9 for c in d["candidates"])
+    assert all(0.98 * 10 * 2**30 <= c["memory_bytes"] <= 10 * 2**30 for c in d["candidates"])
     check_exact(src, d["candidates"], batch=2, seq_len=32768)
 
 
@@ -265,8 +266,8 @@ def test_infeasible_budgets_refused():
     # the smallest parameter count drops MLPs
     ex2 = extremes(build_space(shipped("nemotron-h-8b"), serving=Serving(seq_len=2**20)))
     with pytest.raises(RemodelError, match="no candidate meets every budget together") as e:
-        plan("nemotron-h-8b", params=ex2["params"][0], memory_gb=ex2["memory_bytes"][0] / 1e9, seq_len=2**20)
-    assert "\n" not in str(e.value) and f"{ex2['memory_bytes'][0] / 1e9:.2f} GB" in str(e.value)
+        plan("nemotron-h-8b", params=ex2["params"][0], memory_gb=ex2["memory_bytes"][0] / 2**30, seq_len=2**20)
+    assert "\n" not in str(e.value) and f"{ex2['memory_bytes'][0] / 2**30:.2f} GiB" in str(e.value)
 
 
 def _reference_seconds() -> float:

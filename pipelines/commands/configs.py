@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from remodel.compress.baselines import METHODS
 from remodel.compress.expert_scores import EXPERT_METHODS
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
+from remodel.models.recompute import RECOMPUTE_MODES
 from remodel.upcycle.virtual_groups import ROUTER_MODES
 
 from ..data.shards import SHARD_TOKENS
@@ -105,14 +106,23 @@ class PlanOptions:
     params: int | None = opt(None, "total parameter budget, e.g. 4.5e9 or 47B", count=True, required=True,
                              check=count())
     active_params: int | None = opt(None, "budget of parameters active per token (MoE)", count=True, check=count())
-    memory_gb: float | None = opt(None, "budget of bf16 weights + cache memory at --batch/--seq-len",
+    memory_gb: float | None = opt(None, "inference budget in GiB: bf16 weights + cache at --batch/--seq-len",
                                   check=positive(1e9))
+    train_memory_gb: float | None = opt(None, "training budget in GiB per rank: distilling from MODEL, weights + grads "
+                                        "+ Adam + activations at --tp/--ep/--dp/--recompute/--train-batch",
+                                        check=positive(1e9))
     scores: object = opt(None, "SCORES dir from `remodel score`: depth choices follow layer importance")
     axes: object = opt(None, _axes_help)
     tol: float = opt(0.02, "accepted relative shortfall below the budget", check=Check(float, 0, 1, open_hi=True))
     top: int = opt(20, "candidates to list", check=ints(1, 10**4))
-    batch: int = opt(1, "batch for the memory estimate", check=BATCH)
-    seq_len: int = opt(4096, "sequence length for the memory estimate", check=SEQ_LEN)
+    batch: int = opt(1, "sequences of the inference cache for --memory-gb", check=BATCH)
+    seq_len: int = opt(4096, "sequence length for the memory estimates", check=SEQ_LEN)
+    train_batch: int = opt(8, "sequences per micro-batch over the dp ranks (distill's --batch) for --train-memory-gb",
+                           check=BATCH)
+    tp: int = opt(1, "tensor-parallel size for --train-memory-gb", check=ints(1, 1024))
+    ep: int = opt(1, "expert-parallel size for --train-memory-gb (equal to --tp or --dp)", check=ints(1, 1024))
+    dp: int = opt(1, "data-parallel size for --train-memory-gb", check=ints(1, 2**20))
+    recompute: str = opt("none", "activation recomputation for --train-memory-gb", choices=RECOMPUTE_MODES)
     json: bool = opt(False, "print the candidates as JSON instead of a table (nothing else printed)")
     out: object = opt(None, "write the candidates to this PLAN file (JSON) for `remodel prune MODEL OUT --plan PLAN` "
                       "(None: not written)")
@@ -136,7 +146,7 @@ class SearchOptions:
     distill_tokens: int = opt(0, "short distillation before the re-ranking", count=True, check=count(0))
     scores: object = opt(None, "SCORES dir from `remodel score` (computed into OUT/scores otherwise)")
     active_params: int | None = opt(None, "budget of parameters active per token (MoE)", count=True, check=count())
-    memory_gb: float | None = opt(None, "budget of bf16 weights + cache memory", check=positive(1e9))
+    memory_gb: float | None = opt(None, "inference budget in GiB: bf16 weights + cache", check=positive(1e9))
     top: int = opt(20, "plan candidates pruned and evaluated", check=ints(1, 10**4))
     eval_data: object = opt(None, "held-out text (None: every 20th document of DATA)")
     seq_len: int = opt(256, "tokens per sequence (scoring, ranking, distillation)", check=SEQ_LEN)
@@ -224,7 +234,8 @@ class EvalOptions:
     data: object = opt(None, "held-out text for loss and perplexity (None: only --tasks)")
     seq_len: int = opt(256, "tokens per sequence", check=SEQ_LEN)
     batch: int = opt(8, "sequences per forward pass", check=BATCH)
-    max_tokens: int | None = opt(None, "stop after this many tokens (None: all of DATA)", count=True, check=count())
+    max_tokens: int | None = opt(None, "stop after this many tokens (None: all of DATA); distill's held-out figures: "
+                                 "its --eval-data, --seq-len and --eval-tokens", count=True, check=count())
     tasks: list | None = opt(None, _tasks_help("MODEL"), names=True)
     task_dir: str | None = opt(None, TASK_DIR)
     limit: int | None = opt(None, LIMIT, check=ints(1, 2**31))

@@ -28,6 +28,7 @@ def _row(name, path, ev, note="", tasks=None):
     """A table row; tasks: _tasks' runner (None without lm-eval) adds the shipped tasks' accuracy."""
     p = count_params(load_config(path))
     r = {"model": name, "params": p["total"], "active": p["active"], "ppl": ev["ppl"],
+         "ppl_on": {k: ev[k] for k in ("data", "tokens", "sequences", "seq_len")},  # the tokens the ppl is on
          "tokens_per_s": ev["tokens_per_s"], "note": note}
     return {**r, **tasks(path)} if tasks else r
 
@@ -56,6 +57,9 @@ def _table(rows) -> str:
         lines.append(f"{r['model']:<22}{r['params']:>12,}{r['active']:>12,}{r['ppl']:>10.2f}"
                      f"{r['tokens_per_s']:>10,.0f}" + (f"{r['cloze']:>7.2f}{r['nextline']:>6.2f}" if acc else "")
                      + f"  {r['note']}")
+    on = rows[0]["ppl_on"]
+    lines.append(f"ppl: next-token perplexity of each model on the same {on['tokens']:,} tokens "
+                 f"({on['sequences']} x {on['seq_len']}) of {on['data']}")
     return "\n".join(lines)
 
 

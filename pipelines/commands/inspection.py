@@ -103,7 +103,8 @@ def fmt_count(x: int) -> str:
     return str(x)
 
 
-def _b(x: int) -> str:
+def fmt_bytes(x: int) -> str:
+    """Bytes in binary units (GiB, MiB, KiB): the one unit convention of inspect, plan and the reports."""
     for unit, s in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if x >= unit:
             return f"{x / unit:.2f} {s}"
@@ -157,18 +158,18 @@ def format_inspect(d: dict) -> str:
     for a, v in p["by_axis"].items():
         lines.append(f"  {a:<18} {v['size']:>8} {v['params']:>18,} {v['per_unit']:>16,}")
     lines.append(f"memory at bf16 (batch {m['batch']}, {m['seq_len']} tokens)")
-    row("weights", _b(m["weights"]))
+    row("weights", fmt_bytes(m["weights"]))
     if m.get("mtp_weights"):
-        row("MTP head weights (not in total)", _b(m["mtp_weights"]))
+        row("MTP head weights (not in total)", fmt_bytes(m["mtp_weights"]))
     for name, b in m["state_rows"].items():  # each kind's own row; with weights they add up to total
-        row(name, _b(b))
-    row("total", _b(m["total"]))
+        row(name, fmt_bytes(b))
+    row("total", fmt_bytes(m["total"]))
     c = d["checkpoint"]
     if c:
         lines.append("checkpoint")
-        row("files", f"{c['files']} safetensors, {_b(c['file_bytes'])} on disk")
+        row("files", f"{c['files']} safetensors, {fmt_bytes(c['file_bytes'])} on disk")
         row("tensors", f"{c['tensors']:,} ({c['tensor_numel']:,} elements)")
-        row("dtypes", ", ".join(f"{k} {_b(v)}" for k, v in c["dtype_bytes"].items()))
+        row("dtypes", ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c["dtype_bytes"].items()))
         for m in c.get("config_mismatches", [])[:20]:
             row("DISAGREES WITH CONFIG", m)
     return "\n".join(lines)

@@ -6,9 +6,11 @@ arithmetic are in compress/search_space.py; here every returned candidate is reb
 and re-counted with models.params.count_params / memory_bytes (the plan's numbers are exact, and
 checked to be).
 
-Budgets: params and active_params in parameters, memory_gb in decimal GB (1e9 bytes) of bf16
-weights + router bias (fp32) + KV cache and Mamba state for `batch` sequences of `seq_len` tokens
-(default 1 x 4096; models.params.memory_bytes). A candidate meets every budget given; the window
+Budgets: params and active_params in parameters; memory_gb in GiB (2**30 bytes, the unit of inspect
+and every report) of bf16 weights + router bias (fp32) + KV cache and Mamba state for `batch` sequences of
+`seq_len` tokens (default 1 x 4096; models.params.memory_bytes), the inference figure; train_memory_gb in
+GiB per rank of distilling the candidate from the source at tp / ep / dp, recompute and train_batch
+(compress.train_memory, the estimate `distill`'s report gives beside what its ranks hold). A candidate meets every budget given; the window
 keeps those whose tightest budget is within `tol` (default 2%) and that are maximal (no single width
 or layer could be given back within the budgets); ranking: closeness (the mean slack over the
 budgets, in steps of 0.1%), then most parameters kept (see compress.search_space.search).
@@ -35,10 +37,11 @@ from remodel.compress.search_space import METRICS, WIDTHS, Serving, build_space,
 from remodel.models.config import ModelConfig
 from remodel.models.kinds import KINDS, routed, used
 from remodel.models.errors import RemodelError
+from remodel.compress.train_memory import TrainSetup, train_memory_bytes
 from remodel.models.params import count_params, memory_bytes
 
 from .configs import PlanOptions
-from .inspection import fmt_count, resolve_source
+from .inspection import fmt_bytes, fmt_count, resolve_source
 from .options import given, make
 from .plan_file import candidate_config, check_plan_out, write_plan
 
@@ -46,31 +49,42 @@ FIELDS = {a: w.path for a, w in WIDTHS.items()}  # axis -> its config path
 SHORT = {a: w.short for a, w in WIDTHS.items()}  # axis -> table column label
 
 
-def _budgets(params, active_params, memory_gb) -> dict:
+FLAGS = {"params": "--params", "active_params": "--active-params", "memory_bytes": "--memory-gb",
+         "train_bytes": "--train-memory-gb"}
+
+
+def _budgets(params, active_params, memory_gb, train_memory_gb=None) -> dict:
+    """{metric: limit}: parameters, and the memory budgets given in GiB (2**30 bytes) as bytes."""
     out = {}
-    for key, v, scale in (("params", params, 1), ("active_params", active_params, 1), ("memory_bytes", memory_gb, 1e9)):
+    for key, v, scale in (("params", params, 1), ("active_params", active_params, 1),
+                          ("memory_bytes", memory_gb, 2**30), ("train_bytes", train_memory_gb, 2**30)):
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            flag = {"params": "--params", "active_params": "--active-params", "memory_bytes": "--memory-gb"}[key]
-            raise RemodelError(f"{flag} must be a positive number, got {v!r}")
+            raise RemodelError(f"{FLAGS[key]} must be a positive number, got {v!r}")
         out[key] = int(v * scale)
     if not out:
-        raise RemodelError("give a budget: --params, --active-params or --memory-gb")
+        raise RemodelError("give a budget: --params, --active-params, --memory-gb or --train-memory-gb")
     return out
 
 
-def _gb(v: int) -> str:
-    return f"{v / 1e9:.2f} GB" if v >= 1e8 else f"{v / 1e6:.2f} MB"
-
-
 def _fmt(metric: str, v: int) -> str:
-    return _gb(v) if metric == "memory_bytes" else fmt_count(v)
+    return fmt_bytes(v) if metric.endswith("_bytes") else fmt_count(v)
+
+
+def _label(metric: str) -> str:
+    return {"memory_bytes": "memory", "train_bytes": "train memory"}.get(metric, metric)
 
 
 def _ranges(ex: dict, budgets: dict) -> str:
-    return "; ".join(f"{m.replace('_bytes', '')}: smallest reachable {_fmt(m, ex[m][0])}, largest {_fmt(m, ex[m][1])} "
+    return "; ".join(f"{_label(m)}: smallest reachable {_fmt(m, ex[m][0])}, largest {_fmt(m, ex[m][1])} "
                      f"(source {_fmt(m, ex[m][2])})" for m in budgets)
+
+
+def _train_setup(o: PlanOptions, cfg: ModelConfig) -> TrainSetup:
+    """The job --train-memory-gb sizes: distilling a candidate from MODEL (the teacher) at the given layout."""
+    return TrainSetup(tp=o.tp, ep=o.ep, dp=o.dp, recompute=o.recompute, batch=o.train_batch, seq_len=o.seq_len,
+                      teacher_params=count_params(cfg)["total"]).check()
 
 
 def _load_depth_scores(scores, cfg: ModelConfig, family: str):
@@ -118,9 +132,11 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     new = candidate_config(cfg, {"widths": w, "drop_layers": drop}, sp.family)
     pattern = new.pattern
     c, mem = count_params(new), memory_bytes(new, dtype_bytes=sp.dtype_bytes, batch=sp.batch, seq_len=sp.seq_len)
-    exact = [c["total"], c["active"], mem["total"]]
+    train = train_memory_bytes(new, sp.train, largest_active=sp.largest_active)
+    exact = [c["total"], c["active"], mem["total"], train["total"]]
     if exact != row["metrics"]:  # the grid's arithmetic against models.params: must never differ
-        raise AssertionError(f"plan arithmetic {row['metrics']} != count_params/memory_bytes {exact} for {w} {pattern}")
+        raise AssertionError(f"plan arithmetic {row['metrics']} != count_params/memory_bytes/train_memory_bytes "
+                             f"{exact} for {w} {pattern}")
     changed = {a: [cfg.value(FIELDS[a]), v] for a, v in w.items() if v != cfg.value(FIELDS[a])}
     by_kind = {}
     for t, r in row["removed"].items():
@@ -147,6 +163,8 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
         "memory_bytes": mem["total"],
         "weight_bytes": mem["weights"],
         "cache_bytes": mem["cache"],
+        "train_memory_bytes": train["total"],  # per rank (compress.train_memory; `distill` reports it too)
+        "train_memory": {k: v for k, v in train.items() if k != "setup"},
         "under_budget": {m: budgets[m] - values[m] for m in budgets},
         "distance": row["distance"],
         "prune_targets": targets,
@@ -161,10 +179,15 @@ def format_plan(d: dict) -> str:
     """The table `plan` prints."""
     lines = [f"{d['source']}: {d['family']}, {fmt_count(d['source_params']['params'])} params"
              + (f" ({fmt_count(d['source_params']['active_params'])} active)" if d["moe"] else "")
-             + f", {d['source_layers']} layers, {_gb(d['source_params']['memory_bytes'])}"]
-    lines.append("budget: " + ", ".join(f"{m.replace('_bytes', '')} <= {_fmt(m, v)}" for m, v in d["budgets"].items())
+             + f", {d['source_layers']} layers, {fmt_bytes(d['source_params']['memory_bytes'])}"]
+    train = "train_bytes" in d["budgets"]
+    t = d["train"]
+    lines.append("budget: " + ", ".join(f"{_label(m)} <= {_fmt(m, v)}" for m, v in d["budgets"].items())
                  + f" (window: tightest within {100 * d['tol']:g}%); memory = bf16 weights + cache at batch "
-                 f"{d['batch']} x {d['seq_len']} tokens")
+                 f"{d['batch']} x {d['seq_len']} tokens" + (
+                     f"; train memory per rank = distilling from the source: fp32 weights + grads + Adam + teacher "
+                     f"+ activations, tp {t['tp']} ep {t['ep']} dp {t['dp']}, recompute {t['recompute']}, batch "
+                     f"{t['batch']} x {t['seq_len']}" if train else ""))
     sp = ", ".join(f"{SHORT[a]} {len(v)} ({v[-1]}..{v[0]})" for a, v in d["space"].items() if len(v) > 1)
     dep = ", ".join(f"{t} <= {n}" for t, n in d["depth"].items() if n)
     lines.append(f"space: {sp or 'no widths'}; depth: {dep + ' (total <= ' + str(d['max_removed']) + ')' if dep else 'none'}"
@@ -172,13 +195,15 @@ def format_plan(d: dict) -> str:
     if d["note"]:
         lines.append(d["note"])
     axes = [a for a, v in d["space"].items() if len(v) > 1]
-    head = ["#", "params"] + (["active"] if d["moe"] else []) + ["memory", "under"] + [SHORT[a] for a in axes] \
+    head = ["#", "params"] + (["active"] if d["moe"] else []) + ["memory"] + (["train"] if train else []) + ["under"] \
+        + [SHORT[a] for a in axes] \
         + ["removed", "layers"] + (["drop cost"] if d["scored"] else [])
     rows = []
     for c in d["candidates"]:
         m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
         r = [str(c["rank"]), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
-            + [_gb(c["memory_bytes"]), f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
+            + [fmt_bytes(c["memory_bytes"])] + ([fmt_bytes(c["train_memory_bytes"])] if train else []) \
+            + [f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
             + [str(c["widths"][a]) for a in axes] + [_removed_str(c["removed"]), str(c["num_layers"])] \
             + ([f"{c['drop_cost']:.4g}" if c["drop_cost"] is not None else "-"] if d["scored"] else [])
         rows.append(r)
@@ -208,13 +233,13 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         check_plan_out(o.out, o.overwrite)  # before any work
     cfg, hf, _, where = resolve_source(model)
     t0 = time.time()
-    budgets = _budgets(params, active_params, memory_gb)
+    budgets = _budgets(params, active_params, memory_gb, o.train_memory_gb)
     if not 0 <= tol < 1:
         raise RemodelError(f"tol must be in [0, 1), got {tol}")
     if top < 1:
         raise RemodelError(f"top must be >= 1, got {top}")
     sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut,
-                     Serving(batch=batch, seq_len=seq_len), family=(hf or {}).get("model_type"), divisors=o.divisors)
+                     Serving(batch=batch, seq_len=seq_len, train=_train_setup(o, cfg)), family=(hf or {}).get("model_type"), divisors=o.divisors)
     unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}
@@ -235,6 +260,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
+        "train": dict(sp.train.__dict__),
         "axes": [a for a in sp.axes if a == "depth" or a in _used_axes(cfg)], "space": {a: v for a, v in sp.values.items() if a in _used_axes(cfg)}, "depth": dict(sp.removable),
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},

@@ -182,7 +182,7 @@ def _figures(r) -> str:
     if summary(r):
         return "; " + summary(r)
     shown = [f"{k} {v:.4g}" for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-             and k in ("ppl", "loss", "tokens", "final_loss", "steps")]
+             and k in ("ppl", "loss", "tokens", "final_loss", "eval_ppl", "steps")]
     for task, m in (r.get("tasks") or {}).items():  # lm-eval's figures: each task's first metric
         first = next(((k, v) for k, v in m.items() if isinstance(v, float)), None) if isinstance(m, dict) else None
         shown += [f"{task} {first[0]} {first[1]:.4g}"] if first else []

@@ -148,7 +148,7 @@ def _search(o: SearchOptions) -> dict:
         }
         write_report(tmp, add_tasks(report, tmp, checked, o.task_limit))  # the written pick's accuracy
     if progress:
-        _print_pick(rows[pick], src, o.distill_tokens)
+        _print_pick(rows[pick], src, o.distill_tokens, report)
     return report
 
 
@@ -268,7 +268,9 @@ def _write_best(best, tmp: Path, work: Path, family: str, model_dir):
     shutil.rmtree(work)
 
 
-def _print_pick(chosen: dict, src: dict, distill_tokens: int):
+def _print_pick(chosen: dict, src: dict, distill_tokens: int, report: dict):
     after = f", {chosen['distilled_ppl']:.2f} after distillation" if distill_tokens else ""
+    n, L = report["eval_tokens"], report["seq_len"]
     print(f"search: picked {chosen['shape']} ({chosen['params']:,} params), held-out ppl "
-          f"{chosen['ppl']:.2f} pruned{after}; source {src['ppl']:.2f}")
+          f"{chosen['ppl']:.2f} pruned{after}; source {src['ppl']:.2f} (each on the same {n:,} tokens, "
+          f"{n // L} x {L}, of {report['eval_data']})")

@@ -31,7 +31,30 @@ def run_summary(r: dict) -> str:
             f"outputs in {r['workdir']}, report {r['workdir']}/recipe_report.json")
 
 
-SUMMARIES = {"prune": prune_summary, "upcycle": upcycle_summary, "run": run_summary}
+def training_summary(r: dict) -> str:
+    """distill / train: teacher, student before -> after perplexity on the held-out tokens (named), and the
+    last step's loss terms by name."""
+    from ..training.evaluate import describe
+    ev, held, parts = r.get("eval") or {}, r.get("held_out") or {}, []
+    if "after" in ev:
+        figs = [f"teacher {ev['teacher']['ppl']:.4g}"] if "teacher" in ev else []
+        figs += [f"student {ev['before']['ppl']:.4g} -> {ev['after']['ppl']:.4g}" if "before" in ev
+                 else f"student {ev['after']['ppl']:.4g}"]
+        parts.append(f"held-out ppl {', '.join(figs)}; after: {describe(ev['after'], held.get('data'))}")
+    last = r.get("last_step_losses") or {}
+    if last:
+        parts.append("last step " + ", ".join(f"{k} {v:.4g}" for k, v in last.items()))
+    return f"{r['command']}: {r['steps']} steps, {r['tokens']:,} tokens; " + "; ".join(parts + [f"written to {r['args']['out']}"])
+
+
+def eval_summary(r: dict) -> str:
+    """eval: the perplexity with its tokens (data, blocks, sequence length)."""
+    from ..training.evaluate import describe
+    return "eval: " + describe(r)
+
+
+SUMMARIES = {"prune": prune_summary, "upcycle": upcycle_summary, "run": run_summary, "distill": training_summary,
+             "train": training_summary}
 
 
 def summary(r) -> str | None:

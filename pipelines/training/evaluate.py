@@ -46,7 +46,9 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
              tokenizer=None, device="auto", run: EvalRun = EvalRun()) -> dict:
     """Next-token loss (nats/token), perplexity and forward tokens/s over packed blocks of `data`
     (a DATA path, a datasets.Dataset with 'text', or a LongTensor [N, L] of ids); run: autocast and loss.
-    A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data."""
+    A model directory supplies its own tokenizer; a model object needs `tokenizer` for text data.
+    The figures name their tokens: tokens (N * L), sequences N, seq_len L, predicted_tokens N * (L - 1),
+    and data (a DATA path; other data is named by the caller)."""
     from ..data.data import load_texts, pack
 
     _check_positive(seq_len=seq_len, batch=batch, max_tokens=max_tokens)
@@ -93,5 +95,16 @@ def evaluate(model_or_dir, data, seq_len: int = 256, batch: int = 8, max_tokens:
         model.train(was_training)
     dt = time.perf_counter() - t0
     loss = total / count
+    named = {"data": str(data)} if isinstance(data, (str, Path)) else {}  # token blocks: the caller names them
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": int(blocks.numel()),
-            "tokens_per_s": blocks.numel() / dt}
+            "sequences": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]), "predicted_tokens": count,
+            **named, "tokens_per_s": blocks.numel() / dt}
+
+
+def describe(ev: dict, data=None) -> str:
+    """'ppl 52.64 (loss 3.9634 nats/token) on 16,384 tokens (64 x 256, 16,320 predicted) of DATA': a
+    perplexity with the tokens it was measured on (data: the source's name when `ev` carries none)."""
+    src = ev.get("data", data)
+    return (f"ppl {ev['ppl']:.4g} (loss {ev['loss']:.4f} nats/token) on {ev['tokens']:,} tokens "
+            f"({ev['sequences']} x {ev['seq_len']}, {ev['predicted_tokens']:,} predicted)"
+            + (f" of {src}" if src is not None else ""))

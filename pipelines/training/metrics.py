@@ -11,6 +11,8 @@ import torch
 
 from remodel.models.moe import router_probs
 
+from .held_out import LOSS_TERMS, last_losses
+
 
 def param_count(model) -> int:
     """Parameters of the full model, also when `model` holds only this rank's shards."""
@@ -122,7 +124,9 @@ def _moe_panel(ax, rows: list[dict], key: str):
 def report(p, run, data_tokens: int, tok_s) -> dict:
     """remodel_report.json of a training run. p: the run's plan (args, family, steps, tokens_per_step, run_dir,
     t_start); run: its figures (n_params, resumed_from, history, evals, flops_tok, peak: the matmul FLOP/s of all
-    the devices used together); tok_s: measured tokens/s (None before a timed step)."""
+    the devices used together); tok_s: measured tokens/s (None before a timed step). The loss terms are
+    named (last_step_losses, explained in loss_terms); eval: teacher, student before and after on the same
+    held-out tokens (the trainer adds "held_out", which names them)."""
     args, steps, tokens_per_step, history, evals = p.args, p.steps, p.tokens_per_step, run.history, run.evals
     flops_tok, peak = run.flops_tok, run.peak
     return {
@@ -131,14 +135,28 @@ def report(p, run, data_tokens: int, tok_s) -> dict:
         "steps": steps, "tokens_per_step": tokens_per_step, "tokens": steps * tokens_per_step,
         "data_tokens": data_tokens, "epochs": steps * tokens_per_step / data_tokens,
         "resumed_from": run.resumed_from, "run_dir": str(p.run_dir),
-        "final_loss": history[-1]["loss"] if history else None,
-        "eval": {k: v for k, v in evals.items()},
+        "last_step_losses": last_losses(history), "loss_terms": LOSS_TERMS,
+        "eval": {k: evals[k] for k in ("teacher", "before", "after") if k in evals},  # on the held_out tokens
         "eval_ppl": evals["after"]["ppl"] if "after" in evals else None,
         "tokens_per_s": tok_s, "flops_per_token": flops_tok, "matmul_flops_per_s": peak,
         "mfu": flops_tok * tok_s / peak if tok_s else None,
         "mfu_note": "model FLOPs (6N student + 2N teacher + attention) over one measured 1024^3 matmul",
         "time_s": time.time() - p.t_start, "history": history,
     }
+
+
+def memory_figures(cfg, c, dp: int, use_bf16: bool, teacher_params: int | None, dev) -> dict:
+    """The report's "memory": compress.train_memory's estimate per rank for this run (the one `plan
+    --train-memory-gb` filters by; c: the TrainConfig) and, on CUDA, the peak bytes torch allocated; the
+    parameter bytes each rank holds are measured in "parallel"'s held_bytes (estimate: student_weight_bytes
+    and teacher)."""
+    from remodel.compress.train_memory import STATE_BYTES, TrainSetup, train_memory_bytes
+    setup = TrainSetup(tp=c.tp, ep=c.ep, dp=dp, recompute=c.recompute, batch=c.batch, seq_len=c.seq_len,
+                       act_bytes=2 if use_bf16 else 4, teacher_params=teacher_params or 0)
+    est = train_memory_bytes(cfg, setup)
+    est["student_weight_bytes"] = est["state"] * 4 // STATE_BYTES  # the fp32 weights within the state
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    return {"estimate_per_rank": est, "peak_allocated_bytes": peak, "unit": "bytes (GiB = 2**30)"}
 
 
 class PeakRSS:

@@ -41,9 +41,9 @@ def _check_history(rows: list, step: int, path):
 
 
 def _check_eval(ev: dict, path):
-    """"eval": "before" / "after", each {figure: number}."""
+    """"eval": "before" / "after" / "teacher", each {figure: number}."""
     for k, v in ev.items():
-        if k not in ("before", "after") or not isinstance(v, dict) or not all(_num(x) for x in v.values()):
+        if k not in ("before", "after", "teacher") or not isinstance(v, dict) or not all(_num(x) for x in v.values()):
             raise RemodelError(f"{path}: 'eval' entry {k!r} is not an evaluation's figures (corrupt)")
 
 

@@ -31,7 +31,7 @@ from remodel.models.load import load_config, load_model, read_config_dict
 
 from . import metrics, run_files
 from . import train_state as state
-from .evaluate import EvalRun, evaluate
+from .held_out import evaluate_on, held_out, held_out_blocks
 from .objective import compute_losses
 from ..distributed.parallel import check_layout, clip_grad_norm_, local_tensor, parallel_info
 from ..distributed.runtime import (init_dist, init_mesh, layout, load_tokenizer, rank, return_freed_memory,
@@ -150,11 +150,6 @@ def _token_data(p: Plan, tokenizer, lead: bool, group):
     return sets[0][1] if len(sets) == 1 else Blend(sets)
 
 
-def _eval_blocks(p: Plan, tokenizer):
-    from ..data.data import load_texts, pack
-    return pack(load_texts(p.cfg.eval_data), tokenizer, p.cfg.seq_len, max_tokens=p.cfg.eval_tokens)
-
-
 def _fingerprint(data) -> list[str]:
     return [s.fingerprint for s in getattr(data, "sets", [data])]
 
@@ -251,7 +246,7 @@ def _run(p: Plan) -> dict | None:
     if ck_meta is not None and ck_meta["args"].get("data_fingerprint") != p.args["data_fingerprint"]:
         raise RemodelError(f"cannot resume from {ckpt}: the training data changed since that run (its tokens' "
                            "fingerprint differs); pass the same --data, or --overwrite to start over")
-    eval_blocks = _eval_blocks(p, tokenizer) if c.eval_data and (procs.lead or procs.mesh is not None) else None
+    eval_blocks = held_out_blocks(c, tokenizer) if c.eval_data and (procs.lead or procs.mesh is not None) else None
     training = _Training(p, procs, data, eval_blocks, ckpt, ck_meta)
     try:
         training.loop()
@@ -277,8 +272,9 @@ class _Training:
         self._resume_history(ckpt, ck_meta)
         self._measure()
         if eval_blocks is not None and "before" not in self.evals:
-            self.evals["before"] = self._evaluate()
-            self.student.train()
+            self.evals["before"] = self._evaluate(self.student)
+            if self.teacher is not None:  # the same tokens: the figure distillation moves the student towards
+                self.evals["teacher"] = self._evaluate(self.teacher)
         wait(procs.group)
         set_recompute(self.student, c.recompute)
         params = dict(self.student.named_parameters())
@@ -334,10 +330,9 @@ class _Training:
         dtype = torch.bfloat16 if p.use_bf16 else torch.float32
         self.peak = metrics.measure_matmul_flops(self.procs.dev, dtype) * self.procs.world
 
-    def _evaluate(self) -> dict:
-        out = evaluate(self.student, self.eval_blocks, batch=self.c.batch,
-                       run=EvalRun(self.p.use_bf16, self.fns.get("lm_loss")))
-        _reshard(self.student)
+    def _evaluate(self, model) -> dict:
+        out = evaluate_on(model, self.eval_blocks, self.c.batch, self.p.use_bf16)
+        _reshard(model)
         return out
 
     def checkpoint(self, step: int):
@@ -440,7 +435,7 @@ class _Training:
         if self.moe is not None:
             self.moe.close()
         if self.eval_blocks is not None:
-            self.evals["after"] = self._evaluate()
+            self.evals["after"] = self._evaluate(self.student)
         for who, model in (("student", self.student), ("teacher", self.teacher)):  # still sharded at the end
             self.held[f"{who}_end"] = held_bytes(model, self.procs.group)
         report = self.report() if self.procs.lead else None
@@ -458,10 +453,14 @@ class _Training:
         tok_s = self.step_tokens / self.step_time if self.step_time else None
         data_tokens = sum(s.n_tokens for s in getattr(self.data, "sets", [self.data]))
         report = metrics.report(p, self, data_tokens, tok_s)
+        if self.eval_blocks is not None:
+            report["held_out"] = held_out(c, self.eval_blocks, p.out)
         report["parallel"] = {"world": procs.world, "tp": c.tp, "ep": self.info.ep, "dp": procs.dp,
                               "ep_over": self.info.ep_over, "teacher": self.teacher_layout,
                               "held_bytes": self.held,  # per rank, measured from the local tensors
                               "backend": dist.get_backend() if procs.mesh is not None else None}
+        report["memory"] = metrics.memory_figures(self.student.cfg, c, procs.dp, p.use_bf16, self.n_params["teacher"],
+                                                  procs.dev)
         if procs.world > 1:
             report["mfu_note"] += f", times {procs.world} processes"
         if self.moe is not None:
