@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from remodel.compress.baselines import METHODS
 from remodel.compress.expert_scores import EXPERT_METHODS
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
+from remodel.upcycle.hybridize import INITS, MIXERS
 from remodel.upcycle.virtual_groups import ROUTER_MODES
 
 from ..data.shards import SHARD_TOKENS
@@ -192,6 +193,25 @@ class UpcycleOptions:
 
 
 @dataclass
+class HybridizeOptions:
+    COMMAND = "hybridize"
+    model: object = opt(None, "dense attention checkpoint directory (most attention layers become MIXER layers)",
+                        positional=True)
+    out: object = opt(None, "new output directory", positional=True)
+    mixer: str = opt("mamba2", "the linear mixer put in place of the replaced attention layers", choices=tuple(MIXERS))
+    keep_attention: int | None = opt(None, "N attention layers kept, evenly spaced (or --keep-layers)",
+                                     check=ints(0, 2**16))
+    keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
+                                   ints=True, check=ints(0, 2**16))
+    init: str = opt("attention", "attention: the new mixers from the attention weights (MambaInLlama); random: as "
+                    "transformers initialises them", choices=INITS)
+    to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
+                        "that holds the hybrid)")
+    seed: int = opt(0, "seed of the new mixers' initial weights", check=SEED)
+    overwrite: bool = opt(False, OVERWRITE)
+
+
+@dataclass
 class DemoOptions:
     COMMAND = "demo"
     out: object = opt("remodel-demo", "output directory (checkpoints, plots, report)")
@@ -251,4 +271,5 @@ class TokenizeOptions:
 
 
 COMMAND_OPTIONS = {c.COMMAND: c for c in (DemoOptions, InspectOptions, ConvertOptions, ScoreOptions, PruneOptions,
-                                          PlanOptions, SearchOptions, UpcycleOptions, TokenizeOptions, EvalOptions)}
+                                          PlanOptions, SearchOptions, UpcycleOptions, TokenizeOptions, EvalOptions,
+                                          HybridizeOptions)}

@@ -1,0 +1,136 @@
+"""`remodel hybridize` (issue 57, first slice): a transformers-saved Llama into a Mamba-2 / attention `bamba`
+hybrid. transformers is the oracle: the written checkpoint is loaded by BambaForCausalLM and compared with the
+source LlamaForCausalLM."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from remodel.cli import main
+from remodel.models.mamba import ssd_reference
+from tests.conftest import hf_pair
+
+LLAMA = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(transformers Llama with randomised weights, its checkpoint dir)."""
+    hf, _, d = hf_pair("llama", tmp_path_factory.mktemp("hyb"), "llama", 7, **LLAMA)
+    return hf, d
+
+
+def _bamba(out):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(m).__name__ == "BambaForCausalLM"
+    return m
+
+
+def _run(*argv) -> int:
+    return main(["hybridize", *map(str, argv)])
+
+
+def test_every_layer_kept_writes_the_sources_logits(llama, tmp_path):
+    """Conversion without replacement is the identity: bamba (whose attention rotates half of each head,
+    so the heads are widened 8 -> 16 with zero channels) gives the Llama's logits."""
+    hf, src = llama
+    assert _run(src, tmp_path / "out", "--keep-attention", 4, "--to", "bamba") == 0
+    b = _bamba(tmp_path / "out")
+    assert b.config.layers_block_type == ["full_attention"] * 4 and b.config.head_dim == 16
+    with torch.no_grad():
+        want, got = hf(IDS).logits, b(IDS).logits
+    assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("flags,attn", [(("--keep-layers", "0,3"), [0, 3]), (("--keep-attention", "1"), [2]),
+                                        (("--keep-attention", "2", "--init", "random"), [1, 3])])
+def test_n_attention_layers_kept_where_asked(llama, tmp_path, flags, attn):
+    """transformers loads OUT (the family found by the registry, no --to) with exactly the asked attention
+    layers, and their MLPs are the source's."""
+    hf, src = llama
+    assert _run(src, tmp_path / "out", *flags) == 0
+    b = _bamba(tmp_path / "out")
+    assert [i for i, layer in enumerate(b.model.layers) if hasattr(layer, "self_attn")] == attn
+    assert sum(hasattr(layer, "mamba") for layer in b.model.layers) == 4 - len(attn)
+    with torch.no_grad():
+        assert torch.isfinite(b(IDS).logits).all()
+    for j in attn:
+        assert torch.equal(b.model.layers[j].feed_forward.down_proj.weight, hf.model.layers[j].mlp.down_proj.weight)
+
+
+def _linear_attention(attn, u, heads, kv):
+    """sum_{s<=t} (q_t . k_s) v_s per query head of a Llama attention module (no RoPE, no softmax) -> [b, l, h, d]."""
+    q = attn.q_proj(u).unflatten(-1, (heads, -1))
+    k = attn.k_proj(u).unflatten(-1, (kv, -1)).repeat_interleave(heads // kv, dim=2)
+    v = attn.v_proj(u).unflatten(-1, (kv, -1)).repeat_interleave(heads // kv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k).tril()
+    return torch.einsum("bhts,bshd->bthd", scores, v)
+
+
+def test_mamba_initialised_from_attention_is_its_linear_form(llama, tmp_path):
+    """MambaInLlama's init, read back from the written bamba: the SSD scan of its in_proj's x, B, C (decay 1,
+    dt 1, no conv) is the source attention's linear form per head, and out_proj is o_proj."""
+    hf, src = llama
+    assert _run(src, tmp_path / "out", "--keep-layers", "1") == 0
+    b = _bamba(tmp_path / "out")
+    u = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    for j in (0, 2, 3):
+        m, a = b.model.layers[j].mamba, hf.model.layers[j].self_attn
+        with torch.no_grad():
+            _, xbc, _ = m.in_proj(u).split([32, 32 + 2 * 32, 4], dim=-1)
+            x, B, C = xbc.split([32, 32, 32], dim=-1)
+            y = ssd_reference(x.unflatten(-1, (4, 8)), torch.ones(2, 9, 4), torch.zeros(4),
+                              B.unflatten(-1, (4, 8)), C.unflatten(-1, (4, 8)))
+            want = _linear_attention(a, u, 4, 2)
+        assert (y - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        assert torch.equal(m.out_proj.weight, a.o_proj.weight)
+
+
+def test_report_and_config(llama, tmp_path):
+    """The config.json names the asked attention layers; the report counts them."""
+    _, src = llama
+    assert _run(src, tmp_path / "out", "--keep-layers", "2") == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "bamba" and cfg["attn_layer_indices"] == [2]
+
+
+@pytest.mark.parametrize("flags,flag", [(("--keep-attention", "5"), "--keep-attention"),
+                                        (("--keep-layers", "0,4"), "--keep-layers"),
+                                        (("--keep-layers", "1,1"), "--keep-layers"),
+                                        ((), "--keep-attention"),
+                                        (("--keep-attention", "1", "--keep-layers", "0"), "--keep-layers"),
+                                        (("--keep-attention", "1", "--to", "nosuch"), "--to"),
+                                        (("--keep-attention", "1", "--to", "llama"), "--to"),
+                                        (("--keep-attention", "1", "--mixer", "kda"), "--mixer")])
+def test_bad_input_one_line_naming_the_flag(llama, tmp_path, capsys, flags, flag):
+    _, src = llama
+    with pytest.raises(SystemExit) if "--mixer" in flags else _nothing():
+        rc = _run(src, tmp_path / "out", *flags)
+        assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_source_without_attention_refused(tmp_path, capsys):
+    from remodel.models.families import FAMILIES
+    tiny = dict(FAMILIES["bamba"].tiny["plain"], attn_layer_indices=[])
+    _, _, d = hf_pair("bamba", tmp_path, "mamba_only", 3, **tiny)
+    capsys.readouterr()  # transformers' save progress
+    assert _run(d, tmp_path / "out", "--keep-attention", "0") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mixer" in err and "attention" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
