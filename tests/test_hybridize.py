@@ -134,3 +134,21 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+def test_qwen3_every_layer_replaced_and_its_qk_norm_refused_when_kept(tmp_path, capsys):
+    """A Qwen3 (q/k-normed attention) becomes an all-Mamba bamba that transformers loads, Mamba weights from its
+    attention (out_proj = o_proj); keeping a layer is refused in one line (bamba's attention has no q/k norm)."""
+    hf, _, d = hf_pair("qwen3", tmp_path, "qwen3", 4, **LLAMA)
+    capsys.readouterr()
+    assert _run(d, tmp_path / "out", "--keep-attention", "0") == 0
+    b = _bamba(tmp_path / "out")
+    assert b.config.layers_block_type == ["linear_attention"] * 4
+    assert torch.equal(b.model.layers[1].mamba.out_proj.weight, hf.model.layers[1].self_attn.o_proj.weight)
+    with torch.no_grad():  # no cache: transformers 5.25's bamba asks an all-Mamba cache for attention mask sizes
+        assert torch.isfinite(b(IDS, use_cache=False).logits).all()
+    capsys.readouterr()
+    assert _run(d, tmp_path / "out2", "--keep-attention", "1", "--to", "bamba") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--to bamba" in err and "q/k norm" in err, err  # widening (or bamba's check)
+    assert not (tmp_path / "out2").exists()

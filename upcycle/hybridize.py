@@ -108,9 +108,11 @@ def head_dim_in(cfg, family: str) -> int:
         return a.head_dim
     rot = int(a.head_dim * a.partial_rotary_factor)
     d = round(rot / r)
-    if d < a.head_dim or int(d * r) != rot or a.qk_norm:
-        raise RemodelError(f"--to {family}: its attention rotates {r} of each head's channels; the source's "
-                           f"{rot} rotated channels of {a.head_dim}{' (q/k-normed)' if a.qk_norm else ''} do not fit")
+    where = f"--to {family}: its attention rotates {r} of each head's channels, the source's {rot} of {a.head_dim}"
+    if d < a.head_dim or int(d * r) != rot:
+        raise RemodelError(f"{where}: no head width holds them")
+    if a.qk_norm:
+        raise RemodelError(f"{where}: its heads would be widened to {d}, which a q/k norm over the head does not allow")
     return d
 
 
@@ -118,8 +120,10 @@ def hybrid_config(cfg, mixer: str, replaced: set, family: str):
     """The hybrid's ModelConfig: layers `replaced` of the mixer's kind, the kept attention in `family`'s head width."""
     m, a = mixer_of(mixer), cfg.attention
     pattern = "".join(m.kind.char if i in replaced else c for i, c in enumerate(cfg.pattern))
-    attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
-            "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
+    attn = {}
+    if any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # some attention kept
+        attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
+                "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
     return cfg.replace(pattern=pattern, **m.sizes(a), **attn)
 
 
