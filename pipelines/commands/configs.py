@@ -207,7 +207,15 @@ class HybridizeOptions:
                     "transformers initialises them", choices=INITS)
     to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
                         "that holds the hybrid)")
-    seed: int = opt(0, "seed of the new mixers' initial weights", check=SEED)
+    seed: int = opt(0, "seed of the new mixers' initial weights (and of the training's data order)", check=SEED)
+    data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps); "
+                       "None: write the initialised hybrid")
+    steps: int | None = opt(None, "optimizer steps of the distillation", check=ints(1, 2**40))
+    seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
+    batch: int = opt(8, "sequences per micro-batch", check=BATCH)
+    lr: float = opt(1e-4, "peak learning rate (AdamW)", check=positive(10))
+    resume: bool = opt(False, "continue the distillation from its newest checkpoint in OUT.run/")
+    train: dict = opt({}, "further distill settings (TrainConfig names: eval_data, warmup, ...)", cli=False)
     overwrite: bool = opt(False, OVERWRITE)
 
 

@@ -2,10 +2,13 @@
 not kept become linear-mixer layers initialised from their attention weights (or at random), the rest copied
 exactly, written as a family transformers loads without remote code. Every input is checked on config.json
 before the weights are read; the model is held whole (two copies) while converting.
+With --data and --steps, stage two: the initialised hybrid (written to OUT.init, kept for --resume) is distilled
+from MODEL by distill's trainer (pipelines.training: its losses, checkpoints in OUT.run/, parallelism), into OUT.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,6 +17,8 @@ from remodel.models.load import load_config, load_model, read_config_dict, save_
 from remodel.models.params import count_params
 from remodel.upcycle.hybridize import INITS, hybridize_model, kept, replaceable, target
 
+from ..training.train import train
+from ..training.train_config import make_config
 from .configs import HybridizeOptions
 from .options import given, make
 
@@ -25,16 +30,32 @@ def _dtype(config: dict):
     return t if isinstance(t, torch.dtype) and t.is_floating_point else None
 
 
+def _training(o: HybridizeOptions, student: Path) -> dict | None:
+    """distill's settings of stage two (checked here, before any work), None without --data."""
+    if (o.data is None) != (o.steps is None):
+        raise RemodelError("--data and --steps go together (stage two: distil the hybrid from MODEL on DATA for "
+                           "N steps); give both or neither")
+    if o.data is None:
+        return None
+    kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data), steps=o.steps,
+              seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
+              **o.train)
+    make_config(**kw)
+    return kw
+
+
 def plan(o: HybridizeOptions) -> dict:
     """What the conversion will do, from config.json alone (one-line RemodelError for any bad input)."""
     if o.init not in INITS:
         raise RemodelError(f"unknown --init {o.init!r} (supported: {', '.join(INITS)})")
+    training = _training(o, Path(f"{o.out}.init"))
     cfg = load_config(o.model)
     layers = replaceable(cfg, o.mixer)
     keep = kept(len(layers), o.keep_attention, o.keep_layers)
     replaced = {i for j, i in enumerate(layers) if j not in keep}
     family, new_cfg = target(cfg, o.mixer, replaced, o.to)
-    return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers}
+    return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
+            "training": training}
 
 
 def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:
@@ -43,13 +64,17 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     t0 = time.perf_counter()
     o = make(HybridizeOptions, opts, **given(model=model_dir, out=out), **kw)
     p = plan(o)
-    src = load_model(o.model)
-    model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
-    dtype = _dtype(read_config_dict(o.model))
-    save_model(model, o.out, family=p["family"], aux_from=o.model, overwrite=o.overwrite, dtype=dtype,
-               inputs=[o.model])
+    kw = p["training"]
+    dest = Path(kw["student_dir"]) if kw else Path(o.out)
+    if not (kw and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
+        src = load_model(o.model)
+        model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
+        save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite or bool(kw),
+                   dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
+    trained = train(**kw) if kw else None
     cfg, new_cfg = p["cfg"], p["new_cfg"]
     return {"command": "hybridize", "input": str(o.model), "output": str(o.out), "to": p["family"],
+            "distillation": trained and {k: trained.get(k) for k in ("steps", "tokens", "eval") if k in trained},
             "mixer": o.mixer, "init": o.init, "seed": o.seed,
             "attention_kept": p["keep"], "attention_layers": len(p["layers"]),
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
