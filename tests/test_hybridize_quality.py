@@ -23,8 +23,8 @@ def trained(tmp_path_factory):
         lines = [x for x in f.read().splitlines() if x.strip()]
     (d / "train.txt").write_text("\n".join(lines[:1500]) + "\n")
     (d / "valid.txt").write_text("\n".join(lines[-150:]) + "\n")
-    cfg = ModelConfig(vocab_size=2048, hidden_size=32, pattern="*-" * 4, tie_word_embeddings=True, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_act="silu", mlp_gated=True,
+    cfg = ModelConfig(vocab_size=2048, hidden_size=32, pattern="*-" * 4, tie_word_embeddings=True,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_act="silu", mlp_gated=True,
                       rope_theta=10000.0)
     write_checkpoint(init_weights(HybridLM(cfg), seed=2), d / "src")
     T.train(str(d / "src"), str(d / "trained"), data=str(d / "train.txt"), steps=300, seq_len=32, batch=8, warmup=5,
