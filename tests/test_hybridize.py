@@ -154,3 +154,36 @@ def test_qwen3_every_layer_replaced_and_its_qk_norm_refused_when_kept(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--to bamba" in err and "q/k norm" in err, err  # widening (or bamba's check)
     assert not (tmp_path / "out2").exists()
+
+
+def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_path):
+    """--select kl: the report's per-layer KL equals the KL of transformers' bamba with that layer alone replaced
+    (written by --keep-layers) to the Llama on the same calibration blocks, and the kept layers are its top N."""
+    import gzip
+    import shutil
+
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from remodel.pipelines.commands.hybridize import hybridize
+    from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
+    hf, _, d = hf_pair("llama", tmp_path, "llama_tok", 9, **dict(LLAMA, vocab_size=2048))
+    for f in embedded_tokenizer_path().iterdir():
+        shutil.copy(f, d / f.name)
+    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
+        (tmp_path / "calib.txt").write_text("\n".join(x for x in f.read().splitlines()[:200] if x.strip()) + "\n")
+    rep = hybridize(d, tmp_path / "out", keep_attention=2, select="kl", data=str(tmp_path / "calib.txt"),
+                    seq_len=16, samples=4)
+    blocks = pack(load_texts(str(tmp_path / "calib.txt")), AutoTokenizer.from_pretrained(d), 16, max_tokens=64)
+    with torch.no_grad():
+        ref = F.log_softmax(hf(blocks).logits, -1)
+    want = []
+    for j in range(4):
+        out = tmp_path / f"only{j}"
+        hybridize(d, out, keep_layers=[k for k in range(4) if k != j], to="bamba")
+        with torch.no_grad():
+            got = F.log_softmax(_bamba(out)(blocks).logits, -1)
+        want.append(F.kl_div(got, ref, log_target=True, reduction="sum").item() / blocks.numel())
+    assert rep["kl_per_layer"] == pytest.approx(want, rel=1e-3, abs=1e-7)
+    assert rep["attention_kept"] == sorted(sorted(range(4), key=lambda j: -want[j])[:2])
+    assert sorted(want)[1] < sorted(want)[2]  # the top two are well defined

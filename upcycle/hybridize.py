@@ -122,12 +122,13 @@ def head_dim_in(cfg, family: str) -> int:
     return d
 
 
-def hybrid_config(cfg, mixer: str, replaced: set, family: str):
-    """The hybrid's ModelConfig: layers `replaced` of the mixer's kind, the kept attention in `family`'s head width."""
+def hybrid_config(cfg, mixer: str, replaced: set, family: str | None):
+    """The hybrid's ModelConfig: layers `replaced` of the mixer's kind, the kept attention in `family`'s head width
+    (None: the source's, a model held in memory only)."""
     m, a = mixer_of(mixer), cfg.attention
     pattern = "".join(m.kind.char if i in replaced else c for i, c in enumerate(cfg.pattern))
     attn = {}
-    if any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # some attention kept
+    if family is not None and any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # kept
         attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
                 "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
     return cfg.replace(pattern=pattern, **m.sizes(a), **attn)
@@ -201,3 +202,24 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
         state.update({pre + k: v for k, v in mix.items()})
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+@torch.no_grad()
+def kl_costs(src: HybridLM, mixer: str, blocks: torch.Tensor, init: str = "attention", seed: int = 0,
+             batch: int = 4) -> list[float]:
+    """Per attention layer (in order): the mean per-token KL(source || the source with that layer alone replaced
+    by its initialised mixer) over the token blocks [n, l] (arXiv 2512.20569's selection: keep the costliest)."""
+    chunks = blocks.split(batch)
+    ref = [F.log_softmax(src(ids).float(), -1) for ids in chunks]
+    costs = []
+    for i in replaceable(src.cfg, mixer):
+        probe = hybridize_model(src, hybrid_config(src.cfg, mixer, {i}, None), mixer, {i}, init, seed)
+        kl = sum(F.kl_div(F.log_softmax(probe(ids).float(), -1), r, log_target=True, reduction="sum").item()
+                 for ids, r in zip(chunks, ref))
+        costs.append(kl / blocks.numel())
+    return costs
+
+
+def costliest(costs: list[float], n: int) -> list[int]:
+    """The n attention layers (indices among them, ascending) whose replacement costs most."""
+    return sorted(sorted(range(len(costs)), key=lambda j: -costs[j])[:n])

@@ -203,13 +203,16 @@ class HybridizeOptions:
                                      check=ints(0, 2**16))
     keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
                                    ints=True, check=ints(0, 2**16))
+    select: str = opt("even", "which --keep-attention N layers keep attention: evenly spaced, or kl: the N whose "
+                      "replacement alone moves the output most (KL to MODEL on --data)", choices=("even", "kl"))
+    samples: int = opt(16, "calibration sequences of --select kl (--seq-len tokens each)", check=ints(1, 2**20))
     init: str = opt("attention", "attention: the new mixers from the attention weights (MambaInLlama); random: as "
                     "transformers initialises them", choices=INITS)
     to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
                         "that holds the hybrid)")
     seed: int = opt(0, "seed of the new mixers' initial weights (and of the training's data order)", check=SEED)
-    data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps); "
-                       "None: write the initialised hybrid")
+    data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps), "
+                       "and --select kl's calibration text; None: write the initialised hybrid")
     steps: int | None = opt(None, "optimizer steps of the distillation", check=ints(1, 2**40))
     seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
     batch: int = opt(8, "sequences per micro-batch", check=BATCH)

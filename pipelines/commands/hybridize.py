@@ -15,8 +15,10 @@ import torch
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model, read_config_dict, save_model
 from remodel.models.params import count_params
-from remodel.upcycle.hybridize import INITS, hybridize_model, kept, replaceable, target
+from remodel.upcycle.hybridize import INITS, costliest, hybridize_model, kept, kl_costs, replaceable, target
 
+from ..data.data import load_texts, pack
+from ..distributed.runtime import load_tokenizer
 from ..training.train import train
 from ..training.train_config import make_config
 from .configs import HybridizeOptions
@@ -32,10 +34,13 @@ def _dtype(config: dict):
 
 def _training(o: HybridizeOptions, student: Path) -> dict | None:
     """distill's settings of stage two (checked here, before any work), None without --data."""
-    if (o.data is None) != (o.steps is None):
-        raise RemodelError("--data and --steps go together (stage two: distil the hybrid from MODEL on DATA for "
-                           "N steps); give both or neither")
-    if o.data is None:
+    if o.steps is not None and o.data is None:
+        raise RemodelError("--steps needs --data (stage two: distil the hybrid from MODEL on DATA for N steps)")
+    if o.data is not None and o.steps is None and o.select != "kl":
+        raise RemodelError("--data needs --steps N (stage two) or --select kl (calibration)")
+    if o.select == "kl" and (o.data is None or o.keep_attention is None):
+        raise RemodelError("--select kl needs --keep-attention N and --data (its calibration text)")
+    if o.steps is None:
         return None
     kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data), steps=o.steps,
               seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
@@ -44,14 +49,26 @@ def _training(o: HybridizeOptions, student: Path) -> dict | None:
     return kw
 
 
-def plan(o: HybridizeOptions) -> dict:
-    """What the conversion will do, from config.json alone (one-line RemodelError for any bad input)."""
+def _calibration(o: HybridizeOptions, cfg) -> torch.Tensor:
+    """--select kl's token blocks [samples, seq_len] of --data, tokenized with MODEL's tokenizer (checked)."""
+    if not Path(o.data).expanduser().exists():
+        raise RemodelError(f"--data not found: {o.data}")
+    blocks = pack(load_texts(o.data), load_tokenizer(Path(o.model), "MODEL"), o.seq_len,
+                  max_tokens=o.samples * o.seq_len)
+    if blocks.numel() == 0 or int(blocks.max()) >= cfg.vocab_size:
+        raise RemodelError(f"--data gives no block of {o.seq_len} tokens, or ids beyond the model's vocabulary")
+    return blocks
+
+
+def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
+    """What the conversion will do, from config.json alone (one-line RemodelError for any bad input); `keep`:
+    the attention layers kept when measured (--select kl), else from the flags."""
     if o.init not in INITS:
         raise RemodelError(f"unknown --init {o.init!r} (supported: {', '.join(INITS)})")
     training = _training(o, Path(f"{o.out}.init"))
     cfg = load_config(o.model)
     layers = replaceable(cfg, o.mixer)
-    keep = kept(len(layers), o.keep_attention, o.keep_layers)
+    keep = kept(len(layers), o.keep_attention, o.keep_layers) if keep is None else keep
     replaced = {i for j, i in enumerate(layers) if j not in keep}
     family, new_cfg = target(cfg, o.mixer, replaced, o.to)
     return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
@@ -66,8 +83,12 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     p = plan(o)
     kw = p["training"]
     dest = Path(kw["student_dir"]) if kw else Path(o.out)
+    costs = None
     if not (kw and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
         src = load_model(o.model)
+        if o.select == "kl":
+            costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
+            p = plan(o, costliest(costs, o.keep_attention))
         model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
         save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite or bool(kw),
                    dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
@@ -76,7 +97,8 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     return {"command": "hybridize", "input": str(o.model), "output": str(o.out), "to": p["family"],
             "distillation": trained and {k: trained.get(k) for k in ("steps", "tokens", "eval") if k in trained},
             "mixer": o.mixer, "init": o.init, "seed": o.seed,
-            "attention_kept": p["keep"], "attention_layers": len(p["layers"]),
+            "attention_kept": p["keep"], "attention_layers": len(p["layers"]), "select": o.select,
+            "kl_per_layer": costs,
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "head_dim": {"before": cfg.attention.head_dim, "after": new_cfg.attention.head_dim},
             "params": {"before": count_params(cfg)["total"], "after": count_params(new_cfg)["total"]},
