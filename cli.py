@@ -78,6 +78,7 @@ TYPED = {"demo": "the main job on the embedded checkpoint and corpus, offline",
          "search": "budgeted architecture search (Minitron / MiniPuzzle)",
          "distill": None, "train": None,  # TrainConfig's (pipelines/training/train_config.py)
          "upcycle": "dense -> MoE upcycling (virtual groups, weight scaling)",
+         "hybridize": "dense attention -> hybrid (Mamba-2 layers from the attention weights)",
          "tokenize": "tokenize DATA once into a token set that train/distill read from disk",
          "eval": "perplexity and tokens/s, and lm-eval tasks (--tasks)",
          "run": "a recipe: named steps of the commands above, resumable (README \"Recipes\")"}  # command -> --help line
@@ -200,6 +201,11 @@ def _run_upcycle(a):
     return upcycle(opts=_opts(a))
 
 
+def _run_hybridize(a):
+    from remodel.pipelines.commands.hybridize import hybridize
+    return hybridize(opts=_opts(a))
+
+
 def _eval_report(a) -> dict:
     from remodel.pipelines.commands.evaluation import TaskRequest, eval_job
     o = _opts(a)
@@ -263,7 +269,7 @@ def _subparsers(ap: argparse.ArgumentParser) -> dict:
 COMMANDS = {"demo": _run_demo, "inspect": _run_inspect, "convert": _run_convert, "score": _run_score,
             "prune": _run_prune, "plan": _run_plan, "search": _run_search, "distill": _run_training,
             "train": _run_training, "upcycle": _run_upcycle, "eval": _run_eval, "tokenize": _run_tokenize,
-            "run": _run_recipe}
+            "hybridize": _run_hybridize, "run": _run_recipe}
 
 
 def run(a) -> object:

@@ -317,6 +317,9 @@ MARKS = {
         "test_moe_held_out_loss": "quality",
         "test_load_does_not_import_dynamo": "slow",
     },
+    "test_hybridize_quality.py": {
+        "test_attention_init_beats_random_after_the_same_distillation": "quality",
+    },
     "test_expert_prune_quality.py": {
         "test_routed_reconstruction_beats_frequency_and_random_on_the_trained_moe": "quality",
     },

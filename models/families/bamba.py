@@ -111,7 +111,7 @@ _TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, attn_layer_ind
              num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
              mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16)
 BAMBA = Bamba("bamba", "BambaForCausalLM", depth=2, width_rules=(MAMBA_WIDTH_FROM_HIDDEN,), block_types=BLOCK_TYPES,
-              raw={"mamba_expand": (1, MAX_SMALL)}, padding_idx=True,
+              raw={"mamba_expand": (1, MAX_SMALL)}, padding_idx=True, fixed_rotary=ROTARY,
               upcycle_help="none (granitemoehybrid rotates whole heads, bamba half)",
               # every bias, tied embeddings, an explicit head_dim, attention last, a dt clamp
               tiny={"plain": _TINY, "biased_tied": dict(_TINY, attn_layer_indices=[0, 3], attention_bias=True,

@@ -167,6 +167,9 @@ class Family:
     # ModelConfig.padding_idx; tests/test_pad_row.py checks the flag against transformers' module and the gradients)
     padding_idx: bool = False
     projections: bool = False  # it holds the PROJECTIONS fields (Falcon-H1's multipliers, Mamba norm variants)
+    # the share of each head's channels its attention rotates whatever config.json says (None: the config's own;
+    # upcycle.hybridize widens the heads of a source rotating another share)
+    fixed_rotary: float | None = None
     upcycle_help: str = "no upcycling"  # the default upcycling target of a source of this family, in words
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
     raw: dict = field(default_factory=dict)  # {config.json key: (lo, hi)} of its shape keys no config field holds

@@ -9,6 +9,7 @@ from remodel.compress.baselines import METHODS
 from remodel.compress.expert_scores import EXPERT_METHODS
 from remodel.models.families import FAMILIES, UPCYCLE_TARGETS
 from remodel.models.recompute import RECOMPUTE_MODES
+from remodel.upcycle.hybridize import INITS, MIXERS
 from remodel.upcycle.virtual_groups import ROUTER_MODES
 
 from ..data.shards import SHARD_TOKENS
@@ -202,6 +203,36 @@ class UpcycleOptions:
 
 
 @dataclass
+class HybridizeOptions:
+    COMMAND = "hybridize"
+    model: object = opt(None, "dense attention checkpoint directory (most attention layers become MIXER layers)",
+                        positional=True)
+    out: object = opt(None, "new output directory", positional=True)
+    mixer: str = opt("mamba2", "the linear mixer put in place of the replaced attention layers", choices=tuple(MIXERS))
+    keep_attention: int | None = opt(None, "N attention layers kept, evenly spaced (or --keep-layers)",
+                                     check=ints(0, 2**16))
+    keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
+                                   ints=True, check=ints(0, 2**16))
+    select: str = opt("even", "which --keep-attention N layers keep attention: evenly spaced, or kl: the N whose "
+                      "replacement alone moves the output most (KL to MODEL on --data)", choices=("even", "kl"))
+    samples: int = opt(16, "calibration sequences of --select kl (--seq-len tokens each)", check=ints(1, 2**20))
+    init: str = opt("attention", "attention: the new mixers from the attention weights (MambaInLlama); random: as "
+                    "transformers initialises them", choices=INITS)
+    to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
+                        "that holds the hybrid)")
+    seed: int = opt(0, "seed of the new mixers' initial weights (and of the training's data order)", check=SEED)
+    data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps), "
+                       "and --select kl's calibration text; None: write the initialised hybrid")
+    steps: int | None = opt(None, "optimizer steps of the distillation", check=ints(1, 2**40))
+    seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
+    batch: int = opt(8, "sequences per micro-batch", check=BATCH)
+    lr: float = opt(1e-4, "peak learning rate (AdamW)", check=positive(10))
+    resume: bool = opt(False, "continue the distillation from its newest checkpoint in OUT.run/")
+    train: dict = opt({}, "further distill settings (TrainConfig names: eval_data, warmup, ...)", cli=False)
+    overwrite: bool = opt(False, OVERWRITE)
+
+
+@dataclass
 class DemoOptions:
     COMMAND = "demo"
     out: object = opt("remodel-demo", "output directory (checkpoints, plots, report)")
@@ -262,4 +293,5 @@ class TokenizeOptions:
 
 
 COMMAND_OPTIONS = {c.COMMAND: c for c in (DemoOptions, InspectOptions, ConvertOptions, ScoreOptions, PruneOptions,
-                                          PlanOptions, SearchOptions, UpcycleOptions, TokenizeOptions, EvalOptions)}
+                                          PlanOptions, SearchOptions, UpcycleOptions, TokenizeOptions, EvalOptions,
+                                          HybridizeOptions)}

@@ -1,0 +1,105 @@
+"""`remodel hybridize`: dense attention checkpoint -> hybrid checkpoint (upcycle.hybridize): the attention layers
+not kept become linear-mixer layers initialised from their attention weights (or at random), the rest copied
+exactly, written as a family transformers loads without remote code. Every input is checked on config.json
+before the weights are read; the model is held whole (two copies) while converting.
+With --data and --steps, stage two: the initialised hybrid (written to OUT.init, kept for --resume) is distilled
+from MODEL by distill's trainer (pipelines.training: its losses, checkpoints in OUT.run/, parallelism), into OUT.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_config, load_model, read_config_dict, save_model
+from remodel.models.params import count_params
+from remodel.upcycle.hybridize import INITS, costliest, hybridize_model, kept, kl_costs, replaceable, target
+
+from ..data.data import load_texts, pack
+from ..distributed.runtime import load_tokenizer
+from ..training.train import train
+from ..training.train_config import make_config
+from .configs import HybridizeOptions
+from .options import given, make
+
+
+def _dtype(config: dict):
+    """The checkpoint's own floating-point dtype (config.json), None where it names none."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    t = getattr(torch, name, None) if isinstance(name, str) else None
+    return t if isinstance(t, torch.dtype) and t.is_floating_point else None
+
+
+def _training(o: HybridizeOptions, student: Path) -> dict | None:
+    """distill's settings of stage two (checked here, before any work), None without --data."""
+    if o.steps is not None and o.data is None:
+        raise RemodelError("--steps needs --data (stage two: distil the hybrid from MODEL on DATA for N steps)")
+    if o.data is not None and o.steps is None and o.select != "kl":
+        raise RemodelError("--data needs --steps N (stage two) or --select kl (calibration)")
+    if o.select == "kl" and (o.data is None or o.keep_attention is None):
+        raise RemodelError("--select kl needs --keep-attention N and --data (its calibration text)")
+    if o.steps is None:
+        return None
+    kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data), steps=o.steps,
+              seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
+              **o.train)
+    make_config(**kw)
+    return kw
+
+
+def _calibration(o: HybridizeOptions, cfg) -> torch.Tensor:
+    """--select kl's token blocks [samples, seq_len] of --data, tokenized with MODEL's tokenizer (checked)."""
+    if not Path(o.data).expanduser().exists():
+        raise RemodelError(f"--data not found: {o.data}")
+    blocks = pack(load_texts(o.data), load_tokenizer(Path(o.model), "MODEL"), o.seq_len,
+                  max_tokens=o.samples * o.seq_len)
+    if blocks.numel() == 0 or int(blocks.max()) >= cfg.vocab_size:
+        raise RemodelError(f"--data gives no block of {o.seq_len} tokens, or ids beyond the model's vocabulary")
+    return blocks
+
+
+def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
+    """What the conversion will do, from config.json alone (one-line RemodelError for any bad input); `keep`:
+    the attention layers kept when measured (--select kl), else from the flags."""
+    if o.init not in INITS:
+        raise RemodelError(f"unknown --init {o.init!r} (supported: {', '.join(INITS)})")
+    training = _training(o, Path(f"{o.out}.init"))
+    cfg = load_config(o.model)
+    layers = replaceable(cfg, o.mixer)
+    keep = kept(len(layers), o.keep_attention, o.keep_layers) if keep is None else keep
+    replaced = {i for j, i in enumerate(layers) if j not in keep}
+    family, new_cfg = target(cfg, o.mixer, replaced, o.to)
+    return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
+            "training": training}
+
+
+def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:
+    """Dense checkpoint at `model_dir` -> hybrid checkpoint at `out`; -> the report. The options are
+    HybridizeOptions (pipelines/commands/configs.py), given as `opts` or by name."""
+    t0 = time.perf_counter()
+    o = make(HybridizeOptions, opts, **given(model=model_dir, out=out), **kw)
+    p = plan(o)
+    kw = p["training"]
+    dest = Path(kw["student_dir"]) if kw else Path(o.out)
+    costs = None
+    if not (kw and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
+        src = load_model(o.model)
+        if o.select == "kl":
+            costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
+            p = plan(o, costliest(costs, o.keep_attention))
+        model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
+        save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite or bool(kw),
+                   dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
+    trained = train(**kw) if kw else None
+    cfg, new_cfg = p["cfg"], p["new_cfg"]
+    return {"command": "hybridize", "input": str(o.model), "output": str(o.out), "to": p["family"],
+            "distillation": trained and {k: trained.get(k) for k in ("steps", "tokens", "eval") if k in trained},
+            "mixer": o.mixer, "init": o.init, "seed": o.seed,
+            "attention_kept": p["keep"], "attention_layers": len(p["layers"]), "select": o.select,
+            "kl_per_layer": costs,
+            "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
+            "head_dim": {"before": cfg.attention.head_dim, "after": new_cfg.attention.head_dim},
+            "params": {"before": count_params(cfg)["total"], "after": count_params(new_cfg)["total"]},
+            "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,225 @@
+"""Dense attention model -> hybrid (issue 57): the chosen attention layers replaced by a linear mixer, the rest
+(kept attention layers, MLPs, norms, embeddings) copied exactly, in a family transformers loads.
+
+--init attention, Mamba-2 (MambaInLlama, arXiv 2408.15237): C <- Q, B <- K, x <- V, out <- O, with one Mamba head
+and one B/C group per query head, its B and x those of its key-value head: with decay 1 and dt 1 the SSD scan
+is then attention's linear form y_t = sum_{s<=t} (q_t . k_s) v_s per head; D = 0 (attention has no x_t skip) and
+the gate's in_proj rows (z) zero, so the new layer starts silent (silu(0) = 0: the hybrid starts as the source
+without those layers, never worse) and the gradient opens it (silu'(0) = 1/2). Measured on a small trained Llama
+(tests/test_hybridize_quality.py): with transformers' random z and D = 1 the same weights ended 0.03 - 0.05 above
+--init random after 40 distillation steps, silent 0.011 - 0.015 below. dt, conv, A_log and dt_bias as transformers
+initialises them (models.model.init_weights). --init random: the whole mixer so.
+A target family whose attention rotates a fixed share of each head (Family.fixed_rotary) gets wider heads, zero
+in the added channels and the query rescaled, so its kept layers compute what the source's did.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from remodel.models.attention import ATTENTION
+from remodel.models.errors import RemodelError
+from remodel.models.families import DEFAULT_ORDER, FAMILIES
+from remodel.models.hf import check_exportable
+from remodel.models.mamba import MAMBA
+from remodel.models.model import HybridLM, init_weights
+
+INITS = ("attention", "random")
+
+
+class Mixer(NamedTuple):
+    """A --mixer: the kind whose layers it replaces, the kind it puts there, its config fields sized from the
+    source's attention section, and its tensors initialised from one attention layer's (init(cfg, att, fresh))."""
+    replaces: object
+    kind: object
+    sizes: Callable
+    init: Callable
+
+
+def _mamba_sizes(a) -> dict:
+    """One Mamba head and one B/C group per query head, head and state width the attention head's."""
+    return {"mamba.mamba_num_heads": a.num_attention_heads, "mamba.mamba_head_dim": a.head_dim,
+            "mamba.n_groups": a.num_attention_heads, "mamba.ssm_state_size": a.head_dim,
+            "mamba.mamba_proj_bias": bool(a.attention_bias or a.attention_out_bias), "mamba.time_step_min": 0.0}
+
+
+def per_query_head(t: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """Rows of key-value heads [kv * d, ...] -> the rows each query head reads [heads * d, ...] (repeat_kv's order)."""
+    return t.unflatten(0, (kv_heads, -1)).repeat_interleave(heads // kv_heads, dim=0).flatten(0, 1)
+
+
+def _mamba_from_attention(cfg, att: dict, fresh: dict) -> dict:
+    """MambaInLlama: in_proj's x, B, C rows <- V, K, Q (x and B repeated per query head), out_proj <- O, the z rows
+    and D zero; the rest (dt rows, conv, A_log, dt_bias, norm) as `fresh` holds them."""
+    a, out = cfg.attention, dict(fresh)
+    H, KV = a.num_attention_heads, a.num_key_value_heads
+    for leaf in ("weight", "bias"):
+        if f"in_proj.{leaf}" not in fresh or f"v_proj.{leaf}" not in att:  # no bias on one side: the fresh zeros
+            continue
+        t = fresh[f"in_proj.{leaf}"].clone()
+        src = {"x": per_query_head(att[f"v_proj.{leaf}"], KV, H), "B": per_query_head(att[f"k_proj.{leaf}"], KV, H),
+               "C": att[f"q_proj.{leaf}"]}
+        for seg, rows in src.items():
+            t[MAMBA.segment_span(cfg, "mamba_in_proj", seg)] = rows
+        out[f"in_proj.{leaf}"] = t
+        out[f"out_proj.{leaf}"] = att.get(f"o_proj.{leaf}", fresh[f"out_proj.{leaf}"])
+    out["in_proj.weight"][MAMBA.segment_span(cfg, "mamba_in_proj", "z")] = 0
+    out["D"] = torch.zeros_like(fresh["D"])
+    return out
+
+
+MIXERS = {"mamba2": Mixer(ATTENTION, MAMBA, _mamba_sizes, _mamba_from_attention)}
+
+
+def mixer_of(name: str) -> Mixer:
+    if name not in MIXERS:
+        raise RemodelError(f"unknown --mixer {name!r} (supported: {', '.join(MIXERS)})")
+    return MIXERS[name]
+
+
+def replaceable(cfg, mixer: str) -> list[int]:
+    """Our indices of the layers `mixer` can replace (the attention layers), in order; refused when none."""
+    m = mixer_of(mixer)
+    layers = [s.index for s in cfg.slots if s.kind is m.replaces]
+    if not layers:
+        raise RemodelError(f"--mixer {mixer} replaces {m.replaces.name} layers and the model has none "
+                           f"(pattern {cfg.pattern!r})")
+    return layers
+
+
+def kept(n: int, keep_attention=None, keep_layers=None) -> list[int]:
+    """Which of the n attention layers keep attention (0-based among them): --keep-layers as given, or
+    --keep-attention N evenly spaced (the k-th at int((k + 1/2) n / N))."""
+    if (keep_attention is None) == (keep_layers is None):
+        raise RemodelError("give one of --keep-attention N or --keep-layers I,J,... (which layers keep attention)")
+    if keep_layers is not None:
+        ok = all(isinstance(j, int) and not isinstance(j, bool) and 0 <= j < n for j in keep_layers)
+        if not ok or len(set(keep_layers)) != len(keep_layers):
+            raise RemodelError(f"--keep-layers must be distinct attention-layer indices in 0..{n - 1}, got "
+                               f"{list(keep_layers)}")
+        return sorted(keep_layers)
+    if isinstance(keep_attention, bool) or not isinstance(keep_attention, int) or not 0 <= keep_attention <= n:
+        raise RemodelError(f"--keep-attention must be in 0..{n} (the model's attention layers), got {keep_attention!r}")
+    return [int((k + 0.5) * n / keep_attention) for k in range(keep_attention)]
+
+
+def head_dim_in(cfg, family: str) -> int:
+    """The head width that holds the source's attention exactly in `family`: the source's, or where the family
+    rotates a fixed share r of each head, rotated channels / r (the added channels zero)."""
+    a, r = cfg.attention, FAMILIES[family].fixed_rotary
+    if r is None or r == a.partial_rotary_factor:
+        return a.head_dim
+    rot = int(a.head_dim * a.partial_rotary_factor)
+    d = round(rot / r)
+    where = f"--to {family}: its attention rotates {r} of each head's channels, the source's {rot} of {a.head_dim}"
+    if d < a.head_dim or int(d * r) != rot:
+        raise RemodelError(f"{where}: no head width holds them")
+    if a.qk_norm:
+        raise RemodelError(f"{where}: its heads would be widened to {d}, which a q/k norm over the head does not allow")
+    return d
+
+
+def hybrid_config(cfg, mixer: str, replaced: set, family: str | None):
+    """The hybrid's ModelConfig: layers `replaced` of the mixer's kind, the kept attention in `family`'s head width
+    (None: the source's, a model held in memory only)."""
+    m, a = mixer_of(mixer), cfg.attention
+    pattern = "".join(m.kind.char if i in replaced else c for i, c in enumerate(cfg.pattern))
+    attn = {}
+    if family is not None and any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # kept
+        attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
+                "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
+    return cfg.replace(pattern=pattern, **m.sizes(a), **attn)
+
+
+def target(cfg, mixer: str, replaced: set, to: str | None) -> tuple[str, object]:
+    """(family, hybrid config): `to` when it holds the hybrid, else the first family of the registry's default
+    order that holds it (and holds the mixer, asked with every attention layer replaced); one line otherwise."""
+    if to is not None:
+        if to not in FAMILIES:
+            raise RemodelError(f"unknown --to {to!r} (supported: {', '.join(FAMILIES)})")
+        new = hybrid_config(cfg, mixer, replaced, to)
+        try:
+            check_exportable(new, to)
+        except RemodelError as e:
+            raise RemodelError(f"--to {to} cannot hold the hybrid: {e}") from None
+        return to, new
+    every = set(replaceable(cfg, mixer))
+    for f in DEFAULT_ORDER:
+        try:
+            probe, new = (hybrid_config(cfg, mixer, r, f.name) for r in (every, replaced))
+        except RemodelError:  # the family's head width cannot hold the source's attention
+            continue
+        if f.holds(probe) and f.holds(new):
+            return f.name, new
+    raise RemodelError(f"no family holds this hybrid (--mixer {mixer}); name one with --to")
+
+
+def widen_attention(att: dict, a, d2: int) -> dict:
+    """One attention layer's tensors with every head d -> d2 channels wide (zeros appended) and the query scaled
+    so that 1/sqrt(d2) attention computes the source's scores (source scale: attention_scale or 1/sqrt(d))."""
+    d = a.head_dim
+    factor = (a.attention_scale or 1 / math.sqrt(d)) * math.sqrt(d2)
+    if d2 == d and factor == 1:
+        return dict(att)
+
+    def rows(t):
+        return F.pad(t.unflatten(0, (-1, d)), (0, 0) * (t.dim() - 1) + (0, d2 - d)).flatten(0, 1)
+
+    out = dict(att)
+    for k, t in att.items():
+        if k.startswith(("q_proj.", "k_proj.", "v_proj.")):
+            out[k] = rows(t) * (factor if k.startswith("q_proj.") else 1)
+    out["o_proj.weight"] = rows(att["o_proj.weight"].T).T.contiguous()
+    return out
+
+
+def _mixer_state(state: dict, i: int) -> dict:
+    pre = f"layers.{i}.mixer."
+    return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
+
+
+@torch.no_grad()
+def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str = "attention",
+                    seed: int = 0) -> HybridLM:
+    """The hybrid of `src` under `new_cfg` (hybrid_config): replaced layers' mixers initialised per `init`, every
+    other tensor copied (kept attention widened to new_cfg's head width)."""
+    if init not in INITS:
+        raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
+    m, cfg = mixer_of(mixer), src.cfg
+    model = init_weights(HybridLM(new_cfg), seed=seed)
+    fresh, old = model.state_dict(), src.state_dict()
+    state = {k: v for k, v in old.items() if k in fresh}
+    for i in replaceable(cfg, mixer):
+        att, pre = _mixer_state(old, i), f"layers.{i}.mixer."
+        state = {k: v for k, v in state.items() if not k.startswith(pre)}
+        if i in replaced:
+            mix = _mixer_state(fresh, i) if init == "random" else m.init(new_cfg, att, _mixer_state(fresh, i))
+        else:
+            mix = widen_attention(att, cfg.attention, new_cfg.attention.head_dim)
+        state.update({pre + k: v for k, v in mix.items()})
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def kl_costs(src: HybridLM, mixer: str, blocks: torch.Tensor, init: str = "attention", seed: int = 0,
+             batch: int = 4) -> list[float]:
+    """Per attention layer (in order): the mean per-token KL(source || the source with that layer alone replaced
+    by its initialised mixer) over the token blocks [n, l] (arXiv 2512.20569's selection: keep the costliest)."""
+    chunks = blocks.split(batch)
+    ref = [F.log_softmax(src(ids).float(), -1) for ids in chunks]
+    costs = []
+    for i in replaceable(src.cfg, mixer):
+        probe = hybridize_model(src, hybrid_config(src.cfg, mixer, {i}, None), mixer, {i}, init, seed)
+        kl = sum(F.kl_div(F.log_softmax(probe(ids).float(), -1), r, log_target=True, reduction="sum").item()
+                 for ids, r in zip(chunks, ref))
+        costs.append(kl / blocks.numel())
+    return costs
+
+
+def costliest(costs: list[float], n: int) -> list[int]:
+    """The n attention layers (indices among them, ascending) whose replacement costs most."""
+    return sorted(sorted(range(len(costs)), key=lambda j: -costs[j])[:n])
