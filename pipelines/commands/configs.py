@@ -121,6 +121,8 @@ class PlanOptions:
     max_depth_cut: float = opt(0.2, "largest fraction of the layers removed", cli=False)
     max_type_cut: float = opt(0.5, "largest fraction of one layer type removed", cli=False)
     divisors: dict | None = opt(None, "{axis: divisor} overriding the reference width divisors", cli=False)
+    pool: int = opt(200, "with scores: how many candidates closest to the budget the loss estimate ranks", cli=False,
+                    check=ints(1, 10**5))
     verbose: bool = opt(True, "print the table", cli=False)
 
 

@@ -6,7 +6,8 @@
 2. SCORES (`--scores`, or one `remodel score` run on the training part of DATA, kept as OUT/scores)
    decide which units each candidate keeps, and which layers of each type go (plan re-run with the
    scores: the least important by loss_increase).
-3. Every candidate is pruned in memory from the one loaded source model and ranked by held-out LM
+3. plan's `top` candidates (with scores: those of lowest estimated loss, compress/estimate.py) are
+   pruned in memory from the one loaded source model and ranked by held-out LM
    loss (held out: `eval_data`, else every 20th document of DATA, see pipelines.data.data.load_texts).
 4. The best `candidates` are distilled for `distill_tokens` tokens each (teacher = MODEL, the
    training part of DATA, pipelines.training.train.train) and re-ranked by held-out loss.
@@ -238,6 +239,7 @@ def _rank_candidates(model, cfg, family, tensors, cands, eval_blocks, batch, pro
             raise AssertionError(f"pruned model of candidate {c['rank']} differs from the plan")
         ev = evaluate(prune_model(model, keep), eval_blocks, batch=batch)
         rows.append({"plan_rank": c["rank"], "shape": shape_str(c, cfg), **{k: c[k] for k in ROW_KEYS},
+                     "estimate": c.get("estimate"),
                      "loss": ev["loss"], "ppl": ev["ppl"]})
     by_loss = sorted(range(len(rows)), key=lambda i: (rows[i]["loss"], rows[i]["plan_rank"]))
     for k, i in enumerate(by_loss):
