@@ -132,8 +132,11 @@ class SearchOptions:
     model: object = opt(None, "checkpoint directory to search from", positional=True)
     out: object = opt(None, "new output directory (the best candidate and the report)", positional=True)
     data: object = opt(None, "calibration and training text", required=True)
-    params: int | None = opt(None, "total parameter budget, e.g. 4.5e9 or 47B", count=True, required=True,
-                             check=count())
+    params: int | None = opt(None, "total parameter budget, e.g. 4.5e9 or 47B (a budget or --plan is required)",
+                             count=True, check=count())
+    plan: object = opt(None, "PLAN file from `remodel plan --out`: search its candidates instead of a budget's")
+    candidate: int | None = opt(None, "with --plan: only this candidate (the # of its table; None: all of them)",
+                                check=ints(1, 10**4))
     candidates: int = opt(3, "best candidates re-ranked after distillation", check=ints(1, 1000))
     distill_tokens: int = opt(0, "short distillation before the re-ranking", count=True, check=count(0))
     scores: object = opt(None, "SCORES dir from `remodel score` (computed into OUT/scores otherwise)")
