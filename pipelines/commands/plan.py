@@ -156,11 +156,15 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     }
 
 
+def _estimate(sp, tensors: dict, c: dict) -> float:
+    from remodel.compress.estimate import estimate_loss
+    return estimate_loss(sp.cfg, tensors, c["prune_targets"], sp.family)
+
+
 def _by_estimate(sp, cands: list, tensors: dict, top: int) -> list:
     """The `top` candidates of lowest estimated loss (compress.estimate; ties: closer to the budget), re-ranked."""
-    from remodel.compress.estimate import estimate_loss
     for c in cands:
-        c["estimate"] = estimate_loss(sp.cfg, tensors, c["prune_targets"], sp.family)
+        c["estimate"] = _estimate(sp, tensors, c)
     best = sorted(cands, key=lambda c: (c["estimate"], c["rank"]))[:top]
     for i, c in enumerate(best):
         c["closeness_rank"], c["rank"] = c["rank"], i + 1
@@ -192,7 +196,7 @@ def format_plan(d: dict) -> str:
     head = ["#", "params"] + (["active"] if d["moe"] else []) + ["memory", "under"] + [SHORT[a] for a in axes] \
         + ["removed", "layers"] + (["est. loss"] if d["scored"] else [])
     rows = []
-    for c in d["candidates"]:
+    for c in d["candidates"] + d.get("released", []):
         m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
         r = [str(c["rank"]), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
             + [_gb(c["memory_bytes"]), f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
@@ -200,13 +204,16 @@ def format_plan(d: dict) -> str:
             + ([f"{c['estimate']:.4g}"] if d["scored"] else [])
         rows.append(r)
     width = [max(len(x) for x in col) for col in zip(head, *rows)]
-    cmds = ["command"] + [c.get("command", "") for c in d["candidates"]]
+    cmds = ["command"] + [c.get("command", "") for c in d["candidates"] + d.get("released", [])]
     for r, cmd in zip([head] + rows, cmds):
         lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)) + "  " + cmd)
     if d["candidates"]:
         c = d["candidates"][0]
         how = f" ({c['depth_choice']})" if c["depth_choice"] else ""
         lines.append(f"#1 pattern{how}: {c['pattern']}")
+    for c in d.get("released", []):
+        lines.append(f"released: {c['released']} (shipped config, counted here from the source with its widths and "
+                     f"layers): pattern {c['pattern']}")
     return "\n".join(lines)
 
 
@@ -252,6 +259,10 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     cands = [_candidate(sp, r, budgets, unit_scores, metric, i + 1) for i, r in enumerate(rows)]
     if tensors is not None:
         cands = _by_estimate(sp, cands, tensors, top)
+    from .released import released_rows
+    released = released_rows(sp, where, _used_axes(cfg), budgets)
+    for c in released if tensors is not None else ():
+        c["estimate"] = _estimate(sp, tensors, c)
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
@@ -259,7 +270,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},
         "scored": unit_scores is not None, "depth_metric": metric, "note": note, "pool": len(rows),
-        "seconds": time.time() - t0, "candidates": cands,
+        "seconds": time.time() - t0, "candidates": cands, "released": released,
     }
     return _finish(o, out, cfg)
 
@@ -280,6 +291,8 @@ def _finish(o: PlanOptions, out: dict, cfg: ModelConfig) -> dict:
     """Each row's command, the PLAN file (--out), the table."""
     for c in out["candidates"]:
         c["command"] = _command(o.model, c, o.out, o.scores)
+    for c in out["released"]:
+        c["command"] = _command(o.model, c, None, o.scores)
     if o.out is not None:
         write_plan(o.out, out, cfg)
     if o.verbose and not o.json:
