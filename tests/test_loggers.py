@@ -56,6 +56,7 @@ class FakeWriter:
 
 def test_tensorboard_gets_the_history(work, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
     FakeWriter.made = []
     rep = train(**kwargs(work, tmp_path / "out", log_dir=str(tmp_path / "tb")))
     (w,) = FakeWriter.made

@@ -20,7 +20,8 @@ from remodel.models.errors import RemodelError
 
 def _summary_writer():
     try:
-        from torch.utils.tensorboard import SummaryWriter  # imports the tensorboard package
+        import tensorboard  # noqa: F401 - the package torch.utils.tensorboard writes with (the extra)
+        from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise RemodelError("--log-dir writes TensorBoard event files and needs the tensorboard package "
                            "(pip install 'remodel[tensorboard]')") from None
