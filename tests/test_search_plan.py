@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from remodel import cli
-from remodel.compress.scores import load_scores
+from remodel.compress.scores import load_scores, save_scores
+from remodel.models.config import ModelConfig
 from remodel.models.hf import config_from_hf
 from remodel.models.params import count_params
 from remodel.pipelines.commands.search import search_job
@@ -83,8 +85,13 @@ def test_search_plan_refusals_one_line(tmp_path, data, plan_file, capsys):
     doc["candidates"][0]["params"] += 1
     (tmp_path / "edited.json").write_text(json.dumps(doc))
     cases.append((["--plan", str(tmp_path / "edited.json")], f"--plan {tmp_path / 'edited.json'}: candidate 1"))
+    other = tmp_path / "other"  # scores of another model
+    cfg = ModelConfig(vocab_size=96, hidden_size=16, pattern="M-", mamba_num_heads=4, mamba_head_dim=8,
+                      ssm_state_size=8, chunk_size=8, intermediate_size=32)
+    save_scores(other, {"hidden": torch.rand(16), "block_importance": torch.rand(2)}, {"config": cfg.to_dict()})
+    cases.append((["--plan", str(plan), "--scores", str(other)], "scores were computed for a different model"))
     for extra, want in cases:
         assert cli.main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and want in err, (extra, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.json", "plan.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.json", "other", "plan.json"]

@@ -200,7 +200,10 @@ def _check_all(o: SearchOptions, model_dir: Path, out: Path, budget: dict):
         if given_too:
             raise RemodelError(f"--plan sets the candidates; drop {', '.join(given_too)}")
         from .plan_file import plan_rows
+        from .prune import check_scores_match
         plan_rows(o.plan, cfg, family, o.candidate)  # the file and every row checked before anything is written
+        if o.scores is not None:  # (without --plan, plan() checks them)
+            check_scores_match(cfg, load_scores(o.scores)[1], o.scores)
     return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit, o.trust_task_code)
 
 
