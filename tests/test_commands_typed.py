@@ -115,8 +115,8 @@ def test_upcycle_and_search_take_their_options_by_name(work):
     from remodel.pipelines.commands.upcycle import upcycle
     with pytest.raises(RemodelError, match=r"unknown upcycle options \['expert'\]"):
         upcycle(work / "model", work / "o", experts=8, top_k=2, expert=3)
-    with pytest.raises(RemodelError, match=r"unknown search options \['candidate'\]"):
-        search_job(work / "model", work / "o", CORPUS, params=2e6, candidate=2)
+    with pytest.raises(RemodelError, match=r"unknown search options \['candidats'\]"):  # (candidate: a row of --plan)
+        search_job(work / "model", work / "o", CORPUS, params=2e6, candidats=2)
     assert not (work / "o").exists()
 
 

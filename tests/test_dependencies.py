@@ -1,6 +1,6 @@
 """pyproject declares exactly what the product imports: every third-party module imported by the
 packages (models, compress, upcycle, pipelines, data, cli.py) is a declared dependency or extra, and every
-declared runtime dependency or `gpu` / `eval` extra is imported somewhere (a package that nothing imports goes).
+declared runtime dependency or `gpu` / `eval` / `tensorboard` / `wandb` extra is imported somewhere (a package that nothing imports goes).
 Modules loaded by name (importlib.import_module, as models/mamba.py does for the GPU kernels, or through
 its optional_import) count as imported from the files that use either."""
 import ast
@@ -21,7 +21,7 @@ def _declared():
     proj = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     name = lambda req: re.split(r"[<>=!~ \[;]", req, maxsplit=1)[0]  # noqa: E731
     runtime = [name(r) for r in proj["dependencies"]]
-    extras = [name(r) for x in ("gpu", "eval") for r in proj["optional-dependencies"][x]]
+    extras = [name(r) for x in ("gpu", "eval", "tensorboard", "wandb") for r in proj["optional-dependencies"][x]]
     return {MODULE_OF.get(d, d): d for d in runtime + extras}
 
 

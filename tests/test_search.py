@@ -185,12 +185,16 @@ def test_dry_run_smoke(tmp_path, data):
     cfg = dry.scaled_config(128).replace(vocab_size=2048)
     src = make_checkpoint(tmp_path / "src", cfg, std=0.02)
     b = dry.scaled_budget(cfg, 128)
-    d = plan(cfg, params=b["params"], memory_gb=b["memory_gb"], top=2, verbose=False, **b["plan_options"])
+    scores = random_scores(tmp_path / "scores", cfg)
+    d = plan(cfg, params=b["params"], memory_gb=b["memory_gb"], top=2, scores=scores, verbose=False,
+             **b["plan_options"])
     out = tmp_path / "out"
     rep = search_job(src, out, data, params=b["params"], memory_gb=b["memory_gb"], plan_options=b["plan_options"], top=2,
-                 candidates=1, scores=random_scores(tmp_path / "scores", cfg), **{**KW, "eval_tokens": 128})
+                 candidates=1, scores=scores, **{**KW, "eval_tokens": 128})
     rows = rep["candidates"]
-    assert [r["params"] for r in rows] == [c["params"] for c in d["candidates"]]  # plan's shapes (depth aside)
+    # plan's shapes with the same scores: its best two by estimated loss (depth aside)
+    assert [r["params"] for r in rows] == [c["params"] for c in d["candidates"]]
+    assert [r["estimate"] for r in rows] == [c["estimate"] for c in d["candidates"]]
     pick = next(r for r in rows if r["chosen"])
     s = load_scores(tmp_path / "scores")[0]["loss_increase"].tolist()
     for ch, c in (("mamba", "M"), ("mlp", "-"), ("attention", "*")):  # the least important layers of each type

@@ -132,6 +132,8 @@ class PlanOptions:
     max_depth_cut: float = opt(0.2, "largest fraction of the layers removed", cli=False)
     max_type_cut: float = opt(0.5, "largest fraction of one layer type removed", cli=False)
     divisors: dict | None = opt(None, "{axis: divisor} overriding the reference width divisors", cli=False)
+    pool: int = opt(200, "with scores: how many candidates closest to the budget the loss estimate ranks", cli=False,
+                    check=ints(1, 10**5))
     verbose: bool = opt(True, "print the table", cli=False)
 
 
@@ -141,8 +143,11 @@ class SearchOptions:
     model: object = opt(None, "checkpoint directory to search from", positional=True)
     out: object = opt(None, "new output directory (the best candidate and the report)", positional=True)
     data: object = opt(None, "calibration and training text", required=True)
-    params: int | None = opt(None, "total parameter budget, e.g. 4.5e9 or 47B", count=True, required=True,
-                             check=count())
+    params: int | None = opt(None, "total parameter budget, e.g. 4.5e9 or 47B (a budget or --plan is required)",
+                             count=True, check=count())
+    plan: object = opt(None, "PLAN file from `remodel plan --out`: search its candidates instead of a budget's")
+    candidate: int | None = opt(None, "with --plan: only this candidate (the # of its table; None: all of them)",
+                                check=ints(1, 10**4))
     candidates: int = opt(3, "best candidates re-ranked after distillation", check=ints(1, 1000))
     distill_tokens: int = opt(0, "short distillation before the re-ranking", count=True, check=count(0))
     scores: object = opt(None, "SCORES dir from `remodel score` (computed into OUT/scores otherwise)")

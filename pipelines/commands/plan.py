@@ -13,7 +13,9 @@ GiB per rank of distilling the candidate from the source at tp / ep / dp, recomp
 (compress.train_memory, the estimate `distill`'s report gives beside what its ranks hold). A candidate meets every budget given; the window
 keeps those whose tightest budget is within `tol` (default 2%) and that are maximal (no single width
 or layer could be given back within the budgets); ranking: closeness (the mean slack over the
-budgets, in steps of 0.1%), then most parameters kept (see compress.search_space.search).
+budgets, in steps of 0.1%), then most parameters kept (see compress.search_space.search). With SCORES
+the `pool` (200) closest are ranked by estimated loss instead (compress/estimate.py: from the scores
+alone), and `search` prunes and measures the best of those.
 Parameters alone do not pick an architecture: thousands of shapes land within 0.1% of a budget.
 The published 56B -> 47B (MiniPuzzle) and 8B -> 4B (Minitron-SSM) shapes are in the grid with their
 exact counts, but were chosen by measured accuracy; restrict `axes` to a recipe's knobs (e.g.
@@ -88,7 +90,8 @@ def _train_setup(o: PlanOptions, cfg: ModelConfig) -> TrainSetup:
 
 
 def _load_depth_scores(scores, cfg: ModelConfig, family: str):
-    """-> (per-unit scores list, metric name) from a SCORES directory, checked against the model."""
+    """-> (per-unit scores list, metric name, the score tensors) from a SCORES directory, checked against the
+    model."""
     from remodel.compress.prune import depth_metric
     from remodel.compress.scores import load_scores
 
@@ -102,7 +105,7 @@ def _load_depth_scores(scores, cfg: ModelConfig, family: str):
         got = "missing" if s is None else f"shape {list(s.shape)}"
         raise RemodelError(f"{scores}: '{metric}' is {got}, expected [{cfg.num_layers}] (one per layer)")
     s = s.double().tolist()
-    return [sum(s[i] for i in u) for u in depth_units(cfg, family)], metric
+    return [sum(s[i] for i in u) for u in depth_units(cfg, family)], metric, tensors
 
 
 def _used_axes(cfg: ModelConfig) -> set:
@@ -171,6 +174,21 @@ def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> 
     }
 
 
+def _estimate(sp, tensors: dict, c: dict) -> float:
+    from remodel.compress.estimate import estimate_loss
+    return estimate_loss(sp.cfg, tensors, c["prune_targets"], sp.family)
+
+
+def _by_estimate(sp, cands: list, tensors: dict, top: int) -> list:
+    """The `top` candidates of lowest estimated loss (compress.estimate; ties: closer to the budget), re-ranked."""
+    for c in cands:
+        c["estimate"] = _estimate(sp, tensors, c)
+    best = sorted(cands, key=lambda c: (c["estimate"], c["rank"]))[:top]
+    for i, c in enumerate(best):
+        c["closeness_rank"], c["rank"] = c["rank"], i + 1
+    return best
+
+
 def _removed_str(removed: dict) -> str:
     return " ".join(f"{r}{t}" for t, r in removed.items() if r) or "-"
 
@@ -194,27 +212,33 @@ def format_plan(d: dict) -> str:
                  f"; {d['grid']:,} points, {d['window']:,} in the window, {d['maximal']:,} maximal; {d['seconds']:.2f} s")
     if d["note"]:
         lines.append(d["note"])
+    lines.append(f"ranked by estimated loss increase (est. loss, in {d['depth_metric']} units: the dropped layers' "
+                 f"scores + each kept layer's score x the share of its importance cut) over the {d['pool']} closest"
+                 if d["scored"] else "ranked by closeness to the budget (give --scores to rank by estimated loss)")
     axes = [a for a, v in d["space"].items() if len(v) > 1]
     head = ["#", "params"] + (["active"] if d["moe"] else []) + ["memory"] + (["train"] if train else []) + ["under"] \
         + [SHORT[a] for a in axes] \
-        + ["removed", "layers"] + (["drop cost"] if d["scored"] else [])
+        + ["removed", "layers"] + (["est. loss"] if d["scored"] else [])
     rows = []
-    for c in d["candidates"]:
+    for c in d["candidates"] + d.get("released", []):
         m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
         r = [str(c["rank"]), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
             + [fmt_bytes(c["memory_bytes"])] + ([fmt_bytes(c["train_memory_bytes"])] if train else []) \
             + [f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
             + [str(c["widths"][a]) for a in axes] + [_removed_str(c["removed"]), str(c["num_layers"])] \
-            + ([f"{c['drop_cost']:.4g}" if c["drop_cost"] is not None else "-"] if d["scored"] else [])
+            + ([f"{c['estimate']:.4g}"] if d["scored"] else [])
         rows.append(r)
     width = [max(len(x) for x in col) for col in zip(head, *rows)]
-    cmds = ["command"] + [c.get("command", "") for c in d["candidates"]]
+    cmds = ["command"] + [c.get("command", "") for c in d["candidates"] + d.get("released", [])]
     for r, cmd in zip([head] + rows, cmds):
         lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)) + "  " + cmd)
     if d["candidates"]:
         c = d["candidates"][0]
         how = f" ({c['depth_choice']})" if c["depth_choice"] else ""
         lines.append(f"#1 pattern{how}: {c['pattern']}")
+    for c in d.get("released", []):
+        lines.append(f"released: {c['released']} (shipped config, counted here from the source with its widths and "
+                     f"layers): pattern {c['pattern']}")
     return "\n".join(lines)
 
 
@@ -240,7 +264,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         raise RemodelError(f"top must be >= 1, got {top}")
     sp = build_space(cfg, o.axes, o.max_width_cut, o.max_depth_cut, o.max_type_cut,
                      Serving(batch=batch, seq_len=seq_len, train=_train_setup(o, cfg)), family=(hf or {}).get("model_type"), divisors=o.divisors)
-    unit_scores, metric = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None, None)
+    unit_scores, metric, tensors = _load_depth_scores(scores, cfg, sp.family) if scores is not None else (None,) * 3
     ex = extremes(sp)
     src = {m: ex[m][2] for m in METRICS}
     if all(src[m] <= b for m, b in budgets.items()):
@@ -249,14 +273,21 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     if short:
         raise RemodelError(f"budget below every candidate ({', '.join(short)}); {_ranges(ex, budgets)} "
                            f"(max cuts: width {o.max_width_cut:g}, depth {o.max_depth_cut:g})")
-    rows, stats = search(sp, budgets, tol, top)
+    pool = top if tensors is None else max(top, o.pool)  # with scores: the estimate ranks the closest `pool`
+    rows, stats = search(sp, budgets, tol, pool)
     note = None
     if not rows:
-        rows, _ = search(sp, budgets, tol, top, window_only=False)
+        rows, _ = search(sp, budgets, tol, pool, window_only=False)
         if not rows:
             raise RemodelError(f"no candidate meets every budget together; {_ranges(ex, budgets)}")
         note = f"note: no candidate within {100 * tol:g}% of the budget; the closest ones below it follow"
     cands = [_candidate(sp, r, budgets, unit_scores, metric, i + 1) for i, r in enumerate(rows)]
+    if tensors is not None:
+        cands = _by_estimate(sp, cands, tensors, top)
+    from .released import released_rows
+    released = released_rows(sp, where, _used_axes(cfg), budgets)
+    for c in released if tensors is not None else ():
+        c["estimate"] = _estimate(sp, tensors, c)
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
@@ -264,8 +295,8 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         "axes": [a for a in sp.axes if a == "depth" or a in _used_axes(cfg)], "space": {a: v for a, v in sp.values.items() if a in _used_axes(cfg)}, "depth": dict(sp.removable),
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},
-        "scored": unit_scores is not None, "depth_metric": metric, "note": note,
-        "seconds": time.time() - t0, "candidates": cands,
+        "scored": unit_scores is not None, "depth_metric": metric, "note": note, "pool": len(rows),
+        "seconds": time.time() - t0, "candidates": cands, "released": released,
     }
     return _finish(o, out, cfg)
 
@@ -286,6 +317,8 @@ def _finish(o: PlanOptions, out: dict, cfg: ModelConfig) -> dict:
     """Each row's command, the PLAN file (--out), the table."""
     for c in out["candidates"]:
         c["command"] = _command(o.model, c, o.out, o.scores)
+    for c in out["released"]:
+        c["command"] = _command(o.model, c, None, o.scores)
     if o.out is not None:
         write_plan(o.out, out, cfg)
     if o.verbose and not o.json:

@@ -19,7 +19,8 @@ from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units
 from remodel.models.hf import our_shapes
-from remodel.models.params import count_params
+from remodel.models.kinds import KINDS
+from remodel.models.params import count_params, memory_bytes
 
 FORMAT, VERSION = "remodel-plan", 1
 MAX_BYTES = 64 * 1024**2  # a plan of 10^4 candidates is a few MB
@@ -140,14 +141,43 @@ def _check_row(path, row, k: int, cfg: ModelConfig, family: str) -> dict:
 def plan_targets(path, candidate: int, cfg: ModelConfig, family: str) -> dict:
     """The prune targets of candidate `candidate` (1-based, the table's #) of PLAN, checked against MODEL's
     config; with "params": the row's parameter count, which the pruned model must have."""
+    rows = _rows(path, cfg, family, candidate)
+    return _check_row(path, rows[candidate - 1], candidate, cfg, family)
+
+
+def _rows(path, cfg: ModelConfig, family: str, candidate: int | None) -> list:
+    """PLAN's candidate rows (unchecked), once the file, its model and the --candidate number pass."""
     doc = read_plan(path)
     _check_source(path, doc, cfg, family)
     rows = doc.get("candidates")
     if not isinstance(rows, list) or not rows or len(rows) > MAX_CANDIDATES:
         raise _bad(path, f"\"candidates\" must be a list of 1 to {MAX_CANDIDATES} rows")
-    if not 1 <= candidate <= len(rows):
+    if candidate is not None and not 1 <= candidate <= len(rows):
         raise RemodelError(f"--candidate {candidate}: --plan {path} has {len(rows)} candidate(s) (1..{len(rows)})")
-    return _check_row(path, rows[candidate - 1], candidate, cfg, family)
+    return rows
+
+
+def plan_rows(path, cfg: ModelConfig, family: str, candidate: int | None = None, unit_scores=None) -> list[dict]:
+    """PLAN's candidates (all, or the one numbered `candidate`) as checked rows of what `search` ranks: rebuilt
+    from each row's widths and layers (nothing else of the file is trusted), the layers re-placed by
+    `unit_scores` when given (place_by_scores); "rank" is the plan's #, "params" the row's (checked)."""
+    rows = _rows(path, cfg, family, candidate)
+    out = []
+    for k in [candidate] if candidate is not None else range(1, len(rows) + 1):
+        t = _check_row(path, rows[k - 1], k, cfg, family)
+        params, drop = t.pop("params"), t.pop("drop_layers", [])
+        if drop and unit_scores is not None:
+            drop = place_by_scores(cfg, family, drop, unit_scores)
+        new = candidate_config(cfg, {"widths": t, "drop_layers": drop}, family)
+        c = count_params(new, family)
+        gone = Counter(cfg.pattern) - Counter(new.pattern)
+        out.append({"rank": k, "params": params, "active_params": c["active"],
+                    "memory_bytes": memory_bytes(new)["total"], "widths": {a: WIDTHS[a].of(new) for a in rows[k - 1]["widths"]},
+                    "changed": {a: [WIDTHS[a].of(cfg), v] for a, v in t.items()},
+                    "layers_removed": {KINDS[ch].name: n for ch, n in gone.items()}, "num_layers": new.num_layers,
+                    "pattern": new.pattern, "drop_layers": drop,
+                    "prune_targets": {**t, **({"drop_layers": drop} if drop else {})}})
+    return out
 
 
 def place_by_scores(cfg: ModelConfig, family: str, drop: list, unit_scores: list) -> list:

@@ -6,7 +6,8 @@
 2. SCORES (`--scores`, or one `remodel score` run on the training part of DATA, kept as OUT/scores)
    decide which units each candidate keeps, and which layers of each type go (plan re-run with the
    scores: the least important by loss_increase).
-3. Every candidate is pruned in memory from the one loaded source model and ranked by held-out LM
+3. plan's `top` candidates (with scores: those of lowest estimated loss, compress/estimate.py) are
+   pruned in memory from the one loaded source model and ranked by held-out LM
    loss (held out: `eval_data`, else every 20th document of DATA, see pipelines.data.data.load_texts).
 4. The best `candidates` are distilled for `distill_tokens` tokens each (teacher = MODEL, the
    training part of DATA, pipelines.training.train.train) and re-ranked by held-out loss.
@@ -26,6 +27,7 @@ from remodel.compress.prune import new_config, plan_keep, prune_model
 from remodel.compress.scores import load_scores
 from remodel.models.checkpoint import CheckpointReader, atomic_output_dir
 from remodel.models.errors import RemodelError
+from remodel.models.families import depth_units
 from remodel.models.hf import config_from_hf
 from remodel.models.kinds import used
 from remodel.models.load import load_model, save_model
@@ -116,8 +118,8 @@ def _search(o: SearchOptions) -> dict:
         work = tmp / "work"
         eval_blocks = _split_data(data, eval_data, tok, cfg, model_dir, work, seq_len, o.eval_tokens)
         used_scores, scores_note = _scores(model_dir, o.scores, work, tmp, out, o.score_samples, settings)
-        d = plan(model_dir, **budget, scores=used_scores, top=o.top, verbose=progress, **popts)
         tensors, _ = load_scores(used_scores)
+        d = _candidates(o, model_dir, cfg, family, budget, used_scores, tensors, popts)
         model = load_model(model_dir)
         src, rows = _rank_candidates(model, cfg, family, tensors, d["candidates"], eval_blocks, batch, progress)
         top_k = sorted(range(len(rows)), key=lambda i: rows[i]["loss_rank"])[:o.candidates]
@@ -138,8 +140,7 @@ def _search(o: SearchOptions) -> dict:
             "command": "search", "model": str(model_dir), "data": str(data),
             "eval_data": str(eval_data) if eval_data is not None else "every 20th document of data",
             "output": str(out), "scores": scores_note, "family": family,
-            "budgets": d["budgets"], "plan": {k: d[k] for k in ("axes", "space", "depth", "grid", "window", "maximal",
-                                                                "reachable", "depth_metric", "tol", "note")},
+            "budgets": d["budgets"], "plan": d["plan"],
             "plan_options": popts, "seq_len": seq_len, "batch": batch, "eval_tokens": int(eval_blocks.numel()),
             "distill_tokens": o.distill_tokens, "distilled": len(top_k) if o.distill_tokens else 0, "lr": o.lr,
             "source": {"params": src["params"], "loss": src["loss"], "ppl": src["ppl"], "pattern": cfg.pattern},
@@ -158,6 +159,22 @@ ROW_KEYS = ("params", "active_params", "memory_bytes", "widths", "changed", "lay
             "pattern", "drop_layers", "prune_targets")
 
 
+def _candidates(o: SearchOptions, model_dir: Path, cfg, family: str, budget: dict, scores, tensors, popts) -> dict:
+    """{"candidates": rows to rank, "budgets", "plan": what the report says of them}: plan's under the budget,
+    or PLAN's (--plan: all, or --candidate's; layers placed by the scores, as `prune --plan` places them)."""
+    if o.plan is None:
+        d = plan(model_dir, **budget, scores=scores, top=o.top, verbose=o.progress, **popts)
+        keys = ("axes", "space", "depth", "grid", "window", "maximal", "reachable", "depth_metric", "tol", "note")
+        return {"candidates": d["candidates"], "budgets": d["budgets"], "plan": {k: d[k] for k in keys}}
+    from remodel.compress.prune import depth_metric
+
+    from .plan_file import plan_rows
+    s = tensors[depth_metric(tensors)].double().tolist()
+    unit_scores = [sum(s[i] for i in u) for u in depth_units(cfg, family)]
+    rows = plan_rows(o.plan, cfg, family, o.candidate, unit_scores)
+    return {"candidates": rows, "budgets": None, "plan": {"file": str(o.plan), "candidate": o.candidate}}
+
+
 def _check_numbers(o: SearchOptions):
     _positive_int("candidates", o.candidates)
     _positive_int("distill_tokens", o.distill_tokens, zero_ok=True)
@@ -173,7 +190,20 @@ def _check_all(o: SearchOptions, model_dir: Path, out: Path, budget: dict):
     is written before."""
     cfg, family = _check_inputs(model_dir, out, o.data, o.eval_data, o.scores, o.overwrite)
     popts = _plan_options(o.plan_options)
-    plan(model_dir, **budget, scores=o.scores, top=o.top, verbose=False, **popts)  # (the file: its family's space)
+    if o.plan is None:
+        if o.candidate is not None:
+            raise RemodelError("--candidate picks a row of --plan PLAN; give --plan too")
+        plan(model_dir, **budget, scores=o.scores, top=o.top, verbose=False, **popts)  # (the file: its family's space)
+    else:
+        given_too = [f"--{k.replace('_', '-')}" for k, v in budget.items() if v is not None] + \
+            (["plan_options"] if popts else [])
+        if given_too:
+            raise RemodelError(f"--plan sets the candidates; drop {', '.join(given_too)}")
+        from .plan_file import plan_rows
+        from .prune import check_scores_match
+        plan_rows(o.plan, cfg, family, o.candidate)  # the file and every row checked before anything is written
+        if o.scores is not None:  # (without --plan, plan() checks them)
+            check_scores_match(cfg, load_scores(o.scores)[1], o.scores)
     return cfg, family, popts, check_task_options(o.tasks, o.task_dir, o.task_limit, o.trust_task_code)
 
 
@@ -238,6 +268,7 @@ def _rank_candidates(model, cfg, family, tensors, cands, eval_blocks, batch, pro
             raise AssertionError(f"pruned model of candidate {c['rank']} differs from the plan")
         ev = evaluate(prune_model(model, keep), eval_blocks, batch=batch)
         rows.append({"plan_rank": c["rank"], "shape": shape_str(c, cfg), **{k: c[k] for k in ROW_KEYS},
+                     "estimate": c.get("estimate"),
                      "loss": ev["loss"], "ppl": ev["ppl"]})
     by_loss = sorted(range(len(rows)), key=lambda i: (rows[i]["loss"], rows[i]["plan_rank"]))
     for k, i in enumerate(by_loss):

@@ -140,6 +140,10 @@ class TrainConfig:
                  check=ints(1, 1024))
     overwrite: bool = _f(False, "replace an existing OUT and discard the checkpoints in OUT.run/")
     log_every: int = _f(50, "print a metrics line every N steps (0: never)", check=ints(0, MAX_STEPS))
+    log_dir: str | None = _f(None, "also log each step's metrics as TensorBoard event files in this folder "
+                             "(pip install 'remodel[tensorboard]')")
+    wandb_project: str | None = _f(None, "also log each step's metrics to this Weights & Biases project "
+                                   "(pip install 'remodel[wandb]'; WANDB_MODE=offline works without a network)")
     save_dtype: str | None = _f(None, "dtype of the written checkpoint (when not given: the student's)", choices=DTYPES,
                                 flag="dtype")
     device: str = _f("auto", "torch device (auto: cuda when available, else cpu)", cli=None)

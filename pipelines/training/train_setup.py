@@ -206,6 +206,8 @@ def _check_options(c: TrainConfig, min_lr: float, warmup: int, kl_w: float, lm_w
     from remodel.models.recompute import RECOMPUTE_MODES
     if c.recompute not in RECOMPUTE_MODES:
         raise RemodelError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {c.recompute!r}")
+    from .loggers import check_loggers
+    check_loggers(c)  # --log-dir / --wandb-project: their package present
 
 
 def _record(p: Plan, moe: bool) -> dict:

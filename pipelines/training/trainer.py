@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from remodel.models.errors import RemodelError
 from remodel.models.load import load_config, load_model, read_config_dict
 
-from . import metrics, run_files
+from . import loggers, metrics, run_files
 from . import train_state as state
 from .held_out import evaluate_on, held_out, held_out_blocks
 from .objective import compute_losses
@@ -252,6 +252,7 @@ def _run(p: Plan) -> dict | None:
         training.loop()
         return training.finish()
     except BaseException:
+        training.log.close()
         training.discard_first_step()
         raise
 
@@ -293,6 +294,8 @@ class _Training:
         self.step_time, self.step_tokens = 0.0, 0
         self.moe_every = max(1, p.steps // 100)
         self.moe, self.moe_init = self._moe_stats(ck_meta)
+        self.log = loggers.Loggers(c, p.args, procs.lead)  # TensorBoard / W&B, when asked for (rank 0)
+        self.log.eval(self.evals.get("before"), self.start)
 
     def _moe_stats(self, ck_meta) -> tuple:
         """(metrics.MoEStats, the experts' similarity before step 1 (from the checkpoint when resuming)) of an
@@ -368,6 +371,7 @@ class _Training:
             row = self.step(step, it, bar)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            self.log.step(row)
             if procs.lead and c.log_every and (step + 1) % c.log_every == 0:
                 tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                                     if not isinstance(v, dict)))
@@ -436,6 +440,7 @@ class _Training:
             self.moe.close()
         if self.eval_blocks is not None:
             self.evals["after"] = self._evaluate(self.student)
+        self.log.finish(self.evals.get("after"), self.p.steps)
         for who, model in (("student", self.student), ("teacher", self.teacher)):  # still sharded at the end
             self.held[f"{who}_end"] = held_bytes(model, self.procs.group)
         report = self.report() if self.procs.lead else None
