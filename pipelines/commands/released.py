@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from remodel.compress.search_space import WIDTHS
+from remodel.compress.train_memory import train_memory_bytes
 from remodel.models.config import ModelConfig
 from remodel.models.families import depth_units
 from remodel.models.files import read_json
@@ -68,7 +69,8 @@ def released_rows(sp, where: str, axes: set, budgets: dict) -> list[dict]:
         new = shape.pop("config")
         c = count_params(new, family)
         mem = memory_bytes(new, dtype_bytes=sp.dtype_bytes, batch=sp.batch, seq_len=sp.seq_len)
-        values = {"params": c["total"], "active_params": c["active"], "memory_bytes": mem["total"]}
+        train = train_memory_bytes(new, sp.train, largest_active=sp.largest_active)["total"]
+        values = {"params": c["total"], "active_params": c["active"], "memory_bytes": mem["total"], "train_bytes": train}
         if any(values[m] > b for m, b in budgets.items()):
             continue
         changed = {a: [WIDTHS[a].of(cfg), v] for a, v in shape["widths"].items() if v != WIDTHS[a].of(cfg)}
@@ -76,7 +78,8 @@ def released_rows(sp, where: str, axes: set, budgets: dict) -> list[dict]:
         by_kind = {KINDS[ch].name: n - gone[ch] for ch, n in Counter(cfg.pattern).items() if n - gone[ch]}
         targets = {a: v for a, (_, v) in changed.items()} | ({"drop_layers": shape["drop_layers"]}
                                                                if shape["drop_layers"] else {})
-        rows.append({"rank": "released", "released": f.stem, **values, "weight_bytes": mem["weights"],
+        row = {k: v for k, v in values.items() if k != "train_bytes"} | {"train_memory_bytes": train}
+        rows.append({"rank": "released", "released": f.stem, **row, "weight_bytes": mem["weights"],
                      "cache_bytes": mem["cache"], "widths": shape["widths"], "changed": changed,
                      "removed": dict(Counter(types[j] for j in shape["drop_layers"])), "layers_removed": by_kind,
                      "drop_layers": shape["drop_layers"], "depth_choice": "as released", "num_layers": new.num_layers,
