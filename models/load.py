@@ -79,7 +79,7 @@ def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: s
         group = FAMILIES[family].regrouped(ours, hf)
         get = group and _regrouped(src, shapes, ours, *group)
         return (None, get) if get else (f"{hf} has shape {list(shape)} but the config implies {list(want)}", None)
-    return None, (get if part.count == 1 else lambda: part.narrow(get(), e).clone())
+    return None, (get if part.whole else lambda: part.narrow(get(), e).clone(memory_format=torch.contiguous_format))
 
 
 def _regrouped(src: _Source, shapes: dict, ours: str, our_names: list, hf_names: list) -> Callable | None:
@@ -196,7 +196,7 @@ def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch
     parts = {}
     for ours, hf, e, t in rows:
         part = to_hf_part(cfg, family, ours, e)
-        if part.count > 1:
+        if not part.whole:
             got = parts.setdefault(hf, [None] * part.count)
             got[part.index] = t
             if any(x is None for x in got):

@@ -55,7 +55,7 @@ def _masked_softmax_router(gate, drop):
     cfg = gate.cfg
 
     def forward(x):
-        logits = F.linear(wide(x), wide(gate.weight))  # (as the router: fp32, or fp64 for a float64 model)
+        logits = F.linear(wide(x), wide(gate.weight), None if gate.bias is None else wide(gate.bias))  # (as the router)
         logits[:, drop] = float("-inf")
         w, idx = logits.softmax(-1).topk(cfg.moe.num_experts_per_tok, dim=-1)
         if cfg.moe.norm_topk_prob:
@@ -76,8 +76,9 @@ def _outputs(layer):
     for c, m in _parts(layer).items():
         if c == "E":
             outs += [m.experts.down_proj] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
+            outs += [m.experts.down_proj_bias] if m.cfg.moe.expert_bias else []
         else:
-            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "-": "down_proj",
+            outs.append(getattr(m, {"M": "out_proj", "*": "o_proj", "A": "o_proj", "F": "o_proj", "-": "down_proj",
                                        "=": "down_proj", "D": "out_proj", "C": "out_proj", "S": "out_proj",
                                        "L": "o_proj"}[c]))
     return outs
@@ -92,8 +93,8 @@ def _mask_hidden(ref, kept):
                 out.weight[d] = 0
                 if out.bias is not None:
                     out.bias[d] = 0
-            else:  # experts' down_proj [E, H, F]
-                out[:, d, :] = 0
+            else:  # experts' down_proj [E, H, F] (or their biases [E, H])
+                out[:, d] = 0
         _kept_mean_rmsnorm(layer.norm, len(kept))
     _kept_mean_rmsnorm(ref.norm_f, len(kept))
 
@@ -182,7 +183,7 @@ def masked_reference(model, keep):
         for c, m in _parts(layer).items():
             if c in "-=" and p + "ffn" in keep:
                 m.down_proj.weight[:, dropped(keep[p + "ffn"], cfg.mlp.intermediate_size)] = 0
-            if c in "*A" and p + "attn_heads" in keep:
+            if c in "*AF" and p + "attn_heads" in keep:
                 for h in dropped(keep[p + "attn_heads"], cfg.attention.num_attention_heads):
                     m.o_proj.weight[:, h * cfg.attention.head_dim:(h + 1) * cfg.attention.head_dim] = 0
                 if cfg.attention.qk_norm_full:  # the q norm averages over the kept heads' channels: zero queries, kept mean
@@ -202,5 +203,5 @@ def masked_reference(model, keep):
                 vd = cfg.mla.v_head_dim
                 for h in dropped(keep[p + "mla_heads"], cfg.mla.mla_num_heads):
                     m.o_proj.weight[:, h * vd:(h + 1) * vd] = 0
-            assert c in "*M-ED=ACSL", f"tests/masking.py has no masking for layer kind {c!r}: add it"
+            assert c in "*M-ED=ACSLF", f"tests/masking.py has no masking for layer kind {c!r}: add it"
     return ref
