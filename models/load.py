@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
+from . import mxfp4
 from .hf_adapter import to_hf_part
 from .model import HybridLM
 
@@ -59,6 +60,8 @@ class _Source:
         if k is not None:
             check_weight_dtype(self.r.path, k, self.r.dtype(k))
             return tuple(self.r.shape(k)), (lambda: self.r.get(k))
+        if (packed := mxfp4.shape_and_get(self.r, hf)) is not None:  # MXFP4 *_blocks / *_scales (gpt-oss)
+            return packed
         if expert is not None:  # fused 3-D expert tensor, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
             fused = self._alias(base + "." + leaf.rsplit(".weight", 1)[0])
