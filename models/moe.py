@@ -171,9 +171,11 @@ def _no_biases(experts, e):
 
 
 def _expert_biases(experts, e):
-    """expert_bias: expert e's (up, gate or None, down) biases."""
-    gb = None if experts.gate_proj_bias is None else experts.gate_proj_bias[e]
-    return experts.up_proj_bias[e], gb, experts.down_proj_bias[e]
+    """expert_bias: expert e's (up, gate or None, down) biases (through the exchange, as the weights: EP scales
+    their gradients)."""
+    b = (experts.up_proj_bias, experts.gate_proj_bias, experts.down_proj_bias)
+    ub, gb, db = b if experts.exchange is None else experts.exchange.weights(b)
+    return ub[e], None if gb is None else gb[e], db[e]
 
 
 class Experts(nn.Module):
