@@ -69,7 +69,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.unflatten(-1, (x.shape[-1] // BLOCK, BLOCK))
     amax = x.abs().amax(-1).clamp_min(2.0 ** -126)
     scale = (torch.ceil(torch.log2(amax / 6.0)) + 127).clamp(0, MAX_SCALE).to(torch.uint8)
-    y = x / torch.ldexp(torch.ones(()), scale.to(torch.int32) - 127)[..., None]
+    y = x / torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127)[..., None]
     lut = torch.tensor(FP4_VALUES)
     code = (y[..., None] - lut).abs().argmin(-1).to(torch.uint8)
     return code[..., 0::2] | (code[..., 1::2] << 4), scale
