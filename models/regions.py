@@ -92,6 +92,8 @@ class RegionReader:
             k = base + "." + leaf.rsplit(".weight", 1)[0]
             if k in self.where:
                 return self._float(k, (expert,))
+        if hf + "_blocks" in self.where:  # MXFP4 (models/mxfp4.py): read whole by load_model, not by regions
+            raise RemodelError(f"{self.path}: {hf} is MXFP4; sharded loading reads plain weights: `remodel convert` it first")
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
 
     def _float(self, k: str, lead: tuple):

@@ -19,6 +19,7 @@ from remodel.models import mxfp4
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.load import load_model
+from remodel.models.regions import RegionReader
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_flags, cli_pair, hf_pair, prune_axes, reloaded_equals_in_memory
 
@@ -116,6 +117,9 @@ def test_mxfp4_checkpoint_reads_transformers_dequantization(tmp_path):
     assert not any(k.endswith(("_blocks", "_scales")) for k in written)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     reloaded_equals_in_memory(out, ours)
+    with pytest.raises(RemodelError) as e:  # sharded loading reads regions of plain tensors only: refused, with the fix
+        RegionReader(tmp_path / "mxfp4").read("layers.1.mixer.experts.down_proj", [None, None, None])
+    assert "MXFP4" in str(e.value) and "remodel convert" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["scale_255", "scale_overflow", "dtype", "shape"])
