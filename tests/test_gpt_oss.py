@@ -137,3 +137,17 @@ def test_bad_mxfp4_refused_in_one_line(bad, tmp_path):
     with pytest.raises(RemodelError) as e:
         load_model(tmp_path / "q")
     assert "MXFP4" in str(e.value) and "down_proj" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_slots_carry_each_layers_window():
+    """Each attention slot's section holds its own window ('*' the section's, 'F' none), and depth pruning keeps
+    them with their layers (the pattern's characters go with the layers)."""
+    from remodel.compress.prune import new_config
+    from tests.test_families import tiny_config
+    cfg = tiny_config(FAMILY, "full_first_tied")
+    assert cfg.pattern == "FE*E*E"
+    assert [s.section.sliding_window for s in cfg.slots if s.kind.section_name == "attention"] == [None, 3, 3]
+    kept = new_config(cfg, {"layers": torch.tensor([2, 3, 4, 5])})  # the full decoder layer 0 dropped
+    assert [s.section.sliding_window for s in kept.slots if s.kind.section_name == "attention"] == [3, 3]
+    kept = new_config(cfg, {"layers": torch.tensor([0, 1, 4, 5])})
+    assert [s.section.sliding_window for s in kept.slots if s.kind.section_name == "attention"] == [None, 3]
