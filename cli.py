@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 TYPED = {"demo": "the main job on the embedded checkpoint and corpus, offline",
          "inspect": "architecture, pattern, exact parameter counts, bytes",
-         "convert": "import/export through the shared model definition",
+         "convert": "import/export through the shared model definition (MXFP4 experts read dequantized, written bf16 / fp32)",
          "score": "activation importance of every prunable unit", "prune": "structured pruning to a target shape",
          "plan": "candidate architectures under a budget (no weights needed)",
          "search": "budgeted architecture search (Minitron / MiniPuzzle)",

@@ -1,16 +1,21 @@
 """The attention layer kind ('*'): grouped-query self-attention through SDPA, with RoPE (Llama family;
 on the first `partial_rotary_factor` of each head's channels, Bamba: half) or none (Nemotron-H); its
 module and its spec (ATTENTION). The gated variant (attn_output_gate) reads [query | gate] per head from q_proj
-and multiplies the attention output by sigmoid(gate) before o_proj."""
+and multiplies the attention output by sigmoid(gate) before o_proj. Sinks (gpt-oss): one learned logit per head joins
+each query's softmax and takes its share of the weight (no value). The full-attention kind ('F', FULL_ATTENTION)
+is this kind's module, widths and section in a slot without the section's sliding window (gpt-oss's
+layer_types: its sliding layers are '*')."""
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mla import yarn_mscale, yarn_ramp
 from .norm import trunk_norm
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, Section, ints, plain, reals
@@ -26,7 +31,7 @@ class AttentionConfig(Section):
     num_key_value_heads: int = ints(0, 0, MAX_SMALL, raw={"num_key_value_heads": 1})
     head_dim: int = ints(0, 0, MAX_SMALL, raw={"head_dim": 1})
     rope_theta: float | None = reals(None, gt=0, raw=("rope_theta",))
-    rope_scaling: dict | None = plain(None, "HF rope_parameters beyond 'default' (only 'llama3' supported)")
+    rope_scaling: dict | None = plain(None, "HF rope_parameters beyond 'default' ('llama3' or 'yarn')")
     partial_rotary_factor: float = reals(1.0, gt=0, doc="RoPE on the first int(head_dim * this) channels")
     attention_bias: bool = plain(False, "q/k/v bias (Qwen2)")
     attention_out_bias: bool = plain(False)
@@ -39,6 +44,8 @@ class AttentionConfig(Section):
                                    variant="attention_gate")
     qk_norm_full: bool = plain(False, "RMSNorm on the whole q and k projections, weights [heads * head_dim] "
                                "(OLMo 2, OLMo-hybrid)", variant="qk_norm_full")
+    attention_sinks: bool = plain(False, "one learned sink logit per head in the softmax (gpt-oss)",
+                                  variant="attention_sinks")
 
 
 def rope_dim(cfg) -> int:
@@ -53,6 +60,9 @@ def rope_inv_freq(cfg) -> torch.Tensor:
     rs = cfg.attention.rope_scaling
     if rs is None:
         return inv
+    if rs.get("rope_type") == "yarn":  # transformers' _compute_yarn_parameters
+        extra = yarn_ramp(rs, d, cfg.attention.rope_theta)
+        return inv / rs["factor"] * (1 - extra) + inv * extra
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -61,6 +71,18 @@ def rope_inv_freq(cfg) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
     return torch.where(mid, smoothed, scaled)
+
+
+def rope_factor(cfg) -> float:
+    """YaRN's attention_factor on cos / sin (transformers' _compute_yarn_parameters); 1 for other types."""
+    rs = cfg.attention.rope_scaling
+    if rs is None or rs.get("rope_type") != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return yarn_mscale(rs["factor"], rs["mscale"]) / yarn_mscale(rs["factor"], rs["mscale_all_dim"])
+    return yarn_mscale(rs["factor"])
 
 
 def rotate_half(x):
@@ -123,7 +145,7 @@ def _rotated(attn, q, k, position_ids):
     pos = torch.arange(q.shape[2], device=q.device) if position_ids is None else position_ids
     freqs = pos[..., None].float() * attn.inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = (emb.cos() * attn.rope_factor).to(q.dtype), (emb.sin() * attn.rope_factor).to(q.dtype)
     if cos.dim() == 3:  # per-batch positions
         cos, sin = cos[:, None], sin[:, None]
     return rotate(q, cos, sin), rotate(k, cos, sin)
@@ -134,13 +156,33 @@ def _unrotated(attn, q, k, position_ids):
     return q, k
 
 
+def _sdpa(attn, q, k, v, keep):
+    """Softmax attention through SDPA; keep None: plain causal."""
+    gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=keep is None, enable_gqa=gqa,
+                                          scale=attn.cfg.attention.attention_scale)
+
+
+def _with_sinks(attn, q, k, v, keep):
+    """attention_sinks (gpt-oss): each head's sink logit joins the softmax over the keys and is then dropped."""
+    b, h, l, hd = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    scale = attn.cfg.attention.attention_scale or hd ** -0.5
+    s = (q @ k.transpose(-2, -1)) * scale
+    keep = _keep(None, l, None, q.device) if keep is None else keep
+    s = s.masked_fill(~keep, float("-inf"))
+    sink = attn.sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, l, 1)
+    p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return p.to(v.dtype) @ v
+
+
 class Attention(nn.Module):
     """Grouped-query attention; its variants (AttentionConfig's fields) are parts chosen once, at build time."""
     recompute_core = False  # models.recompute "selective": q/k norm, RoPE and SDPA recomputed in backward
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, window: int | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window  # window: the slot's sliding window (None: full attention)
         H, hd = cfg.hidden_size, cfg.attention.head_dim
         self.q_proj = nn.Linear(H, ATTENTION.axis_size(cfg, "attn_qg"), bias=cfg.attention.attention_bias)
         self.k_proj = nn.Linear(H, cfg.attention.num_key_value_heads * hd, bias=cfg.attention.attention_bias)
@@ -157,6 +199,10 @@ class Attention(nn.Module):
         self.gate_output = _gated_out if cfg.attention.attn_output_gate else _plain_out
         self.position = _rotated if cfg.attention.rope_theta is not None else _unrotated
         self.scale_keys = _scaled_keys if cfg.attention.key_multiplier != 1 else _same_keys
+        if cfg.attention.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.attention.num_attention_heads))
+        self.attend = _with_sinks if cfg.attention.attention_sinks else _sdpa
+        self.rope_factor = rope_factor(cfg)
 
     def build_buffers(self, device):
         """RoPE frequencies (non-persistent: never in a checkpoint, rebuilt after a meta-device build)."""
@@ -175,26 +221,21 @@ class Attention(nn.Module):
 
     def _core(self, q, k, v, attention_mask, position_ids):
         """q, k, v [b, l, heads, hd] (projection outputs) -> the o_proj input [b, l, heads * hd]."""
-        cfg = self.cfg
         b, l = q.shape[:2]
         q, k = self.norm_heads(self, q, k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = self.position(self, q, k, position_ids)
-        gqa = q.shape[1] != k.shape[1]  # head counts from the shapes (a tensor-parallel rank holds fewer)
-        window = cfg.attention.sliding_window is not None and l > cfg.attention.sliding_window
-        if attention_mask is None and not window:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=cfg.attention.attention_scale)
-        else:  # causal AND inside the window AND key not padded
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_keep(cfg, l, attention_mask, q.device),
-                                               enable_gqa=gqa, scale=cfg.attention.attention_scale)
+        windowed = self.window is not None and l > self.window
+        keep = None if attention_mask is None and not windowed else _keep(self.window, l, attention_mask, q.device)
+        o = self.attend(self, q, k, v, keep)  # causal AND inside the window AND key not padded
         return o.transpose(1, 2).reshape(b, l, o.shape[1] * o.shape[3])
 
 
-def _keep(cfg, l: int, attention_mask, device):
+def _keep(window: int | None, l: int, attention_mask, device):
     """[1 or b, 1, l, l]: causal, inside the sliding window, key not padded (a row never fully masked)."""
     keep = torch.ones(l, l, dtype=torch.bool, device=device).tril()
-    if cfg.attention.sliding_window is not None and l > cfg.attention.sliding_window:
-        keep = keep & ~torch.ones_like(keep).tril(-cfg.attention.sliding_window)
+    if window is not None and l > window:
+        keep = keep & ~torch.ones_like(keep).tril(-window)
     keep = keep[None, None]
     if attention_mask is not None:
         keep = keep & attention_mask[:, None, None, :].bool()
@@ -202,9 +243,15 @@ def _keep(cfg, l: int, attention_mask, device):
     return keep
 
 
+@dataclass(frozen=True)
 class AttentionKind(LayerKind):
+    windowed: bool = True  # its slots use the section's sliding_window (False: the full-attention kind 'F')
+
+    def slot_section(self, section):
+        return section if self.windowed or section is None else section.replace(sliding_window=None)
+
     def build(self, cfg):
-        return Attention(cfg)
+        return Attention(cfg, self.slot_section(cfg.attention).sliding_window)
 
     def validate(self, cfg, need):
         need(cfg.attention.num_attention_heads > 0 and cfg.attention.num_key_value_heads > 0 and cfg.attention.head_dim > 0,
@@ -220,8 +267,8 @@ class AttentionKind(LayerKind):
             need(rope_dim(cfg) > 0 and rope_dim(cfg) % 2 == 0, f"RoPE needs an even number of rotated channels, got "
                  f"{rope_dim(cfg)} (head_dim={cfg.attention.head_dim}, partial_rotary_factor={cfg.attention.partial_rotary_factor})")
         if cfg.attention.rope_scaling is not None:
-            need(cfg.attention.rope_scaling.get("rope_type") == "llama3",
-                 f"unsupported RoPE type {cfg.attention.rope_scaling.get('rope_type')!r} (supported: default, llama3)")
+            need(cfg.attention.rope_scaling.get("rope_type") in ("llama3", "yarn"),
+                 f"unsupported RoPE type {cfg.attention.rope_scaling.get('rope_type')!r} (supported: default, llama3, yarn)")
 
     def summary(self, cfg):
         return {"num_attention_heads": cfg.attention.num_attention_heads, "num_key_value_heads": cfg.attention.num_key_value_heads,
@@ -265,7 +312,8 @@ ATTENTION = AttentionKind(
      Param("v_proj.weight", ("attn_kv", "hidden")), Param("v_proj.bias", ("attn_kv",), ("attention_bias",)),
      Param("o_proj.weight", ("hidden", "attn_q")), Param("o_proj.bias", ("hidden",), ("attention_out_bias",)),
      Param("q_norm.weight", ("head_dim",), ("qk_norm",)), Param("k_norm.weight", ("head_dim",), ("qk_norm",)),
-     Param("q_norm.weight", ("attn_q",), ("qk_norm_full",)), Param("k_norm.weight", ("attn_kv",), ("qk_norm_full",))),
+     Param("q_norm.weight", ("attn_q",), ("qk_norm_full",)), Param("k_norm.weight", ("attn_kv",), ("qk_norm_full",)),
+     Param("sinks", ("attn_heads",), ("attention_sinks",))),
     # q_proj rows: per head its query (and, gated, then its gate): heads x attn_qg_head
     sizes={"attn_q": lambda cfg, w: w["attn_heads"] * w["head_dim"], "attn_kv": lambda cfg, w: w["kv_heads"] * w["head_dim"],
            "attn_qg": lambda cfg, w: w["attn_heads"] * w["head_dim"] * (2 if cfg.attention.attn_output_gate else 1),
@@ -280,6 +328,8 @@ ATTENTION = AttentionKind(
               Width("kv_heads", "num_key_value_heads", None, None, None, "kv", "key/value heads"),
               Width("head_dim", "head_dim", None, None, None, "hd", "attention head size")),
     fixed=("attn_kv", "head_dim"),
-    tp_axes=("attn_q", "attn_qg", "attn_kv"), inputs=("attention_mask", "position_ids"), color="tab:orange",
+    tp_axes=("attn_q", "attn_qg", "attn_kv", "attn_heads"), inputs=("attention_mask", "position_ids"), color="tab:orange",
     tp_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
-             "q_norm": "shared_norm", "k_norm": "shared_norm"}, config=AttentionConfig)
+             "q_norm": "shared_norm", "k_norm": "shared_norm", "": "shard"}, config=AttentionConfig)  # '': sinks
+FULL_ATTENTION = dataclasses.replace(ATTENTION, char="F", name="attention_full", windowed=False, declares=(), config=None,
+                                     section="attention")  # gpt-oss's full_attention layers beside its sliding ones

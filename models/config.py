@@ -134,7 +134,8 @@ class ModelConfig:
     @property
     def slots(self) -> tuple:
         """The trunk as layer slots, in order (the pattern names their kinds)."""
-        return tuple(Slot(i, KINDS[c], self.sections.get(KINDS[c].section_name)) for i, c in enumerate(self.pattern))
+        return tuple(Slot(i, KINDS[c], KINDS[c].slot_section(self.sections.get(KINDS[c].section_name)))
+                     for i, c in enumerate(self.pattern))
 
     @property
     def num_layers(self) -> int:

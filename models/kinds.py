@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .attention import ATTENTION
+from .attention import ATTENTION, FULL_ATTENTION
 from .errors import RemodelError
 from .gated_deltanet import GATED_DELTANET
 from .mamba import MAMBA
@@ -26,7 +26,7 @@ def post_norm(k: LayerKind, char: str) -> LayerKind:
 
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV,
-                                                   MAMBA1, MLA,
+                                                   MAMBA1, MLA, FULL_ATTENTION,
                                                    post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 

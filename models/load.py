@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES
 from .hf import config_from_hf, config_to_hf, default_family, our_shapes, to_hf_name, weight_table
+from . import mxfp4
 from .hf_adapter import to_hf_part
 from .model import HybridLM
 
@@ -59,6 +60,8 @@ class _Source:
         if k is not None:
             check_weight_dtype(self.r.path, k, self.r.dtype(k))
             return tuple(self.r.shape(k)), (lambda: self.r.get(k))
+        if (packed := mxfp4.shape_and_get(self.r, hf)) is not None:  # MXFP4 *_blocks / *_scales (gpt-oss)
+            return packed
         if expert is not None:  # fused 3-D expert tensor, e.g. mixer.experts.up_proj
             base, leaf = hf.split(f".{expert}.", 1)
             fused = self._alias(base + "." + leaf.rsplit(".weight", 1)[0])
@@ -79,7 +82,7 @@ def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: s
         group = FAMILIES[family].regrouped(ours, hf)
         get = group and _regrouped(src, shapes, ours, *group)
         return (None, get) if get else (f"{hf} has shape {list(shape)} but the config implies {list(want)}", None)
-    return None, (get if part.count == 1 else lambda: part.narrow(get(), e).clone())
+    return None, (get if part.whole else lambda: part.narrow(get(), e).clone(memory_format=torch.contiguous_format))
 
 
 def _regrouped(src: _Source, shapes: dict, ours: str, our_names: list, hf_names: list) -> Callable | None:
@@ -196,7 +199,7 @@ def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch
     parts = {}
     for ours, hf, e, t in rows:
         part = to_hf_part(cfg, family, ours, e)
-        if part.count > 1:
+        if not part.whole:
             got = parts.setdefault(hf, [None] * part.count)
             got[part.index] = t
             if any(x is None for x in got):

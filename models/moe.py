@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .mlp import ACT, ACTIVATIONS, MLP, ffn, ffn_magnitude, gated_act
+from .mlp import ACT, ACTIVATIONS, MLP, ffn_magnitude, gated_act
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Width, mlp_params, sq, top, top_per_group
@@ -43,6 +44,13 @@ class MoEConfig(Section):
     shared_expert_gate: bool = plain(False)
     topk_norm_eps: float = reals(1e-20, gt=0, lt=1, variant="topk_norm_eps",
                                  doc="added to the sigmoid top-k weights' sum before renormalising (LFM2-MoE: 1e-6)")
+    router_bias: bool = plain(False, "the router's logits have a bias per expert (gpt-oss)", variant="router_bias")
+    expert_bias: bool = plain(False, "each expert's up / gate / down projections have biases (gpt-oss)",
+                              variant="expert_bias")
+    swiglu_alpha: float | None = reals(None, gt=0, variant="clamped_swiglu",
+                                       doc="clamped SwiGLU of the experts (gpt-oss): gate * sigmoid(alpha * gate) * (up + 1)")
+    swiglu_limit: float | None = reals(None, gt=0, variant="clamped_swiglu",
+                                       doc="the clamp of that SwiGLU: gate <= limit, -limit <= up <= limit")
 
 
 def router_probs(logits: torch.Tensor, router: str) -> torch.Tensor:
@@ -71,13 +79,14 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.moe.n_routed_experts)) if cfg.moe.router_bias else None
         if cfg.moe.router == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x):
         """x [T, H] -> (logits [T, E] fp32, weights [T, k] fp32, indices [T, k]); fp64 stays fp64."""
         cfg = self.cfg
-        logits = F.linear(wide(x), wide(self.weight))
+        logits = F.linear(wide(x), wide(self.weight), None if self.bias is None else wide(self.bias))
         k = cfg.moe.num_experts_per_tok
         if cfg.moe.router == "sigmoid":
             scores = logits.sigmoid()
@@ -151,6 +160,24 @@ def expert_counts(flat, n: int):
     return flat.new_zeros(n).index_add_(0, flat, torch.ones_like(flat))
 
 
+def clamped_glu(alpha: float, limit: float, h, gate):
+    """gpt-oss's expert activation: gate clamped above, up (h) both sides, gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, h = gate.clamp(max=limit), h.clamp(-limit, limit)
+    return (h + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _no_biases(experts, e):
+    return None, None, None
+
+
+def _expert_biases(experts, e):
+    """expert_bias: expert e's (up, gate or None, down) biases (through the exchange, as the weights: EP scales
+    their gradients)."""
+    b = (experts.up_proj_bias, experts.gate_proj_bias, experts.down_proj_bias)
+    ub, gb, db = b if experts.exchange is None else experts.exchange.weights(b)
+    return ub[e], None if gb is None else gb[e], db[e]
+
+
 class Experts(nn.Module):
     """The routed experts, fused [E, ...] per projection, with one dropless dispatch. Expert parallelism
     plugs in as `exchange` (set from outside, pipelines.distributed.parallel.ExpertExchange): it moves
@@ -165,6 +192,14 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
         self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp.mlp_gated else None
         self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
+        if cfg.moe.expert_bias:  # the variant parts, chosen here: biases, the clamped SwiGLU
+            self.up_proj_bias = nn.Parameter(torch.zeros(E, Fm))
+            self.gate_proj_bias = nn.Parameter(torch.zeros(E, Fm)) if cfg.mlp.mlp_gated else None
+            self.down_proj_bias = nn.Parameter(torch.zeros(E, L))
+        self.biases = _expert_biases if cfg.moe.expert_bias else _no_biases
+        clamped = cfg.moe.swiglu_limit is not None
+        self.glu = partial(clamped_glu, cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) if clamped else partial(gated_act, self.act)
+        self.fused = not (clamped or cfg.moe.expert_bias)  # the grouped-matmul path computes the plain experts only
         self._expert_hooks: OrderedDict = OrderedDict()  # torch's hook handles need a weak-referable dict
 
     def register_expert_hook(self, hook) -> RemovableHandle:
@@ -182,13 +217,20 @@ class Experts(nn.Module):
     def expert(self, e: int, x, w: tuple | None = None):
         """Expert e on rows x [n, L] -> [n, L]."""
         up, gate, down = w or (self.up_proj, self.gate_proj, self.down_proj)
-        h = F.linear(x, up[e])
+        ub, gb, db = self.biases(self, e)
+        h = F.linear(x, up[e], ub)
         if gate is None:
-            return maybe_checkpoint(self, self._act_down, down[e], h)
-        return maybe_checkpoint(self, self._act_down, down[e], h, F.linear(x, gate[e]))
+            return maybe_checkpoint(self, self._act_down, down[e], db, h)
+        return maybe_checkpoint(self, self._act_down, down[e], db, h, F.linear(x, gate[e], gb))
 
-    def _act_down(self, down, h, gate=None):
-        return F.linear(gated_act(self.act, h, gate), down)
+    def _act_down(self, down, bias, h, gate=None):
+        return F.linear(self.glu(h, gate), down, bias)
+
+    def traced(self, e: int, x, w: tuple):
+        """Expert e on rows x -> (the activation entering its down projection, its output), for the scorers."""
+        ub, gb, db = self.biases(self, e)
+        h = self.glu(F.linear(x, w[0][e], ub), None if w[1] is None else F.linear(x, w[1][e], gb))
+        return h, F.linear(h, w[2][e], db)
 
     def _run(self, rows, counts, every: bool):
         """Every expert on its run of `rows` (sorted by expert, counts[e] each, a tensor) -> outputs in the same
@@ -196,13 +238,13 @@ class Experts(nn.Module):
         experts (every: also the ones with no rows, so that each rank's backward meets the same collectives).
         Scoring's expert hooks get each expert's activation and output from either path."""
         cast = autocast_rows(rows)
-        if grouped_ok(cast, self.up_proj.shape[1]):
+        if self.fused and grouped_ok(cast, self.up_proj.shape[1]):
             return self._grouped(cast, counts)
         w, ys = self.weights(), []
         for e, xi in enumerate(rows.split(counts.tolist())):  # split, not slices: one cat in backward, no zero-filled grads
             if len(xi) or every:
                 if self._expert_hooks:  # scoring: the activation and output of each expert, recorded
-                    h, y = ffn(xi, w[0][e], None if w[1] is None else w[1][e], w[2][e], self.act)
+                    h, y = self.traced(e, xi, w)
                     for hook in list(self._expert_hooks.values()):
                         hook(self, e, h, y)
                 else:
@@ -300,6 +342,8 @@ class MoEKind(LayerKind):
             need(cfg.moe.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
             need(cfg.moe.n_routed_experts // cfg.moe.n_group >= 2, "grouped routing needs at least 2 experts per group")
         need(cfg.mlp.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp.mlp_act!r}")
+        need((cfg.moe.swiglu_alpha is None) == (cfg.moe.swiglu_limit is None) and (cfg.moe.swiglu_limit is None or cfg.mlp.mlp_gated),
+             "the clamped SwiGLU needs swiglu_alpha and swiglu_limit together, and gated experts")
 
     def summary(self, cfg):
         return {"mlp_act": cfg.mlp.mlp_act, "mlp_gated": cfg.mlp.mlp_gated, "n_routed_experts": cfg.moe.n_routed_experts,
@@ -361,11 +405,14 @@ class MoEKind(LayerKind):
 
 MOE = MoEKind(
     "E", "moe",
-    (Param("gate.weight", ("experts", "hidden")),
+    (Param("gate.weight", ("experts", "hidden")), Param("gate.bias", ("experts",), ("router_bias",)),
      Param("gate.e_score_correction_bias", ("experts",), ("sigmoid_router",)),
      Param("experts.up_proj", ("experts", "expert_ffn", "moe_io")),
      Param("experts.gate_proj", ("experts", "expert_ffn", "moe_io"), ("mlp_gated",)),
-     Param("experts.down_proj", ("experts", "moe_io", "expert_ffn")))
+     Param("experts.down_proj", ("experts", "moe_io", "expert_ffn")),
+     Param("experts.up_proj_bias", ("experts", "expert_ffn"), ("expert_bias",)),
+     Param("experts.gate_proj_bias", ("experts", "expert_ffn"), ("expert_bias", "mlp_gated")),
+     Param("experts.down_proj_bias", ("experts", "moe_io"), ("expert_bias",)))
     + mlp_params("shared_experts.", "shared_ffn", (), ("moe_shared_expert_intermediate_size",))
     + (Param("shared_expert_gate.weight", ("one", "hidden"), ("shared_expert_gate",)),
        Param("fc1_latent_proj.weight", ("latent", "hidden"), ("moe_latent_size",)),

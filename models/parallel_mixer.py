@@ -40,7 +40,7 @@ class ParallelMixer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, cfg.attention.sliding_window)
         self.mamba = Mamba2Mixer(cfg)
 
     def forward(self, u, attention_mask=None, position_ids=None):

@@ -92,6 +92,8 @@ class RegionReader:
             k = base + "." + leaf.rsplit(".weight", 1)[0]
             if k in self.where:
                 return self._float(k, (expert,))
+        if hf + "_blocks" in self.where:  # MXFP4 (models/mxfp4.py): read whole by load_model, not by regions
+            raise RemodelError(f"{self.path}: {hf} is MXFP4; sharded loading reads plain weights: `remodel convert` it first")
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
 
     def _float(self, k: str, lead: tuple):
@@ -106,11 +108,15 @@ class RegionReader:
         rows, part = self.rows[name], self.parts[name]
         if part.count > 1:  # our part of a concatenation: where our indices lie in the HF tensor
             idx = [part.hf_index(i, shape[d]) if d == part.dim else i for d, i in enumerate(idx)]
+        if part.transposed:  # the HF tensor's last two dimensions are ours swapped: fill a view of ours
+            idx, out_view = [*idx[:-2], idx[-1], idx[-2]], out.transpose(-2, -1)
+        else:
+            out_view = out
         if rows[0][1] is not None:  # dim 0 = experts, one HF tensor each
             for pos, e in enumerate(idx[0].tolist()):
-                self._fill(out[pos], self._entry(rows[e][0], e), idx[1:])
+                self._fill(out_view[pos], self._entry(rows[e][0], e), idx[1:])
         else:
-            self._fill(out, self._entry(rows[0][0], None), idx)
+            self._fill(out_view, self._entry(rows[0][0], None), idx)
         return out
 
     def _fill(self, dst: torch.Tensor, entry, idx: list):

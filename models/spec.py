@@ -188,6 +188,10 @@ class LayerKind:
         return slice(start, start + sum(sizes[n] for n in names[names.index(first):names.index(last or first) + 1]))
 
     # ---- the model --------------------------------------------------------------------
+    def slot_section(self, section):
+        """The config section a slot of this kind reads, given its kind's section (a derived kind may vary it)."""
+        return section
+
     def build(self, cfg):
         """The rank-free nn.Module of one layer of this kind."""
         raise NotImplementedError

@@ -45,6 +45,15 @@ def qk_norm_full_cfg() -> ModelConfig:
                        intermediate_size=48, mlp_act="silu", mlp_gated=True)
 
 
+def gpt_oss_cfg() -> ModelConfig:
+    """gpt-oss: sinks, q/k/v/o biases, a sliding '*' and a full 'F' layer; router and expert biases, clamped SwiGLU."""
+    return ModelConfig(vocab_size=64, hidden_size=32, pattern="*EFE", num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, rope_theta=10000.0, attention_bias=True, attention_out_bias=True, attention_sinks=True,
+                       sliding_window=5, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       router="softmax", router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=0.7,
+                       mlp_act="silu", mlp_gated=True)
+
+
 def tiny_cfg(tp4: bool = False) -> ModelConfig:
     """M, *, -, E layers; GQA; MoE with a shared expert; n_groups 2 (4 for tp 4)."""
     return ModelConfig(
@@ -217,6 +226,7 @@ CASES = {
     "tp_qk_norm_full": lambda: case_train("tp_qk_norm_full", (WORLD,), ("tp",), "tp", None, None, cfg=qk_norm_full_cfg(),
                                           clip=0.02),
     "ep_dp": lambda: case_train("ep_dp", (WORLD,), ("dp",), None, "dp", "dp"),
+    "ep_dp_gpt_oss": lambda: case_train("ep_dp_gpt_oss", (WORLD,), ("dp",), None, "dp", "dp", cfg=gpt_oss_cfg(), clip=0.02),
     "tp_ep": lambda: case_train("tp_ep", (WORLD,), ("tp",), "tp", "tp", None, tp4=WORLD == 4),
     "dp_tp": lambda: case_train("dp_tp", (2, WORLD // 2), ("dp", "tp"), "tp", None, "dp"),
     "dp_tp_ep_dp": lambda: case_train("dp_tp_ep_dp", (2, WORLD // 2), ("dp", "tp"), "tp", "dp", "dp"),

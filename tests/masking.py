@@ -23,8 +23,8 @@ def _mask_hidden(ref, kept):
                 out.weight[d] = 0
                 if out.bias is not None:
                     out.bias[d] = 0
-            else:  # experts' down_proj [E, H, F]
-                out[:, d, :] = 0
+            else:  # experts' down_proj [E, H, F] (or their biases [E, H])
+                out[:, d] = 0
         kept_mean_rmsnorm(layer.norm, len(kept))
     kept_mean_rmsnorm(ref.norm_f, len(kept))
 

@@ -10,7 +10,8 @@ from remodel.models import attention
 from remodel.models.attention import Attention
 from remodel.models.config import ModelConfig
 
-VARIANTS = {"attn_output_gate", "qk_norm", "qk_norm_full", "key_multiplier", "rope_theta"}
+VARIANTS = {"attn_output_gate", "qk_norm", "qk_norm_full", "key_multiplier", "rope_theta", "attention_sinks",
+            "sliding_window"}
 
 
 def test_forward_tests_no_variant_field():
@@ -35,5 +36,6 @@ def test_each_variant_selects_its_part():
         attention._norm_qk, attention._query_and_gate_heads, attention._gated_out, attention._rotated,
         attention._scaled_keys)
     assert Attention(_cfg(qk_norm_full=True)).norm_projections is attention._norm_qk
+    assert (plain.attend, Attention(_cfg(attention_sinks=True)).attend) == (attention._sdpa, attention._with_sinks)
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     assert rich(x).shape == plain(x).shape == (2, 5, 32)

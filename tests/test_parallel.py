@@ -31,9 +31,9 @@ from remodel.pipelines.distributed.parallel import local_tensor, parallel_info, 
 from remodel.pipelines.distributed.styles import shard_tensor
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
-TRAIN_CASES = {2: ["tp", "tp_llama", "tp_qk_norm_full", "ep_dp", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}
+TRAIN_CASES = {2: ["tp", "tp_llama", "tp_qk_norm_full", "ep_dp", "ep_dp_gpt_oss", "tp_ep"], 4: ["tp", "dp_tp", "dp_tp_ep_dp", "dp_tp_ep_tp"]}
 EXPECT = {  # (tp, ep, dp) per case and world size
-    (2, "tp"): (2, 1, 1), (2, "tp_llama"): (2, 1, 1), (2, "tp_qk_norm_full"): (2, 1, 1), (2, "ep_dp"): (1, 2, 2), (2, "tp_ep"): (2, 2, 1),
+    (2, "tp"): (2, 1, 1), (2, "tp_llama"): (2, 1, 1), (2, "tp_qk_norm_full"): (2, 1, 1), (2, "ep_dp"): (1, 2, 2), (2, "ep_dp_gpt_oss"): (1, 2, 2), (2, "tp_ep"): (2, 2, 1),
     (4, "tp"): (4, 1, 1), (4, "dp_tp"): (2, 1, 2), (4, "dp_tp_ep_dp"): (2, 2, 2), (4, "dp_tp_ep_tp"): (2, 2, 2),
 }
 

@@ -31,9 +31,10 @@ MODULES = (  # one line per family module, in registry order
     "minimax_m2",
     "jamba",
     "deepseek_v3",
+    "gpt_oss",
 )
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}
-DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",
+DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("gpt_oss", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",
                                              "granitemoehybrid", "falcon_h1", "qwen3_5_moe_text", "qwen3_next",
                                              "qwen3_5_text", "olmo_hybrid", "glm4_moe", "lfm2",
                                              "lfm2_moe", "jamba", "minimax_m2", "deepseek_v3",

@@ -262,7 +262,8 @@ class Part:
     tensor's dimension `dim`, of the HF tensor `name`, which concatenates them in index order. A plain
     tensor is part 0 of 1. Parts are equal unless `sized` (then to_hf_part fills `sizes`, every part's size
     read from our shapes); `blocks` (an int or a config field, resolved by to_hf_part): the HF tensor is
-    that many groups each concatenating one equal block of every part (Qwen3-Next's per-key-head qkvz)."""
+    that many groups each concatenating one equal block of every part (Qwen3-Next's per-key-head qkvz);
+    `transposed`: the HF tensor is that concatenation with its last two dimensions swapped (gpt-oss's experts)."""
     name: str
     dim: int = 0
     index: int = 0
@@ -270,12 +271,20 @@ class Part:
     sized: bool = False
     blocks: int | str = 1
     sizes: tuple = ()
+    transposed: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """The HF tensor is our tensor as it is (one part, not transposed)."""
+        return self.count == 1 and not self.transposed
 
     def _sizes(self, ours: int) -> tuple:
         return self.sizes or (ours,) * self.count
 
     def narrow(self, hf_tensor, expert: int | None = None):
         """Our part of the HF tensor (of one expert's HF tensor when `expert` is given: dim counts ours)."""
+        if self.transposed:
+            hf_tensor = hf_tensor.transpose(-2, -1)
         if self.count == 1:
             return hf_tensor
         d, b = self.dim - (expert is not None), self.blocks
@@ -286,7 +295,8 @@ class Part:
     def hf_shape(self, shape: tuple, expert: int | None = None) -> tuple:
         """The HF tensor's shape given our part's `shape` (one expert's, when `expert` is given)."""
         d = self.dim - (expert is not None)
-        return tuple(sum(self._sizes(n)) if k == d else n for k, n in enumerate(shape))
+        out = tuple(sum(self._sizes(n)) if k == d else n for k, n in enumerate(shape))
+        return (*out[:-2], out[-1], out[-2]) if self.transposed else out
 
     def hf_index(self, i, ours: int):
         """The HF tensor's indices along dim of our indices `i` (a LongTensor) along our dim of size `ours`."""
@@ -297,4 +307,5 @@ class Part:
     def join(self, parts: list, dim: int):
         """The HF tensor from all its parts (ours, in index order) along `dim`."""
         b = self.blocks
-        return torch.cat([t.unflatten(dim, (b, -1)) for t in parts], dim + 1).flatten(dim, dim + 1)
+        t = torch.cat([t.unflatten(dim, (b, -1)) for t in parts], dim + 1).flatten(dim, dim + 1)
+        return t.transpose(-2, -1).contiguous() if self.transposed else t

@@ -181,7 +181,8 @@ class ExpertParallel(ParallelStyle):
         self.replicated, self.grad_scale = tokens_replicated, grad_scale
 
     def _apply(self, experts, mesh):
-        splits = {a: (0, [self.n_experts]) for a in ("up_proj", "gate_proj", "down_proj") if getattr(experts, a) is not None}
+        splits = {a: (0, [self.n_experts]) for a in ("up_proj", "gate_proj", "down_proj", "up_proj_bias", "gate_proj_bias",
+                                                     "down_proj_bias") if getattr(experts, a, None) is not None}
         SegmentShard(splits, self.prefix, self.specs, kind="ep")._apply(experts, mesh)
         experts.exchange = ExpertExchange(mesh.get_group(), self.n_experts, self.replicated, self.grad_scale)
         return experts

@@ -13,7 +13,8 @@ AXES = {"experts", "expert_ffn", "shared_ffn", "latent"}
 def outputs(m):
     """What writes to the residual stream: the experts (through the latent's up-projection) and the shared ones."""
     routed = m.fc2_latent_proj if m.cfg.moe.moe_latent_size else m.experts.down_proj
-    return [routed] + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
+    biases = [m.experts.down_proj_bias] if m.cfg.moe.expert_bias else []  # gpt-oss: [E, H], added after down_proj
+    return [routed] + biases + ([m.shared_experts.down_proj] if m.shared_experts is not None else [])
 
 
 def masked_softmax_router(gate, drop):
@@ -22,7 +23,7 @@ def masked_softmax_router(gate, drop):
     cfg = gate.cfg
 
     def forward(x):
-        logits = F.linear(wide(x), wide(gate.weight))  # (as the router: fp32, or fp64 for a float64 model)
+        logits = F.linear(wide(x), wide(gate.weight), None if gate.bias is None else wide(gate.bias))  # (as the router)
         logits[:, drop] = float("-inf")
         w, idx = logits.softmax(-1).topk(cfg.moe.num_experts_per_tok, dim=-1)
         if cfg.moe.norm_topk_prob:
