@@ -53,6 +53,7 @@ KIND_CONFIGS = {
     "mamba1": ModelConfig(pattern="SS", **{"mamba1.d_state": 4}, d_conv=4, dt_rank=3, expand=2, proj_bias=True, **_BASE),
     "mla": ModelConfig(pattern="LL", mla=dict(mla_num_heads=4, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
                                               qk_rope_head_dim=4, v_head_dim=5, mla_bias=True), **_BASE),
+    "attention_full": ModelConfig(pattern="FF", **_BASE, **_ATTN),
 }
 FAMILY_CONFIGS = {
     "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,

@@ -143,8 +143,8 @@ def test_slots_carry_each_layers_window():
     """Each attention slot's section holds its own window ('*' the section's, 'F' none), and depth pruning keeps
     them with their layers (the pattern's characters go with the layers)."""
     from remodel.compress.prune import new_config
-    from tests.test_families import tiny_config
-    cfg = tiny_config(FAMILY, "full_first_tied")
+    from remodel.models.hf import config_from_hf
+    cfg = config_from_hf({"model_type": FAMILY, **FAMILIES[FAMILY].tiny["full_first_tied"]})
     assert cfg.pattern == "FE*E*E"
     assert [s.section.sliding_window for s in cfg.slots if s.kind.section_name == "attention"] == [None, 3, 3]
     kept = new_config(cfg, {"layers": torch.tensor([2, 3, 4, 5])})  # the full decoder layer 0 dropped

@@ -101,11 +101,11 @@ class GptOss(LlamaFamily):
 
 
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
-         "truncate": False, "original_max_position_embeddings": 16}
+         "truncate": False, "original_max_position_embeddings": 64}
 _TINY = {**{k: v for k, v in TINY.items() if k != "intermediate_size"}, "intermediate_size": 16,
          "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 3, "swiglu_limit": 0.5,
          "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
-         "max_position_embeddings": 64}  # = factor x original: transformers warns otherwise
+         "max_position_embeddings": 256}  # = factor x original (transformers warns otherwise); lm-eval reads it as max_length
 GPT_OSS = GptOss("gpt_oss", "GptOssForCausalLM", padding_idx=True,
                  tiny={"yarn": _TINY,
                        "full_first_tied": dict(_TINY, tie_word_embeddings=True, num_hidden_layers=3, swiglu_alpha=1.2,
