@@ -126,7 +126,7 @@ def table(res) -> str:
 # a short distillation, on the upcycled embedded MoE and on a MoE trained here from scratch (distinct experts)
 CRITERIA = ("reap", "reconstruction", "contribution", "frequency", "random")
 CRITERIA_SECTION = "## Expert pruning criteria: REAP vs the others (loss, task accuracy, distillation)"
-TASKS = ("remodel_cloze", "remodel_nextline")
+TASKS = ("remodel_cloze", "remodel_nextphrase")
 SCRATCH = dict(vocab_size=2048, hidden_size=128, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
                head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, router="softmax",
                mlp_gated=True, mlp_act="silu", rope_theta=1e4)  # Mixtral-style: softmax top-2 of 8, SwiGLU
@@ -197,7 +197,7 @@ def criteria_model(model_dir: Path, work: Path, a, checked) -> dict:
             res["rows"].append(row)
             print(f"{model_dir.name:18s} {keep}/{E} {name:15s} " + "  ".join(
                 f"{when} loss {row[when]['loss']:.4f} cloze {row[when]['remodel_cloze']:.3f} next "
-                f"{row[when]['remodel_nextline']:.3f}" for when in ("before", "after")), flush=True)
+                f"{row[when]['remodel_nextphrase']:.3f}" for when in ("before", "after")), flush=True)
     return res
 
 

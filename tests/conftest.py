@@ -313,6 +313,9 @@ MARKS = {
     "test_tasks.py": {
         "test_eval_tasks_equals_lm_eval_cli": "slow",
     },
+    "test_shipped_tasks.py": {
+        "test_nextphrase_separates_unpruned_from_pruned": "quality",
+    },
     "test_embedded.py": {
         "test_held_out_perplexity_matches_record": "quality",
         "test_moe_held_out_loss": "quality",

@@ -45,7 +45,7 @@ def test_demo_quick(tmp_path, capsys):
     # the shipped lm-eval tasks (20 items each under --quick): the teacher above chance (0.25), the exact
     # upcycle within one item of it
     assert teacher["cloze"] >= 0.4 and abs(moe["cloze"] - teacher["cloze"]) <= 0.05
-    assert all(0 <= row["nextline"] <= 1 for row in rows.values())
+    assert all(0 <= row["nextphrase"] <= 1 for row in rows.values())
     # a second run replaces a previous demo output; a foreign non-empty directory is refused
     other = tmp_path / "other"
     other.mkdir()

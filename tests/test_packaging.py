@@ -19,7 +19,7 @@ def test_install_target_has_one_namespace(tmp_path):
     assert not top & GENERIC, top
     assert {"models", "compress", "upcycle", "pipelines", "data", "cli.py"} <= {p.name for p in (target / "remodel").iterdir()}
     tasks = {p.name for p in (target / "remodel" / "data" / "tasks").iterdir()}  # eval --tasks' shipped set
-    assert {"remodel_cloze.yaml", "cloze.jsonl", "remodel_nextline.yaml", "nextline.jsonl"} <= tasks, tasks
+    assert {"remodel_cloze.yaml", "cloze.jsonl", "remodel_nextphrase.yaml", "nextphrase.jsonl"} <= tasks, tasks
     recipes = {p.name for p in (target / "remodel" / "data" / "recipes").iterdir()}  # `remodel run NAME`
     assert {"shrink-56b-47b.yaml", "dense-to-moe.yaml"} <= recipes, recipes
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -104,15 +104,15 @@ def lm_eval_runs(tmp_path_factory):
     """{family: (checkpoint, lm-eval CLI's results)} for every family (lm-eval imported once, ~10 s; ~37 s in all)."""
     root = tmp_path_factory.mktemp("lm_eval")
     dirs = [tiny_checkpoint(f, root) for f in CLI_FAMILIES]
-    return dict(zip(CLI_FAMILIES, zip(dirs, lm_eval_cli(dirs, "remodel_cloze,remodel_nextline", root / "out"))))
+    return dict(zip(CLI_FAMILIES, zip(dirs, lm_eval_cli(dirs, "remodel_cloze,remodel_nextphrase", root / "out"))))
 
 
 @pytest.mark.parametrize("family", CLI_FAMILIES)
 def test_eval_tasks_equals_lm_eval_cli(family, lm_eval_runs, capsys):
     d, theirs = lm_eval_runs[family]
-    ours = remodel_eval(d, capsys, "remodel_cloze,remodel_nextline")
+    ours = remodel_eval(d, capsys, "remodel_cloze,remodel_nextphrase")
     assert ours["remodel_cloze"]["acc"] == theirs["remodel_cloze"]["acc,none"]
-    nl, their_nl = ours["remodel_nextline"], theirs["remodel_nextline"]
+    nl, their_nl = ours["remodel_nextphrase"], theirs["remodel_nextphrase"]
     assert (nl["acc"], nl["acc_norm"]) == (their_nl["acc,none"], their_nl["acc_norm,none"])
 
 
@@ -131,14 +131,15 @@ def test_prune_tasks_reports_the_result_accuracy(tmp_path, capsys):
 
 
 def test_shipped_tasks_load_with_every_item():
-    """Both shipped tasks resolve their JSONL beside the YAML; 150 four-way items each, labels in range."""
+    """Both shipped tasks resolve their JSONL beside the YAML; 150 / 300 four-way items, labels in range."""
     from remodel.pipelines.training.tasks import check_tasks
-    _, specs = check_tasks(["remodel_cloze", "remodel_nextline"])
+    _, specs = check_tasks(["remodel_cloze", "remodel_nextphrase"])
     for spec in specs:
         path = spec["dataset_kwargs"]["data_files"]["test"]
         assert os.path.isabs(path)
         rows = [json.loads(line) for line in open(path)]
-        assert len(rows) == 150 and all(len(r["choices"]) == 4 and 0 <= r["label"] < 4 for r in rows)
+        assert len(rows) == {"cloze.jsonl": 150, "nextphrase.jsonl": 300}[os.path.basename(path)]
+        assert all(len(r["choices"]) == 4 and 0 <= r["label"] < 4 for r in rows)
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -24,7 +24,7 @@ MODES = ("auto", "whole", "streaming")
 
 def _tasks_help(on: str) -> str:
     return (f"comma-separated lm-eval task names run on {on}, offline on local data: the shipped remodel_cloze, "
-            "remodel_nextline, or a task of --task-dir (None: no tasks; needs pip install remodel[eval])")
+            "remodel_nextphrase, or a task of --task-dir (None: no tasks; needs pip install remodel[eval])")
 
 
 TASK_DIR = "folder of lm-eval task YAMLs (dataset_path: json, data_files beside them)"

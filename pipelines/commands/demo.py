@@ -3,7 +3,7 @@
 inspect -> eval -> convert round trip -> score -> prune to about half -> distill -> upcycle the
 teacher to a MoE -> reload the results in transformers and compare logits -> a before/after table
 (parameters, perplexity, tokens/s; with the `eval` extra, the accuracy on the shipped lm-eval tasks
-remodel_cloze and remodel_nextline). OUT is replaced only when it is a previous demo's output.
+remodel_cloze and remodel_nextphrase). OUT is replaced only when it is a previous demo's output.
 """
 from __future__ import annotations
 
@@ -34,28 +34,28 @@ def _row(name, path, ev, note="", tasks=None):
 
 
 def _tasks(quick: bool):
-    """path -> {cloze: acc, nextline: acc_norm} on the shipped tasks (pipelines/training/tasks.py), or
+    """path -> {cloze: acc, nextphrase: acc_norm} on the shipped tasks (pipelines/training/tasks.py), or
     None when the optional lm-eval is not installed (the demo then shows perplexity only)."""
     from ..training.tasks import check_tasks, run_tasks
     try:
-        checked = check_tasks(["remodel_cloze", "remodel_nextline"])
+        checked = check_tasks(["remodel_cloze", "remodel_nextphrase"])
     except RemodelError:
         return None
 
     def run(path):
         r = run_tasks(path, [], limit=20 if quick else None, checked=checked)
-        return {"cloze": r["remodel_cloze"]["acc"], "nextline": r["remodel_nextline"]["acc_norm"]}
+        return {"cloze": r["remodel_cloze"]["acc"], "nextphrase": r["remodel_nextphrase"]["acc_norm"]}
     return run
 
 
 def _table(rows) -> str:
     acc = "cloze" in rows[0]
     head = f"{'model':<22}{'params':>12}{'active':>12}{'ppl':>10}{'tok/s':>10}" + \
-        (f"{'cloze':>7}{'next':>6}" if acc else "") + "  note"
+        (f"{'cloze':>7}{'phrase':>7}" if acc else "") + "  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:<22}{r['params']:>12,}{r['active']:>12,}{r['ppl']:>10.2f}"
-                     f"{r['tokens_per_s']:>10,.0f}" + (f"{r['cloze']:>7.2f}{r['nextline']:>6.2f}" if acc else "")
+                     f"{r['tokens_per_s']:>10,.0f}" + (f"{r['cloze']:>7.2f}{r['nextphrase']:>7.2f}" if acc else "")
                      + f"  {r['note']}")
     on = rows[0]["ppl_on"]
     lines.append(f"ppl: next-token perplexity of each model on the same {on['tokens']:,} tokens "

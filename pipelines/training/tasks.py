@@ -27,7 +27,7 @@ from remodel.models.errors import RemodelError
 from .task_folder import LINES, checked_yaml, register_groups, resolve_functions, scan_folders
 
 
-# the shipped tasks: remodel_cloze, remodel_nextline (pipelines.data.data.DATA_DIR / "tasks", named here without
+# the shipped tasks: remodel_cloze, remodel_nextphrase (pipelines.data.data.DATA_DIR / "tasks", named here without
 # importing that module: it imports datasets, ~50 MB that prune's and search's streaming memory must not carry)
 TASK_DIR = Path(__file__).resolve().parents[2] / "data" / "tasks"
 METRICS = ("acc", "acc_norm", "exact_match")  # what the table shows, when a task reports it
