@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mla import yarn_mscale, yarn_ramp
+from .mla import yarn_attention_factor, yarn_ramp
 from .norm import trunk_norm
 from .recompute import maybe_checkpoint
 from .section import MAX_SMALL, Section, ints, plain, reals
@@ -76,13 +76,7 @@ def rope_inv_freq(cfg) -> torch.Tensor:
 def rope_factor(cfg) -> float:
     """YaRN's attention_factor on cos / sin (transformers' _compute_yarn_parameters); 1 for other types."""
     rs = cfg.attention.rope_scaling
-    if rs is None or rs.get("rope_type") != "yarn":
-        return 1.0
-    if rs.get("attention_factor") is not None:
-        return float(rs["attention_factor"])
-    if rs.get("mscale") and rs.get("mscale_all_dim"):
-        return yarn_mscale(rs["factor"], rs["mscale"]) / yarn_mscale(rs["factor"], rs["mscale_all_dim"])
-    return yarn_mscale(rs["factor"])
+    return yarn_attention_factor(rs) if rs is not None and rs.get("rope_type") == "yarn" else 1.0
 
 
 def rotate_half(x):

@@ -74,8 +74,11 @@ def mla_inv_freq(cfg) -> torch.Tensor:
 def mla_rope_factor(cfg) -> float:
     """YaRN's attention_factor on cos / sin (1 for the default type)."""
     rs = cfg.mla.mla_rope_scaling
-    if rs is None:
-        return 1.0
+    return 1.0 if rs is None else yarn_attention_factor(rs)
+
+
+def yarn_attention_factor(rs: dict) -> float:
+    """YaRN's attention_factor on cos / sin (transformers' _compute_yarn_parameters): given, or from the mscales."""
     if rs.get("attention_factor") is not None:
         return float(rs["attention_factor"])
     if rs.get("mscale") and rs.get("mscale_all_dim"):

@@ -117,17 +117,21 @@ def test_eval_tasks_equals_lm_eval_cli(family, lm_eval_runs, capsys):
 
 
 def test_prune_tasks_reports_the_result_accuracy(tmp_path, capsys):
-    """prune --tasks: the report carries the pruned checkpoint's accuracy, the figure eval --tasks gives it;
-    a bad task name is refused before OUT is written."""
+    """prune --tasks: the report carries the pruned checkpoint's accuracy and the unpruned one's on the same items,
+    the figures eval --tasks gives each, and the summary line prints them before -> after; a bad task name is
+    refused before OUT is written."""
     d = tiny_checkpoint("llama", tmp_path)
     assert cli.main(["score", str(d), "--method", "magnitude", "--out", str(tmp_path / "s")]) == 0
     prune = ["prune", str(d), "--scores", str(tmp_path / "s"), "--ffn-size", "20", "--limit", str(LIMIT)]
     assert cli.main([*prune[:2], str(tmp_path / "bad"), *prune[2:], "--tasks", "nope"]) == 2
     assert "unknown task 'nope' (--tasks)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     assert cli.main([*prune[:2], str(tmp_path / "p"), *prune[2:], "--tasks", "remodel_cloze"]) == 0
-    capsys.readouterr()
-    report = json.loads((tmp_path / "p" / "remodel_report.json").read_text())["tasks"]["remodel_cloze"]
-    assert report["samples"] == LIMIT and report["acc"] == remodel_eval(tmp_path / "p", capsys)["acc"]
+    err = capsys.readouterr().err
+    full = json.loads((tmp_path / "p" / "remodel_report.json").read_text())
+    report, before = full["tasks"]["remodel_cloze"], full["tasks_before"]["remodel_cloze"]
+    assert report["samples"] == before["samples"] == LIMIT and report["acc"] == remodel_eval(tmp_path / "p", capsys)["acc"]
+    assert before["acc"] == remodel_eval(d, capsys)["acc"]
+    assert f"acc remodel_cloze {before['acc']:.3g} -> {report['acc']:.3g}" in err
 
 
 def test_shipped_tasks_load_with_every_item():

@@ -117,7 +117,7 @@ def _prune(o: PruneOptions) -> dict:
             "plot": "importance.png" if plotted else None,
             "scores_meta": {k: v for k, v in meta.items() if k != "config"},
             "tensors_written": n, "bytes_written": w.total_size, "seconds": round(time.time() - t0, 3)}
-        write_report(tmp, add_tasks(report, tmp, checked, task_limit))  # the written checkpoint's accuracy
+        write_report(tmp, add_tasks(report, tmp, checked, task_limit, source=model_dir))  # accuracy before / after
     return report
 
 

@@ -13,7 +13,15 @@ def prune_summary(r: dict) -> str:
     b, a = r["params_before"], r["params_after"]
     active = f"; active {_change(b['active'], a['active'])}" if b["active"] != b["total"] else ""
     return (f"prune: parameters {_change(b['total'], a['total'])}{active}; pattern {r['pattern_before']} -> "
-            f"{r['pattern_after']}; written to {r['output']}")
+            f"{r['pattern_after']}{_accuracy(r)}; written to {r['output']}")
+
+
+def _accuracy(r: dict) -> str:
+    """'; acc remodel_cloze 0.75 -> 0.7, ...': each task's accuracy before -> after (prune --tasks), or ''."""
+    before, after = r.get("tasks_before") or {}, r.get("tasks") or {}
+    pairs = [f"{t} {before[t]['acc']:.3g} -> {after[t]['acc']:.3g}" for t in after
+             if "acc" in after[t] and "acc" in before.get(t, {})]
+    return f"; acc {', '.join(pairs)}" if pairs else ""
 
 
 def upcycle_summary(r: dict) -> str:

@@ -219,11 +219,14 @@ def check_task_options(tasks, task_dir=None, limit=None, trust: bool = False):
     return check_tasks(tasks, task_dir, trust)
 
 
-def add_tasks(report: dict, model_dir, checked, limit: int | None = None) -> dict:
+def add_tasks(report: dict, model_dir, checked, limit: int | None = None, source=None) -> dict:
     """`report` with `tasks`: the accuracy of the written checkpoint `model_dir` on the checked tasks
-    (check_task_options' result; None: the report as it is). prune and search put their result's here."""
+    (check_task_options' result; None: the report as it is). prune and search put their result's here; with
+    `source` (the model it was made from) also `tasks_before`, its accuracy on the same items."""
     if checked is not None:
         report["tasks"] = run_tasks(model_dir, [], limit=limit, checked=checked)
+        if source is not None:
+            report["tasks_before"] = run_tasks(source, [], limit=limit, checked=checked)
     return report
 
 
