@@ -213,7 +213,7 @@ class ModelConfig:
              "MTP layers read the trunk's final hidden states and embeddings unscaled: logits_scaling, "
              "embedding_multiplier and lm_head_multiplier must be 1")
         for k in used(self):
-            k.validate(self, need)
+            k.validate(self.view(k), need)  # each kind checks its own sections
 
     def _check_numbers(self, need) -> None:
         """Every size an int (not bool) within its field's bounds, every float finite and in range, the
@@ -254,7 +254,11 @@ class KindView:
 
     def value(self, path: str):
         section, _, name = path.rpartition(".")
-        return getattr(self.sections[section] if section else self, name)
+        return getattr(getattr(self, section) if section else self, name)
+
+    def get(self, name: str, section: str | None = None):
+        """As ModelConfig.get, within the view's sections."""
+        return self.value(path_of(name, section))
 
     def view(self, kind) -> "KindView":
         return self.config.view(kind)

@@ -165,21 +165,25 @@ def test_slots_name_each_layer_kind_and_its_section():
 
 @pytest.mark.parametrize("name", sorted(KIND_CONFIGS))
 def test_each_kind_module_is_built_from_its_own_sections(name):
-    """Block gives a kind's module a KindView: the trunk's fields and the kind's sections (LayerKind.sections); a
-    read of any other kind's section raises, so a module cannot depend on another kind's config."""
+    """Block gives a kind's module a KindView, and ModelConfig.validate gives one to the kind's checks: the trunk's
+    fields and the kind's sections (LayerKind.sections); a read of any other kind's section raises, so a module or
+    its checks cannot depend on another kind's config."""
     from remodel.models.block import Block
     from remodel.models.config import KindView
     cfg = KIND_CONFIGS[name]
     k = KINDS[cfg.pattern[0]]
-    given = []
-    orig = type(k).build
+    given, checked = [], []
+    orig, orig_check = type(k).build, type(k).validate
     try:
         type(k).build = lambda self, c: given.append(c) or orig(self, c)
+        type(k).validate = lambda self, c, need: checked.append(c) or orig_check(self, c, need)
         Block(cfg, k.char)
+        cfg.replace()  # validated again
     finally:
-        type(k).build = orig
+        type(k).build, type(k).validate = orig, orig_check
     (view,) = given
     assert isinstance(view, KindView) and set(view.sections) == {"scales", *k.sections}
+    assert checked and all(isinstance(c, KindView) and c.sections == view.sections for c in checked)
     path = f"{k.section_name}.{SECTIONS[k.section_name].names()[0]}"
     assert view.hidden_size == cfg.hidden_size and view.value(path) == cfg.value(path)
     for other in set(SECTIONS) - set(k.sections) - {"scales"}:

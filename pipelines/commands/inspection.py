@@ -53,7 +53,7 @@ def _widths(cfg: ModelConfig) -> dict:
     w = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,
          "tie_word_embeddings": cfg.tie_word_embeddings}
     for k in used(cfg, mtp=False):
-        w.update(k.summary(cfg))
+        w.update(k.summary(cfg.view(k)))  # each kind shows its own sections
     if cfg.mtp_layers:
         w.update(mtp_layers=cfg.mtp_layers, mtp_pattern=cfg.mtp_pattern)
     return w
