@@ -542,6 +542,19 @@ def cli_pair(family, case, root):
     return hf, ours, d
 
 
+def cli_inspect_and_score(d, ours, out, capsys):
+    """`remodel inspect d` prints `ours`'s exact parameter count, then `remodel score d` on the embedded corpus
+    writes `out`: -> its scores (the first steps of every CLI-family test)."""
+    from remodel import cli
+    from remodel.compress.scores import load_scores
+    from remodel.pipelines.data.data import embedded_corpus
+    assert cli.main(["inspect", str(d)]) == 0
+    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
+    assert cli.main(["score", str(d), "--data", str(embedded_corpus()[1]), "--out", str(out), "--samples", "8",
+                     "--seq-len", "32"]) == 0
+    return load_scores(out)[0]
+
+
 def cli_flags(targets: dict) -> list:
     """prune's width flags of {width: target}."""
     return [x for k, v in targets.items() for x in ("--" + k.replace("_", "-"), str(v))]

@@ -11,10 +11,9 @@ import pytest
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model
-from remodel.compress.scores import load_scores
 from remodel.models.families import FAMILIES
 from remodel.pipelines.data.data import embedded_corpus
-from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
+from tests.conftest import cli_flags, cli_inspect_and_score, cli_pair, prune_axes, reloaded_equals_in_memory
 
 CASES = {"qwen3_5_moe_text": "grouped_biased_tied", "qwen3_next": "grouped_dense_layer"}
 
@@ -29,11 +28,7 @@ def pair(request, tmp_path_factory):
 def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, capsys):
     family, ours, d = pair
     data = str(embedded_corpus()[1])
-    assert cli.main(["inspect", str(d)]) == 0
-    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
-    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
-                     "--seq-len", "32"]) == 0
-    scores, _ = load_scores(tmp_path / "s")
+    scores = cli_inspect_and_score(d, ours, tmp_path / "s", capsys)
     targets = {**prune_axes(ours.cfg), "linear_key_heads": 1, "linear_value_heads": 2}  # one group of 3 -> 2
     assert {"experts", "expert_ffn_size", "shared_expert_size", "attn_heads", "hidden_size", "linear_key_heads",
             "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim"} <= set(targets)

@@ -14,14 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model
-from remodel.compress.scores import load_scores
 from remodel.models import mxfp4
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.models.load import load_model
 from remodel.models.regions import RegionReader
 from remodel.pipelines.data.data import embedded_corpus
-from tests.conftest import cli_flags, cli_pair, hf_pair, prune_axes, reloaded_equals_in_memory
+from tests.conftest import cli_flags, cli_inspect_and_score, cli_pair, hf_pair, prune_axes, reloaded_equals_in_memory
 
 FAMILY = "gpt_oss"
 TINY = {**FAMILIES[FAMILY].tiny["yarn"], "intermediate_size": 32}  # MXFP4: 32-value blocks
@@ -36,11 +35,7 @@ def pair(tmp_path_factory):
 def test_cli_inspect_score_prune_every_width_and_depth(pair, tmp_path, capsys):
     _, ours, d = pair
     data = str(embedded_corpus()[1])
-    assert cli.main(["inspect", str(d)]) == 0
-    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
-    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
-                     "--seq-len", "32"]) == 0
-    scores, _ = load_scores(tmp_path / "s")
+    scores = cli_inspect_and_score(d, ours, tmp_path / "s", capsys)
     targets = prune_axes(ours.cfg)
     assert {"experts", "expert_ffn_size", "attn_heads", "hidden_size"} <= set(targets)
     out = tmp_path / "widths"

@@ -9,9 +9,8 @@ import pytest
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model
-from remodel.compress.scores import load_scores
 from remodel.pipelines.data.data import embedded_corpus
-from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
+from tests.conftest import cli_flags, cli_inspect_and_score, cli_pair, prune_axes, reloaded_equals_in_memory
 
 # family -> (tiny case, the widths its prune must include, the HF decoder layer dropped: Jamba's last, since dropping
 # an inner one of "SE*ESE*E" leaves attention where no period and offset place it, which prune refuses)
@@ -30,11 +29,7 @@ def pair(request, tmp_path_factory):
 def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, capsys):
     family, ours, d = pair
     data = str(embedded_corpus()[1])
-    assert cli.main(["inspect", str(d)]) == 0
-    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
-    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
-                     "--seq-len", "32"]) == 0
-    scores, _ = load_scores(tmp_path / "s")
+    scores = cli_inspect_and_score(d, ours, tmp_path / "s", capsys)
     targets = prune_axes(ours.cfg)
     assert CASES[family][1] <= set(targets), sorted(targets)
     out = tmp_path / "widths"

@@ -12,11 +12,10 @@ import torch
 
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model, validate_targets
-from remodel.compress.scores import load_scores
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
 from remodel.pipelines.data.data import embedded_corpus
-from tests.conftest import cli_flags, cli_pair, prune_axes, reloaded_equals_in_memory
+from tests.conftest import cli_flags, cli_inspect_and_score, cli_pair, prune_axes, reloaded_equals_in_memory
 
 FAMILY, CASE = "glm4_moe", "grouped"
 # family -> (tiny case, targets beside prune_axes' (glm4_moe: 2 x 8 keeps n_shared_experts whole), its config.json
@@ -42,11 +41,7 @@ def test_cli_inspect_score_prune_every_width_and_depth(cli_case, tmp_path, capsy
     family, (_, ours, d) = cli_case
     _, extra_targets, follows = CLI_CASES[family]
     data = str(embedded_corpus()[1])
-    assert cli.main(["inspect", str(d)]) == 0
-    assert f"{sum(p.numel() for p in ours.parameters()):,}" in capsys.readouterr().out
-    assert cli.main(["score", str(d), "--data", data, "--out", str(tmp_path / "s"), "--samples", "8",
-                     "--seq-len", "32"]) == 0
-    scores, _ = load_scores(tmp_path / "s")
+    scores = cli_inspect_and_score(d, ours, tmp_path / "s", capsys)
     targets = {**prune_axes(ours.cfg), **extra_targets}
     assert {"experts", "expert_ffn_size", "attn_heads", "hidden_size"} <= set(targets)
     out = tmp_path / "widths"
