@@ -119,6 +119,21 @@ def test_bad_input_one_line_naming_the_flag(llama, tmp_path, capsys, flags, flag
     assert not (tmp_path / "out").exists()
 
 
+def test_an_existing_init_folder_is_refused_not_replaced(llama, tmp_path, capsys):
+    """Stage two writes the initialised hybrid to OUT.init: a non-empty folder there (not this run's) is refused in
+    one line naming --resume / --overwrite before any work, its files untouched, nothing written."""
+    _, src = llama
+    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 50)
+    mine = tmp_path / "out.init" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("a user's file")
+    assert _run(src, tmp_path / "out", "--keep-attention", "1", "--data", tmp_path / "train.txt", "--steps", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite" in err and "--resume" in err, err
+    assert mine.read_text() == "a user's file" and sorted(p.name for p in mine.parent.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_source_without_attention_refused(tmp_path, capsys):
     from remodel.models.families import FAMILIES
     tiny = dict(FAMILIES["bamba"].tiny["plain"], attn_layer_indices=[])

@@ -46,6 +46,9 @@ def _training(o: HybridizeOptions, student: Path) -> dict | None:
               seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
               **o.train)
     make_config(**kw)
+    if not (o.resume or o.overwrite) and student.is_dir() and any(student.iterdir()):
+        raise RemodelError(f"{student}: the initialised hybrid's folder exists and is not empty (pass --resume to go "
+                           "on from it, or --overwrite to replace it)")
     return kw
 
 
@@ -90,7 +93,7 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
             costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
             p = plan(o, costliest(costs, o.keep_attention))
         model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
-        save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite or bool(kw),
+        save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite,
                    dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
     trained = train(**kw) if kw else None
     cfg, new_cfg = p["cfg"], p["new_cfg"]
