@@ -106,6 +106,8 @@ class TrainConfig:
                                    cli="distill", resume=True, check=nonneg(1e6))
     layer_map: list | None = _f(None, "(student state, teacher state) pairs of the hidden loss", cli=None,
                                 resume=True)
+    train_only: list | None = _f(None, "prefixes of the student parameter names trained ('layers.3.mixer.'); every "
+                                 "other parameter frozen (when not given: all trained)", cli=None, resume=True)
     topk: int | None = _f(None, "KL over the teacher's top-k tokens only (when not given: the whole vocabulary)",
                           cli="distill", resume=True, check=ints(1))
     lb_coeff: float = _f(1e-2, "MoE load-balancing loss coefficient (student MoE layers only)", resume=True,

@@ -17,6 +17,7 @@ import torch
 from remodel.models.families.tower import check_tower_at
 from remodel.models.errors import RemodelError
 from remodel.models.kinds import routed
+from remodel.models.hf import our_shapes
 from remodel.models.load import load_config, read_config_dict
 
 from . import train_state as state
@@ -102,6 +103,31 @@ def _budget(steps, tokens, tokens_per_step: int) -> int:
     return steps
 
 
+def trained_params(student, train_only) -> dict:
+    """{name: parameter} the optimizer steps: those named by a prefix in `train_only` (the rest frozen, no
+    gradient, no AdamW state), or every one when it is None."""
+    if train_only is None:
+        return dict(student.named_parameters())
+    out = {}
+    for name, q in student.named_parameters():
+        q.requires_grad_(any(name.startswith(x) for x in train_only))
+        if q.requires_grad:
+            out[name] = q
+    return out
+
+
+def _check_train_only(c: TrainConfig, s_cfg) -> None:
+    """Every prefix of train_only names some parameter of the student (a typo would freeze the whole model)."""
+    if c.train_only is None:
+        return
+    names = list(our_shapes(s_cfg))
+    given = c.train_only if isinstance(c.train_only, (list, tuple)) else [c.train_only]
+    bad = [x for x in given if not (isinstance(x, str) and x and any(n.startswith(x) for n in names))]
+    if bad or not given or given is not c.train_only:
+        raise RemodelError(f"train_only: {bad or c.train_only!r} names no parameter of the student (a list of name "
+                           "prefixes, e.g. ['layers.0.mixer.'])")
+
+
 def _layer_map(c: TrainConfig, s_cfg, t_cfg):
     layer_map = [tuple(p) for p in (c.layer_map or default_layer_map(s_cfg.num_layers, t_cfg.num_layers))]
     bad = [p for p in layer_map if not (0 <= p[0] <= s_cfg.num_layers and 0 <= p[1] <= t_cfg.num_layers)]
@@ -141,6 +167,7 @@ def prepare(c: TrainConfig) -> Plan:
     checkpoint_every = c.checkpoint_every or max(1, steps // 10)
     _check_options(c, min_lr, warmup, kl_w, lm_w)
     s_cfg = load_config(student_dir)
+    _check_train_only(c, s_cfg)
     family = read_config_dict(student_dir)["model_type"]
     check_tower_at(student_dir, s_cfg, family)  # a vision tower carried to OUT: as transformers builds it, finite
     layer_map = None

@@ -38,7 +38,7 @@ from ..distributed.runtime import (init_dist, init_mesh, layout, load_tokenizer,
                       source_dtype, wait, wait_group, world_size)
 from ..distributed.sharded import export_sharded, load_sharded
 from .train_config import RESUME_KEYS, TrainConfig
-from .train_setup import Plan, prepare
+from .train_setup import Plan, prepare, trained_params
 from .vocab_parallel import parallel_loss_fns
 
 __all__ = ["build_optimizer", "build_projections", "compute_losses", "lr_at", "prepare", "run"]
@@ -278,7 +278,7 @@ class _Training:
                 self.evals["teacher"] = self._evaluate(self.teacher)
         wait(procs.group)
         set_recompute(self.student, c.recompute)
-        params = dict(self.student.named_parameters())
+        params = trained_params(self.student, c.train_only)
         if self.projections is not None:
             params.update({f"proj.{k}": q for k, q in self.projections.named_parameters()})
         self.opt = build_optimizer(params, c.lr, c.weight_decay)
