@@ -42,9 +42,10 @@ if str(REPO) not in sys.path:
 COMMON = dict(steps=3, seq_len=32, batch=4, lr=1e-4, warmup=1, checkpoint_every=2, keep_last=2, log_every=0)
 KD = dict(hidden_loss_weight=0.5, lm_loss_weight=0.1, grad_accum=2)
 REFS = {"lm": {}, "kd": KD, "kd_topk": dict(KD, topk=16, hidden_loss_weight=0.0), "kd_fused": dict(KD, fused_loss=True),
-        "kd_granite": KD, "kd_falcon": KD, "kd_bamba": KD}
+        "kd_granite": KD, "kd_falcon": KD, "kd_bamba": KD,
+        "kd_bamba_frozen": dict(KD, train_only=["layers.0.mixer.", "layers.1.mixer."])}  # the rest frozen
 # the references' student / teacher checkpoints beyond nemotron_h: PREFIX + student / teacher
-MODELS = {"kd_granite": "g_", "kd_falcon": "f_", "kd_bamba": "b_"}
+MODELS = {"kd_granite": "g_", "kd_falcon": "f_", "kd_bamba": "b_", "kd_bamba_frozen": "b_"}
 HYBRIDS = {  # family: (reference, our tiny config's fields beyond the common ones), every multiplier away from 1
     "granitemoehybrid": ("kd_granite", dict(pattern="ME*E", n_routed_experts=4, num_experts_per_tok=2,
                                             router="softmax", norm_topk_prob=True, embedding_multiplier=2.0,
@@ -61,7 +62,7 @@ CASES = {  # name: (processes, tp, ep, reference)
     "kd_tp2_fused": (2, 2, 1, "kd_fused"), "kd_dp2_fused": (2, 1, 1, "kd_fused"),
     "kd_dp2_tp2_fused": (4, 2, 1, "kd_fused"), "lm_dp2_selective": (2, 1, 1, "lm"), "lm_dp2_full": (2, 1, 1, "lm"),
     "kd_granite_dp2_tp2": (4, 2, 1, "kd_granite"), "kd_falcon_dp2_tp2": (4, 2, 1, "kd_falcon"),
-    "kd_bamba_dp2_tp2": (4, 2, 1, "kd_bamba"),
+    "kd_bamba_dp2_tp2": (4, 2, 1, "kd_bamba"), "kd_bamba_frozen_dp2_tp2": (4, 2, 1, "kd_bamba_frozen"),
 }
 RECOMPUTE = {"lm_dp2_selective": "selective", "lm_dp2_full": "full"}  # --recompute through the trainer
 ASYNC = {"kd_dp2_tp2_ep2"}  # checkpoints written on a background thread
@@ -72,6 +73,7 @@ LAYOUT = {  # expected (tp, ep, dp, ep folded over)
     "kd_tp2_fused": (2, 1, 1, None), "kd_dp2_fused": (1, 1, 2, None),
     "kd_dp2_tp2_fused": (2, 1, 2, None), "lm_dp2_selective": (1, 1, 2, None), "lm_dp2_full": (1, 1, 2, None),
     "kd_granite_dp2_tp2": (2, 1, 2, None), "kd_falcon_dp2_tp2": (2, 1, 2, None), "kd_bamba_dp2_tp2": (2, 1, 2, None),
+    "kd_bamba_frozen_dp2_tp2": (2, 1, 2, None),
 }
 CLI_FLAGS = ["--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4", "--warmup", "1", "--checkpoint-every",
              "2", "--grad-accum", "2", "--hidden-loss-weight", "0.5", "--lm-loss-weight", "0.1"]
@@ -260,7 +262,8 @@ def runs(tmp_path_factory):
         jobs[2] = ex.submit(launch, d, 2, ["lm_ep2", "lm_tp2_ep2", "kd_tp2", "kd_tp2_resumed", "kd_topk_tp2",
                                           "kd_tp2_fused", "kd_dp2_fused", "lm_dp2_selective", "lm_dp2_full"])
         jobs[4] = ex.submit(four)
-        jobs["hybrids"] = ex.submit(launch, d, 4, ["kd_granite_dp2_tp2", "kd_falcon_dp2_tp2", "kd_bamba_dp2_tp2"])
+        jobs["hybrids"] = ex.submit(launch, d, 4, ["kd_granite_dp2_tp2", "kd_falcon_dp2_tp2", "kd_bamba_dp2_tp2",
+                                                             "kd_bamba_frozen_dp2_tp2"])
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:  # the one-process references, meanwhile, and --recompute through the one-process trainer
@@ -303,8 +306,15 @@ def compare(d: Path, name: str, ref: str):
                 loss_rel = max(loss_rel, rel(got[k], exp[k]))
     w, w_ref = load_file(d / name / "model.safetensors"), load_file(d / f"ref_{ref}" / "model.safetensors")
     w0 = load_file(d / f"{MODELS.get(ref, '')}student" / "model.safetensors")
-    moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in w0)[len(w0) // 2]
+    trained = [k for k in w0 if not torch.equal(w_ref[k], w0[k])]  # all but those train_only froze
+    assert [k for k in w0 if not torch.equal(w[k], w0[k])] == trained  # the same frozen, bit for bit
+    moved = sorted(float((w_ref[k] - w0[k]).abs().max() / w_ref[k].abs().max()) for k in trained)[len(trained) // 2]
     return rep, want, loss_rel, weights_rel(w, w_ref), moved
+
+
+def moved_keys(d: Path, name: str, ref: str) -> list:
+    w, w0 = (load_file(p / "model.safetensors") for p in (d / name, d / f"{MODELS.get(ref, '')}student"))
+    return [k for k in w0 if not torch.equal(w[k], w0[k])]
 
 
 def _fp32_bytes(model_dir, replicated_by_tp: bool | None = None) -> int:
@@ -356,7 +366,9 @@ def test_matches_one_process(runs, name):
         loss_rel, (w_rel, worst) = compare(runs["dir"], name, "kd")[2:4]
         print(f"{name} vs the unfused one process: loss/grad-norm rel {loss_rel:.2e}, weights rel {w_rel:.2e}")
         assert loss_rel <= 1e-5 and w_rel <= 1e-5, worst
-    if ref not in ("kd_bamba", "kd_falcon"):  # (those have no MoE) the load-balancing term ran over all dp ranks
+    if "train_only" in REFS[ref]:  # frozen: all but the named mixers, as in one process (test_train_only)
+        assert 0 < len(moved_keys(runs["dir"], name, ref)) < len(load_file(runs["dir"] / name / "model.safetensors"))
+    if ref not in ("kd_bamba", "kd_falcon", "kd_bamba_frozen"):  # (those have no MoE) the load-balancing term ran over all dp ranks
         assert rep["history"][0]["lb"] > 0.5
     d = runs["dir"] / name
     assert {"config.json", "model.safetensors", "tokenizer.json", "remodel_report.json", "metrics.csv",

@@ -229,10 +229,13 @@ class HybridizeOptions:
     data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps), "
                        "and --select kl's calibration text; None: write the initialised hybrid")
     steps: int | None = opt(None, "optimizer steps of the distillation", check=ints(1, 2**40))
+    transfer_steps: int = opt(0, "stage one, before the distillation (needs --data): optimizer steps of attention "
+                              "transfer, the new mixers alone trained (the rest frozen) to match MODEL's residual "
+                              "stream after every layer (1 - cos); 0: none", check=ints(0, 2**40))
     seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
     batch: int = opt(8, "sequences per micro-batch", check=BATCH)
     lr: float = opt(1e-4, "peak learning rate (AdamW)", check=positive(10))
-    resume: bool = opt(False, "continue the distillation from its newest checkpoint in OUT.run/")
+    resume: bool = opt(False, "continue each stage from its newest checkpoint (OUT.transfer.run/, OUT.run/)")
     train: dict = opt({}, "further distill settings (TrainConfig names: eval_data, warmup, ...)", cli=False)
     overwrite: bool = opt(False, OVERWRITE)
 

@@ -2,8 +2,10 @@
 not kept become linear-mixer layers initialised from their attention weights (or at random), the rest copied
 exactly, written as a family transformers loads without remote code. Every input is checked on config.json
 before the weights are read; the model is held whole (two copies) while converting.
-With --data and --steps, stage two: the initialised hybrid (written to OUT.init, kept for --resume) is distilled
-from MODEL by distill's trainer (pipelines.training: its losses, checkpoints in OUT.run/, parallelism), into OUT.
+With --data, two training stages by distill's trainer (pipelines.training: checkpoints, --resume, parallelism):
+stage one (--transfer-steps) fits the new mixers alone to MODEL's residual stream after every layer, the rest
+frozen; stage two (--steps) distils the whole hybrid from MODEL. The initialised hybrid is written to OUT.init,
+stage one's result to OUT.transfer when stage two follows, the last stage's to OUT.
 """
 from __future__ import annotations
 
@@ -33,23 +35,44 @@ def _dtype(config: dict):
 
 
 def _training(o: HybridizeOptions, student: Path) -> dict | None:
-    """distill's settings of stage two (checked here, before any work), None without --data."""
-    if o.steps is not None and o.data is None:
-        raise RemodelError("--steps needs --data (stage two: distil the hybrid from MODEL on DATA for N steps)")
-    if o.data is not None and o.steps is None and o.select != "kl":
-        raise RemodelError("--data needs --steps N (stage two) or --select kl (calibration)")
+    """distill's settings shared by both stages (checked here, before any work), None without --data."""
+    if (o.steps is not None or o.transfer_steps) and o.data is None:
+        raise RemodelError("--steps and --transfer-steps need --data (the training text)")
+    if o.data is not None and o.steps is None and not o.transfer_steps and o.select != "kl":
+        raise RemodelError("--data needs --steps N (stage two), --transfer-steps N (stage one) or --select kl "
+                           "(calibration)")
     if o.select == "kl" and (o.data is None or o.keep_attention is None):
         raise RemodelError("--select kl needs --keep-attention N and --data (its calibration text)")
-    if o.steps is None:
+    if o.steps is None and not o.transfer_steps:
         return None
-    kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data), steps=o.steps,
+    kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data),
               seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
               **o.train)
-    make_config(**kw)
-    if not (o.resume or o.overwrite) and student.is_dir() and any(student.iterdir()):
-        raise RemodelError(f"{student}: the initialised hybrid's folder exists and is not empty (pass --resume to go "
-                           "on from it, or --overwrite to replace it)")
+    folders = [student] + ([Path(f"{o.out}.transfer")] if o.transfer_steps and o.steps else [])
+    for d in folders:
+        if not (o.resume or o.overwrite) and d.is_dir() and any(d.iterdir()):
+            raise RemodelError(f"{d}: an intermediate stage's folder exists and is not empty (pass --resume to go "
+                               "on from it, or --overwrite to replace it)")
     return kw
+
+
+def _stages(o: HybridizeOptions, kw: dict | None, replaced: set) -> list[tuple[str, dict]]:
+    """The training runs in order, each reading the previous one's output and checked before any work:
+    stage one (attention transfer: the replaced layers' mixers alone, hidden loss only), stage two (distill)."""
+    if kw is None:
+        return []
+    runs = []
+    if o.transfer_steps:
+        runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
+                                      hidden_loss_weight=1.0, topk=None,
+                                      train_only=[f"layers.{i}.mixer." for i in sorted(replaced)])))
+    if o.steps is not None:
+        runs.append(("distillation", dict(kw, steps=o.steps)))
+    for (_, a), (_, b) in zip(runs, runs[1:]):  # stage one writes OUT.transfer, read by stage two
+        a["out"] = b["student_dir"] = f"{o.out}.transfer"
+    for _, run in runs:
+        make_config(**run)
+    return runs
 
 
 def _calibration(o: HybridizeOptions, cfg) -> torch.Tensor:
@@ -75,7 +98,7 @@ def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
     replaced = {i for j, i in enumerate(layers) if j not in keep}
     family, new_cfg = target(cfg, o.mixer, replaced, o.to)
     return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
-            "training": training}
+            "training": _stages(o, training, replaced), "init_dir": Path(f"{o.out}.init") if training else None}
 
 
 def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:
@@ -84,10 +107,9 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     t0 = time.perf_counter()
     o = make(HybridizeOptions, opts, **given(model=model_dir, out=out), **kw)
     p = plan(o)
-    kw = p["training"]
-    dest = Path(kw["student_dir"]) if kw else Path(o.out)
+    dest = p["init_dir"] or Path(o.out)
     costs = None
-    if not (kw and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
+    if not (p["init_dir"] and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
         src = load_model(o.model)
         if o.select == "kl":
             costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
@@ -95,10 +117,11 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
         model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
         save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite,
                    dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
-    trained = train(**kw) if kw else None
+    trained = {stage: train(**run) for stage, run in p["training"]}
     cfg, new_cfg = p["cfg"], p["new_cfg"]
     return {"command": "hybridize", "input": str(o.model), "output": str(o.out), "to": p["family"],
-            "distillation": trained and {k: trained.get(k) for k in ("steps", "tokens", "eval") if k in trained},
+            **{stage: trained.get(stage) and {k: trained[stage].get(k) for k in ("steps", "tokens", "eval")
+                                             if k in trained[stage]} for stage in ("transfer", "distillation")},
             "mixer": o.mixer, "init": o.init, "seed": o.seed,
             "attention_kept": p["keep"], "attention_layers": len(p["layers"]), "select": o.select,
             "kl_per_layer": costs,
