@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import trunk_norm
+from .norm import RMSNorm
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top
 
@@ -41,6 +41,14 @@ class MlaConfig(Section):
     mla_rope_scaling: dict | None = plain(None, "HF rope_parameters of a 'yarn' RoPE (None: the default type)")
     rope_interleave: bool = plain(True, "RoPE on interleaved channel pairs (DeepSeek's layout) else rotate-half")
     mla_bias: bool = plain(False, "biases of q_a_proj, kv_a_proj_with_mqa and o_proj (attention_bias)")
+
+
+LATENT_EPS = 1e-6  # the latent norms' eps: transformers builds them with RMSNorm's default, whatever rms_norm_eps says
+
+
+def latent_norm(cfg, size: int) -> RMSNorm:
+    """q_a_layernorm / kv_a_layernorm: the model's RMSNorm (its offset) with LATENT_EPS."""
+    return RMSNorm(size, LATENT_EPS, cfg.norm_offset)
 
 
 def yarn_mscale(scale: float, m: float = 1.0) -> float:
@@ -129,10 +137,10 @@ class Mla(nn.Module):
             self.q_proj = nn.Linear(H, n * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(H, c.q_lora_rank, bias=c.mla_bias)
-            self.q_a_layernorm = trunk_norm(cfg, c.q_lora_rank)
+            self.q_a_layernorm = latent_norm(cfg, c.q_lora_rank)
             self.q_b_proj = nn.Linear(c.q_lora_rank, n * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.mla_bias)
-        self.kv_a_layernorm = trunk_norm(cfg, c.kv_lora_rank)
+        self.kv_a_layernorm = latent_norm(cfg, c.kv_lora_rank)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * c.v_head_dim, H, bias=c.mla_bias)
         self.k_pe_entry = nn.Identity()  # under TP, k_pe enters the heads' region here: its gradient is summed
