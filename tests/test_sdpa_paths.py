@@ -57,3 +57,23 @@ def test_the_default_path_follows_the_device():
     with pytest.raises(Exception) as e:
         set_attn_impl(model, "flash")
     assert "attention implementation" in str(e.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family,case,changes", CASES)
+def test_cuda_takes_sdpa_by_default_with_the_eager_logits(family, case, changes, monkeypatch):
+    """On CUDA (attn_impl None) the SDPA path runs, and gives the CPU eager path's logits (fp32, TF32 off)."""
+    import remodel.models.attention as attention
+    import remodel.models.mla as mla
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = model_of(family, case, changes)
+    x = torch.randint(0, model.cfg.vocab_size, (3, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        want = model(x, attention_mask=mask)
+        taken = []
+        for mod in (attention, mla):  # the layers' own references to models.sdpa.wants_sdpa
+            monkeypatch.setattr(mod, "wants_sdpa", lambda m, t, f=mod.wants_sdpa: taken.append(f(m, t)) or taken[-1])
+        got = model.cuda()(x.cuda(), attention_mask=mask.cuda()).cpu()
+    assert taken and all(taken) and (got - want).abs().max().item() <= 1e-4
