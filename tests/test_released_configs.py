@@ -63,7 +63,8 @@ def test_counts_equal_transformers_and_the_card(name):
 
 
 @pytest.mark.parametrize("name, budget", [("granite-4.0-h-small", 20e9), ("falcon-h1-34b", 24e9), ("bamba-9b", 7e9),
-                                                  ("glm-4.5-air", 70e9), ("deepseek-v3", 400e9)])
+                                                  ("glm-4.5-air", 70e9), ("deepseek-v3", 400e9),
+                                                  ("glm-4.7-flash", 20e9)])
 def test_plan_candidates_count_exactly_in_transformers(name, budget):
     """Plan's candidates sit within 2% under the budget, and the first ones, exported as the family's
     config.json, build transformers models of exactly plan's total and active counts."""
