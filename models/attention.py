@@ -18,6 +18,7 @@ from torch import nn
 from .mla import yarn_attention_factor, yarn_ramp
 from .norm import trunk_norm
 from .recompute import maybe_checkpoint
+from .sdpa import eager_attention, sink_sdpa, wants_sdpa
 from .section import MAX_SMALL, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top_per_group
 
@@ -158,21 +159,20 @@ def _sdpa(attn, q, k, v, keep):
 
 
 def _with_sinks(attn, q, k, v, keep):
-    """attention_sinks (gpt-oss): each head's sink logit joins the softmax over the keys and is then dropped."""
-    b, h, l, hd = q.shape
+    """attention_sinks (gpt-oss): each head's sink logit joins the softmax over the keys and is then dropped; eager
+    on CPU, SDPA (the sink an extra zero key whose mask entry is the logit) on CUDA or as attn_impl says."""
+    h = q.shape[1]
     k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    scale = attn.cfg.attention.attention_scale or hd ** -0.5
-    s = (q @ k.transpose(-2, -1)) * scale
-    keep = _keep(None, l, None, q.device) if keep is None else keep
-    s = s.masked_fill(~keep, float("-inf"))
-    sink = attn.sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, l, 1)
-    p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :-1]
-    return p.to(v.dtype) @ v
+    scale = attn.cfg.attention.attention_scale or q.shape[-1] ** -0.5
+    if wants_sdpa(attn, q):
+        return sink_sdpa(q, k, v, keep, scale, attn.sinks)
+    return eager_attention(q, k, v, keep, scale, attn.sinks.view(1, h, 1, 1), softmax_dtype=None)
 
 
 class Attention(nn.Module):
     """Grouped-query attention; its variants (AttentionConfig's fields) are parts chosen once, at build time."""
     recompute_core = False  # models.recompute "selective": q/k norm, RoPE and SDPA recomputed in backward
+    attn_impl: str | None = None  # sink attention's path (models/sdpa.py); without sinks it is SDPA everywhere
 
     def __init__(self, cfg, window: int | None = None):
         super().__init__()

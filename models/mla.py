@@ -12,7 +12,8 @@ in every head, v_head_dim (kv_b_proj's v rows, o_proj's columns) and qk_nope_hea
 the softmax scale follows the width, as transformers derives it); kv_lora_rank and q_lora_rank cut the latent (its
 a-projection rows, its norm, its b-projection columns). qk_rope_head_dim stays: k_pe is one key part shared by every
 head and its RoPE frequencies are set by its width. The low-rank a-projections and their norms are shared by all heads (replicated under tensor parallelism; the latent's gradient
-is summed by kv_b_proj's / q_b_proj's colwise entry, k_pe's by k_pe_entry). Pure PyTorch (SDPA).
+is summed by kv_b_proj's / q_b_proj's colwise entry, k_pe's by k_pe_entry). Pure PyTorch: eager on CPU, SDPA on
+CUDA (models/sdpa.py).
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .norm import trunk_norm
+from .norm import RMSNorm
+from .sdpa import eager_attention, padded_sdpa, wants_sdpa
 from .section import MAX_SMALL, MAX_WIDTH, Section, ints, plain, reals
 from .spec import LayerKind, Param, Site, Width, sq, top
 
@@ -41,6 +42,14 @@ class MlaConfig(Section):
     mla_rope_scaling: dict | None = plain(None, "HF rope_parameters of a 'yarn' RoPE (None: the default type)")
     rope_interleave: bool = plain(True, "RoPE on interleaved channel pairs (DeepSeek's layout) else rotate-half")
     mla_bias: bool = plain(False, "biases of q_a_proj, kv_a_proj_with_mqa and o_proj (attention_bias)")
+
+
+LATENT_EPS = 1e-6  # the latent norms' eps: transformers builds them with RMSNorm's default, whatever rms_norm_eps says
+
+
+def latent_norm(cfg, size: int) -> RMSNorm:
+    """q_a_layernorm / kv_a_layernorm: the model's RMSNorm (its offset) with LATENT_EPS."""
+    return RMSNorm(size, LATENT_EPS, cfg.norm_offset)
 
 
 def yarn_mscale(scale: float, m: float = 1.0) -> float:
@@ -118,7 +127,9 @@ def causal_padding_mask(l: int, attention_mask, device):
 
 
 class Mla(nn.Module):
-    """x [b, l, hidden] -> [b, l, hidden]. Head counts come from the projections (a TP rank holds fewer)."""
+    """x [b, l, hidden] -> [b, l, hidden]. Head counts come from the projections (a TP rank holds fewer).
+    attn_impl (models/sdpa.py): None runs SDPA on CUDA, with the v head padded to the q / k one, and eager on CPU."""
+    attn_impl: str | None = None
 
     def __init__(self, cfg):
         super().__init__()
@@ -129,10 +140,10 @@ class Mla(nn.Module):
             self.q_proj = nn.Linear(H, n * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(H, c.q_lora_rank, bias=c.mla_bias)
-            self.q_a_layernorm = trunk_norm(cfg, c.q_lora_rank)
+            self.q_a_layernorm = latent_norm(cfg, c.q_lora_rank)
             self.q_b_proj = nn.Linear(c.q_lora_rank, n * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.mla_bias)
-        self.kv_a_layernorm = trunk_norm(cfg, c.kv_lora_rank)
+        self.kv_a_layernorm = latent_norm(cfg, c.kv_lora_rank)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * c.v_head_dim, H, bias=c.mla_bias)
         self.k_pe_entry = nn.Identity()  # under TP, k_pe enters the heads' region here: its gradient is summed
@@ -167,7 +178,7 @@ class Mla(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         mask = None if attention_mask is None else causal_padding_mask(l, attention_mask, x.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        o = (padded_sdpa if wants_sdpa(self, q) else eager_attention)(q, k, v, mask, self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, l, -1))
 
 

@@ -1,5 +1,5 @@
 """The released Granite 4.0-H, Bamba, Falcon-H1, LFM2 and fine-grained MoE (DeepSeek-V3, Kimi-K2, GLM-4.5 / -Air,
-MiniMax-M2) configs (models/configs, provenance in its README): our counts equal transformers' own models built from
+MiniMax-M2, GLM-4.7-Flash) configs (models/configs, provenance in its README): our counts equal transformers' own models built from
 each file and the model cards' published sizes at the cards' rounding, and `plan` over them (Granite 4.0-H-Small 32B -> 20B,
 Falcon-H1-34B -> 24B, Bamba-9B -> 7B, GLM-4.5-Air 106B -> 70B) returns candidates whose exported configs
 transformers counts exactly as plan does."""
@@ -24,7 +24,8 @@ CARDS = {"bamba-9b": ((9.78, 2), None), "falcon-h1-0.5b": ((0.5, 1), None), "fal
          "granite-4.0-h-tiny": ((7, 0), (1, 0)), "granite-4.0-h-small": ((32, 0), (9, 0)),
          "lfm2-350m": ((0.354, 3), None), "lfm2-1.2b": ((1.17, 2), None),
          "deepseek-v3": ((671, 0), (36.6, 1, "input")), "kimi-k2": ((1000, -2), (32, 0, "input")), "glm-4.5": ((355, 0), (32, 0, "embeddings")),
-         "glm-4.5-air": ((106, 0), (12, 0, "embeddings")), "minimax-m2": ((230, -1), (10, 0, "embeddings"))}
+         "glm-4.5-air": ((106, 0), (12, 0, "embeddings")), "minimax-m2": ((230, -1), (10, 0, "embeddings")),
+         "glm-4.7-flash": ((30, 0), (3, 0, "embeddings"))}
 NEAR = {"glm-4.5": 0.01, "glm-4.5-air": 0.01}  # "355B" / "106B": 352.80B / 106.85B built (no MTP layer)
 
 
@@ -62,7 +63,8 @@ def test_counts_equal_transformers_and_the_card(name):
 
 
 @pytest.mark.parametrize("name, budget", [("granite-4.0-h-small", 20e9), ("falcon-h1-34b", 24e9), ("bamba-9b", 7e9),
-                                                  ("glm-4.5-air", 70e9), ("deepseek-v3", 400e9)])
+                                                  ("glm-4.5-air", 70e9), ("deepseek-v3", 400e9),
+                                                  ("glm-4.7-flash", 20e9)])
 def test_plan_candidates_count_exactly_in_transformers(name, budget):
     """Plan's candidates sit within 2% under the budget, and the first ones, exported as the family's
     config.json, build transformers models of exactly plan's total and active counts."""

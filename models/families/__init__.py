@@ -31,6 +31,7 @@ MODULES = (  # one line per family module, in registry order
     "minimax_m2",
     "jamba",
     "deepseek_v3",
+    "glm4_moe_lite",
     "gpt_oss",
 )
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}

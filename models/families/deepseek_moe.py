@@ -41,8 +41,7 @@ class DeepSeekMoEFamily(LlamaFamily):
             raise RemodelError(f"unsupported hidden_act {h.hidden_act!r} for {self.name} (only silu)")
         if not h.n_shared_experts:
             raise RemodelError(f"{self.name} with n_shared_experts=0 is not supported (its releases all have them)")
-        L = h.num_hidden_layers
-        return dict(pattern=self.pattern(L, min(h.first_k_dense_replace, L)),
+        return dict(pattern=self.hf_pattern(h),
                     mlp=dict(intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True),
                     moe=dict(n_routed_experts=h.n_routed_experts, num_experts_per_tok=h.num_experts_per_tok,
                              moe_intermediate_size=h.moe_intermediate_size,
@@ -51,12 +50,19 @@ class DeepSeekMoEFamily(LlamaFamily):
                              routed_scaling_factor=float(h.routed_scaling_factor), n_group=h.n_group,
                              topk_group=h.topk_group))
 
+    def hf_pattern(self, h) -> str:
+        """Our layer pattern from HF config `h`: first_k_dense_replace dense layers, then MoE ones."""
+        return self.pattern(h.num_hidden_layers, min(h.first_k_dense_replace, h.num_hidden_layers))
+
+    def hf_layers(self, cfg) -> dict:
+        """The HF fields saying which decoder layers are dense (the inverse of hf_pattern)."""
+        return dict(first_k_dense_replace=self.dense_layers(cfg))
+
     def check(self, cfg, need):
         need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
-        L, m = cfg.num_layers // 2, cfg.moe
-        need(cfg.num_layers % 2 == 0 and cfg.pattern == self.pattern(L, self.dense_layers(cfg)),
-             f"needs dense layers '{self.mixer}-' then MoE layers '{self.mixer}E' (first_k_dense_replace), "
-             f"got {cfg.pattern!r}")
+        m = cfg.moe
+        need(self.holds_pattern(cfg), f"needs dense layers '{self.mixer}-' then MoE layers '{self.mixer}E' "
+             f"(first_k_dense_replace), got {cfg.pattern!r}")
         need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
         if routed(cfg):
             need(m.router == "sigmoid" and not m.shared_expert_gate and m.moe_latent_size is None,
@@ -69,7 +75,7 @@ class DeepSeekMoEFamily(LlamaFamily):
     def ffn_to_hf(self, cfg) -> dict:
         m = cfg.moe
         shared = m.moe_shared_expert_intermediate_size or m.moe_intermediate_size
-        return dict(num_hidden_layers=cfg.num_layers // 2, first_k_dense_replace=self.dense_layers(cfg),
+        return dict(num_hidden_layers=cfg.num_layers // 2, **self.hf_layers(cfg),
                     rms_norm_eps=cfg.norm_eps, hidden_act="silu", intermediate_size=cfg.mlp.intermediate_size or 1,
                     n_routed_experts=m.n_routed_experts or 1, num_experts_per_tok=m.num_experts_per_tok,
                     moe_intermediate_size=m.moe_intermediate_size or 1,
