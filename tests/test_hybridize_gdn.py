@@ -134,10 +134,12 @@ def test_moe_source_keeps_its_moe_layers(tmp_path, to, arch):
 
 @pytest.mark.parametrize("flags,words", [(("--to", "bamba"), ("--to bamba",)),
                                          (("--to", "qwen3_next"), ("--to qwen3_next", "MoE")),
-                                         (("--to", "llama"), ("--to llama",))])
+                                         (("--to", "llama"), ("--to llama",)),
+                                         (("--to", "qwen3_5"), ("--to qwen3_5", "vision tower"))])
 def test_gdn_refused_where_the_family_cannot_hold_it(sources, tmp_path, capsys, flags, words):
-    """--to a family without Gated DeltaNet (bamba, llama) or needing MoE layers (qwen3_next from a dense Llama):
-    one line naming --to, nothing written."""
+    """--to a family without Gated DeltaNet (bamba, llama), needing MoE layers (qwen3_next from a dense Llama) or a
+    vision tower (qwen3_5, the released multimodal form: the reason left once norms and gate are adapted): one line
+    naming --to and why, nothing written."""
     _, d = sources["llama"]
     capsys.readouterr()
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-attention", 1, *flags) == 2

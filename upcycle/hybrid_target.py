@@ -25,15 +25,19 @@ CHANGES = ({"norm_offset": 1.0}, {"attention.attn_output_gate": True}, {"attenti
 
 
 def family_fit(cfg, family: str):
-    """`cfg` with the fewest CHANGES that `family` holds (none where it holds cfg as it is, or where no set of them
-    makes it hold: then the family's own check refuses it later, with its reason)."""
-    f = FAMILIES[family]
+    """`cfg` with the fewest CHANGES that `family` holds; where none does, the set that leaves the fewest problems
+    (the family's check then refuses it with the reasons the changes cannot remove: a tower, a mixer)."""
+    f, best = FAMILIES[family], None
     for n in range(len(CHANGES) + 1):
         for picked in combinations(CHANGES, n):
             new = cfg.replace(**{k: v for c in picked for k, v in c.items()})
-            if f.holds(new):
+            problems = []
+            f.check(new, lambda ok, why: ok or problems.append(why))
+            if not problems:
                 return new
-    return cfg
+            if best is None or len(problems) < best[0]:
+                best = (len(problems), new)
+    return best[1]
 
 
 @torch.no_grad()
