@@ -5,7 +5,10 @@ Shape: one key head AND one value head per query head (linear_num_key_heads = li
 both head dims the attention's). Gated DeltaNet shares a query across the value heads of a key head, so key heads =
 KV heads (value heads = query heads) would merge each group's queries into one and make its value heads identical;
 one key head per query head keeps every query: q <- that head's Q rows (times the source's q-norm scale, where it
-has one), k and v <- its KV head's K and V rows (repeat_kv's order), out_proj <- O. The convs are the identity (the
+has one), k and v <- its KV head's K and V rows (repeat_kv's order), out_proj <- O. Measured against the smaller
+shape (key heads = KV heads, q <- the mean of the group's Q, v repeated per query head), same 40 steps as
+tests/test_hybridize_quality.py: 5.514 / 5.512 here vs 5.514 / 5.518 (seeds 0 / 1): level or better, for q / k
+projections H / KV times wider (the recurrent state, dk x dv per value head, is the same). The convs are the identity (the
 newest tap 1, the others 0), so before silu and GDN's L2 norm of q and k the layer reads attention's q, k, v; with
 no decay and small beta the delta rule is then their linear form sum_s (q_t . k_s) v_s (each head's output RMS-normed).
 Projection biases of the source (qwen2) have no place in Gated DeltaNet and are dropped.
