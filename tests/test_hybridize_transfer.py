@@ -64,3 +64,18 @@ def test_transfer_steps_need_data(src, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--transfer-steps" in err and "--data" in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_stage_one_fits_the_q_k_norms_a_gated_deltanet_target_adds(src, tmp_path):
+    """Into qwen3_5_text a Llama's kept attention gains q/k norms (not an identity): stage one trains them with
+    the new mixers, nothing else; the report names what it trained."""
+    torch.set_num_threads(1)
+    out = tmp_path / "out"
+    rep = hybridize(src / "src", out, mixer="gdn", keep_layers=[1], data=str(src / "train.txt"), transfer_steps=4,
+                    seq_len=32, batch=4, lr=1e-2, train=dict(warmup=1, log_every=0, checkpoint_every=100))
+    assert rep["to"] == "qwen3_5_text" and "layers.2.mixer.q_norm." in rep["transfer_trains"]
+    init, one = _tensors(tmp_path / "out.init"), _tensors(out)
+    moved = {k for k in init if not torch.equal(init[k], one[k])}
+    kept = {k for k in moved if ".layers.1." in k}
+    assert kept and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in kept), sorted(kept)
+    assert all(".layers.1." in k or "linear_attn" in k for k in moved), sorted(moved)

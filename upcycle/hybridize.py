@@ -26,6 +26,11 @@ from remodel.models.families import DEFAULT_ORDER, FAMILIES
 from remodel.models.hf import check_exportable
 from remodel.models.mamba import MAMBA
 from remodel.models.model import HybridLM, init_weights
+from remodel.models.gated_deltanet import GATED_DELTANET
+from remodel.models.norm import scale_of
+
+from .hybrid_gdn import gdn_from_attention, gdn_sizes
+from .hybrid_target import family_fit, kept_attention, shift_norms
 
 INITS = ("attention", "random")
 
@@ -71,7 +76,8 @@ def _mamba_from_attention(cfg, att: dict, fresh: dict) -> dict:
     return out
 
 
-MIXERS = {"mamba2": Mixer(ATTENTION, MAMBA, _mamba_sizes, _mamba_from_attention)}
+MIXERS = {"mamba2": Mixer(ATTENTION, MAMBA, _mamba_sizes, _mamba_from_attention),
+          "gdn": Mixer(ATTENTION, GATED_DELTANET, gdn_sizes, gdn_from_attention)}
 
 
 def mixer_of(name: str) -> Mixer:
@@ -131,7 +137,8 @@ def hybrid_config(cfg, mixer: str, replaced: set, family: str | None):
     if family is not None and any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # kept
         attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
                 "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
-    return cfg.replace(pattern=pattern, **m.sizes(a), **attn)
+    new = cfg.replace(pattern=pattern, **m.sizes(a), **attn)
+    return new if family is None else family_fit(new, family)  # the family's gate, q/k norms, norm offset
 
 
 def target(cfg, mixer: str, replaced: set, to: str | None) -> tuple[str, object]:
@@ -190,7 +197,7 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
         raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
     m, cfg = mixer_of(mixer), src.cfg
     model = init_weights(HybridLM(new_cfg), seed=seed)
-    fresh, old = model.state_dict(), src.state_dict()
+    fresh, old = model.state_dict(), shift_norms(src.state_dict(), src, new_cfg.norm_offset)
     state = {k: v for k, v in old.items() if k in fresh}
     for i in replaceable(cfg, mixer):
         att, pre = _mixer_state(old, i), f"layers.{i}.mixer."
@@ -198,7 +205,8 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
         if i in replaced:
             mix = _mixer_state(fresh, i) if init == "random" else m.init(new_cfg, att, _mixer_state(fresh, i))
         else:
-            mix = widen_attention(att, cfg.attention, new_cfg.attention.head_dim)
+            mix = kept_attention(widen_attention(att, cfg.attention, new_cfg.attention.head_dim), cfg, new_cfg,
+                                 scale_of(old[f"layers.{i}.norm.weight"], new_cfg.norm_offset))
         state.update({pre + k: v for k, v in mix.items()})
     model.load_state_dict(state, strict=True)
     return model.eval()

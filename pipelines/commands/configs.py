@@ -213,7 +213,8 @@ class HybridizeOptions:
     model: object = opt(None, "dense attention checkpoint directory (most attention layers become MIXER layers)",
                         positional=True)
     out: object = opt(None, "new output directory", positional=True)
-    mixer: str = opt("mamba2", "the linear mixer put in place of the replaced attention layers", choices=tuple(MIXERS))
+    mixer: str = opt("mamba2", "the linear mixer put in place of the replaced attention layers (mamba2: Mamba-2; "
+                     "gdn: Gated DeltaNet)", choices=tuple(MIXERS))
     keep_attention: int | None = opt(None, "N attention layers kept, evenly spaced (or --keep-layers)",
                                      check=ints(0, 2**16))
     keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
@@ -221,7 +222,8 @@ class HybridizeOptions:
     select: str = opt("even", "which --keep-attention N layers keep attention: evenly spaced, or kl: the N whose "
                       "replacement alone moves the output most (KL to MODEL on --data)", choices=("even", "kl"))
     samples: int = opt(16, "calibration sequences of --select kl (--seq-len tokens each)", check=ints(1, 2**20))
-    init: str = opt("attention", "attention: the new mixers from the attention weights (MambaInLlama); random: as "
+    init: str = opt("attention", "attention: the new mixers from the attention weights (Mamba-2: MambaInLlama; Gated "
+                    "DeltaNet: q / k / v / out <- Q / K / V / O); random: as "
                     "transformers initialises them", choices=INITS)
     to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
                         "that holds the hybrid)")

@@ -56,16 +56,25 @@ def _training(o: HybridizeOptions, student: Path) -> dict | None:
     return kw
 
 
-def _stages(o: HybridizeOptions, kw: dict | None, replaced: set) -> list[tuple[str, dict]]:
+def fitted(cfg, new_cfg, replaced: set) -> list[str]:
+    """What stage one trains: the replaced layers' mixers, and the q/k norms the target family added to the kept
+    attention layers (not an identity: upcycle.hybrid_target)."""
+    names = [f"layers.{i}.mixer." for i in sorted(replaced)]
+    if new_cfg.attention.qk_norm and not cfg.attention.qk_norm:
+        names += [f"layers.{s.index}.mixer.{n}_norm." for s in new_cfg.slots if s.index not in replaced
+                  and s.kind.section_name == "attention" for n in "qk"]
+    return names
+
+
+def _stages(o: HybridizeOptions, kw: dict | None, fit: list) -> list[tuple[str, dict]]:
     """The training runs in order, each reading the previous one's output and checked before any work:
-    stage one (attention transfer: the replaced layers' mixers alone, hidden loss only), stage two (distill)."""
+    stage one (attention transfer: the parameters `fit` alone, hidden loss only), stage two (distill)."""
     if kw is None:
         return []
     runs = []
     if o.transfer_steps:
         runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
-                                      hidden_loss_weight=1.0, topk=None,
-                                      train_only=[f"layers.{i}.mixer." for i in sorted(replaced)])))
+                                      hidden_loss_weight=1.0, topk=None, train_only=fit)))
     if o.steps is not None:
         runs.append(("distillation", dict(kw, steps=o.steps)))
     for (_, a), (_, b) in zip(runs, runs[1:]):  # stage one writes OUT.transfer, read by stage two
@@ -98,7 +107,8 @@ def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
     replaced = {i for j, i in enumerate(layers) if j not in keep}
     family, new_cfg = target(cfg, o.mixer, replaced, o.to)
     return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
-            "training": _stages(o, training, replaced), "init_dir": Path(f"{o.out}.init") if training else None}
+            "training": _stages(o, training, fitted(cfg, new_cfg, replaced)), "fitted": fitted(cfg, new_cfg, replaced),
+            "init_dir": Path(f"{o.out}.init") if training else None}
 
 
 def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:
@@ -124,7 +134,7 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
                                              if k in trained[stage]} for stage in ("transfer", "distillation")},
             "mixer": o.mixer, "init": o.init, "seed": o.seed,
             "attention_kept": p["keep"], "attention_layers": len(p["layers"]), "select": o.select,
-            "kl_per_layer": costs,
+            "kl_per_layer": costs, "transfer_trains": p["fitted"] if o.transfer_steps else None,
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "head_dim": {"before": cfg.attention.head_dim, "after": new_cfg.attention.head_dim},
             "params": {"before": count_params(cfg)["total"], "after": count_params(new_cfg)["total"]},
