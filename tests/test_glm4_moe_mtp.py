@@ -14,7 +14,7 @@ from remodel.compress.baselines import random_scores
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.compress.scores import save_scores
 from remodel.models.families import FAMILIES
-from remodel.models.hf import config_from_hf, config_to_hf, weight_table
+from remodel.models.hf import config_from_hf, config_to_hf
 from remodel.models.load import load_model, read_config_dict, save_model
 from tests.conftest import random_model
 
@@ -52,13 +52,15 @@ def test_the_mtp_layer_is_read_under_vllms_names(ckpt):
               "self_attn.q_proj", "self_attn.q_norm", "mlp.gate", "mlp.experts.7.down_proj", "mlp.shared_experts.up_proj"):
         assert f"model.layers.3.{k}.weight" in mtp, k
     assert len(mtp) == 4 + 2 + 9 + 2 + 8 * 3 + 3 and read_config_dict(ckpt)["num_nextn_predict_layers"] == 1
-    ours = load_model(ckpt)
-    sd, read = ours.state_dict(), 0
-    for o, h, e in weight_table(CFG, "glm4_moe"):  # every MTP tensor read from its own name
-        if o.startswith("mtp."):
-            assert (sd[o] if e is None else sd[o][e]).equal(t[h]), (o, h)
-            read += 1
-    assert read == len(mtp) and ours.mtp.layers[1].final_layernorm.weight.equal(t["model.layers.3.shared_head.norm.weight"])
+    src, ours = random_model(CFG, seed=1, mtp=True), load_model(ckpt)  # the model the fixture saved, and its reload
+    a, f = src.mtp.layers
+    for mine, name in ((a.enorm, "enorm"), (a.hnorm, "hnorm"), (a.eh_proj, "eh_proj"), (a.norm, "input_layernorm"),
+                       (a.mixer.q_proj, "self_attn.q_proj"), (f.norm, "post_attention_layernorm"),
+                       (f.final_layernorm, "shared_head.norm"), (f.mixer.gate, "mlp.gate")):
+        assert mine.weight.equal(t[f"model.layers.3.{name}.weight"]), name  # vLLM's glm4_moe_mtp names
+    assert f.mixer.experts.down_proj[7].equal(t["model.layers.3.mlp.experts.7.down_proj.weight"])
+    sd = ours.state_dict()
+    assert all(v.equal(src.state_dict()[k]) for k, v in sd.items() if k.startswith("mtp."))  # read back whole
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()  # skips model.layers.3.*
     with torch.no_grad():
         assert (hf(IDS).logits - ours(IDS)).abs().max().item() <= 1e-4
@@ -124,3 +126,8 @@ def test_prune_cuts_the_mtp_layer_with_the_trunk(ckpt, tmp_path):
         assert (hf(IDS).logits - mem(IDS)).abs().max().item() <= 1e-4
         m_ours, m_mem = ours.forward_mtp(IDS)[1][0], mem.forward_mtp(IDS)[1][0]
     assert (m_ours - m_mem).abs().max().item() <= 1e-5
+    out = tmp_path / "depth"  # decoder layer 1 dropped: the MTP layer follows the trunk's last one (index 2)
+    assert main(["prune", str(ckpt), str(out), "--scores", str(tmp_path / "scores"), "--drop-layers", "1"]) == 0
+    got, src = _tensors(out), _tensors(ckpt)
+    assert read_config_dict(out)["num_hidden_layers"] == 2 and not any(k.startswith("model.layers.3.") for k in got)
+    assert all(got[k.replace(".3.", ".2.", 1)].equal(v) for k, v in src.items() if k.startswith("model.layers.3."))
