@@ -131,3 +131,18 @@ def test_prune_cuts_the_mtp_layer_with_the_trunk(ckpt, tmp_path):
     got, src = _tensors(out), _tensors(ckpt)
     assert read_config_dict(out)["num_hidden_layers"] == 2 and not any(k.startswith("model.layers.3.") for k in got)
     assert all(got[k.replace(".3.", ".2.", 1)].equal(v) for k, v in src.items() if k.startswith("model.layers.3."))
+
+
+def test_the_mtp_layer_is_scored_from_its_own_activations(ckpt):
+    """score reads the MTP layer too: whole-model and streaming scoring (one layer at a time from the checkpoint)
+    give the head its own scores, equal with right padding; its expert frequencies count its own routed tokens."""
+    from remodel.compress.importance import score_model
+    from remodel.compress.streaming import score_streaming
+    mask = torch.ones_like(IDS)
+    mask[1, 8:] = 0
+    whole, _ = score_model(load_model(ckpt), [IDS], [mask], loss_increase=False)
+    stream, _ = score_streaming(ckpt, [IDS], [mask], loss_increase=False)
+    mtp = sorted(k for k in whole if k.startswith("mtp."))
+    assert {"mtp.layers.0.attn", "mtp.layers.1.experts", "mtp.layers.1.expert_ffn"} <= set(mtp)
+    assert sorted(whole) == sorted(stream) and all(torch.allclose(whole[k], stream[k], rtol=1e-5) for k in whole)
+    assert whole["mtp.layers.1.expert_frequency"].sum() == (10 + 7) * 2  # rows whose two tokens are real, top-2
