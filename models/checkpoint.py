@@ -114,9 +114,11 @@ def aux_files(path) -> list[Path]:
 
 def without_absent_mtp(d: dict, tensor_names) -> dict:
     """The HF config of a checkpoint whose config declares MTP layers (num_nextn_predict_layers) but whose
-    weights hold no `mtp.*` tensor (e.g. a trunk-only export): MTP off, the declared count recorded in
+    weights hold no MTP tensor (`mtp.*`, or DeepSeek / GLM's `model.layers.{num_hidden_layers}.*`; e.g. a
+    trunk-only export, or transformers' save): MTP off, the declared count recorded in
     `num_nextn_predict_layers_dropped`. MTP is on only when the checkpoint has it."""
-    if not (d.get("num_nextn_predict_layers") or 0) or any(k.startswith("mtp.") for k in tensor_names):
+    after = f"model.layers.{d.get('num_hidden_layers')}."
+    if not (d.get("num_nextn_predict_layers") or 0) or any(k.startswith(("mtp.", after)) for k in tensor_names):
         return d
     return {**d, "num_nextn_predict_layers": 0, "num_nextn_predict_layers_dropped": d["num_nextn_predict_layers"]}
 

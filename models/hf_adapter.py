@@ -3,7 +3,9 @@
 
 `KEY_MAPS[family]` maps our parameter names to the family's checkpoint names, with placeholders:
 `{i}` a layer index kept as is; `{a}` / `{m}` our layer 2j / 2j+1 (the attention / MLP-or-MoE half
-of a Llama-family decoder layer j: HF has one index j for both); `{e}` an expert, on the HF side only
+of a Llama-family decoder layer j: HF has one index j for both); `{s}` / `{t}` the same halves of our MTP block
+2j / 2j+1, which HF numbers after the trunk's decoder layers (L + j, DeepSeek / GLM's `model.layers.{L}`);
+`{e}` an expert, on the HF side only
 (our routed experts are fused [E, ...] tensors that HF stores one tensor per expert; a map without `{e}`
 names a fused HF tensor [E, ...] stored whole). A value may also be a `Part`: the HF tensor concatenates
 several of ours along one dimension (granite's fused gate/up projections), ours is one equal part of it.
@@ -23,11 +25,23 @@ from .families.family import Part
 from .layout import shapes
 
 
-# our index -> HF index (None: not this placeholder's layer), HF index -> our index
-_INDEX = {"i": (lambda n: n, lambda n: n),
-          "a": (lambda n: n // 2 if n % 2 == 0 else None, lambda j: 2 * j),
-          "m": (lambda n: n // 2 if n % 2 == 1 else None, lambda j: 2 * j + 1)}
-_SLOT = re.compile(r"\{([iame])\}")
+# (cfg, our index) -> HF index (None: not this placeholder's layer), (cfg, HF index) -> our index (None: not ours)
+_INDEX = {"i": (lambda c, n: n, lambda c, n: n),
+          "a": (lambda c, n: n // 2 if n % 2 == 0 else None, lambda c, j: 2 * j),
+          "m": (lambda c, n: n // 2 if n % 2 == 1 else None, lambda c, j: 2 * j + 1),
+          "s": (lambda c, n: _after(c) + n // 2 if n % 2 == 0 else None, lambda c, j: _mtp(c, j, 0)),
+          "t": (lambda c, n: _after(c) + n // 2 if n % 2 == 1 else None, lambda c, j: _mtp(c, j, 1))}
+_SLOT = re.compile(r"\{([iamste])\}")
+
+
+def _after(cfg: ModelConfig) -> int:
+    """The HF decoder layers of the trunk (two of our layers each): the first MTP layer's HF index."""
+    return len(cfg.pattern) // 2
+
+
+def _mtp(cfg: ModelConfig, j: int, half: int) -> int | None:
+    """Our MTP block of half `half` of HF decoder layer j (None: j is a trunk layer)."""
+    return 2 * (j - _after(cfg)) + half if j >= _after(cfg) else None
 
 
 KEY_MAPS = {name: f.key_map() for name, f in FAMILIES.items()}  # each family's declarative map
@@ -84,7 +98,7 @@ def _lookup(cfg: ModelConfig, family: str, our_name: str):
         got = ours.match(our_name)
         if got is None:
             continue
-        values = {k: _INDEX[k][0](v) for k, v in got.items()}
+        values = {k: _INDEX[k][0](cfg, v) for k, v in got.items()}
         if None in values.values():  # e.g. an odd layer index for an attention-half slot
             continue
         return hf, values, part
@@ -105,7 +119,7 @@ def to_hf_part(cfg: ModelConfig, family: str, our_name: str, expert: int | None 
 def _sibling_sizes(cfg: ModelConfig, family: str, hf, values: dict, part: Part) -> tuple:
     """The sizes along part.dim of every one of our tensors that the HF tensor concatenates, in part order."""
     have, sizes = shapes(cfg), [0] * part.count
-    ours_values = {k: _INDEX[k][1](v) for k, v in values.items()}
+    ours_values = {k: _INDEX[k][1](cfg, v) for k, v in values.items()}
     for entries in _compiled(family, 0).values():
         for ours, other, p in entries:
             if other.text == hf.text and p.count == part.count:
@@ -130,8 +144,11 @@ def from_hf_name(cfg: ModelConfig, family: str, hf_name: str, part: int = 0) -> 
         if got is None or p.index != part:
             continue
         expert = got.pop("e", None)
+        values = {k: _INDEX[k][1](cfg, v) for k, v in got.items()}
+        if None in values.values():  # e.g. a trunk layer's index for an MTP slot
+            continue
         _check_expert(cfg, family, hf_name, expert, "e" in hf.slots)
-        found.append((ours.fill({k: _INDEX[k][1](v) for k, v in got.items()}), expert))
+        found.append((ours.fill(values), expert))
     if len(found) > 1:
         have = shapes(cfg)
         found = [f for f in found if f[0] in have] or found

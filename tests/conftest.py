@@ -202,6 +202,22 @@ def tensors(d):
     return out
 
 
+def released_config(name) -> dict:
+    """A shipped config.json of models/configs by its name."""
+    import json
+    return json.loads((Path(__file__).resolve().parents[1] / "models" / "configs" / f"{name}.json").read_text())
+
+
+def hf_counts(d: dict) -> tuple[int, int]:
+    """(total, active per token) of transformers' model: routed expert tensors count k/E of their size."""
+    m = hf_meta_model(d)
+    total = sum(p.numel() for p in m.parameters())
+    routed = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)  # never `.shared_experts.`
+    E = d.get("num_local_experts") or d.get("n_routed_experts") or 0
+    k = d.get("num_experts_per_tok") or 0
+    return total, total - routed + (routed * k // E if E else 0)
+
+
 def hf_meta_model(d: dict):
     """transformers' CausalLM of an HF config.json dict, on the meta device (parameter counts and names); of a
     family nesting its text model beside a vision tower (Family.nested), its ForConditionalGeneration."""

@@ -103,12 +103,13 @@ def test_names_are_what_transformers_saves(case):
     family, cfg = CASES[case]
     names = [h for o, h, e in weight_table(cfg, family) if part(cfg, family, o, e) == 0] + list(extra_hf_tensors(cfg, family))
     assert len(names) == len(set(names))  # unique (a tensor concatenating several of ours: named once)
-    trunk = {h for h in names if not h.startswith("mtp.")}  # transformers builds no MTP head (vLLM reads it)
+    mtp_hf = {h for o, h, e in weight_table(cfg, family) if o.startswith("mtp.")}  # nemotron's mtp.*, GLM's layers.{L}
+    trunk = set(names) - mtp_hf  # transformers builds no MTP head (vLLM reads it)
     assert trunk == saved_names(cfg, family)
-    mtp = [(o, h, e) for o, h, e in weight_table(cfg, family) if h.startswith("mtp.")]
+    mtp = [(o, h, e) for o, h, e in weight_table(cfg, family) if o.startswith("mtp.")]
     assert len(mtp) == sum(s[0] if ".experts." in n and not n.endswith(".weight") else 1
                            for n, s in shapes(cfg).items() if n.startswith("mtp."))
-    for ours, hf, e in mtp:  # our names, unprefixed, experts split
+    for ours, hf, e in (r for r in mtp if r[1].startswith("mtp.")):  # nemotron_h: our names, unprefixed, experts split
         assert hf == (ours if e is None else f"{ours.rsplit('.', 1)[0]}.{e}.{ours.rsplit('.', 1)[1]}.weight")
 
 

@@ -1,5 +1,5 @@
-"""The released Granite 4.0-H, Bamba, Falcon-H1, LFM2 and fine-grained MoE (DeepSeek-V3, Kimi-K2, GLM-4.5 / -Air,
-MiniMax-M2, GLM-4.7-Flash) configs (models/configs, provenance in its README): our counts equal transformers' own models built from
+"""The released Granite 4.0-H, Bamba, Falcon-H1, LFM2 and fine-grained MoE (DeepSeek-V3 / V3.1, Kimi-K2, GLM-4.5 / -Air /
+4.7 / 4.7-Flash, MiniMax-M2, gpt-oss-20b / -120b) configs (models/configs, provenance in its README): our counts equal transformers' own models built from
 each file and the model cards' published sizes at the cards' rounding, and `plan` over them (Granite 4.0-H-Small 32B -> 20B,
 Falcon-H1-34B -> 24B, Bamba-9B -> 7B, GLM-4.5-Air 106B -> 70B) returns candidates whose exported configs
 transformers counts exactly as plan does."""
@@ -12,7 +12,7 @@ import torch
 from remodel.models.hf import config_from_hf, config_to_hf
 from remodel.models.params import count_params
 from remodel.pipelines.commands.plan import candidate_config, plan
-from tests.conftest import hf_meta_model
+from tests.conftest import hf_counts, hf_meta_model, released_config as load
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 # name -> (total as the card rounds it: (value, digits of 1e9)), active per token likewise or None); an active
@@ -25,22 +25,10 @@ CARDS = {"bamba-9b": ((9.78, 2), None), "falcon-h1-0.5b": ((0.5, 1), None), "fal
          "lfm2-350m": ((0.354, 3), None), "lfm2-1.2b": ((1.17, 2), None),
          "deepseek-v3": ((671, 0), (36.6, 1, "input")), "kimi-k2": ((1000, -2), (32, 0, "input")), "glm-4.5": ((355, 0), (32, 0, "embeddings")),
          "glm-4.5-air": ((106, 0), (12, 0, "embeddings")), "minimax-m2": ((230, -1), (10, 0, "embeddings")),
-         "glm-4.7-flash": ((30, 0), (3, 0, "embeddings"))}
-NEAR = {"glm-4.5": 0.01, "glm-4.5-air": 0.01}  # "355B" / "106B": 352.80B / 106.85B built (no MTP layer)
-
-
-def load(name) -> dict:
-    return json.loads((CONFIGS / f"{name}.json").read_text())
-
-
-def hf_counts(d: dict) -> tuple[int, int]:
-    """(total, active per token) of transformers' model: routed expert tensors count k/E of their size."""
-    m = hf_meta_model(d)
-    total = sum(p.numel() for p in m.parameters())
-    routed = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)  # never `.shared_experts.`
-    E = d.get("num_local_experts") or d.get("n_routed_experts") or 0
-    k = d.get("num_experts_per_tok") or 0
-    return total, total - routed + (routed * k // E if E else 0)
+         "glm-4.7-flash": ((30, 0), (3, 0, "embeddings")),
+         "deepseek-v3.1": ((671, 0), (36.6, 1, "input")), "glm-4.7": ((355, 0), (32, 0, "embeddings")),
+         "gpt-oss-20b": ((20.9, 1), (3.6, 1, "input")), "gpt-oss-120b": ((116.8, 1), (5.1, 1, "input"))}
+NEAR = {"glm-4.5": 0.01, "glm-4.5-air": 0.01, "glm-4.7": 0.01}  # "355B" / "106B": 352.80B / 106.85B built (MTP apart)
 
 
 @pytest.mark.parametrize("name", sorted(CARDS))
@@ -60,6 +48,17 @@ def test_counts_equal_transformers_and_the_card(name):
         left_out = {None: 0, "input": embed, "embeddings": embed * (1 if d.get("tie_word_embeddings") else 2)}
         value, digits, what = (*card_active, None)[:3]
         assert round((c["active"] - left_out[what]) / 1e9, digits) == value
+
+
+@pytest.mark.parametrize("name", ["glm-4.5", "glm-4.5-air", "glm-4.7"])
+def test_glm_mtp_layer_counts_as_one_more_decoder_layer(name):
+    """The MTP layer transformers skips (model.layers.{L}) counts as one of transformers' MoE decoder layers plus
+    eh_proj (2H x H) and enorm / hnorm / shared_head.norm: the inspect figure of the checkpoint's own tensors."""
+    d = load(name)
+    c, H = count_params(config_from_hf(d)), d["hidden_size"]
+    layer = sum(p.numel() for p in hf_meta_model(d).model.layers[-1].parameters())
+    assert c["mtp"]["total"] == layer + 2 * H * H + 3 * H and c["mtp"]["pattern"] == "*E"
+    assert c["mtp"]["with_trunk"] == c["total"] + c["mtp"]["total"]
 
 
 @pytest.mark.parametrize("name, budget", [("granite-4.0-h-small", 20e9), ("falcon-h1-34b", 24e9), ("bamba-9b", 7e9),

@@ -3,7 +3,8 @@ attention kind) and 2j+1 (its feed-forward); the first `first_k_dense_replace` f
 the rest MoE with the MoE kind's DeepSeek router (sigmoid scores, selection on score + e_score_correction_bias within
 the top `topk_group` of `n_group` expert groups, optional renormalisation, routed_scaling_factor) and
 `n_shared_experts` shared experts fused into one of n_shared_experts * moe_intermediate_size. The checkpoints' MTP
-layer (model.layers.{num_hidden_layers}) is not read, as transformers does not read it."""
+layers (model.layers.{num_hidden_layers}...) are read by a family with `mtp` (glm4_moe, as our MTP head), else not:
+transformers reads neither."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ class DeepSeekMoEFamily(LlamaFamily):
     def pattern(self, layers: int, dense: int) -> str:
         """first_k_dense_replace attention + MLP pairs, then attention + MoE pairs."""
         return f"{self.mixer}-" * dense + f"{self.mixer}E" * (layers - dense)
+
+    def mtp_from_hf(self, h) -> dict:
+        """An MTP family's MTP layers: num_nextn_predict_layers decoder layers after the trunk, each MoE (dense
+        when the trunk has fewer than first_k_dense_replace layers), as vLLM's deepseek / glm4_moe MTP builds them."""
+        n = int(getattr(h, "num_nextn_predict_layers", 0) or 0) if self.mtp else 0
+        dense = h.first_k_dense_replace > h.num_hidden_layers
+        return dict(mtp_layers=n, mtp_pattern=(self.mixer + ("-" if dense else "E")) if n else "")
+
+    def mtp_pattern(self, cfg) -> str:
+        """Our two blocks of one MTP decoder layer (attention, then the feed-forward its index gets)."""
+        return self.mixer + ("E" if "E" in cfg.pattern else "-")
 
     @staticmethod
     def dense_layers(cfg) -> int:
@@ -59,7 +71,9 @@ class DeepSeekMoEFamily(LlamaFamily):
         return dict(first_k_dense_replace=self.dense_layers(cfg))
 
     def check(self, cfg, need):
-        need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
+        need(not cfg.mtp_layers or (self.mtp and cfg.mtp_pattern == self.mtp_pattern(cfg)),
+             f"{self.name} stores no MTP layers" if not self.mtp else
+             f"{self.name} MTP layers are one decoder layer each, '{self.mtp_pattern(cfg)}', not {cfg.mtp_pattern!r}")
         m = cfg.moe
         need(self.holds_pattern(cfg), f"needs dense layers '{self.mixer}-' then MoE layers '{self.mixer}E' "
              f"(first_k_dense_replace), got {cfg.pattern!r}")

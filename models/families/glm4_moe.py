@@ -1,7 +1,11 @@
 """GLM-4.5 / 4.6 / 4.7 (transformers' `glm4_moe`): the DeepSeek-style MoE decoder (models/families/deepseek_moe.py:
 dense first_k_dense_replace layers, then sigmoid-routed grouped experts with shared experts) under grouped-query
 attention: RoPE on the first partial_rotary_factor of each head, optional per-head q/k RMSNorm (use_qk_norm), q/k/v
-bias (attention_bias) and never an o_proj bias."""
+bias (attention_bias) and never an o_proj bias. Its MTP layers (model.layers.{num_hidden_layers}..., which transformers
+skips on load) are our MTP head (models/mtp.py): `enorm` / `hnorm` / `eh_proj` fuse the next token's embedding with
+the trunk's output, one decoder layer of the trunk's widths follows, `shared_head.norm` is the step's final norm; the
+head reuses the trunk's embeddings and lm_head (the copies some releases also store, `embed_tokens` and
+`shared_head.head`, are not read)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +15,7 @@ from remodel.models.kinds import routed
 
 from .deepseek_moe import DeepSeekMoEFamily
 from .family import gqa_attention, gqa_to_hf
-from .llama import QWEN3_ATTN, TINY
+from .llama import QWEN3_ATTN, TINY, mtp_key_map
 from .width_rules import SHARED_FROM_EXPERT
 
 _ATTN = tuple(t for t in QWEN3_ATTN if t != "o_proj.bias")  # q/k/v bias, q/k norm, never an o_proj bias
@@ -29,6 +33,7 @@ class Glm4Moe(DeepSeekMoEFamily):
     def from_hf(self, h, extra):
         return ModelConfig(vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
                            tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra, **self.ffn_from_hf(h),
+                           **self.mtp_from_hf(h),
                            attention=gqa_attention(h, self.name, attention_bias=bool(h.attention_bias),
                                                    qk_norm=bool(h.use_qk_norm)))
 
@@ -41,7 +46,10 @@ class Glm4Moe(DeepSeekMoEFamily):
     def to_hf(self, cfg):
         a = cfg.attention
         return dict(**self.ffn_to_hf(cfg), **gqa_to_hf(a), attention_bias=a.attention_bias, use_qk_norm=a.qk_norm,
-                    num_nextn_predict_layers=0)  # no MTP weights written
+                    num_nextn_predict_layers=cfg.mtp_layers)
+
+    def key_map(self):
+        return {**super().key_map(), **mtp_key_map(super().key_map())}
 
     def claims(self, cfg):
         """Sigmoid-routed Llama-shaped MoE with partial RoPE (full RoPE stays nemotron_h's default, as before)."""
@@ -52,7 +60,7 @@ class Glm4Moe(DeepSeekMoEFamily):
 
 _TINY = {**{k: v for k, v in TINY.items() if k != "num_hidden_layers"}, "moe_intermediate_size": 16,
          "n_routed_experts": 8, "num_experts_per_tok": 2}
-GLM4_MOE = Glm4Moe("glm4_moe", "Glm4MoeForCausalLM", padding_idx=True, width_rules=(SHARED_FROM_EXPERT,),
+GLM4_MOE = Glm4Moe("glm4_moe", "Glm4MoeForCausalLM", padding_idx=True, mtp=True, width_rules=(SHARED_FROM_EXPERT,),
                    raw={"first_k_dense_replace": (0, MAX_LAYERS), "n_shared_experts": (0, 1024)},
                    tiny={"grouped": dict(_TINY, num_hidden_layers=3, first_k_dense_replace=1, n_shared_experts=2,
                                          n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,

@@ -40,6 +40,20 @@ def key_map(attn: tuple, mlp: str, router: str = "", experts: dict | None = None
     return out
 
 
+def mtp_key_map(trunk: dict) -> dict:
+    """DeepSeek / GLM MTP layers: our MTP blocks 2j / 2j+1 are HF decoder layer L + j, named as the trunk's
+    decoder layers (`trunk`: a key_map's entries), plus the fusion (enorm, hnorm, eh_proj) and the final norm
+    `shared_head.norm`, as vLLM's deepseek_mtp / glm4_moe_mtp read them."""
+    out = {}
+    for ours, hf in trunk.items():
+        for a, s in (("{a}", "{s}"), ("{m}", "{t}")):
+            if ours.startswith(f"layers.{a}.") and isinstance(hf, str):
+                out["mtp." + ours.replace(a, s)] = hf.replace(a, s)
+    out.update({f"mtp.layers.{{s}}.{n}.weight": f"model.layers.{{s}}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj")})
+    out["mtp.layers.{t}.final_layernorm.weight"] = "model.layers.{t}.shared_head.norm.weight"
+    return out
+
+
 @dataclass(frozen=True)
 class LlamaFamily(Family):
     """attn: the attention tensors its checkpoints hold; qkv_bias: None when attention_bias covers q/k/v

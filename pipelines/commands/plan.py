@@ -220,16 +220,16 @@ def format_plan(d: dict) -> str:
         + [SHORT[a] for a in axes] \
         + ["removed", "layers"] + (["est. loss"] if d["scored"] else [])
     rows = []
-    for c in d["candidates"] + d.get("released", []):
+    for c in d["candidates"] + d.get("released", []) + d.get("field", []):
         m = min(d["budgets"], key=lambda k: c["under_budget"][k] / d["budgets"][k])
-        r = [str(c["rank"]), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
+        r = [str(c.get("field", c["rank"])), fmt_count(c["params"])] + ([fmt_count(c["active_params"])] if d["moe"] else []) \
             + [fmt_bytes(c["memory_bytes"])] + ([fmt_bytes(c["train_memory_bytes"])] if train else []) \
             + [f"{100 * c['under_budget'][m] / d['budgets'][m]:.3f}%"] \
             + [str(c["widths"][a]) for a in axes] + [_removed_str(c["removed"]), str(c["num_layers"])] \
             + ([f"{c['estimate']:.4g}"] if d["scored"] else [])
         rows.append(r)
     width = [max(len(x) for x in col) for col in zip(head, *rows)]
-    cmds = ["command"] + [c.get("command", "") for c in d["candidates"] + d.get("released", [])]
+    cmds = ["command"] + [c.get("command", "") for c in d["candidates"] + d.get("released", []) + d.get("field", [])]
     for r, cmd in zip([head] + rows, cmds):
         lines.append("  ".join(x.rjust(n) for x, n in zip(r, width)) + "  " + cmd)
     if d["candidates"]:
@@ -239,6 +239,9 @@ def format_plan(d: dict) -> str:
     for c in d.get("released", []):
         lines.append(f"released: {c['released']} (shipped config, counted here from the source with its widths and "
                      f"layers): pattern {c['pattern']}")
+    if d.get("field"):
+        lines.append("field rows (experts / MLA heads / kv_lora_rank -25% / -50%): the published cuts, shown "
+                     "whatever the budget (under < 0: over it)")
     return "\n".join(lines)
 
 
@@ -286,7 +289,9 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         cands = _by_estimate(sp, cands, tensors, top)
     from .released import released_rows
     released = released_rows(sp, where, _used_axes(cfg), budgets)
-    for c in released if tensors is not None else ():
+    from .field_shapes import field_rows
+    field = field_rows(sp, _used_axes(cfg), budgets)
+    for c in released + field if tensors is not None else ():
         c["estimate"] = _estimate(sp, tensors, c)
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
@@ -296,7 +301,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},
         "scored": unit_scores is not None, "depth_metric": metric, "note": note, "pool": len(rows),
-        "seconds": time.time() - t0, "candidates": cands, "released": released,
+        "seconds": time.time() - t0, "candidates": cands, "released": released, "field": field,
     }
     return _finish(o, out, cfg)
 
@@ -317,7 +322,7 @@ def _finish(o: PlanOptions, out: dict, cfg: ModelConfig) -> dict:
     """Each row's command, the PLAN file (--out), the table."""
     for c in out["candidates"]:
         c["command"] = _command(o.model, c, o.out, o.scores)
-    for c in out["released"]:
+    for c in out["released"] + out["field"]:
         c["command"] = _command(o.model, c, None, o.scores)
     if o.out is not None:
         write_plan(o.out, out, cfg)

@@ -58,7 +58,7 @@ def released_rows(sp, where: str, axes: set, budgets: dict) -> list[dict]:
     cfg, family, p = sp.cfg, sp.family, Path(where)
     if p.suffix != ".json" or p.resolve().parent != CONFIGS.resolve():
         return []
-    rows, types = [], _unit_types(cfg, family)
+    rows = []
     for f in sorted(CONFIGS.glob("*.json")):
         hf = read_json(f)
         if f.resolve() == p.resolve() or hf.get("model_type") != family:
@@ -66,23 +66,26 @@ def released_rows(sp, where: str, axes: set, budgets: dict) -> list[dict]:
         shape = _shape_of(cfg, config_from_hf(hf), family, axes)
         if shape is None:
             continue
-        new = shape.pop("config")
-        c = count_params(new, family)
-        mem = memory_bytes(new, dtype_bytes=sp.dtype_bytes, batch=sp.batch, seq_len=sp.seq_len)
-        train = train_memory_bytes(new, sp.train, largest_active=sp.largest_active)["total"]
-        values = {"params": c["total"], "active_params": c["active"], "memory_bytes": mem["total"], "train_bytes": train}
-        if any(values[m] > b for m, b in budgets.items()):
-            continue
-        changed = {a: [WIDTHS[a].of(cfg), v] for a, v in shape["widths"].items() if v != WIDTHS[a].of(cfg)}
-        gone = Counter(new.pattern)
-        by_kind = {KINDS[ch].name: n - gone[ch] for ch, n in Counter(cfg.pattern).items() if n - gone[ch]}
-        targets = {a: v for a, (_, v) in changed.items()} | ({"drop_layers": shape["drop_layers"]}
-                                                               if shape["drop_layers"] else {})
-        row = {k: v for k, v in values.items() if k != "train_bytes"} | {"train_memory_bytes": train}
-        rows.append({"rank": "released", "released": f.stem, **row, "weight_bytes": mem["weights"],
-                     "cache_bytes": mem["cache"], "widths": shape["widths"], "changed": changed,
-                     "removed": dict(Counter(types[j] for j in shape["drop_layers"])), "layers_removed": by_kind,
-                     "drop_layers": shape["drop_layers"], "depth_choice": "as released", "num_layers": new.num_layers,
-                     "pattern": new.pattern, "under_budget": {m: b - values[m] for m, b in budgets.items()},
-                     "prune_targets": targets})
+        row = shape_row(sp, shape.pop("config"), shape["widths"], shape["drop_layers"], budgets)
+        if all(row["under_budget"][m] >= 0 for m in budgets):
+            rows.append({"rank": "released", "released": f.stem, **row})
     return rows
+
+
+def shape_row(sp, new: ModelConfig, widths: dict, drop: list[int], budgets: dict) -> dict:
+    """A row of plan's table for `new`, the source (`sp.cfg`) with `widths` and the layer units `drop` removed:
+    counted by models.params (total, active, memory, train memory per rank) and the prune targets that make it."""
+    cfg, types = sp.cfg, _unit_types(sp.cfg, sp.family)
+    c = count_params(new, sp.family)
+    mem = memory_bytes(new, dtype_bytes=sp.dtype_bytes, batch=sp.batch, seq_len=sp.seq_len)
+    train = train_memory_bytes(new, sp.train, largest_active=sp.largest_active)["total"]
+    values = {"params": c["total"], "active_params": c["active"], "memory_bytes": mem["total"], "train_bytes": train}
+    changed = {a: [WIDTHS[a].of(cfg), v] for a, v in widths.items() if v != WIDTHS[a].of(cfg)}
+    gone = Counter(new.pattern)
+    by_kind = {KINDS[ch].name: n - gone[ch] for ch, n in Counter(cfg.pattern).items() if n - gone[ch]}
+    targets = {a: v for a, (_, v) in changed.items()} | ({"drop_layers": drop} if drop else {})
+    row = {k: v for k, v in values.items() if k != "train_bytes"} | {"train_memory_bytes": train}
+    return {**row, "weight_bytes": mem["weights"], "cache_bytes": mem["cache"], "widths": widths, "changed": changed,
+            "removed": dict(Counter(types[j] for j in drop)), "layers_removed": by_kind, "drop_layers": drop,
+            "depth_choice": "as released", "num_layers": new.num_layers, "pattern": new.pattern,
+            "under_budget": {m: b - values[m] for m, b in budgets.items()}, "prune_targets": targets}
