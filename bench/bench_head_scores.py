@@ -1,22 +1,25 @@
-"""Mamba head criteria vs what a head costs (issue 55): held-out perplexity of data/embedded with 25% and 50% of
-its Mamba heads removed (no retraining), each head criterion against magnitude, 5 random seeds and the measured
-oracle, plus each criterion's per-layer Spearman rank correlation with the oracle and the pruned model's loss on
-the calibration tokens themselves (`calib_loss`: the loss the oracle measures; a criterion that wins there but
-not held out is fitted to the calibration set).
+"""Head criteria vs what a head costs (issue 55): held-out quality with 25% and 50% of the recurrent mixers' heads
+removed (no retraining), each head criterion against magnitude, 5 random seeds and the measured oracle, plus each
+criterion's per-layer Spearman rank correlation with the oracle and the pruned model's loss on the calibration
+tokens themselves (`calib_loss`: the loss the oracle measures; a criterion that wins there but not held out is
+fitted to the calibration set).
 
-Oracle (`loo`): every head removed alone (as pruning removes it: compress/head_loo.py), its calibration loss
+Two models: `--model embedded` (data/embedded: its Mamba heads, 25% and 50% removed) and `--model gdn` (a
+Qwen3.5-shaped model trained here from scratch on the train split: 3 Gated DeltaNet + 1 attention layers, 4 key x
+8 value heads; value heads 8 -> 4 (25% is no valid count: value heads come in whole key-head groups), key-head
+groups 4 -> 3 and 4 -> 2 with their value heads).
+
+Oracle (`loo`): every unit removed alone (as pruning removes it: compress/head_loo.py), its calibration loss
 increase. Candidates, all on the same calibration tokens (train split):
-  activation    the current default: the in_proj x segment's mean |x| x the out_proj column norm (`mamba_x`)
-  magnitude     the head's in_proj / out_proj weight norm (compress/baselines.py)
-  taylor        first order: -dL/dg of a gate g = 1 on each head's out_proj input (one backward), summed
-  taylor_abs    the same, |dL/dg| per batch summed (Molchanov et al.)
-  out_act       mean |y| per channel at the out_proj input (the gated norm's output), L2 over samples and channels
-  out_act_w     out_act per channel x that channel's out_proj column norm (Wanda), L2 over the head
-  greedy        set-level oracle per layer: heads removed one at a time, the cheapest given those already
-                removed re-measured each time, groups kept even; a head's score is how late it goes
-Each per-head value ranks the heads through compress.head_loo.loo_scores (the scores file `prune` reads).
+  activation    the current default (Mamba: the in_proj x segment's mean |x| x the out_proj column norm; GDN: the
+                gated norm's output x the out_proj column norm, which is out_act_w)
+  magnitude     the head's weight norms (compress/baselines.py)
+  taylor, taylor_abs, out_act, out_act_w   compress/head_criteria.py (a gate on out_proj's input, one backward)
+  greedy        set-level oracle per layer: units removed one at a time, the cheapest given those already removed
+                re-measured each time, groups kept even; a unit's score is how late it goes
+Each per-unit value ranks the heads through compress.head_loo.loo_scores (the scores file `prune` reads).
 
-    python bench/bench_head_scores.py [--samples 64 --seq-len 256 --eval-tokens 32768] [--write]
+    python bench/bench_head_scores.py [--model embedded|gdn] [--samples 64 --seq-len 256 --eval-tokens 32768] [--write]
 """
 from __future__ import annotations
 
@@ -35,221 +38,224 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from remodel.compress.baselines import weight_scores  # noqa: E402
-from remodel.compress.head_loo import HeadMask, head_costs, loo_scores, loss_from  # noqa: E402
-from remodel.compress.importance import head_weight, lm_loss_sums, score_model  # noqa: E402
+from remodel.compress.head_criteria import gate_criteria, spearman, unit_values as per_unit  # noqa: E402
+from remodel.compress.head_loo import HeadMask, head_costs, loo_scores, loo_units, loss_from  # noqa: E402
+from remodel.compress.importance import score_model  # noqa: E402
 from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
-from remodel.models.model import scale_embedding  # noqa: E402
+from remodel.models.trunk import start  # noqa: E402
 from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noqa: E402
 from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
-SECTION = "## Mamba head criteria vs the measured cost (bench/bench_head_scores.py)"
-JSON = ROOT / "bench" / "head_scores.json"
+JSON = {"embedded": ROOT / "bench" / "head_scores.json", "gdn": ROOT / "bench" / "head_scores_gdn.json"}
+SHORT = {"mamba_heads_loo": "h", "lin_v_heads_loo": "v", "lin_k_heads_loo": "k"}
+GDN_HF = dict(model_type="qwen3_5_text", vocab_size=2048, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+              linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
-def mamba_layers(cfg):
-    return [i for i, c in enumerate(cfg.pattern) if c == "M"]
+def scratch_gdn(root: Path, steps: int, hidden: int, seq_len: int = 128, batch: int = 8) -> Path:
+    """ROOT/scratch-trained: the Qwen3.5-shaped model (GDN_HF at `hidden`; key/value head dim hidden / 8) trained
+    from random weights on the train split."""
+    from remodel.models.hf import config_from_hf
+    from remodel.models.load import save_model
+    from remodel.models.model import HybridLM, init_weights
+    from remodel.pipelines.data.data import embedded_tokenizer_path
+    from remodel.pipelines.training.train import train
+
+    cfg = config_from_hf(dict(GDN_HF, hidden_size=hidden, intermediate_size=2 * hidden,
+                              linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 8))
+    init = save_model(init_weights(HybridLM(cfg), std=0.02, seed=0), root / "scratch", family="qwen3_5_text",
+                      aux_from=embedded_tokenizer_path())
+    train(init, root / "scratch-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
+          lr=3e-3, seed=0, log_every=0, checkpoint_every=10**9, keep_last=1)
+    return root / "scratch-trained"
 
 
-def out_proj_gates(model, fn):
-    """Run fn() with a pre-hook on every Mamba out_proj; -> {layer: gate [nh] (requires grad)} and what the hook
-    saw: {layer: [sum over batches of (mean |y| per channel over the sequence) ** 2 summed over samples]}."""
-    cfg, gates, acc, handles = model.cfg, {}, {}, []
-    hd = cfg.mamba.mamba_head_dim
-    for i in mamba_layers(cfg):
-        gates[i] = torch.ones(cfg.mamba.mamba_num_heads, requires_grad=True)
-
-        def pre(module, args, i=i):
-            y = args[0]
-            a = y.detach().float().abs().mean(1).square().sum(0)  # [inner]
-            acc[i] = acc.get(i, 0) + a
-            return (y * gates[i].repeat_interleave(hd).to(y.dtype),)
-        handles.append(model.layers[i].mixer.out_proj.register_forward_pre_hook(pre))
-    try:
-        fn(gates)
-    finally:
-        for h in handles:
-            h.remove()
-    return gates, acc
+def unit_groups(cfg, name: str) -> int:
+    """How many equal groups prune keeps even among a layer's units of `name` (Mamba heads: n_groups; GDN value
+    heads: one group per key head; key-head groups: free)."""
+    if name == "mamba_heads_loo":
+        return cfg.mamba.n_groups
+    return cfg.gated_deltanet.linear_num_key_heads if name == "lin_v_heads_loo" else 1
 
 
-def gate_criteria(model, batches):
-    """taylor, taylor_abs, out_act, out_act_w per Mamba layer: one forward and one backward per batch."""
-    cfg, W = model.cfg, head_weight(model)
-    signed, absolute = {}, {}
+def cuts(cfg) -> dict:
+    """{label: prune targets}: 25% and 50% of the units removed (GDN: value heads 50%, key-head groups 25/50%)."""
+    names = {n for _, n, _ in loo_units(cfg)}
+    if "mamba_heads_loo" in names:
+        G, nh = cfg.mamba.n_groups, cfg.mamba.mamba_num_heads
+        return {f"-{int(f * 100)}%": {"mamba_heads": round(nh * (1 - f) / G) * G} for f in (0.25, 0.5)}
+    hk, hv = cfg.gated_deltanet.linear_num_key_heads, cfg.gated_deltanet.linear_num_value_heads
+    return {"value -50%": {"linear_value_heads": hv // 2}, "key -25%": {"linear_key_heads": hk - hk // 4},
+            "key -50%": {"linear_key_heads": hk // 2}}
 
-    def run(gates):
-        for ids in batches:
-            with torch.enable_grad():
-                h, _ = model.hidden(ids)
-                s, n = lm_loss_sums(h, W, ids)
-                (s / n).backward()
-            for i, g in gates.items():
-                signed[i] = signed.get(i, 0) - g.grad.clone()
-                absolute[i] = absolute.get(i, 0) + g.grad.abs()
-                g.grad = None
-    for p in model.parameters():
-        p.requires_grad_(False)
-    _, acc = out_proj_gates(model, run)
-    nh, hd = cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim
-    out = {"taylor": signed, "taylor_abs": absolute, "out_act": {}, "out_act_w": {}}
-    for i, a in acc.items():
-        act = a.sqrt()
-        col = model.layers[i].mixer.out_proj.weight.detach().float().norm(dim=0)
-        out["out_act"][i] = act.view(nh, hd).norm(dim=1)
-        out["out_act_w"][i] = (act * col).view(nh, hd).norm(dim=1)
+
+UNIT = {"mamba_heads": "mamba_heads_loo", "linear_value_heads": "lin_v_heads_loo", "linear_key_heads": "lin_k_heads_loo"}
+
+
+def greedy_steps(cfg) -> dict:
+    """{unit name: how many units greedy removes per layer}: the most any cut removes."""
+    count, out = {name: len(chans) for _, name, chans in loo_units(cfg)}, {}
+    for t in cuts(cfg).values():
+        for k, v in t.items():
+            out[UNIT[k]] = max(out.get(UNIT[k], 1), count[UNIT[k]] - v)
     return out
 
 
 @torch.no_grad()
-def greedy(model, batches, loo: dict, steps: int):
-    """Per layer: `steps` heads removed one by one, each time the one whose removal (with those already removed)
-    costs least, among the groups holding the most heads (so every cut keeps the groups even, as prune does; the
-    first step is the LOO cost, given in `loo`); -> {layer: score [nh]}: the step a head went, heads never
-    removed score highest."""
-    cfg, out = model.cfg, {}
-    nh, hd, G = cfg.mamba.mamba_num_heads, cfg.mamba.mamba_head_dim, cfg.mamba.n_groups
-    r = nh // G
-    store = [scale_embedding(cfg, model.embed(ids)) for ids in batches]
-    done = 0
-    for i in mamba_layers(cfg):
+def greedy(model, batches, loo: dict, steps: dict):
+    """Per layer and unit kind: `steps[name]` units removed one by one, each time the one whose removal (with those
+    already removed) costs least, among the groups holding the most units (every cut keeps the groups even, as
+    prune does; the first step is the LOO cost, given in `loo`); -> {`layers.i.<name>`: the step a unit went,
+    units never removed score highest}."""
+    cfg, out, done = model.cfg, {}, 0
+    store = [start(cfg, model.embed(ids)) for ids in batches]
+    for i, name, chans in loo_units(cfg):
         for j in range(done, i):
             store = [model.layers[j](x, None) for x in store]
-        done, gone = i, [int(loo[f"layers.{i}.mamba_heads_loo"].argmin())]
-        for _ in range(steps - 1):
-            losses, left = {}, [sum(h // r == g and h not in gone for h in range(nh)) for g in range(G)]
-            for h in (h for h in range(nh) if h not in gone and left[h // r] == max(left)):  # as prune: even groups
-                m = HeadMask(model.layers[i], torch.cat([torch.arange(k * hd, (k + 1) * hd) for k in gone + [h]]))
+        done, key = i, f"layers.{i}.{name}"
+        n, G = len(chans), unit_groups(cfg, name)
+        r, gone = n // G, [int(loo[key].argmin())]
+        for _ in range(steps.get(name, 1) - 1):
+            losses, left = {}, [sum(h // r == g and h not in gone for h in range(n)) for g in range(G)]
+            for h in (h for h in range(n) if h not in gone and left[h // r] == max(left)):
+                m = HeadMask(model.layers[i], torch.cat([chans[k] for k in gone + [h]]))
                 try:
                     losses[h] = loss_from(model, i, store, batches, None)
                 finally:
                     m.remove()
             gone.append(min(losses, key=losses.get))
-        score = torch.full((nh,), float(nh))
+        score = torch.full((n,), float(n))
         score[gone] = torch.arange(len(gone), dtype=torch.float32)
-        out[i] = score
+        out[key] = score
     return out
 
 
-def spearman(a, b) -> float:
-    ra, rb = (t.argsort().argsort().double() for t in (a, b))
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp(min=1e-30))
-
-
-def per_head(cfg, scores):
-    return {i: scores[f"layers.{i}.mamba_x"].float().norm(dim=1) for i in mamba_layers(cfg)}
-
-
-def criteria(model, batches, seeds, steps):
-    """{name: (scores file dict, {layer: per-head value})} and the seconds each took."""
-    cfg, sec = model.cfg, {}
+def criteria(model, batches, seeds):
+    """{name: (scores file dict, {unit key: per-unit value})}, the LOO costs and the seconds each took."""
+    cfg, sec, out = model.cfg, {}, {}
     t = time.time()
     act, _ = score_model(model, batches, loss_increase=False)
     sec["activation"] = time.time() - t
-    out = {"activation": act}
-    out["magnitude"] = weight_scores(cfg, "magnitude", model.state_dict().items())
-    for s in range(seeds):
-        out[f"random{s}"] = weight_scores(cfg, "random", seed=s)
+    plain = {"activation": act, "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items())}
+    plain.update({f"random{s}": weight_scores(cfg, "random", seed=s) for s in range(seeds)})
+    out = {k: (v, per_unit(cfg, v)) for k, v in plain.items()}
     t = time.time()
     costs, _ = head_costs(model, batches)
     sec["loo"] = time.time() - t
-    out["loo"] = loo_scores(cfg, act, costs)
     t = time.time()
-    extra = gate_criteria(model, batches)
+    extra = {"loo": costs, **gate_criteria(model, batches)}
     sec["taylor (all four: one backward)"] = time.time() - t
     t = time.time()
-    extra["greedy"] = greedy(model, batches, costs, steps)
+    extra["greedy"] = greedy(model, batches, costs, greedy_steps(cfg))
     sec["greedy"] = time.time() - t
-    for name, v in extra.items():
-        out[name] = loo_scores(cfg, act, {f"layers.{i}.mamba_heads_loo": x for i, x in v.items()})
+    out.update({name: (loo_scores(cfg, act, v), v) for name, v in extra.items()})
     return out, costs, sec
 
 
-def run(samples, seq_len, eval_tokens, seeds, batch):
+def run(model_dir, samples, seq_len, eval_tokens, seeds, batch):
     from transformers import AutoTokenizer
 
     train, valid = embedded_corpus()
-    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     calib = pack(load_texts(train), tok, seq_len, max_tokens=samples * seq_len)
     blocks = pack(load_texts(valid), tok, seq_len, max_tokens=eval_tokens)
-    model = load_model(MODEL)
+    model = load_model(model_dir).float().eval()
     cfg = model.cfg
-    batches = list(calib.split(batch))
-    G, nh = cfg.mamba.n_groups, cfg.mamba.mamba_num_heads
-    cuts = {f"-{int(f * 100)}%": round(nh * (1 - f) / G) * G for f in (0.25, 0.5)}
-    methods, costs, sec = criteria(model, batches, seeds, nh - min(cuts.values()))
-    base = evaluate(model, blocks, seq_len=seq_len, batch=batch)["ppl"]
-    oracle = {i: costs[f"layers.{i}.mamba_heads_loo"] for i in mamba_layers(cfg)}
+    methods, costs, sec = criteria(model, list(calib.split(batch)), seeds)
+    base = evaluate(model, blocks, seq_len=seq_len, batch=batch)
     rows = {}
-    for name, sc in methods.items():
-        r = {"ppl": {}, "calib_loss": {}, "spearman": {}}
-        for cut, k in cuts.items():
-            pruned = prune_model(model, plan_keep(cfg, sc, {"mamba_heads": k}))
-            r["ppl"][cut] = evaluate(pruned, blocks, seq_len=seq_len, batch=batch)["ppl"]
+    for name, (sc, value) in methods.items():
+        r = {"loss": {}, "ppl": {}, "calib_loss": {}, "spearman": {}}
+        for cut, t in cuts(cfg).items():
+            pruned = prune_model(model, plan_keep(cfg, sc, t))
+            ev = evaluate(pruned, blocks, seq_len=seq_len, batch=batch)
+            r["loss"][cut], r["ppl"][cut] = ev["loss"], ev["ppl"]
             r["calib_loss"][cut] = evaluate(pruned, calib, seq_len=seq_len, batch=batch)["loss"]  # the scored tokens
-        ph = per_head(cfg, sc)
-        r["spearman"] = {str(i): spearman(ph[i], oracle[i]) for i in oracle}
+        r["spearman"] = {f"{k.split('.')[1]}{SHORT[k.split('.')[2]]}": spearman(value[k], costs[k]) for k in costs}
         rows[name] = r
-        print(f"{name:12s} " + " ".join(f"{c} {v:8.2f} ({r['calib_loss'][c]:.4f})" for c, v in r["ppl"].items())
+        print(f"{name:12s} " + " ".join(f"{c} {v:.4f} ({r['calib_loss'][c]:.4f})" for c, v in r["loss"].items())
               + "  rho " + " ".join(f"{v:+.2f}" for v in r["spearman"].values()), flush=True)
-    return {"unpruned_ppl": base, "cuts": cuts, "calibration_tokens": int(calib.numel()),
-            "eval_tokens": int(blocks.numel()), "seeds": seeds, "seconds": {k: round(v, 1) for k, v in sec.items()},
-            "oracle_costs": {str(i): c.tolist() for i, c in oracle.items()}, "rows": rows}
+    return {"model": str(model_dir), "unpruned_loss": base["loss"], "unpruned_ppl": base["ppl"],
+            "cuts": cuts(cfg), "calibration_tokens": int(calib.numel()), "eval_tokens": int(blocks.numel()),
+            "seeds": seeds, "seconds": {k: round(v, 1) for k, v in sec.items()},
+            "oracle_costs": {k: c.tolist() for k, c in costs.items()}, "rows": rows}
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
 
 
 def verdict(res) -> dict:
-    """{criterion: below magnitude and below every random seed at both cuts}."""
+    """{criterion: {wins: below magnitude and every random seed at every cut, mean_loss, mean_rho,
+    beats_magnitude: mean loss below magnitude's and mean Spearman above it}} (not for magnitude and random)."""
     rows, out = res["rows"], {}
+    mag = rows["magnitude"]
     for name, r in rows.items():
         if name == "magnitude" or name.startswith("random"):
             continue
-        out[name] = all(r["ppl"][c] < rows["magnitude"]["ppl"][c] and
-                        all(r["ppl"][c] < rows[f"random{s}"]["ppl"][c] for s in range(res["seeds"]))
-                        for c in res["cuts"])
+        wins = all(r["loss"][c] < mag["loss"][c] and all(r["loss"][c] < rows[f"random{s}"]["loss"][c]
+                                                         for s in range(res["seeds"])) for c in res["cuts"])
+        ml, mr = mean(r["loss"].values()), mean(r["spearman"].values())
+        out[name] = {"wins": wins, "mean_loss": ml, "mean_rho": mr,
+                     "beats_magnitude": ml < mean(mag["loss"].values()) and mr > mean(mag["spearman"].values())}
     return out
 
 
-def table(res) -> str:
-    cuts, rows = list(res["cuts"]), res["rows"]
-    lines = ["| criterion | " + " | ".join(f"ppl {c} ({res['cuts'][c]} heads)" for c in cuts)
-             + " | Spearman with loo, layers " + ", ".join(rows["loo"]["spearman"]) + " | mean |",
-             "|---|" + "---|" * len(cuts) + "---|---|"]
+def table(res, metric="loss") -> str:
+    cuts_, rows = list(res["cuts"]), res["rows"]
+    fmt = (lambda v: f"{v:.4f}") if metric == "loss" else (lambda v: f"{v:.2f}")
+    lines = [f"| criterion | " + " | ".join(f"{metric} {c}" for c in cuts_)
+             + " | Spearman with loo (" + " ".join(rows["loo"]["spearman"]) + ") | mean rho |",
+             "|---|" + "---|" * len(cuts_) + "---|---|"]
     rnd = [n for n in rows if n.startswith("random")]
-    shown = [n for n in rows if n not in rnd]
-    for n in shown:
+    for n in (n for n in rows if n not in rnd):
         rho = list(rows[n]["spearman"].values())
-        lines.append(f"| {n} | " + " | ".join(f"{rows[n]['ppl'][c]:.2f}" for c in cuts) + " | "
-                     + " ".join(f"{v:+.2f}" for v in rho) + f" | {sum(rho) / len(rho):+.2f} |")
-    lo = {c: min(rows[n]["ppl"][c] for n in rnd) for c in cuts}
-    hi = {c: max(rows[n]["ppl"][c] for n in rnd) for c in cuts}
-    rho = [sum(rows[n]["spearman"].values()) / len(rows[n]["spearman"]) for n in rnd]
-    lines.append(f"| random ({len(rnd)} seeds) | " + " | ".join(f"{lo[c]:.2f}-{hi[c]:.2f}" for c in cuts)
+        lines.append(f"| {n} | " + " | ".join(fmt(rows[n][metric][c]) for c in cuts_) + " | "
+                     + " ".join(f"{v:+.2f}" for v in rho) + f" | {mean(rho):+.2f} |")
+    lo = {c: min(rows[n][metric][c] for n in rnd) for c in cuts_}
+    hi = {c: max(rows[n][metric][c] for n in rnd) for c in cuts_}
+    rho = [mean(rows[n]["spearman"].values()) for n in rnd]
+    lines.append(f"| random ({len(rnd)} seeds) | " + " | ".join(f"{fmt(lo[c])}-{fmt(hi[c])}" for c in cuts_)
                  + f" | | {min(rho):+.2f}..{max(rho):+.2f} |")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("embedded", "gdn"), default="embedded",
+                    help="data/embedded's Mamba heads, or a Qwen3.5-shaped GDN model trained here first")
     ap.add_argument("--samples", type=int, default=64, help="calibration sequences (train split)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--write", action="store_true",
-                    help=f"write bench/{JSON.name} (the RESULTS.md section is written by hand from it)")
+    ap.add_argument("--hidden", type=int, default=128, help="--model gdn: hidden size")
+    ap.add_argument("--train-steps", type=int, default=300, help="--model gdn: training steps (8 x 128 tokens)")
+    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn].json (RESULTS.md by hand)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    res = run(a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)
-    res["seconds"]["total"] = round(time.time() - t0, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.model == "gdn":
+            model_dir = scratch_gdn(Path(tmp), a.train_steps, a.hidden)
+            train_s = round(time.time() - t0, 1)
+        else:
+            model_dir, train_s = MODEL, 0.0
+        res = run(model_dir, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)
+    res["seconds"].update(train=train_s, total=round(time.time() - t0, 1))
     res["wins"] = verdict(res)
     res["date"] = str(datetime.date.today())
     res["machine"] = f"{platform.machine()}, torch {torch.__version__}, 1 thread"
-    print(f"unpruned {res['unpruned_ppl']:.2f}\n{table(res)}\nwins: {res['wins']}\nseconds: {res['seconds']}")
+    res["settings"] = vars(a)
+    metric = "ppl" if a.model == "embedded" else "loss"
+    print(f"unpruned loss {res['unpruned_loss']:.4f} ppl {res['unpruned_ppl']:.2f}\n{table(res, metric)}\n"
+          f"verdict: {json.dumps(res['wins'], indent=None)}\nseconds: {res['seconds']}")
     if a.write:
-        JSON.write_text(json.dumps(res, indent=1) + "\n")
+        JSON[a.model].write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":

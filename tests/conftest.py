@@ -345,6 +345,9 @@ MARKS = {
     "test_expert_prune_quality.py": {
         "test_routed_reconstruction_beats_frequency_and_random_on_the_trained_moe": "quality",
     },
+    "test_head_criteria_quality.py": {
+        "test_activation_beats_magnitude_on_gdn_value_heads": "quality",
+    },
     "test_fused_loss.py": {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",

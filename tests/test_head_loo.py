@@ -4,12 +4,15 @@ refused in one line."""
 import pytest
 import torch
 
-from remodel.compress.head_loo import head_costs, loo_scores
+from remodel.compress.head_criteria import rank_correlation, unit_values
+from remodel.compress.head_loo import head_costs, loo_scores, loo_units
 from remodel.compress.importance import model_loss, score_model
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.compress.scores import load_scores
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
+from remodel.models.families import FAMILIES
+from remodel.models.hf import config_from_hf
 from remodel.models.load import save_model
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from remodel.pipelines.commands.score import score
@@ -106,3 +109,31 @@ def test_score_loo_refuses_bad_input_in_one_line(hf_dir, tmp_path):
         with pytest.raises(RemodelError, match=msg) as e:
             score(model, data, tmp_path / "out", method="loo", progress=False, **{"samples": 2, "seq_len": 16, **kw})
         assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def gdn_dir(tmp_path_factory):
+    """A tiny Qwen3.5 (2 key x 4 value heads in each GDN layer), random weights, with the embedded tokenizer."""
+    cfg = config_from_hf(dict(FAMILIES["qwen3_5_text"].tiny["plain"], model_type="qwen3_5_text", vocab_size=2048))
+    d = tmp_path_factory.mktemp("gdn") / "model"
+    save_model(random_model(cfg, 5), d, family="qwen3_5_text", aux_from=embedded_tokenizer_path())
+    return d
+
+
+@pytest.mark.parametrize("which", ["mamba", "gdn"])
+def test_score_loo_reports_the_defaults_rank_correlation_per_layer(which, hf_dir, gdn_dir, tmp_path):
+    """`score --method loo` reports, per layer and unit kind, the Spearman correlation of the default (activation)
+    head ranking with the measured costs: equal to one computed here from an activation run on the same data and
+    the costs the loo run wrote (not the loo-ranked tensors, which would correlate 1)."""
+    d = hf_dir if which == "mamba" else gdn_dir
+    data, how = embedded_corpus()[1], dict(samples=4, seq_len=32, batch=2, progress=False)
+    rep = score(d, data, tmp_path / "loo", method="loo", **how)
+    score(d, data, tmp_path / "act", method="activation", loss_increase=False, **how)
+    loo, meta = load_scores(tmp_path / "loo")
+    act, _ = load_scores(tmp_path / "act")
+    cfg = ModelConfig.from_dict(meta["config"])
+    got = rep["head_rank_correlation"]
+    assert set(got) == {f"layers.{i}.{n}" for i, n, _ in loo_units(cfg)} and len(got) == (1 if which == "mamba" else 6)
+    want = rank_correlation(unit_values(cfg, act), {k: loo[k] for k in got})
+    assert got == pytest.approx(want, abs=1e-9)
+    assert any(abs(v) < 0.99 for v in got.values())  # the comparison is not between perfect rankings

@@ -12,6 +12,7 @@ import torch
 
 from remodel.compress.baselines import METHODS, weight_scores
 from remodel.compress.expert_scores import check_expert_method, rank_experts
+from remodel.compress.head_criteria import rank_correlation, unit_values
 from remodel.compress.head_loo import head_costs, loo_scores, loo_units
 from remodel.compress.importance import score_model
 from remodel.compress.streaming import Streaming, score_streaming
@@ -120,6 +121,7 @@ def _score(o: ScoreOptions) -> dict:
             if method == "loo":
                 budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
                 costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
+                info["head_rank_correlation"] = rank_correlation(unit_values(cfg, scores), costs)  # the default's
                 scores = loo_scores(cfg, scores, costs)
             del model
         else:
@@ -142,6 +144,8 @@ def _score(o: ScoreOptions) -> dict:
                   "seconds": round(seconds, 3), "tokens_per_s": round(info["tokens"] / max(seconds, 1e-9), 1),
                   "layers": _layer_rows(cfg.pattern, scores), "method": method,
                   "files": ["scores.safetensors", "scores.json", "importance.png"]}
+        if "head_rank_correlation" in info:  # --method loo: how the activation ranking tracks the measured costs
+            report["head_rank_correlation"] = info["head_rank_correlation"]
         write_report(tmp, report)
     return report
 
