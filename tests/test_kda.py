@@ -189,3 +189,32 @@ def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, caps
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "2"]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert hf["layer_types"] == ["linear_attention"] * 3 and hf["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+
+
+def test_released_kimi_linear_48b_counts_and_plan():
+    """Kimi-Linear-48B-A3B-Instruct (models/configs/kimi-linear-48b-a3b.json, provenance in its README): inspect ==
+    transformers' KimiLinearForCausalLM built from the file (meta device), 48B without the embedding and lm_head
+    as published, ~3B active; plan to 30B returns candidates transformers counts exactly as plan does."""
+    from pathlib import Path
+
+    from remodel.models.hf import config_from_hf, config_to_hf
+    from remodel.pipelines.commands.inspection import inspect
+    from remodel.pipelines.commands.plan import candidate_config, plan
+    from tests.conftest import hf_meta_model
+    d = json.loads((Path(__file__).resolve().parents[1] / "models/configs/kimi-linear-48b-a3b.json").read_text())
+    hf_total = lambda c: sum(p.numel() for p in hf_meta_model(c).parameters())  # noqa: E731
+    p = inspect("kimi-linear-48b-a3b")["params"]
+    assert p["total"] == p["hf_total"] == hf_total(d) == 49_122_675_072
+    embeddings = 2 * 163840 * 2304
+    assert round((p["total"] - embeddings) / 1e9) == 48 and round((p["active"] - embeddings) / 1e9) == 3
+    assert config_from_hf(d).pattern[1::2] == "-" + "E" * 26  # first_k_dense_replace 1
+    assert config_from_hf(d).pattern[0::2] == "".join("L" if j + 1 in (4, 8, 12, 16, 20, 24, 27) else "K"
+                                                       for j in range(27))
+    budget = 30e9
+    plan_d = plan("kimi-linear-48b-a3b", params=budget, top=3, verbose=False)
+    cands, src = plan_d["candidates"], config_from_hf(d)
+    assert plan_d["family"] == "kimi_linear" and len(cands) == 3
+    assert all(0.98 * budget <= c["params"] <= budget for c in cands)
+    for c in cands:
+        hf = config_to_hf(candidate_config(src, c, plan_d["family"]), plan_d["family"])
+        assert hf["model_type"] == "kimi_linear" and hf_total(hf) == c["params"], c["widths"]
