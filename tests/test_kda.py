@@ -14,6 +14,7 @@ import torch
 from remodel import cli
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.models import kda_kernels
+from remodel.models.families import FAMILIES
 from remodel.models.kda_kernels import chunk_kda, chunk_kda_torch
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import KIND_CONFIGS, cli_flags, cli_inspect_and_score, cli_pair, prune_axes, random_model
@@ -218,3 +219,24 @@ def test_released_kimi_linear_48b_counts_and_plan():
     for c in cands:
         hf = config_to_hf(candidate_config(src, c, plan_d["family"]), plan_d["family"])
         assert hf["model_type"] == "kimi_linear" and hf_total(hf) == c["params"], c["widths"]
+
+
+def test_the_released_spelling_of_a_dense_mlp_is_read(tmp_path):
+    """The released checkpoints keep layer 0's dense MLP under `mlp.` (transformers writes `block_sparse_moe.`):
+    remodel reads either, with the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from remodel.models.load import load_model
+    from tests.conftest import hf_pair
+    hf, ours, d = hf_pair(FAMILY, tmp_path, "src", 7, **FAMILIES[FAMILY].tiny[CASE])
+    out = tmp_path / "released"
+    shutil.copytree(d, out)
+    t = load_file(out / "model.safetensors")
+    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in t.items()}
+    assert renamed.keys() != t.keys() and "model.layers.0.mlp.gate_proj.weight" in renamed
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(load_model(out)(x), ours(x))

@@ -115,6 +115,14 @@ class KimiLinear(DeepSeekMoEFamily):
         out.update({f"layers.{{m}}.mixer.shared_experts.{p}.weight": f"{hf_m}shared_experts.{p}.weight" for p in _SWIGLU})
         return out
 
+    def other_spelling(self, hf_name):
+        """The released checkpoints keep a dense layer's MLP under `mlp.` (transformers writes `block_sparse_moe.`
+        and reads both)."""
+        for p in _SWIGLU:
+            if hf_name.endswith(f".{_FFN}.{p}.weight"):
+                return hf_name.replace(f".{_FFN}.", ".mlp.")
+        return None
+
     def holds_pattern(self, cfg) -> bool:
         mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
         return (cfg.num_layers % 2 == 0 and "K" in mixers and set(mixers) <= set(BLOCK_TYPES.values())
