@@ -54,7 +54,12 @@ class SigmoidGatedNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, gate):
-        return sigmoid_gated_rms_norm(x, gate, self.weight, self.eps)
+        return self.normed(self.weight, x, gate)
+
+    def normed(self, weight, x, gate):
+        """The norm with `weight` in place of its own (tensor parallelism: the replicated weight as this rank's
+        heads read it, pipelines.distributed.styles.SharedNorm)."""
+        return sigmoid_gated_rms_norm(x, gate, weight, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):

@@ -297,7 +297,8 @@ def _write_pair(d: Path, family: str):
         if who == "teacher":  # confident predictions: logits std ~3 (instead of ~0.003), whatever the multipliers
             with torch.no_grad():
                 model.norm_f.weight.fill_(1.0)
-                model.embeddings.weight.mul_(3.0 / model(torch.arange(64)[None]).std().item())
+                w = model.embeddings.weight if tie else model.lm_head.weight  # untied: the head sets the scale
+                w.mul_(3.0 / model(torch.arange(64)[None]).std().item())
         write_checkpoint(model, d / f"{family}-{who}", family=family)
 
 
