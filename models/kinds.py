@@ -7,6 +7,7 @@ import dataclasses
 from .attention import ATTENTION, FULL_ATTENTION
 from .errors import RemodelError
 from .gated_deltanet import GATED_DELTANET
+from .kda import KDA
 from .mamba import MAMBA
 from .mamba1 import MAMBA1
 from .mla import MLA
@@ -26,7 +27,7 @@ def post_norm(k: LayerKind, char: str) -> LayerKind:
 
 
 KINDS: dict[str, LayerKind] = {k.char: k for k in (MAMBA, ATTENTION, MLP_KIND, MOE, PARALLEL, GATED_DELTANET, SHORT_CONV,
-                                                   MAMBA1, MLA, FULL_ATTENTION,
+                                                   MAMBA1, MLA, FULL_ATTENTION, KDA,
                                                    post_norm(ATTENTION, "A"), post_norm(MLP_KIND, "="))}
 BY_NAME: dict[str, LayerKind] = {k.name: k for k in KINDS.values()}
 

@@ -76,6 +76,9 @@ def _plan_row(src: _Source, shapes: dict, cfg: ModelConfig, family: str, ours: s
     """(None, read()) of one weight_table row, or (why its stored shape is wrong, None). A row whose HF
     tensor concatenates several of ours (models.hf_adapter.Part) reads its own part of it."""
     part = to_hf_part(cfg, family, ours, e)
+    alt = FAMILIES[family].other_spelling(hf)
+    if alt is not None and src._alias(hf) is None and src._alias(alt) is not None:
+        hf = alt  # the name as the family's released checkpoints spell it (Family.other_spelling)
     shape, get = src.shape_and_get(hf, e)
     want = part.hf_shape(shapes[ours][1:] if e is not None else shapes[ours], e)
     if tuple(shape) != tuple(want):

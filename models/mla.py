@@ -42,6 +42,7 @@ class MlaConfig(Section):
     mla_rope_scaling: dict | None = plain(None, "HF rope_parameters of a 'yarn' RoPE (None: the default type)")
     rope_interleave: bool = plain(True, "RoPE on interleaved channel pairs (DeepSeek's layout) else rotate-half")
     mla_bias: bool = plain(False, "biases of q_a_proj, kv_a_proj_with_mqa and o_proj (attention_bias)")
+    mla_rope: bool = plain(True, "RoPE on the qk_rope_head_dim channels (False: none, as Kimi Linear's MLA)")
 
 
 LATENT_EPS = 1e-6  # the latent norms' eps: transformers builds them with RMSNorm's default, whatever rms_norm_eps says
@@ -174,7 +175,9 @@ class Mla(nn.Module):
         cos, sin = (freqs.cos() * self.rope_factor).to(q.dtype), (freqs.sin() * self.rope_factor).to(q.dtype)
         if cos.dim() == 3:  # per-batch positions
             cos, sin = cos[:, None], sin[:, None]
-        q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(self.k_pe_entry(k_rot)[:, None], cos, sin)
+        k_rot = self.k_pe_entry(k_rot)[:, None]
+        if c.mla_rope:
+            q_rot, k_rot = self.rope(q_rot, cos, sin), self.rope(k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         mask = None if attention_mask is None else causal_padding_mask(l, attention_mask, x.device)
@@ -190,7 +193,7 @@ class MlaKind(LayerKind):
         c = cfg.mla
         need(c.mla_num_heads > 0 and c.kv_lora_rank > 0 and c.v_head_dim > 0,
              "MLA layers need mla_num_heads, kv_lora_rank and v_head_dim > 0")
-        need(c.qk_rope_head_dim > 0 and c.qk_rope_head_dim % 2 == 0,
+        need(not c.mla_rope or (c.qk_rope_head_dim > 0 and c.qk_rope_head_dim % 2 == 0),
              f"MLA needs an even qk_rope_head_dim > 0, got {c.qk_rope_head_dim}")
         rs = c.mla_rope_scaling
         if rs is not None:

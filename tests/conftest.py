@@ -54,6 +54,8 @@ KIND_CONFIGS = {
     "mla": ModelConfig(pattern="LL", mla=dict(mla_num_heads=4, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
                                               qk_rope_head_dim=4, v_head_dim=5, mla_bias=True), **_BASE),
     "attention_full": ModelConfig(pattern="FF", **_BASE, **_ATTN),
+    "kda": ModelConfig(pattern="KK", kda=dict(kda_num_heads=3, kda_head_dim=8, kda_conv_kernel=3, kda_chunk_size=8),
+                       **_BASE),
 }
 FAMILY_CONFIGS = {
     "nemotron_h": ModelConfig(pattern="M*-E", intermediate_size=40, moe_shared_expert_intermediate_size=12,

@@ -292,11 +292,13 @@ def _write_pair(d: Path, family: str):
     from tests.conftest import write_checkpoint
     cfg = tiny_config(family).replace(vocab_size=2048, extra={})
     for who, seed in (("student", 2), ("teacher", 3)):
-        model = init_weights(HybridLM(cfg.replace(tie_word_embeddings=who == "teacher")), seed=seed)
+        tie = who == "teacher" and FAMILIES[family].holds(cfg.replace(tie_word_embeddings=True))  # kimi_linear never ties
+        model = init_weights(HybridLM(cfg.replace(tie_word_embeddings=tie)), seed=seed)
         if who == "teacher":  # confident predictions: logits std ~3 (instead of ~0.003), whatever the multipliers
             with torch.no_grad():
                 model.norm_f.weight.fill_(1.0)
-                model.embeddings.weight.mul_(3.0 / model(torch.arange(64)[None]).std().item())
+                w = model.embeddings.weight if tie else model.lm_head.weight  # untied: the head sets the scale
+                w.mul_(3.0 / model(torch.arange(64)[None]).std().item())
         write_checkpoint(model, d / f"{family}-{who}", family=family)
 
 

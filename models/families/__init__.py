@@ -33,12 +33,13 @@ MODULES = (  # one line per family module, in registry order
     "deepseek_v3",
     "glm4_moe_lite",
     "gpt_oss",
+    "kimi_linear",
 )
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in import_module(f"{__name__}.{m}").REGISTER}
 DEFAULT_ORDER = tuple(FAMILIES[n] for n in ("gpt_oss", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3", "llama", "bamba",
                                              "granitemoehybrid", "falcon_h1", "qwen3_5_moe_text", "qwen3_next",
                                              "qwen3_5_text", "olmo_hybrid", "glm4_moe", "lfm2",
-                                             "lfm2_moe", "jamba", "minimax_m2", "deepseek_v3",
+                                             "lfm2_moe", "jamba", "minimax_m2", "deepseek_v3", "kimi_linear",
                                              "nemotron_h"))  # the first that claims
 UPCYCLE_TARGETS = tuple(name for name, f in FAMILIES.items() if f.moe)
 

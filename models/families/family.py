@@ -218,6 +218,11 @@ class Family:
         d = self.depth
         return [list(range(j * d, (j + 1) * d)) for j in range(cfg.num_layers // d)]
 
+    def other_spelling(self, hf_name: str) -> str | None:
+        """Another name the family's released checkpoints give the HF tensor `hf_name` (read when `hf_name` is
+        absent; written names are always `hf_name`, transformers' own); None: no other."""
+        return None
+
     def regrouped(self, ours: str, hf_name: str) -> tuple[list, list] | None:
         """(our tensors, HF tensors) where the HF tensors concatenate (dim 0) what ours do, cut elsewhere (another
         writer's layout, read when `hf_name` is not our tensor's shape); None: no such group."""

@@ -44,7 +44,7 @@ def mask_mla(cfg, m, keep, p):
     o = torch.zeros(n, vd)
     o[heads[:, None], vch[None, :]] = 1
     m.o_proj.register_forward_pre_hook(lambda mod, a, o=o.flatten(): (a[0] * o.to(a[0].dtype),))
-    q = torch.ones(n, nope + rd)
+    q = torch.ones(n, nope + rd, dtype=torch.float64)  # the scale ratio exact for a float64 model too
     q[:, dropped(nch, nope)] = 0
     q = q.flatten() * ((nope + rd) / (len(nch) + rd)) ** 0.5  # the pruned layer's softmax scale
     (m.q_proj if c.q_lora_rank is None else m.q_b_proj).register_forward_hook(
