@@ -226,8 +226,13 @@ def criteria_model(model_dir: Path, work: Path, a, checked) -> dict:
             pruned = prune_model(model, plan)
             save_model(pruned, d, family=family, aux_from=model_dir, dtype=torch.float32)
             row = {"removed": 1 - keep / E, "experts": keep, "criterion": name,
-                   "per_group": group_counts(model, pruned, plan),
-                   "before": judge(d, held_out, a.seq_len, a.limit, checked)}
+                   "kept": {k: v.tolist() for k, v in plan.items() if k.endswith(".experts")}}
+            try:
+                row["per_group"] = group_counts(model, pruned, plan)
+            except AssertionError as e:  # recorded, not fatal: the table says which rows broke the groups
+                row["groups_broken"] = str(e)
+                print(f"GROUPS BROKEN {name} {keep}: {e}", flush=True)
+            row["before"] = judge(d, held_out, a.seq_len, a.limit, checked)
             train(d, work / f"{d.name}-kd", train_txt, teacher_dir=model_dir, steps=a.distill_steps,
                   seq_len=a.seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=0, log_every=0,
                   checkpoint_every=10**9, keep_last=1)
@@ -325,11 +330,13 @@ def run_criteria(a) -> dict:
     checked = check_tasks(list(TASKS))
     res, t0 = {"models": []}, time.time()
     with tempfile.TemporaryDirectory(prefix="expert-criteria-") as tmp:
-        work = Path(tmp)
+        work = Path(a.work or tmp)  # --work: kept, and a trained DeepSeek model there is reused
         for key in a.models.split(","):
             t1 = time.time()
+            reuse = key == "deepseek" and (work / "deepseek-balanced" / "config.json").exists()
             d = {"embedded": lambda: Path(a.model), "scratch": lambda: scratch_moe(work, a.scratch_steps),
-                 "deepseek": lambda: deepseek_moe(work, a.scratch_steps, train_calib(a))}[key]()
+                 "deepseek": lambda: work / "deepseek-balanced" if reuse else deepseek_moe(
+                     work, a.scratch_steps, train_calib(a))}[key]()
             res[f"{key}_train_s"] = round(time.time() - t1, 1)
             m = criteria_model(d, work, a, checked)
             res["models"].append({"label": LABELS[key], "seconds": round(time.time() - t1, 1), **m})
@@ -352,6 +359,7 @@ def criteria_main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", default="embedded,scratch", help=f"comma-separated, of {', '.join(LABELS)} "
                     "('deepseek' alone: its own section and JSON)")
+    ap.add_argument("--work", default=None, help="keep the checkpoints in this folder (default: a temporary one)")
     ap.add_argument("--json", default=None, help="default bench/expert_prune_criteria[_deepseek].json")
     ap.add_argument("--write", action="store_true", help=f"put the table into bench/RESULTS.md ({CRITERIA_SECTION}, "
                     f"or {DEEPSEEK_SECTION})")
@@ -390,7 +398,8 @@ DEEPSEEK_SECTION = "## Expert pruning criteria on a DeepSeek-V3-shaped MoE (grou
 def deepseek_section(a, res, tab) -> str:
     """The RESULTS.md section of a `criteria --models deepseek` run (DEEPSEEK_READING: the committed run's)."""
     m = res["models"][0]
-    per_group = sorted({f"{r['experts']}: {r['per_group'][0]}" for r in m["rows"]})
+    per_group = sorted({f"{r['experts']}: {r['per_group'][0]}" for r in m["rows"] if "per_group" in r})
+    broken = [f"{r['criterion']} {r['experts']}" for r in m["rows"] if "groups_broken" in r]
     head = (f"{DEEPSEEK_SECTION}\n\n- Command: `nice -n 10 python bench/bench_expert_prune_quality.py criteria --models "
             f"deepseek --write` (--samples {a.samples} --limit {a.limit} --seeds {a.seeds} --scratch-steps "
             f"{a.scratch_steps} --distill-steps {a.distill_steps}); machine: {res['date']}, the 2-core VM shared with "
@@ -401,7 +410,8 @@ def deepseek_section(a, res, tab) -> str:
             f"sigmoid scores, routed_scaling_factor 2.5; {a.scratch_steps} steps of 8 x 128), its "
             "e_score_correction_bias then set by DeepSeek's aux-loss-free balancing rule on calibration data; "
             f"pruned to 12 and 8 experts, every group keeping the same number (experts kept: per group, first MoE "
-            f"layer: {'; '.join(per_group)}), the bias sliced with the experts (checked on every row); cells: "
+            f"layer: {'; '.join(per_group)}), the bias sliced with the experts (checked on every row; broken: "
+            f"{', '.join(broken) or 'none'}); cells: "
             f"held-out loss before / after {a.distill_steps} distillation steps; cloze: remodel_cloze accuracy on "
             f"{a.limit} items.\n\n")
     return head + tab + "\n\n" + "\n".join(f"- {w}" for w in winners(res)) + "\n\n" + DEEPSEEK_READING
