@@ -18,6 +18,10 @@ experts): held-out loss and the shipped tasks' accuracy (pipelines/training/task
 a short distillation from the unpruned model, the same for every criterion:
 
     python bench/bench_expert_prune_quality.py criteria [--limit 150 --distill-steps 40] [--write]
+
+`criteria --models deepseek` (issue 56, Deliver 6): the same on a deepseek_v3-family MoE trained here (DEEPSEEK:
+MLA, first layer dense, sigmoid router with e_score_correction_bias, 16 experts in 4 groups, top-2 groups, top-4,
+one shared expert); its own section of RESULTS.md and bench/expert_prune_criteria_deepseek.json.
 """
 from __future__ import annotations
 
@@ -132,20 +136,52 @@ SCRATCH = dict(vocab_size=2048, hidden_size=128, pattern="*E*E", num_attention_h
                mlp_gated=True, mlp_act="silu", rope_theta=1e4)  # Mixtral-style: softmax top-2 of 8, SwiGLU
 
 
-def scratch_moe(root: Path, steps: int, seq_len: int = 128, batch: int = 8) -> Path:
-    """ROOT/scratch-trained: a Mixtral-family MoE (SCRATCH) trained from random weights on the train split,
-    so its experts are distinct (nothing copied from a dense MLP); load-balancing loss 1e-2."""
+def scratch_moe(root: Path, steps: int, seq_len: int = 128, batch: int = 8, spec=SCRATCH, family="mixtral",
+                name="scratch") -> Path:
+    """ROOT/NAME-trained: a FAMILY MoE (SPEC; default the Mixtral one) trained from random weights on the train
+    split, so its experts are distinct (nothing copied from a dense MLP); load-balancing loss 1e-2."""
     from remodel.models.config import ModelConfig
     from remodel.models.load import save_model
     from remodel.models.model import HybridLM, init_weights
     from remodel.pipelines.data.data import embedded_tokenizer_path
     from remodel.pipelines.training.train import train
 
-    init = save_model(init_weights(HybridLM(ModelConfig(**SCRATCH)), std=0.02, seed=0), root / "scratch",
-                      family="mixtral", aux_from=embedded_tokenizer_path())
-    train(init, root / "scratch-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
+    init = save_model(init_weights(HybridLM(ModelConfig(**spec)), std=0.02, seed=0), root / name,
+                      family=family, aux_from=embedded_tokenizer_path())
+    train(init, root / f"{name}-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
           lr=3e-3, seed=0, log_every=0, checkpoint_every=10**9, keep_last=1)
-    return root / "scratch-trained"
+    return root / f"{name}-trained"
+
+
+DEEPSEEK = dict(vocab_size=2048, hidden_size=128, pattern="L-LELELE", intermediate_size=256, mlp_act="silu",
+                mlp_gated=True, mla_num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=16, v_head_dim=32, mla_rope_theta=1e4, n_routed_experts=16, num_experts_per_tok=4,
+                moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, router="sigmoid", n_group=4,
+                topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)  # DeepSeek-V3 in miniature
+
+
+def deepseek_moe(root: Path, steps: int, calib, rounds: int = 40, rate: float = 0.01) -> Path:
+    """ROOT/deepseek-balanced: a deepseek_v3-family MoE (DEEPSEEK) trained from random weights like the
+    Mixtral one, then its e_score_correction_bias set as DeepSeek's aux-loss-free balancing does (our
+    trainer leaves that buffer at zero): `rounds` passes over CALIB, each adding rate * sign(mean load - load)
+    per expert, so the bias is non-zero and decides selection as in the released checkpoints."""
+    from remodel.models.load import save_model
+    trained = scratch_moe(root, steps, spec=DEEPSEEK, family="deepseek_v3", name="deepseek")
+    model = load_model(trained).float().eval()
+    loads = {}
+    hooks = [m.gate.register_forward_hook(lambda mod, i, o, j=j: loads.__setitem__(
+        j, loads.get(j, 0) + torch.bincount(o[2].flatten(), minlength=o[0].shape[1]).float()))
+        for j, m in enumerate(model.moe_layers())]
+    with torch.no_grad():
+        for _ in range(rounds):
+            loads.clear()
+            for b in batches(calib[:32], 8):
+                model(b)
+            for j, m in enumerate(model.moe_layers()):
+                m.gate.e_score_correction_bias += rate * torch.sign(loads[j].mean() - loads[j])
+    for h in hooks:
+        h.remove()
+    return save_model(model, root / "deepseek-balanced", family="deepseek_v3", aux_from=trained, dtype=torch.float32)
 
 
 def criteria_scores(model, calib, seeds: int) -> dict:
@@ -185,20 +221,45 @@ def criteria_model(model_dir: Path, work: Path, a, checked) -> dict:
     E = cfg.moe.n_routed_experts
     for keep in (E * 3 // 4, E // 2):
         for name, sc in ranked.items():
-            d = work / f"{model_dir.name}-{keep}-{name}"
-            save_model(prune_model(model, plan_keep(cfg, sc, {"experts": keep})), d, family=family,
-                       aux_from=model_dir, dtype=torch.float32)
+            d, t0 = work / f"{model_dir.name}-{keep}-{name}", time.time()
+            plan = plan_keep(cfg, sc, {"experts": keep})
+            pruned = prune_model(model, plan)
+            save_model(pruned, d, family=family, aux_from=model_dir, dtype=torch.float32)
             row = {"removed": 1 - keep / E, "experts": keep, "criterion": name,
-                   "before": judge(d, held_out, a.seq_len, a.limit, checked)}
+                   "kept": {k: v.tolist() for k, v in plan.items() if k.endswith(".experts")}}
+            try:
+                row["per_group"] = group_counts(model, pruned, plan)
+            except AssertionError as e:  # recorded, not fatal: the table says which rows broke the groups
+                row["groups_broken"] = str(e)
+                print(f"GROUPS BROKEN {name} {keep}: {e}", flush=True)
+            row["before"] = judge(d, held_out, a.seq_len, a.limit, checked)
             train(d, work / f"{d.name}-kd", train_txt, teacher_dir=model_dir, steps=a.distill_steps,
                   seq_len=a.seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=0, log_every=0,
                   checkpoint_every=10**9, keep_last=1)
             row["after"] = judge(work / f"{d.name}-kd", held_out, a.seq_len, a.limit, checked)
+            row["seconds"] = round(time.time() - t0, 1)
             res["rows"].append(row)
             print(f"{model_dir.name:18s} {keep}/{E} {name:15s} " + "  ".join(
                 f"{when} loss {row[when]['loss']:.4f} cloze {row[when]['remodel_cloze']:.3f} next "
                 f"{row[when]['remodel_nextphrase']:.3f}" for when in ("before", "after")), flush=True)
     return res
+
+
+def group_counts(model, pruned, keep) -> list:
+    """Kept experts per router group in each MoE layer (one group without n_group); raises unless every group
+    keeps the same number, n_group is unchanged and the correction bias was sliced with the experts."""
+    cfg, out = model.cfg, []
+    size = cfg.moe.n_routed_experts // cfg.moe.n_group
+    layers = [i for i, c in enumerate(cfg.pattern) if c == "E"]
+    for i, old, new in zip(layers, model.moe_layers(), pruned.moe_layers()):
+        kept = keep[f"layers.{i}.experts"]
+        counts = torch.bincount(kept // size, minlength=cfg.moe.n_group).tolist()
+        bias = getattr(old.gate, "e_score_correction_bias", None)
+        if (len(set(counts)) != 1 or pruned.cfg.moe.n_group != cfg.moe.n_group
+                or (bias is not None and not torch.equal(new.gate.e_score_correction_bias, bias[kept]))):
+            raise AssertionError(f"layer {i}: experts per group {counts}, n_group {pruned.cfg.moe.n_group}")
+        out.append(counts)
+    return out
 
 
 def criteria_table(res: dict) -> str:
@@ -248,6 +309,19 @@ def winners(res: dict) -> list[str]:
     return out
 
 
+LABELS = {"embedded": "embedded MoE (upcycled)", "scratch": "scratch MoE (distinct)",
+          "deepseek": "DeepSeek-V3-shaped MoE (scratch)"}
+
+
+def train_calib(a):
+    """The calibration sequences criteria_model uses (train split, A.samples x A.seq_len)."""
+    from transformers import AutoTokenizer
+
+    from remodel.pipelines.data.data import embedded_tokenizer_path
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_path()))
+    return pack(load_texts(embedded_corpus()[0]), tok, a.seq_len, max_tokens=a.samples * a.seq_len)
+
+
 def run_criteria(a) -> dict:
     """Both models through criteria_model; the scratch MoE is trained first (its time is in the result)."""
     import tempfile
@@ -256,12 +330,16 @@ def run_criteria(a) -> dict:
     checked = check_tasks(list(TASKS))
     res, t0 = {"models": []}, time.time()
     with tempfile.TemporaryDirectory(prefix="expert-criteria-") as tmp:
-        work = Path(tmp)
-        scratch = scratch_moe(work, a.scratch_steps)
-        res["scratch_train_s"] = round(time.time() - t0, 1)
-        for label, d in (("embedded MoE (upcycled)", Path(a.model)), ("scratch MoE (distinct)", scratch)):
+        work = Path(a.work or tmp)  # --work: kept, and a trained DeepSeek model there is reused
+        for key in a.models.split(","):
+            t1 = time.time()
+            reuse = key == "deepseek" and (work / "deepseek-balanced" / "config.json").exists()
+            d = {"embedded": lambda: Path(a.model), "scratch": lambda: scratch_moe(work, a.scratch_steps),
+                 "deepseek": lambda: work / "deepseek-balanced" if reuse else deepseek_moe(
+                     work, a.scratch_steps, train_calib(a))}[key]()
+            res[f"{key}_train_s"] = round(time.time() - t1, 1)
             m = criteria_model(d, work, a, checked)
-            res["models"].append({"label": label, **m})
+            res["models"].append({"label": LABELS[key], "seconds": round(time.time() - t1, 1), **m})
     res.update(seconds=round(time.time() - t0, 1), eval_tokens=res["models"][0]["eval_tokens"])
     return res
 
@@ -279,9 +357,17 @@ def criteria_main(argv=None):
     ap.add_argument("--distill-batch", type=int, default=4)
     ap.add_argument("--distill-lr", type=float, default=3e-4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=str(ROOT / "bench" / "expert_prune_criteria.json"))
-    ap.add_argument("--write", action="store_true", help=f"put the table into bench/RESULTS.md ({CRITERIA_SECTION})")
+    ap.add_argument("--models", default="embedded,scratch", help=f"comma-separated, of {', '.join(LABELS)} "
+                    "('deepseek' alone: its own section and JSON)")
+    ap.add_argument("--work", default=None, help="keep the checkpoints in this folder (default: a temporary one)")
+    ap.add_argument("--json", default=None, help="default bench/expert_prune_criteria[_deepseek].json")
+    ap.add_argument("--write", action="store_true", help=f"put the table into bench/RESULTS.md ({CRITERIA_SECTION}, "
+                    f"or {DEEPSEEK_SECTION})")
     a = ap.parse_args(argv)
+    if not a.models or set(a.models.split(",")) - set(LABELS):
+        ap.error(f"--models {a.models!r}: each must be one of {', '.join(LABELS)}")
+    ds = a.models == "deepseek"
+    a.json = a.json or str(ROOT / "bench" / f"expert_prune_criteria{'_deepseek' if ds else ''}.json")
     torch.set_num_threads(a.threads)
     res = run_criteria(a)
     res.update(args=vars(a), date=str(datetime.date.today()), machine=f"{platform.machine()} {platform.processor()}",
@@ -290,7 +376,8 @@ def criteria_main(argv=None):
     print(tab + "\n\n" + "\n".join(winners(res)))
     Path(a.json).write_text(json.dumps(res, indent=1))
     if a.write:
-        write_section(criteria_section(a, res, tab), title=CRITERIA_SECTION)
+        write_section(deepseek_section(a, res, tab) if ds else criteria_section(a, res, tab),
+                      title=DEEPSEEK_SECTION if ds else CRITERIA_SECTION)
 
 
 def criteria_section(a, res, tab) -> str:
@@ -303,6 +390,42 @@ def criteria_section(a, res, tab) -> str:
             f"({a.scratch_steps} steps, 8 distinct experts); cells: held-out loss before / after {a.distill_steps} "
             f"distillation steps; cloze: remodel_cloze accuracy on {a.limit} items (standard error ~0.04).\n\n")
     return head + tab + "\n\n" + READING
+
+
+DEEPSEEK_SECTION = "## Expert pruning criteria on a DeepSeek-V3-shaped MoE (grouped sigmoid router)"
+
+
+def deepseek_section(a, res, tab) -> str:
+    """The RESULTS.md section of a `criteria --models deepseek` run (DEEPSEEK_READING: the committed run's)."""
+    m = res["models"][0]
+    per_group = sorted({f"{r['experts']}: {r['per_group'][0]}" for r in m["rows"] if "per_group" in r})
+    broken = [f"{r['criterion']} {r['experts']}" for r in m["rows"] if "groups_broken" in r]
+    head = (f"{DEEPSEEK_SECTION}\n\n- Command: `nice -n 10 python bench/bench_expert_prune_quality.py criteria --models "
+            f"deepseek --write` (--samples {a.samples} --limit {a.limit} --seeds {a.seeds} --scratch-steps "
+            f"{a.scratch_steps} --distill-steps {a.distill_steps}); machine: {res['date']}, the 2-core VM shared with "
+            f"~8 other agents, {a.threads} thread(s), torch {res['torch']}, fp32; {res['seconds']:.0f} s (training "
+            f"{res['deepseek_train_s']:.0f} s). JSON: bench/expert_prune_criteria_deepseek.json.\n"
+            "- Setup: a deepseek_v3-family model built and trained here (DEEPSEEK in the bench: hidden 128, MLA, 4 "
+            "layers, the first dense, then 16 routed experts in n_group 4, topk_group 2, top-4, one shared expert, "
+            f"sigmoid scores, routed_scaling_factor 2.5; {a.scratch_steps} steps of 8 x 128), its "
+            "e_score_correction_bias then set by DeepSeek's aux-loss-free balancing rule on calibration data; "
+            f"pruned to 12 and 8 experts, every group keeping the same number (experts kept: per group, first MoE "
+            f"layer: {'; '.join(per_group)}), the bias sliced with the experts (checked on every row; broken: "
+            f"{', '.join(broken) or 'none'}); cells: "
+            f"held-out loss before / after {a.distill_steps} distillation steps; cloze: remodel_cloze accuracy on "
+            f"{a.limit} items.\n\n")
+    return head + tab + "\n\n" + "\n".join(f"- {w}" for w in winners(res)) + "\n\n" + DEEPSEEK_READING
+
+
+DEEPSEEK_READING = """- Goal: none numeric (which criterion wins on the grouped sigmoid router). Met only weakly. Without retraining
+  the routed criteria beat random at both sizes (12 of 16: reconstruction = contribution 4.4817, REAP 4.4834,
+  frequency 4.4828, random 4.4881; 8 of 16: contribution 4.4879, REAP 4.4883, reconstruction 4.4899, frequency and
+  random 4.4946; unpruned 4.4815), and frequency is no better than random at 50%. But the whole spread is 0.007
+  nats: removing half the experts costs at most +0.3% loss, so this 400-step model's routed experts are nearly
+  interchangeable. After 40 distillation steps every criterion lies within 0.0024 (4.4823-4.4847), below seed
+  noise; cloze is 0.640 for every model (task accuracy does not separate them). REAP is not the worst here (unlike
+  the Mixtral rows at 50%). A verdict needs a longer-trained model with more specialised experts. One training seed.
+"""
 
 
 READING = """- Goal: none numeric (which criterion wins where). Met: before retraining reconstruction is lowest in
