@@ -24,6 +24,7 @@ from remodel.models.attention import ATTENTION
 from remodel.models.errors import RemodelError
 from remodel.models.families import DEFAULT_ORDER, FAMILIES
 from remodel.models.hf import check_exportable
+from remodel.models.kinds import routed
 from remodel.models.mamba import MAMBA
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.gated_deltanet import GATED_DELTANET
@@ -130,38 +131,63 @@ def head_dim_in(cfg, family: str) -> int:
 
 def hybrid_config(cfg, mixer: str, replaced: set, family: str | None):
     """The hybrid's ModelConfig: layers `replaced` of the mixer's kind, the kept attention in `family`'s head width
-    (None: the source's, a model held in memory only)."""
+    (None: the source's, a model held in memory only) with one bias flag for q/k/v and o_proj (the hybrid families
+    tie them: the side the source lacks is written as zeros, hybridize_model)."""
     m, a = mixer_of(mixer), cfg.attention
     pattern = "".join(m.kind.char if i in replaced else c for i, c in enumerate(cfg.pattern))
     attn = {}
     if family is not None and any(s.kind is m.replaces and s.index not in replaced for s in cfg.slots):  # kept
+        bias = bool(a.attention_bias or a.attention_out_bias)
         attn = {"attention.head_dim": head_dim_in(cfg, family), "attention.attention_scale": None,
-                "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor}
+                "attention.partial_rotary_factor": FAMILIES[family].fixed_rotary or a.partial_rotary_factor,
+                "attention.attention_bias": bias, "attention.attention_out_bias": bias}
     new = cfg.replace(pattern=pattern, **m.sizes(a), **attn)
     return new if family is None else family_fit(new, family)  # the family's gate, q/k norms, norm offset
 
 
+def _variants(new) -> list:
+    """`new`, then (MoE layers without a shared expert) the same with a zero shared expert of width 1, which adds
+    nothing: the form of a family whose MoE layers always hold one (hybridize_model writes it as zeros)."""
+    out = [new]
+    if routed(new) and not new.moe.moe_shared_expert_intermediate_size:
+        out.append(new.replace(**{"moe.moe_shared_expert_intermediate_size": 1}))
+    return out
+
+
+def _held(cfg, mixer: str, replaced: set, family: str):
+    """The first form of the hybrid that `family` exports exactly; else RemodelError with the family's reason
+    (that of the last form tried)."""
+    why = None
+    for new in _variants(hybrid_config(cfg, mixer, replaced, family)):
+        try:
+            check_exportable(new, family)
+            return new
+        except RemodelError as e:
+            why = e  # the last form's reason: the one closest to holding it
+    raise why
+
+
 def target(cfg, mixer: str, replaced: set, to: str | None) -> tuple[str, object]:
     """(family, hybrid config): `to` when it holds the hybrid, else the first family of the registry's default
-    order that holds it (and holds the mixer, asked with every attention layer replaced); one line otherwise."""
+    order that holds it (and holds the mixer, asked with every attention layer replaced); one line otherwise,
+    with each family that holds the mixer's layers and why it cannot hold this hybrid."""
     if to is not None:
         if to not in FAMILIES:
             raise RemodelError(f"unknown --to {to!r} (supported: {', '.join(FAMILIES)})")
-        new = hybrid_config(cfg, mixer, replaced, to)
         try:
-            check_exportable(new, to)
+            return to, _held(cfg, mixer, replaced, to)
         except RemodelError as e:
             raise RemodelError(f"--to {to} cannot hold the hybrid: {e}") from None
-        return to, new
-    every = set(replaceable(cfg, mixer))
+    every, why = set(replaceable(cfg, mixer)), []
     for f in DEFAULT_ORDER:
         try:
-            probe, new = (hybrid_config(cfg, mixer, r, f.name) for r in (every, replaced))
-        except RemodelError:  # the family's head width cannot hold the source's attention
-            continue
-        if f.holds(probe) and f.holds(new):
-            return f.name, new
-    raise RemodelError(f"no family holds this hybrid (--mixer {mixer}); name one with --to")
+            _held(cfg, mixer, every, f.name)
+            return f.name, _held(cfg, mixer, replaced, f.name)
+        except RemodelError as e:
+            if mixer_of(mixer).kind.char in "".join(f.block_types.values()):
+                said = str(e).removeprefix(f"cannot export to {f.name}: ").removeprefix(f"--to {f.name}: ")
+                why.append(f"--to {f.name}: {said}")
+    raise RemodelError(f"no family holds this hybrid (--mixer {mixer}; {'; '.join(why) or 'none holds its layers'})")
 
 
 def widen_attention(att: dict, a, d2: int) -> dict:
@@ -192,7 +218,7 @@ def _mixer_state(state: dict, i: int) -> dict:
 def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str = "attention",
                     seed: int = 0) -> HybridLM:
     """The hybrid of `src` under `new_cfg` (hybrid_config): replaced layers' mixers initialised per `init`, every
-    other tensor copied (kept attention widened to new_cfg's head width)."""
+    other tensor copied (kept attention widened to new_cfg's head width), the tensors the source lacks zero."""
     if init not in INITS:
         raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
     m, cfg = mixer_of(mixer), src.cfg
@@ -208,6 +234,8 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
             mix = kept_attention(widen_attention(att, cfg.attention, new_cfg.attention.head_dim), cfg, new_cfg,
                                  scale_of(old[f"layers.{i}.norm.weight"], new_cfg.norm_offset))
         state.update({pre + k: v for k, v in mix.items()})
+    # what the target's form adds (_variants, hybrid_config: a tied bias, a shared expert) computes nothing: zeros
+    state.update({k: torch.zeros_like(v) for k, v in fresh.items() if k not in state})
     model.load_state_dict(state, strict=True)
     return model.eval()
 
