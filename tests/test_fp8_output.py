@@ -134,6 +134,23 @@ def test_expert_pruning_copies_every_fp8_weight_and_scale_byte_for_byte(fp8, tmp
     assert torch.equal(logits(tmp_path / "q", vocab, block), logits(tmp_path / "p", vocab))
 
 
+def test_a_depth_cut_copies_the_renumbered_layers_byte_for_byte(fp8, tmp_path):
+    """prune --drop-layers 0 (the dense first layer): output layer i is source layer i + 1 (an MoE layer now at an
+    index whose source layer was dense), every float8 weight and scale byte-identical to it; transformers loads the
+    FP8 output and its logits equal the plain pruning's exactly."""
+    src, scores = fp8[0][WHOLE], fp8[1]
+    _prune(src, scores, tmp_path / "q", "--drop-layers", "0")
+    _prune(src, scores, tmp_path / "p", "--drop-layers", "0", "--dtype", "float32")
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "q" / "model.safetensors")
+    stored = [k for k, t in b.items() if t.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")]
+    assert len(stored) > 40 and "model.layers.0.mlp.experts.0.up_proj.weight" in stored
+    for k in stored:
+        i = k.split(".")[2]
+        assert same_bytes(b[k], a[k.replace(f"layers.{i}.", f"layers.{int(i) + 1}.", 1)]), k
+    vocab = json.loads((tmp_path / "q" / "config.json").read_text())["vocab_size"]
+    assert torch.equal(logits(tmp_path / "q", vocab), logits(tmp_path / "p", vocab))
+
+
 def test_a_cut_inside_the_blocks_requantizes_the_cut_weights(fp8, tmp_path):
     """prune --expert-ffn-size 8 of 16 (inside the 16 x 16 blocks): the routed experts' weights are re-quantized
     (each within e4m3's rounding of the plain pruning's weight), the rest copied byte for byte; transformers
