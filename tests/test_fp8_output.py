@@ -173,3 +173,16 @@ def test_a_cut_inside_the_blocks_requantizes_the_cut_weights(fp8, tmp_path):
     vocab = json.loads((tmp_path / "q" / "config.json").read_text())["vocab_size"]
     diff = (logits(tmp_path / "q", vocab, BLOCK) - logits(tmp_path / "p", vocab)).abs().mean().item()
     assert 0 < diff <= REQUANT_MEAN_LOGITS
+
+
+def test_plan_reports_the_fp8_sources_stored_bytes(fp8, capsys):
+    """plan on the FP8 checkpoint reports (and prints) the bytes its files store: float8 weights, float32 scales and
+    the plain tensors, as inspect's tensor_bytes."""
+    from remodel.pipelines.commands.inspection import fmt_bytes, inspect
+    src = fp8[0][BLOCK]
+    stored = sum(t.nbytes for t in load_file(src / "model.safetensors").values())
+    assert cli.main(["plan", str(src), "--params", "150000"]) == 0
+    assert f"(stored: {fmt_bytes(stored)})" in capsys.readouterr().out
+    from remodel.pipelines.commands.plan import plan
+    assert plan(src, params=150000, verbose=False)["source_stored_bytes"] == stored
+    assert inspect(src)["checkpoint"]["tensor_bytes"] == stored
