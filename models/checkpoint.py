@@ -24,6 +24,7 @@ import torch
 from .errors import RemodelError
 from .files import open_regular, parse_json, read_json
 from .fp8 import fingerprint, fp8_output, fp8_views
+from .mxfp4 import mxfp4_output
 from .outputs import atomic_output_dir  # also re-exported: the commands take it from here
 
 SINGLE = "model.safetensors"
@@ -42,8 +43,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # models.fp8.Dequantized (the stored parts it is made of, its shape, dtype and read(*parts))}
 DEQUANTIZERS = (fp8_views,)
 # an output in its quantized source's format: each maps a reader to an object with tensors(name, value) -> [(name,
-# stored tensor)] and config(hf config) -> config.json (models.fp8.Fp8Output), or None for a source not its own
-QUANTIZERS = (fp8_output,)
+# stored tensor)] and config(hf config) -> config.json (models.fp8.Fp8Output, models.mxfp4.Mxfp4Output), or None
+QUANTIZERS = (fp8_output, mxfp4_output)
 
 
 def _entry(path, name, e) -> tuple:

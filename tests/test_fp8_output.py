@@ -149,6 +149,11 @@ def test_a_depth_cut_copies_the_renumbered_layers_byte_for_byte(fp8, tmp_path):
         assert same_bytes(b[k], a[k.replace(f"layers.{i}.", f"layers.{int(i) + 1}.", 1)]), k
     vocab = json.loads((tmp_path / "q" / "config.json").read_text())["vocab_size"]
     assert torch.equal(logits(tmp_path / "q", vocab), logits(tmp_path / "p", vocab))
+    from remodel.models.errors import RemodelError
+    from remodel.models.regions import RegionReader
+    with pytest.raises(RemodelError) as e:  # sharded loading reads plain regions: refused, naming the fix
+        RegionReader(tmp_path / "q").read("layers.0.mixer.kv_b_proj.weight", [None, None])
+    assert "FP8" in str(e.value) and "--dtype" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_cut_inside_the_blocks_requantizes_the_cut_weights(fp8, tmp_path):
