@@ -99,7 +99,7 @@ class RegionReader:
 
     def _float(self, k: str, lead: tuple):
         check_weight_dtype(self.path, k, self.where[k][2])
-        if self.where[k][2].itemsize == 1:  # float8 with block scales (models/fp8.py): not a region of plain values
+        if k + "_scale_inv" in self.where:  # float8 with block scales (models/fp8.py): not a region of plain values
             raise RemodelError(f"{self.path}: {k} is FP8 block-quantized; sharded loading reads plain weights: "
                                "`remodel convert --dtype bfloat16` it first")
         return (*self.where[k], lead)
