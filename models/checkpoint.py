@@ -23,7 +23,8 @@ import torch
 
 from .errors import RemodelError
 from .files import open_regular, parse_json, read_json
-from .fp8 import fp8_views
+from .fp8 import fingerprint, fp8_output, fp8_views
+from .mxfp4 import mxfp4_output
 from .outputs import atomic_output_dir  # also re-exported: the commands take it from here
 
 SINGLE = "model.safetensors"
@@ -41,6 +42,9 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # quantized checkpoints read as plain weights: each maps (config, {name: (dtype, shape)}, path) to {weight name:
 # models.fp8.Dequantized (the stored parts it is made of, its shape, dtype and read(*parts))}
 DEQUANTIZERS = (fp8_views,)
+# an output in its quantized source's format: each maps a reader to an object with tensors(name, value) -> [(name,
+# stored tensor)] and config(hf config) -> config.json (models.fp8.Fp8Output, models.mxfp4.Mxfp4Output), or None
+QUANTIZERS = (fp8_output, mxfp4_output)
 
 
 def _entry(path, name, e) -> tuple:
@@ -157,6 +161,7 @@ class CheckpointReader:
                     raise RemodelError(f"{file}: tensor {name!r} listed in {INDEX} is missing from the shard")
                 self._where[name] = (shard, header[name])
         self._views = dequantized(self.config, self._where, self.path)  # the hook: quantized weights
+        self.source_config, self.read_log = self.config, None  # read_log: {fingerprint: name} once an output asks
         self._keys = sorted(set(self._where) - {p for v in self._views.values() for p in v.parts} | set(self._views))
         self._has = set(self._keys)
         self.config = without_absent_mtp(self.config, self._keys)
@@ -197,9 +202,22 @@ class CheckpointReader:
 
     def get(self, name) -> torch.Tensor:
         """Read exactly one tensor into fresh memory (plain file read; no mmap of the shard); a quantized weight
-        dequantized from its stored parts."""
+        dequantized from its stored parts (its value logged when an output in the source's format asks)."""
         v = self._views.get(name)
-        return self._raw(name) if v is None else v.read(*map(self._raw, v.parts))
+        if v is None:
+            return self._raw(name)
+        t = v.read(*map(self._raw, v.parts))
+        if self.read_log is not None:
+            self.read_log[fingerprint(t)] = name
+        return t
+
+    def views(self) -> dict:
+        """{weight name: models.fp8.Dequantized} of the weights stored quantized."""
+        return dict(self._views)
+
+    def parts(self, name) -> list[tuple[str, torch.Tensor]]:
+        """[(stored name, stored tensor)] that `name` is made of, as stored (a quantized weight: data and scales)."""
+        return [(p, self._raw(p)) for p in (self._views[name].parts if name in self._views else (name,))]
 
     def _raw(self, name) -> torch.Tensor:
         shard, e = self._entry(name)
@@ -233,6 +251,14 @@ def dequantized(config: dict, where: dict, path) -> dict:
     entry)}) by every DEQUANTIZER (checked from the headers, nothing read)."""
     stored = {k: (DTYPES[e["dtype"]], tuple(e["shape"])) for k, (_, e) in where.items()}
     return {k: v for dq in DEQUANTIZERS for k, v in dq(config, stored, path).items()}
+
+
+def output_format(reader, dtype=None):
+    """The format an output of `reader`'s source is written in: its own quantized one (a QUANTIZERS entry) unless
+    a dtype is asked for (plain weights); None: plain."""
+    if dtype is not None:
+        return None
+    return next((f for f in (q(reader) for q in QUANTIZERS) if f is not None), None)
 
 
 def _trim_heap():
@@ -298,7 +324,7 @@ class CheckpointWriter:
     multiple of 8 bytes are held (copied) and written last, by descending item size, so every tensor
     stays aligned to its element size."""
 
-    def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024**3):
+    def __init__(self, out_dir, max_shard_bytes: int = 2 * 1024**3, fmt=None):
         if sys.byteorder != "little":
             raise RemodelError("writing safetensors needs a little-endian machine")
         self.out_dir = Path(out_dir)
@@ -310,9 +336,14 @@ class CheckpointWriter:
         self._names = set()
         self.total_size = 0
         self._closed = False
+        self.fmt = fmt  # output_format(): a quantized source's format, or None (plain)
 
     def add(self, name: str, tensor: torch.Tensor):
-        """Write `tensor` (its values now: later in-place changes do not reach the file)."""
+        """Write `tensor` (its values now: later in-place changes do not reach the file), in self.fmt."""
+        for k, t in self.fmt.tensors(name, tensor) if self.fmt is not None else [(name, tensor)]:
+            self._add(k, t)
+
+    def _add(self, name: str, tensor: torch.Tensor):
         if self._closed:
             raise RemodelError(f"{self.out_dir}: writer already closed, cannot add {name!r}")
         if name in self._names:
@@ -391,6 +422,7 @@ class CheckpointWriter:
         if n > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = self.fmt.config(config) if self.fmt is not None else config
         (self.out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in aux_files(aux_from) if aux_from is not None else []:
             shutil.copyfile(f, self.out_dir / f.name)

@@ -7,9 +7,14 @@ is ragged where a width is not a multiple of the block). `fp8_views`, one of mod
 all of that from the safetensors headers (no data read) and presents each pair as one weight under W's name:
 `dequantize` (fp8 -> float32, times its block's scale, cast once to the checkpoint's dtype): transformers'
 Fp8Dequantize arithmetic, bit for bit (tests/test_fp8_checkpoint.py). Scales are checked finite as they are read.
+Outputs keep the format (`fp8_output`, one of models.checkpoint.QUANTIZERS): a weight a command did not change is
+its stored bytes and scales copied, a changed one re-quantized by `quantize` (transformers' Fp8Quantize, ragged
+edges zero-padded as DeepSeek's blocks are); tests/test_fp8_output.py.
 """
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Callable, NamedTuple
 
 import torch
@@ -115,3 +120,80 @@ def fp8_views(config: dict, stored: dict, where) -> dict:
         raise RemodelError(f"{where}: tensor {orphans[0]!r} scales no float8_e4m3fn weight "
                            f"{orphans[0][:-len(SCALE)]!r}")
     return views
+
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize(w: torch.Tensor, block, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv) of w [..., rows, cols], one scale per block: transformers'
+    Fp8Quantize (scale = 448 / amax, x * scale clamped, scale_inv = 1 / scale; an all-zero block scale 1; ue8m0:
+    scale_inv rounded up to a power of two), ragged edge blocks zero-padded (their amax over the real values)."""
+    if not bool(torch.isfinite(w).all()):
+        raise RemodelError(f"cannot quantize a weight [{', '.join(map(str, w.shape))}] holding NaN / inf to FP8")
+    *lead, rows, cols = w.shape
+    gr, gc = grid(w.shape, block)[-2:]
+    pad = w.new_zeros(*lead, gr * block[0], gc * block[1], dtype=torch.float32)
+    pad[..., :rows, :cols] = w
+    blocks = pad.view(*lead, gr, block[0], gc, block[1])
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, FP8_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    inv = (1.0 / scale).to(torch.float32)
+    if ue8m0:
+        inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+        scale = 1.0 / inv
+    q = (blocks * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(pad.shape)[..., :rows, :cols].contiguous(), inv.contiguous()
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """A tensor's identity by value: dtype, shape and a 128-bit hash of its bytes."""
+    t = t.detach().contiguous()
+    return str(t.dtype), tuple(t.shape), hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().data,
+                                                         digest_size=16).digest()
+
+
+def pattern(name: str) -> str:
+    """A tensor name with its indices (layer, expert) as '#': which weights a format quantizes, whatever a
+    command renumbered."""
+    return re.sub(r"(?<=\.)\d+(?=\.)", "#", name)
+
+
+class Fp8Output:
+    """Writes a command's output in its FP8 source's format. The reader logs the value of each weight it
+    dequantizes (reader.read_log: fingerprint -> name); an output weight of a pattern the source quantizes whose
+    value is one logged is that weight unchanged (renamed, maybe: a renumbered layer or expert), written as its
+    stored float8 bytes and scales; any other is re-quantized in the source's blocks. Everything else is plain."""
+
+    def __init__(self, reader, qconfig: dict):
+        self.reader, self.qconfig = reader, qconfig
+        self.block = block_size(qconfig, reader.path)
+        self.ue8m0 = qconfig.get("scale_fmt") == "ue8m0"
+        self.patterns = {pattern(k) for k, v in reader.views().items() if scale_name(k) in v.parts}
+        self.copied, self.quantized = 0, 0
+        reader.read_log = {}
+
+    def tensors(self, name: str, t: torch.Tensor) -> list:
+        """[(name, tensor)] to store for output weight `name` of value `t`."""
+        if pattern(name) not in self.patterns or t.dim() < 2 or not t.is_floating_point():
+            return [(name, t)]
+        src = self.reader.read_log.get(fingerprint(t))
+        if src is not None:
+            self.copied += 1
+            return [(name + part[len(src):], raw) for part, raw in self.reader.parts(src)]
+        self.quantized += 1
+        q, s = quantize(t, self.block, self.ue8m0)
+        return [(name, q), (scale_name(name), s)]
+
+    def config(self, hf: dict) -> dict:
+        """The output's config.json: the source's quantization_config kept when a weight is stored quantized."""
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}
+        return {**hf, "quantization_config": self.qconfig} if self.copied + self.quantized else hf
+
+
+def fp8_output(reader):
+    """The Fp8Output of an FP8 block-quantized source (`reader`), None for any other."""
+    q = reader.source_config.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "fp8" and reader.views():
+        return Fp8Output(reader, q)
+    return None

@@ -5,13 +5,15 @@ nibble first) and `X_scales` (uint8 [..., rows, G]: one e8m0 exponent, biased by
 FP4 * 2**(scale - 127), laid out [..., rows, G * 32] and then, as transformers' convert_moe_packed_tensors
 returns it, with its last two dimensions swapped: the tensor `X` a plain checkpoint stores. Every such value is
 exact in bfloat16 (3 significant bits, fp32's exponent range), so it is read in bfloat16 and the loader casts it.
-remodel writes plain weights (bf16 / fp32), never MXFP4.
+Outputs keep the format (`mxfp4_output`, one of models.checkpoint.QUANTIZERS): an expert a command did not change
+is its stored blocks and scales copied, a tensor with any changed expert is re-quantized by `quantize`.
 """
 from __future__ import annotations
 
 import torch
 
 from .errors import RemodelError
+from .fp8 import fingerprint, pattern
 
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values per scale
@@ -57,14 +59,21 @@ def shape_and_get(reader, name: str):
     shape = packed_shape(reader, name)
     if shape is None:
         return None
-    return shape, lambda: dequantize(reader.get(name + "_blocks"), reader.get(name + "_scales"),
-                                     where=f"{reader.path}: {name}: ")
+    def read():
+        w = dequantize(reader.get(name + "_blocks"), reader.get(name + "_scales"), where=f"{reader.path}: {name}: ")
+        if getattr(reader, "read_log", None) is not None:  # an output in this format asked: log each expert
+            reader.read_log.update((fingerprint(w[e]), (name, e)) for e in range(w.shape[0]) if w.dim() == 3)
+        return w
+    return shape, read
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, scales) of w [..., cols, rows] (the dequantized layout) rounded to MXFP4: per 32 values the
-    exponent that fits their largest magnitude under 6, each value to its nearest FP4. For building tests'
-    checkpoints in the released layout (remodel never writes MXFP4)."""
+    exponent that fits their largest magnitude under 6, each value to its nearest FP4 (ties to the lower code).
+    Re-quantizes an output's changed experts; builds tests' checkpoints in the released layout."""
+    if w.shape[-2] % BLOCK:
+        raise RemodelError(f"cannot write a weight {list(w.shape)} as MXFP4: its size {w.shape[-2]} along the "
+                           f"quantized dimension is not a multiple of {BLOCK}; choose one, or pass --dtype bfloat16")
     x = w.transpose(-2, -1).float()  # [..., rows, cols]
     x = x.unflatten(-1, (x.shape[-1] // BLOCK, BLOCK))
     amax = x.abs().amax(-1).clamp_min(2.0 ** -126)
@@ -73,3 +82,47 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lut = torch.tensor(FP4_VALUES)
     code = (y[..., None] - lut).abs().argmin(-1).to(torch.uint8)
     return code[..., 0::2] | (code[..., 1::2] << 4), scale
+
+
+class Mxfp4Output:
+    """Writes a command's output in its MXFP4 source's format: each stacked expert tensor whose every expert is
+    one the reader dequantized (reader.read_log, by value) is those experts' stored blocks and scales stacked
+    (kept experts: byte for byte); one with any changed expert is re-quantized whole; everything else plain."""
+
+    def __init__(self, reader, qconfig: dict):
+        self.reader, self.qconfig, self.written = reader, qconfig, 0
+        self.patterns = {pattern(k[:-len("_blocks")]) for k in reader.keys() if k.endswith("_blocks")}
+        reader.read_log = {}
+
+    def _stored(self, t: torch.Tensor):
+        """(blocks, scales) of t's experts as stored, or None when one is not a logged expert."""
+        src = []
+        for e in range(t.shape[0]):
+            x = t[e].to(READ_DTYPE)
+            hit = self.reader.read_log.get(fingerprint(x)) if torch.equal(x.to(t.dtype), t[e]) else None
+            if not isinstance(hit, tuple):
+                return None
+            src.append(hit)
+        raw = {n: (self.reader.get(n + "_blocks"), self.reader.get(n + "_scales")) for n in {n for n, _ in src}}
+        return (torch.stack([raw[n][0][e] for n, e in src]), torch.stack([raw[n][1][e] for n, e in src]))
+
+    def tensors(self, name: str, t: torch.Tensor) -> list:
+        """[(name, tensor)] to store for output tensor `name` of value `t`."""
+        if pattern(name) not in self.patterns or t.dim() != 3 or not t.is_floating_point():
+            return [(name, t)]
+        self.written += 1
+        blocks, scales = self._stored(t) or quantize(t)
+        return [(name + "_blocks", blocks), (name + "_scales", scales)]
+
+    def config(self, hf: dict) -> dict:
+        """config.json: the source's quantization_config kept when a tensor is stored as MXFP4."""
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}
+        return {**hf, "quantization_config": self.qconfig} if self.written else hf
+
+
+def mxfp4_output(reader):
+    """The Mxfp4Output of a source storing MXFP4 tensors (quant_method mxfp4), None for any other."""
+    q = reader.source_config.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4" and any(k.endswith("_blocks") for k in reader.keys()):
+        return Mxfp4Output(reader, q)
+    return None

@@ -93,11 +93,15 @@ class RegionReader:
             if k in self.where:
                 return self._float(k, (expert,))
         if hf + "_blocks" in self.where:  # MXFP4 (models/mxfp4.py): read whole by load_model, not by regions
-            raise RemodelError(f"{self.path}: {hf} is MXFP4; sharded loading reads plain weights: `remodel convert` it first")
+            raise RemodelError(f"{self.path}: {hf} is MXFP4; sharded loading reads plain weights: "
+                               "`remodel convert --dtype bfloat16` it first")
         raise RemodelError(f"checkpoint {self.path} has no tensor {hf!r}")
 
     def _float(self, k: str, lead: tuple):
         check_weight_dtype(self.path, k, self.where[k][2])
+        if k + "_scale_inv" in self.where:  # float8 with block scales (models/fp8.py): not a region of plain values
+            raise RemodelError(f"{self.path}: {k} is FP8 block-quantized; sharded loading reads plain weights: "
+                               "`remodel convert --dtype bfloat16` it first")
         return (*self.where[k], lead)
 
     def read(self, name: str, index: list, dtype=torch.float32) -> torch.Tensor:

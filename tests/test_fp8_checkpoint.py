@@ -143,7 +143,8 @@ def test_inspect_counts_an_fp8_checkpoint_as_transformers_does(source, tmp_path)
 def test_score_convert_prune_on_fp8_equal_its_dequantized_copy(source, tmp_path):
     """Ragged 16 x 16 blocks (kv_b_proj 44 rows, q_b_proj 10 columns ...): score, convert and prune (experts, MLA
     heads, latent rank, value head size) on the FP8 checkpoint write byte for byte what they write for its copy
-    dequantized by transformers' function; the outputs are plain (no quantization_config, no float8)."""
+    dequantized by transformers' function; with --dtype the outputs are plain (no quantization_config, no float8;
+    without it they keep the source's format: tests/test_fp8_output.py)."""
     _, d = source
     fp8_copy(d, tmp_path / "fp8", (16, 16))
     dequantized_copy(tmp_path / "fp8", tmp_path / "plain", (16, 16))
@@ -152,9 +153,10 @@ def test_score_convert_prune_on_fp8_equal_its_dequantized_copy(source, tmp_path)
         s = tmp_path / src
         assert cli.main(["score", str(s), "--data", data, "--out", str(tmp_path / f"{src}.s"), "--samples", "4",
                          "--seq-len", "16", "--no-loss-increase"]) == 0
-        assert cli.main(["convert", str(s), str(tmp_path / f"{src}.c")]) == 0
+        assert cli.main(["convert", str(s), str(tmp_path / f"{src}.c"), "--dtype", "float32"]) == 0
         assert cli.main(["prune", str(s), str(tmp_path / f"{src}.p"), "--scores", str(tmp_path / f"{src}.s"),
-                         "--experts", "6", "--mla-heads", "3", "--kv-lora-rank", "8", "--v-head-dim", "4"]) == 0
+                         "--experts", "6", "--mla-heads", "3", "--kv-lora-rank", "8", "--v-head-dim", "4",
+                         "--dtype", "float32"]) == 0
     assert load_file(tmp_path / "fp8.s" / "scores.safetensors").keys()
     for out in ("s/scores.safetensors", "c/model.safetensors", "c/config.json", "p/model.safetensors", "p/config.json"):
         a, b = (tmp_path / f"{src}.{out}" for src in ("fp8", "plain"))

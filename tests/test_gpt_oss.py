@@ -106,15 +106,15 @@ def test_mxfp4_checkpoint_reads_transformers_dequantization(tmp_path):
     x = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max().item() <= 1e-4
-    out = tmp_path / "plain"  # written as plain weights: transformers loads it, no quantization_config left
-    assert cli.main(["convert", str(tmp_path / "mxfp4"), str(out)]) == 0
+    out = tmp_path / "plain"  # --dtype: plain weights, transformers loads it, no quantization_config left
+    assert cli.main(["convert", str(tmp_path / "mxfp4"), str(out), "--dtype", "float32"]) == 0
     written = load_file(out / "model.safetensors")
     assert not any(k.endswith(("_blocks", "_scales")) for k in written)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     reloaded_equals_in_memory(out, ours)
     with pytest.raises(RemodelError) as e:  # sharded loading reads regions of plain tensors only: refused, with the fix
         RegionReader(tmp_path / "mxfp4").read("layers.1.mixer.experts.down_proj", [None, None, None])
-    assert "MXFP4" in str(e.value) and "remodel convert" in str(e.value) and "\n" not in str(e.value)
+    assert "MXFP4" in str(e.value) and "remodel convert --dtype" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["scale_255", "scale_overflow", "dtype", "shape"])

@@ -89,6 +89,8 @@ class PruneOptions:
     task_dir: str | None = opt(None, TASK_DIR)
     task_limit: int | None = opt(None, LIMIT, flag="limit", check=ints(1, 2**31))
     trust_task_code: bool = opt(False, TRUST_TASK_CODE)
+    dtype: str | None = opt(None, "dtype of the written weights (default None: as read; a quantized source, FP8, "
+                            "is written in its own format, a dtype writes plain weights)", choices=DTYPES)
     overwrite: bool = opt(False, OVERWRITE)
     max_shard_bytes: int = opt(2 * 1024**3, "bytes per written shard file", cli=False)
     score: dict = opt({}, "keywords of `score` for the --data path (samples, seq_len, batch, ...)", cli=False)
@@ -264,7 +266,8 @@ class ConvertOptions:
     model: object = opt(None, "checkpoint directory to read", positional=True)
     out: object = opt(None, "new output directory", positional=True)
     to: str | None = opt(None, "output family (default None: the input's own family)", choices=FAMILIES)
-    dtype: str | None = opt(None, "dtype of the written weights (default None: as read)", choices=DTYPES)
+    dtype: str | None = opt(None, "dtype of the written weights (default None: as read; a quantized source, FP8, "
+                            "is written in its own format, a dtype writes plain weights)", choices=DTYPES)
     overwrite: bool = opt(False, OVERWRITE)
 
 

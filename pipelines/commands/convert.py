@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output
+from remodel.models.checkpoint import (CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output,
+                                       output_format)
 from remodel.models.errors import RemodelError
 from remodel.models.families.tower import check_tower_at
 from remodel.models.hf import FAMILIES, check_exportable, config_from_hf, config_to_hf, weight_table
@@ -33,13 +34,13 @@ def _dcp_checkpoint(path: Path) -> Path | None:
 
 
 def _open_source(model_dir: Path):
-    """-> (HF config dict, plan rows, aux-files folder or None, input label) for a HF checkpoint or a DCP
-    training checkpoint (`OUT.run/` or one of its step-N directories)."""
+    """-> (HF config dict, plan rows, aux-files folder or None, input label, HF reader or None) for a HF checkpoint
+    or a DCP training checkpoint (`OUT.run/` or one of its step-N directories)."""
     ckpt = _dcp_checkpoint(model_dir)
     if ckpt is None:
         reader = CheckpointReader(model_dir)
         cfg = config_from_hf(reader.config)
-        return reader.config, source_plan(reader, cfg), model_dir, cfg  # validates every shape before reading
+        return reader.config, source_plan(reader, cfg), model_dir, cfg, reader  # validates every shape first
     from ..training.train_state import read_meta
     meta = read_meta(ckpt)
     hf = meta.get("hf_config")
@@ -47,7 +48,7 @@ def _open_source(model_dir: Path):
         raise RemodelError(f"{ckpt}: training checkpoint without its model config (written by an older remodel)")
     cfg = config_from_hf(hf)
     rows = [(ours, e, r) for ours, e, r in _dcp_plan_rows(ckpt, cfg, hf["model_type"])]
-    return hf, rows, _run_aux(ckpt), cfg
+    return hf, rows, _run_aux(ckpt), cfg, None
 
 
 def _run_aux(ckpt: Path) -> Path | None:
@@ -102,7 +103,7 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
     OUT, one tensor at a time."""
     t0 = time.time()
     model_dir = Path(model_dir)
-    src_cfg, plan, aux_from, cfg = _open_source(model_dir)
+    src_cfg, plan, aux_from, cfg, reader = _open_source(model_dir)
     max_shard_bytes = max_shard_bytes or source_shard_bytes(model_dir)
     src = src_cfg.get("model_type")
     family = to or src
@@ -115,7 +116,8 @@ def convert(model_dir, out, to: str | None = None, overwrite: bool = False, dtyp
         check_tower_at(aux_from, cfg, family)
     rows = weight_table(cfg, family)  # same order as the plan: (our_name, expert) pairs line up
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
-        w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
+        fmt = output_format(reader, dtype) if reader is not None else None  # a quantized source's own format
+        w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, fmt=fmt)
         progress = tqdm(zip(plan, rows, strict=True), total=len(rows), desc="convert", unit="tensor")
 
         def stream():

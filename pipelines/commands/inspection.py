@@ -48,6 +48,15 @@ def resolve_source(src) -> tuple[ModelConfig, dict | None, Path | None, str]:
     return cfg, d, ckpt, str(p)
 
 
+def stored_bytes(ckpt) -> int | None:
+    """The bytes checkpoint `ckpt`'s files store for its tensors (an FP8 one: float8 data and float32 block
+    scales), None without weights (a config)."""
+    if ckpt is None:
+        return None
+    with CheckpointReader(ckpt) as r:
+        return r.total_bytes()
+
+
 def _widths(cfg: ModelConfig) -> dict:
     """The model-wide widths, then what each kind present shows (its spec's summary)."""
     w = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,

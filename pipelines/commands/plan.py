@@ -43,7 +43,7 @@ from remodel.compress.train_memory import TrainSetup, train_memory_bytes
 from remodel.models.params import count_params, memory_bytes
 
 from .configs import PlanOptions
-from .inspection import fmt_bytes, fmt_count, resolve_source
+from .inspection import fmt_bytes, fmt_count, resolve_source, stored_bytes
 from .options import given, make
 from .plan_file import candidate_config, check_plan_out, write_plan
 
@@ -197,7 +197,8 @@ def format_plan(d: dict) -> str:
     """The table `plan` prints."""
     lines = [f"{d['source']}: {d['family']}, {fmt_count(d['source_params']['params'])} params"
              + (f" ({fmt_count(d['source_params']['active_params'])} active)" if d["moe"] else "")
-             + f", {d['source_layers']} layers, {fmt_bytes(d['source_params']['memory_bytes'])}"]
+             + f", {d['source_layers']} layers, {fmt_bytes(d['source_params']['memory_bytes'])}"
+             + (f" (stored: {fmt_bytes(d['source_stored_bytes'])})" if d.get("source_stored_bytes") else "")]
     train = "train_bytes" in d["budgets"]
     t = d["train"]
     lines.append("budget: " + ", ".join(f"{_label(m)} <= {_fmt(m, v)}" for m, v in d["budgets"].items())
@@ -258,7 +259,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     tol, top, batch, seq_len = o.tol, o.top, o.batch, o.seq_len
     if o.out is not None:
         check_plan_out(o.out, o.overwrite)  # before any work
-    cfg, hf, _, where = resolve_source(model)
+    cfg, hf, ckpt, where = resolve_source(model)
     t0 = time.time()
     budgets = _budgets(params, active_params, memory_gb, o.train_memory_gb)
     if not 0 <= tol < 1:
@@ -296,7 +297,7 @@ def plan(model=None, params=None, opts: PlanOptions | None = None, **kw) -> dict
     out = {
         "source": where, "family": sp.family, "source_layers": cfg.num_layers, "moe": routed(cfg),
         "source_params": src, "budgets": budgets, "tol": tol, "batch": batch, "seq_len": seq_len,
-        "train": dict(sp.train.__dict__),
+        "train": dict(sp.train.__dict__), "source_stored_bytes": stored_bytes(ckpt),  # as stored (FP8: + scales)
         "axes": [a for a in sp.axes if a == "depth" or a in _used_axes(cfg)], "space": {a: v for a, v in sp.values.items() if a in _used_axes(cfg)}, "depth": dict(sp.removable),
         "max_removed": sp.max_removed, "grid": sp.size(), "window": stats["window"], "maximal": stats["maximal"],
         "reachable": {m: {"smallest": ex[m][0], "largest": ex[m][1]} for m in METRICS},

@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from tqdm import tqdm
 
 from remodel.compress.prune import (depth_metric, kept_layers, layer_units, new_config, plan_keep, prune_tensor, rename,
                             validate_targets)
 from remodel.compress.axes import tensor_axes
 from remodel.compress.scores import load_scores
-from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.checkpoint import (CheckpointReader, CheckpointWriter, atomic_output_dir, cast_for_output,
+                                       output_format)
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families.tower import check_tower
@@ -97,9 +100,10 @@ def _prune(o: PruneOptions) -> dict:
         if want is not None and count_params(new, family)["total"] != want:  # never: the plan's own arithmetic
             raise RemodelError(f"internal: --plan row has {want:,} parameters, the pruned shape "
                                f"{count_params(new, family)['total']:,}")
-        w = CheckpointWriter(tmp, max_shard_bytes=o.max_shard_bytes)
-        n = _write_tensors(w, reader, cfg, family, keep, new)
-        w.close(hf_cfg, aux_from=model_dir)
+        dtype = getattr(torch, o.dtype) if o.dtype else None
+        w = CheckpointWriter(tmp, max_shard_bytes=o.max_shard_bytes, fmt=output_format(reader, dtype))
+        n = _write_tensors(w, reader, cfg, family, keep, new, dtype)
+        w.close(_with_dtype(hf_cfg, o.dtype), aux_from=model_dir)
         kept = kept_layers(cfg, keep)
         dropped = [i for i in range(cfg.num_layers) if i not in set(kept)]
         plotted = plot_importance(tmp / "importance.png", cfg.pattern, scores, dropped)
@@ -198,8 +202,16 @@ def _plan(cfg: ModelConfig, src_hf: dict, scores: dict, targets: dict, family: s
     return keep, new, hf_cfg
 
 
-def _write_tensors(w: CheckpointWriter, reader, cfg: ModelConfig, family: str, keep: dict, new: ModelConfig) -> int:
-    """Streams every kept tensor, sliced, from `reader` to `w`; -> the number written."""
+def _with_dtype(hf_cfg: dict, dtype: str | None) -> dict:
+    """The output's config.json with --dtype's name as its dtype (torch_dtype too where the source has it)."""
+    if dtype is None:
+        return hf_cfg
+    return {**hf_cfg, "dtype": dtype, **({"torch_dtype": dtype} if "torch_dtype" in hf_cfg else {})}
+
+
+def _write_tensors(w: CheckpointWriter, reader, cfg: ModelConfig, family: str, keep: dict, new: ModelConfig,
+                   dtype=None) -> int:
+    """Streams every kept tensor, sliced (cast to `dtype` if given), from `reader` to `w`; -> the number written."""
     table = tensor_axes(cfg)
     old_names = [n for n in table if rename(n, keep) is not None]
     stream = iter_our_tensors(reader, cfg, family, names=set(old_names))  # checks every shape first
@@ -213,6 +225,6 @@ def _write_tensors(w: CheckpointWriter, reader, cfg: ModelConfig, family: str, k
     n = 0
     for name, tensor in tqdm(iter_hf_tensors(get, new, family, source=reader), desc="prune", unit="tensor",
                              total=len(weight_table(new, family)), leave=False):
-        w.add(name, tensor)
+        w.add(name, cast_for_output(name, tensor, dtype))
         n += 1
     return n
