@@ -49,7 +49,7 @@ def test_json_keeps_the_sections_in_use_and_old_flat_dicts_read_the_same(name):
 
 def test_paths_write_their_owning_sections():
     cfg = FAMILY_CONFIGS["mixtral"]
-    assert cfg.mlp.mlp_act == "silu"  # the experts are the MLP kind's FFNs
+    assert cfg.mlp.mlp_act == cfg.moe.moe_act == "silu"  # the experts take the MLP's act where not given their own
     new = cfg.replace(**{"attention.num_attention_heads": 2 * cfg.attention.num_attention_heads}, mlp_act="gelu")
     assert new.sections["attention"].num_attention_heads == 2 * cfg.attention.num_attention_heads
     assert new.mlp.mlp_act == "gelu" and cfg.mlp.mlp_act == "silu"  # cfg itself unchanged
@@ -271,3 +271,24 @@ def test_the_hf_key_map_reads_each_tensor_kinds_own_sections(family, blocks, mon
     for other in set(SECTIONS) - set(view.sections):
         with pytest.raises(AttributeError, match="read"):
             getattr(view, other)
+
+
+def test_moe_has_its_own_activation():
+    """The MoE kind's experts and shared expert take moe_act, a field of its own section (issue 54 Deliver 1); a
+    config without it (written before it existed, or read from a family's one activation key) takes the MLP's;
+    a family holding both in one key refuses to export two different ones."""
+    from remodel.models.block import Block
+    from remodel.models.hf import config_to_hf
+    from remodel.models.mlp import ACT
+    cfg = KIND_CONFIGS["moe"].replace(**{"mlp.mlp_act": "silu", "moe.moe_act": "gelu"})
+    moe = Block(cfg, "E").mixer
+    assert moe.experts.act is ACT["gelu"] and moe.shared_experts.act is ACT["gelu"]
+    old = {**cfg.to_dict(), "mlp": cfg.mlp.to_dict(), "moe": {k: v for k, v in cfg.moe.to_dict().items() if k != "moe_act"}}
+    assert ModelConfig.from_dict(old).moe.moe_act == "silu" == ModelConfig.from_dict(old).mlp.mlp_act
+    dense = FAMILY_CONFIGS["llama"]  # a config without MoE layers writes no MoE section, unless set apart
+    apart = dense.replace(**{"moe.moe_act": "gelu"})
+    assert "moe" not in dense.to_dict() and ModelConfig.from_dict(apart.to_dict()) == apart != dense
+    nemo = FAMILY_CONFIGS["nemotron_h"]
+    assert config_to_hf(nemo, "nemotron_h")["mlp_hidden_act"] == nemo.moe.moe_act == nemo.mlp.mlp_act
+    with pytest.raises(RemodelError, match="holds mlp.mlp_act and moe.moe_act in one key"):
+        config_to_hf(nemo.replace(**{"moe.moe_act": "silu"}), "nemotron_h")
