@@ -274,17 +274,24 @@ def test_the_hf_key_map_reads_each_tensor_kinds_own_sections(family, blocks, mon
 
 
 def test_moe_has_its_own_activation():
-    """The MoE kind's experts and shared expert take moe_act, a field of its own section (issue 54 Deliver 1); a
-    config without it (written before it existed, or read from a family's one activation key) takes the MLP's;
-    a family holding both in one key refuses to export two different ones."""
+    """The MoE kind's experts and shared expert take moe_act and moe_gated, fields of its own section (issue 54
+    Deliver 1: MoE reads no MLP field); a config without them (written before they existed, or read from a
+    family's one activation key) takes the MLP's; a family holding both in one key refuses to export two
+    different ones."""
     from remodel.models.block import Block
-    from remodel.models.hf import config_to_hf
+    from remodel.models.hf import config_to_hf, our_shapes
     from remodel.models.mlp import ACT
-    cfg = KIND_CONFIGS["moe"].replace(**{"mlp.mlp_act": "silu", "moe.moe_act": "gelu"})
+    from remodel.models.kinds import KINDS as kinds
+    assert "mlp" not in kinds["E"].sections  # its module reads no MLP field
+    cfg = KIND_CONFIGS["moe"].replace(**{"mlp.mlp_act": "silu", "moe.moe_act": "gelu", "mlp.mlp_gated": True,
+                                         "moe.moe_gated": False})
     moe = Block(cfg, "E").mixer
     assert moe.experts.act is ACT["gelu"] and moe.shared_experts.act is ACT["gelu"]
-    old = {**cfg.to_dict(), "mlp": cfg.mlp.to_dict(), "moe": {k: v for k, v in cfg.moe.to_dict().items() if k != "moe_act"}}
-    assert ModelConfig.from_dict(old).moe.moe_act == "silu" == ModelConfig.from_dict(old).mlp.mlp_act
+    assert moe.experts.gate_proj is None and moe.shared_experts.gate_proj is None
+    assert not any("gate_proj" in n for n in our_shapes(cfg))  # the layout's flag is the MoE's own
+    old = {**cfg.to_dict(), "mlp": cfg.mlp.to_dict(),
+           "moe": {k: v for k, v in cfg.moe.to_dict().items() if k not in ("moe_act", "moe_gated")}}
+    assert (ModelConfig.from_dict(old).moe.moe_act, ModelConfig.from_dict(old).moe.moe_gated) == ("silu", True)
     dense = FAMILY_CONFIGS["llama"]  # a config without MoE layers writes no MoE section, unless set apart
     apart = dense.replace(**{"moe.moe_act": "gelu"})
     assert "moe" not in dense.to_dict() and ModelConfig.from_dict(apart.to_dict()) == apart != dense
