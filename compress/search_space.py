@@ -252,7 +252,8 @@ def unit_metrics(sp: Space, t: str, d: dict) -> np.ndarray:
     for k in map(KINDS.__getitem__, t):  # weights, the kind's fp32 buffers and its bf16 / fp32 inference cache
         p = one[k.name] + H
         a = p - (one["routed"] - one["routed"] * cfg.moe.num_experts_per_tok // d["experts"] if k.routed else 0)
-        m = p * sp.dtype_bytes + 4 * k.buffer_elements(cfg, d) + sum(k.cache_bytes(cfg, d, sp.batch, sp.seq_len).values())
+        v = cfg.view(k)
+        m = p * sp.dtype_bytes + 4 * k.buffer_elements(v, d) + sum(k.cache_bytes(v, d, sp.batch, sp.seq_len).values())
         out += np.array([p, a, m, unit_bytes(sp.train, p, a, H)], dtype=np.int64)
     return out
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from .errors import RemodelError
 from .kinds import KINDS, used
-from .section import MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, ints, plain, reals
+from .section import (MAX_LAYERS, MAX_MTP, MAX_SMALL, MAX_VOCAB, MAX_WIDTH, Section, check_field, defaults_from, ints,
+                      plain, reals)
 
 __all__ = ["ModelConfig", "KindView", "Scales", "Slot", "OWNERS", "SECTIONS", "path_of", "MAX_LAYERS", "MAX_MTP", "MAX_SMALL", "MAX_VOCAB", "MAX_WIDTH"]
 
@@ -95,7 +96,7 @@ class ModelConfig:
             secs[n] = _section(n, v)
         for n, fields in _by_section(given).items():
             secs[n] = secs[n].replace(**fields)
-        d["sections"] = secs
+        d["sections"] = _filled(secs)
         self.validate()
 
     # ---- the sections, by name ------------------------------------------------------------
@@ -176,7 +177,7 @@ class ModelConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sections"}
         present = {k.section_name for k in used(self)}
         for n, s in self.sections.items():
-            if n in present or s != SECTIONS[n]():
+            if n in present or s != _fill(SECTIONS[n](), self.sections):  # (a default taken from another field)
                 d[n] = s.to_dict()
         return d
 
@@ -306,6 +307,18 @@ def _current(section: str, name: str) -> tuple[str, str]:
         if section in ("", n) and name in cls.RENAMED:
             return n, cls.RENAMED[name]
     return section, name
+
+
+def _filled(secs: dict) -> dict:
+    """The sections with every field left None that declares default_from ("mlp.mlp_act") set to that field's
+    value: configs, reports and score files written before the field existed read as they did."""
+    return {n: _fill(s, secs) for n, s in secs.items()}
+
+
+def _fill(s: Section, secs: dict) -> Section:
+    fill = {f: getattr(secs[p.partition(".")[0]], p.partition(".")[2])
+            for f, p in defaults_from(s).items() if getattr(s, f) is None}
+    return s.replace(**fill) if fill else s
 
 
 def _section(name: str, v) -> Section:

@@ -19,7 +19,8 @@ from .families.family import GROUPS, ROPE_TYPES, cfg_choice, cfg_float, projecte
 from .hf_adapter import KEY_MAPS, from_hf_name, to_hf_name, weight_table
 from .checkpoint import without_absent_mtp  # noqa: F401 (also named here, where HF configs are read)
 from .layout import shapes
-from .section import raw_bounds
+from .kinds import used
+from .section import defaults_from, raw_bounds
 
 __all__ = ["FAMILIES", "KEY_MAPS", "check_exportable", "config_from_hf", "config_to_hf", "default_family",
            "from_hf_name", "our_shapes", "to_hf_name", "weight_table", "without_absent_mtp"]
@@ -196,6 +197,10 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         odd = varied(cfg, group)
         need(group in FAMILIES[family].variants or not odd, f"{family} has no {group.replace('_', ' ')} variant "
              f"({', '.join(odd)}; supported by {', '.join(n for n, f in FAMILIES.items() if group in f.variants) or 'none'})")
+    for k in used(cfg):  # a field the families' config.json holds in one key with the field it defaults from
+        for f, path in defaults_from(cfg.sections[k.section_name]).items():
+            own, theirs = cfg.value(f"{k.section_name}.{f}"), cfg.value(path)
+            need(own == theirs, f"{family} holds {path} and {k.section_name}.{f} in one key ({theirs!r} != {own!r})")
     FAMILIES[family].check(cfg, need)
 
 

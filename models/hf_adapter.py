@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .errors import RemodelError
 from .families import FAMILIES
 from .families.family import Part
+from .kinds import KINDS
 from .layout import shapes
 
 
@@ -85,11 +86,24 @@ def _compiled(family: str, side: int) -> dict[str, list[tuple[_Pattern, _Pattern
     return out
 
 
-def _check_expert(cfg: ModelConfig, family: str, name: str, expert, wants: bool):
+def kind_view(cfg: ModelConfig, our_name: str):
+    """What the key map of our tensor `our_name` reads of the config: its layer kind's view (that kind's sections
+    and the trunk), or the config itself for a tensor of no layer (embeddings, norm_f, lm_head)."""
+    parts = our_name.split(".")
+    if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < len(cfg.pattern):
+        return cfg.view(KINDS[cfg.pattern[int(parts[1])]])
+    if parts[:2] == ["mtp", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) < len(
+            cfg.mtp_full_pattern):
+        return cfg.view(KINDS[cfg.mtp_full_pattern[int(parts[2])]])
+    return cfg
+
+
+def _check_expert(cfg, family: str, name: str, expert, wants: bool):
     if wants != (expert is not None):
         raise RemodelError(f"{family} tensor {name!r} {'needs' if wants else 'takes no'} expert index")
-    if wants and not 0 <= expert < (cfg.moe.n_routed_experts or 0):
-        raise RemodelError(f"expert {expert} of {name!r} is out of range (the model has {cfg.moe.n_routed_experts})")
+    n = (cfg.moe.n_routed_experts or 0) if cfg.reads("moe") else 0  # a layer of a kind without experts: none
+    if wants and not 0 <= expert < n:
+        raise RemodelError(f"expert {expert} of {name!r} is out of range (the layer has {n} experts)")
 
 
 def _lookup(cfg: ModelConfig, family: str, our_name: str):
@@ -110,8 +124,9 @@ def to_hf_part(cfg: ModelConfig, family: str, our_name: str, expert: int | None 
     expert) lies in the family's checkpoint: the HF tensor's name and, when that tensor concatenates
     several of ours, which part of it. RemodelError when the family has no such tensor."""
     hf, values, part = _lookup(cfg, family, our_name)
-    _check_expert(cfg, family, our_name, expert, "e" in hf.slots)
-    blocks = cfg.get(part.blocks) if isinstance(part.blocks, str) else part.blocks
+    own = kind_view(cfg, our_name)  # the tensor's kind reads its own sections (issue 54)
+    _check_expert(own, family, our_name, expert, "e" in hf.slots)
+    blocks = own.get(part.blocks) if isinstance(part.blocks, str) else part.blocks
     return replace(part, name=hf.fill({**values, "e": expert}), blocks=blocks,
                    sizes=_sibling_sizes(cfg, family, hf, values, part) if part.sized else ())
 
@@ -147,8 +162,9 @@ def from_hf_name(cfg: ModelConfig, family: str, hf_name: str, part: int = 0) -> 
         values = {k: _INDEX[k][1](cfg, v) for k, v in got.items()}
         if None in values.values():  # e.g. a trunk layer's index for an MTP slot
             continue
-        _check_expert(cfg, family, hf_name, expert, "e" in hf.slots)
-        found.append((ours.fill(values), expert))
+        name = ours.fill(values)
+        _check_expert(kind_view(cfg, name), family, hf_name, expert, "e" in hf.slots)
+        found.append((name, expert))
     if len(found) > 1:
         have = shapes(cfg)
         found = [f for f in found if f[0] in have] or found

@@ -36,8 +36,10 @@ def _holds(cfg: ModelConfig, flag: str) -> bool:
 
 
 def layer_params(cfg: ModelConfig, kind: str) -> tuple[Param, ...]:
-    """The mixer parameters of one layer of `kind` (a pattern character) that exist under `cfg`."""
-    return _layer_params(kind, tuple(_holds(cfg, f) for f in _FLAGS))
+    """The mixer parameters of one layer of `kind` (a pattern character) that exist under `cfg` (the kind's own
+    flags read: `cfg` may be the kind's view)."""
+    own = _KIND_FLAGS[kind]
+    return _layer_params(kind, tuple(f in own and _holds(cfg, f) for f in _FLAGS))
 
 
 def layer_table(cfg: ModelConfig) -> dict[str, tuple[Param, ...]]:
@@ -47,6 +49,7 @@ def layer_table(cfg: ModelConfig) -> dict[str, tuple[Param, ...]]:
 
 
 _FLAGS = tuple(sorted({f for k in KINDS.values() for p in k.params for f in p.when}))
+_KIND_FLAGS = {c: {f for p in k.params for f in p.when} for c, k in KINDS.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +79,7 @@ def axis_size(cfg: ModelConfig, axis: str, w: dict | None = None) -> int:
     """Size of one named axis under the widths `w` (default: cfg's own)."""
     w = w or widths(cfg)
     k = owner(axis)
-    return _SIZE[axis](cfg, w) if k is None else k.axis_size(cfg, axis, w)
+    return _SIZE[axis](cfg, w) if k is None else k.axis_size(cfg.view(k), axis, w)  # a kind sizes from its view
 
 
 def resolve(cfg: ModelConfig, axes: tuple) -> tuple:
@@ -87,12 +90,14 @@ def resolve(cfg: ModelConfig, axes: tuple) -> tuple:
 
 def segment_sizes(cfg: ModelConfig, axis: str) -> dict[str, int]:
     """{segment: size} of a concatenated axis, in storage order, e.g. the Mamba in_proj rows."""
-    return owner(axis).segment_sizes(cfg, axis)
+    k = owner(axis)
+    return k.segment_sizes(cfg.view(k), axis)
 
 
 def segment_span(cfg: ModelConfig, axis: str, first: str, last: str | None = None) -> slice:
     """The slice of `axis` holding the segments first..last (inclusive), e.g. in_proj's x..C."""
-    return owner(axis).segment_span(cfg, axis, first, last)
+    k = owner(axis)
+    return k.segment_span(cfg.view(k), axis, first, last)
 
 
 def block_norm(kind: str) -> Param:

@@ -27,7 +27,8 @@ MOE_ALIGN = 8  # expert rows (expert FFN, what experts read) in multiples of thi
 @dataclass(frozen=True)
 class MoEConfig(Section):
     """The MoE kind's fields: routed experts (top-k of E, grouped top-k with n_group > 1: DeepSeek-V3),
-    whose FFNs are the MLP kind's (its section's mlp_act / mlp_gated), a shared expert (0: none;
+    whose FFNs take `moe_act` and are gated when `moe_gated` (its own; a config without them takes the MLP
+    section's mlp_act / mlp_gated), a shared expert (0: none;
     shared_expert_gate scales it by sigmoid(w.x), Qwen2-MoE) and a LatentMoE latent (None: none)."""
     n_routed_experts: int = ints(0, 0, MAX_SMALL, raw={"n_routed_experts": 1, "num_experts": 1,
                                                                 "num_local_experts": 0})  # 0 experts: dense
@@ -51,6 +52,10 @@ class MoEConfig(Section):
                                        doc="clamped SwiGLU of the experts (gpt-oss): gate * sigmoid(alpha * gate) * (up + 1)")
     swiglu_limit: float | None = reals(None, gt=0, variant="clamped_swiglu",
                                        doc="the clamp of that SwiGLU: gate <= limit, -limit <= up <= limit")
+    moe_act: str | None = plain(None, "the experts' and the shared expert's activation (None: the MLP's)",
+                                default_from="mlp.mlp_act")
+    moe_gated: bool | None = plain(None, "the experts and the shared expert are gated (None: as the MLP)",
+                                   default_from="mlp.mlp_gated")
 
 
 def router_probs(logits: torch.Tensor, router: str) -> torch.Tensor:
@@ -188,13 +193,13 @@ class Experts(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         E, Fm, L = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size, cfg.moe_input_size
-        self.act = ACT[cfg.mlp.mlp_act]
+        self.act = ACT[cfg.moe.moe_act]
         self.up_proj = nn.Parameter(torch.empty(E, Fm, L))
-        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.mlp.mlp_gated else None
+        self.gate_proj = nn.Parameter(torch.empty(E, Fm, L)) if cfg.moe.moe_gated else None
         self.down_proj = nn.Parameter(torch.empty(E, L, Fm))
         if cfg.moe.expert_bias:  # the variant parts, chosen here: biases, the clamped SwiGLU
             self.up_proj_bias = nn.Parameter(torch.zeros(E, Fm))
-            self.gate_proj_bias = nn.Parameter(torch.zeros(E, Fm)) if cfg.mlp.mlp_gated else None
+            self.gate_proj_bias = nn.Parameter(torch.zeros(E, Fm)) if cfg.moe.moe_gated else None
             self.down_proj_bias = nn.Parameter(torch.zeros(E, L))
         self.biases = _expert_biases if cfg.moe.expert_bias else _no_biases
         clamped = cfg.moe.swiglu_limit is not None
@@ -301,7 +306,7 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         S = cfg.moe.moe_shared_expert_intermediate_size
-        self.shared_experts = MLP(cfg.hidden_size, S, cfg.mlp.mlp_act, cfg.mlp.mlp_gated) if S else None
+        self.shared_experts = MLP(cfg.hidden_size, S, cfg.moe.moe_act, cfg.moe.moe_gated) if S else None
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.moe.shared_expert_gate else None
         if cfg.moe.moe_latent_size:
             self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe.moe_latent_size, bias=False)
@@ -341,12 +346,12 @@ class MoEKind(LayerKind):
         if cfg.moe.n_group > 1:
             need(cfg.moe.router == "sigmoid", "grouped routing (n_group > 1) is only defined for the sigmoid router")
             need(cfg.moe.n_routed_experts // cfg.moe.n_group >= 2, "grouped routing needs at least 2 experts per group")
-        need(cfg.mlp.mlp_act in ACTIVATIONS, f"unknown activation {cfg.mlp.mlp_act!r}")
-        need((cfg.moe.swiglu_alpha is None) == (cfg.moe.swiglu_limit is None) and (cfg.moe.swiglu_limit is None or cfg.mlp.mlp_gated),
+        need(cfg.moe.moe_act in ACTIVATIONS, f"unknown activation {cfg.moe.moe_act!r}")
+        need((cfg.moe.swiglu_alpha is None) == (cfg.moe.swiglu_limit is None) and (cfg.moe.swiglu_limit is None or cfg.moe.moe_gated),
              "the clamped SwiGLU needs swiglu_alpha and swiglu_limit together, and gated experts")
 
     def summary(self, cfg):
-        return {"mlp_act": cfg.mlp.mlp_act, "mlp_gated": cfg.mlp.mlp_gated, "n_routed_experts": cfg.moe.n_routed_experts,
+        return {"moe_act": cfg.moe.moe_act, "moe_gated": cfg.moe.moe_gated, "n_routed_experts": cfg.moe.n_routed_experts,
                 "num_experts_per_tok": cfg.moe.num_experts_per_tok, "moe_intermediate_size": cfg.moe.moe_intermediate_size,
                 "moe_shared_expert_intermediate_size": cfg.moe.moe_shared_expert_intermediate_size,
                 "moe_latent_size": cfg.moe.moe_latent_size, "router": cfg.moe.router}
@@ -408,12 +413,12 @@ MOE = MoEKind(
     (Param("gate.weight", ("experts", "hidden")), Param("gate.bias", ("experts",), ("router_bias",)),
      Param("gate.e_score_correction_bias", ("experts",), ("sigmoid_router",)),
      Param("experts.up_proj", ("experts", "expert_ffn", "moe_io")),
-     Param("experts.gate_proj", ("experts", "expert_ffn", "moe_io"), ("mlp_gated",)),
+     Param("experts.gate_proj", ("experts", "expert_ffn", "moe_io"), ("moe_gated",)),
      Param("experts.down_proj", ("experts", "moe_io", "expert_ffn")),
      Param("experts.up_proj_bias", ("experts", "expert_ffn"), ("expert_bias",)),
-     Param("experts.gate_proj_bias", ("experts", "expert_ffn"), ("expert_bias", "mlp_gated")),
+     Param("experts.gate_proj_bias", ("experts", "expert_ffn"), ("expert_bias", "moe_gated")),
      Param("experts.down_proj_bias", ("experts", "moe_io"), ("expert_bias",)))
-    + mlp_params("shared_experts.", "shared_ffn", (), ("moe_shared_expert_intermediate_size",))
+    + mlp_params("shared_experts.", "shared_ffn", (), ("moe_shared_expert_intermediate_size",), "moe_gated")
     + (Param("shared_expert_gate.weight", ("one", "hidden"), ("shared_expert_gate",)),
        Param("fc1_latent_proj.weight", ("latent", "hidden"), ("moe_latent_size",)),
        Param("fc2_latent_proj.weight", ("hidden", "latent"), ("moe_latent_size",))),
@@ -433,5 +438,4 @@ MOE = MoEKind(
               Width("latent_size", "moe_latent_size", None, "latent", 256, "latent", "LatentMoE latent size",
                     absent="latent MoE (moe_latent_size)")), tp_axes=("shared_ffn",), routed=True,
     color="tab:purple", tp_plan={"shared_experts.up_proj": "colwise", "shared_experts.gate_proj": "colwise",
-                                 "shared_experts.down_proj": "rowwise"}, config=MoEConfig,
-    reads=("mlp",))  # the experts and the shared expert take the dense MLP's activation
+                                 "shared_experts.down_proj": "rowwise"}, config=MoEConfig)

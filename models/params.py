@@ -71,7 +71,7 @@ def closed_form(cfg: ModelConfig, d: dict | None = None) -> dict:
     n = {k.name: count(cfg, k) for k in KINDS.values()}
     out = {k.name: n[k.name] * one[k.name] for k in KINDS.values()}
     out.update(embeddings=V * H, norms=(cfg.num_layers + 1) * H, lm_head=0 if cfg.tie_word_embeddings else V * H,
-               buffers=sum(n[k.name] * k.buffer_elements(cfg, d) for k in KINDS.values()),
+               buffers=sum(n[k.name] * k.buffer_elements(cfg.view(k), d) for k in KINDS.values() if n[k.name]),
                routed=sum(n[k.name] for k in KINDS.values() if k.routed) * one["routed"])
     return out
 
@@ -213,10 +213,10 @@ def memory_bytes(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1, seq_len
     conv_dtype_bytes = kv_dtype_bytes if conv_dtype_bytes is None else conv_dtype_bytes
     c, w, cache = count_params(cfg), widths(cfg), {"kv_cache": 0, "mamba_conv_state": 0, "mamba_ssm_state": 0}
     rows, bytes_ = {}, (kv_dtype_bytes, state_dtype_bytes, conv_dtype_bytes)
-    for k in used(cfg, mtp=False):
-        for name, b in k.cache_bytes(cfg, w, batch, seq_len, *bytes_).items():
+    for k in used(cfg, mtp=False):  # each kind counts its state from its own sections (its view)
+        for name, b in k.cache_bytes(cfg.view(k), w, batch, seq_len, *bytes_).items():
             cache[name] = cache.get(name, 0) + count(cfg, k) * b
-        for row, b in k.state_rows(cfg, w, batch, seq_len, bytes_).items():
+        for row, b in k.state_rows(cfg.view(k), w, batch, seq_len, bytes_).items():
             rows[row] = rows.get(row, 0) + count(cfg, k) * b
     out = {"weights": c["total"] * dtype_bytes + c["buffers"] * 4, **cache}
     mtp = c["mtp"]  # the MTP head's weights, apart (not in weights / total; needed to serve it)

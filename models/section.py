@@ -44,9 +44,16 @@ def vector(default: tuple, doc: str = "", variant: str = ""):
                                                         "variant": variant})
 
 
-def plain(default, doc: str = "", variant: str = ""):
-    """A field checked by its kind's validate (a string choice, a flag, a dict)."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "variant": variant})
+def plain(default, doc: str = "", variant: str = "", default_from: str = ""):
+    """A field checked by its kind's validate (a string choice, a flag, a dict). default_from: the path of another
+    section's field ("mlp.mlp_act") whose value a config takes for this one when it is None (ModelConfig fills it
+    in; a Hugging Face family holding one key for both exports it only while the two agree)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "variant": variant, "default_from": default_from})
+
+
+def defaults_from(section) -> dict:
+    """{field: the path it defaults from} of a section's fields declaring default_from."""
+    return {f.name: f.metadata["default_from"] for f in dataclasses.fields(section) if f.metadata.get("default_from")}
 
 
 def variants(classes, group: str) -> dict:

@@ -69,13 +69,14 @@ class Param:
     when: tuple = ()
 
 
-def mlp_params(prefix: str, unit: str, bias: tuple, present: tuple = ()) -> tuple:
-    """up/gate/down of a (gated) MLP over `unit`; biases when every flag of `bias` holds."""
+def mlp_params(prefix: str, unit: str, bias: tuple, present: tuple = (), gated: str = "mlp_gated") -> tuple:
+    """up/gate/down of a (gated) MLP over `unit`; the gate when the flag `gated` holds, biases when every flag of
+    `bias` holds."""
     out = (Param(prefix + "up_proj.weight", (unit, "hidden"), present),
-           Param(prefix + "gate_proj.weight", (unit, "hidden"), present + ("mlp_gated",)),
+           Param(prefix + "gate_proj.weight", (unit, "hidden"), present + (gated,)),
            Param(prefix + "down_proj.weight", ("hidden", unit), present))
     if bias:
-        out += (Param(prefix + "up_proj.bias", (unit,), bias), Param(prefix + "gate_proj.bias", (unit,), bias + ("mlp_gated",)),
+        out += (Param(prefix + "up_proj.bias", (unit,), bias), Param(prefix + "gate_proj.bias", (unit,), bias + (gated,)),
                 Param(prefix + "down_proj.bias", ("hidden",), bias))
     return out
 

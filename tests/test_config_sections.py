@@ -49,7 +49,7 @@ def test_json_keeps_the_sections_in_use_and_old_flat_dicts_read_the_same(name):
 
 def test_paths_write_their_owning_sections():
     cfg = FAMILY_CONFIGS["mixtral"]
-    assert cfg.mlp.mlp_act == "silu"  # the experts are the MLP kind's FFNs
+    assert cfg.mlp.mlp_act == cfg.moe.moe_act == "silu"  # the experts take the MLP's act where not given their own
     new = cfg.replace(**{"attention.num_attention_heads": 2 * cfg.attention.num_attention_heads}, mlp_act="gelu")
     assert new.sections["attention"].num_attention_heads == 2 * cfg.attention.num_attention_heads
     assert new.mlp.mlp_act == "gelu" and cfg.mlp.mlp_act == "silu"  # cfg itself unchanged
@@ -190,3 +190,112 @@ def test_each_kind_module_is_built_from_its_own_sections(name):
         with pytest.raises(AttributeError, match="read"):
             getattr(view, other)
 
+
+
+_COUNTS = ("axis_size", "cache_bytes", "state_rows", "buffer_elements", "mixing_flops", "check_tp")
+
+
+def _own_view(given, k):
+    """Every config a kind's method was given is its view: the trunk and its sections, no other kind's."""
+    from remodel.models.config import KindView
+    assert given and all(isinstance(c, KindView) and set(c.sections) == {"scales", *k.sections} for c in given)
+    for other in set(SECTIONS) - set(k.sections) - {"scales"}:
+        with pytest.raises(AttributeError, match="read"):
+            getattr(given[0], other)
+
+
+@pytest.mark.parametrize("name", sorted(KIND_CONFIGS))
+def test_each_kind_counts_and_tp_plan_read_its_own_sections(name, monkeypatch):
+    """A kind's counts (its axes' sizes, so every parameter count; its inference state, buffers and FLOPs), its
+    TP checks and its TP plan's splits are given the kind's view (issue 54 Deliver 1): another kind's section
+    raises there."""
+    from types import SimpleNamespace
+
+    from remodel.models.block import Block
+    from remodel.models.params import count_params, memory_bytes
+    from remodel.pipelines.distributed import styles
+    from remodel.pipelines.distributed.parallel import check_layout
+    from remodel.pipelines.training.metrics import forward_flops_per_token
+    cfg = KIND_CONFIGS[name]
+    k = KINDS[cfg.pattern[0]]
+    given = {m: [] for m in (*_COUNTS, "tp_split")}
+    for m in _COUNTS:
+        orig = getattr(type(k), m)
+        monkeypatch.setattr(type(k), m, lambda self, c, *a, _m=m, _o=orig, **kw: given[_m].append(c) or _o(self, c, *a, **kw))
+    orig_split = styles.tp_split
+    monkeypatch.setattr(styles, "tp_split", lambda c, axes: given["tp_split"].append(c) or orig_split(c, axes))
+    assert count_params(cfg, by_axis=True)["total"] and memory_bytes(cfg)["total"]
+    model = SimpleNamespace(cfg=cfg, parameters=lambda: iter(()))
+    assert forward_flops_per_token(model, 16) > 0
+    try:
+        check_layout(cfg, 2, 1, None, "tp", "dp", SimpleNamespace(mesh_dim_names=("tp", "dp")))
+    except RemodelError:
+        pass  # a width 2 does not divide: the check itself is what is watched
+    block = Block(cfg, k.char)
+    styles.layer_plan(cfg, k, block.mixer, "layers.0.mixer.", {})
+    from remodel.models.layout import owner
+    for m, cs in given.items():  # every method watched was called (axis_size: where the kind owns an axis)
+        if m != "axis_size" or any(owner(a) is k for a in k.sizes):
+            _own_view(cs, k)
+
+
+@pytest.mark.parametrize("family,blocks", [("mixtral", None), ("qwen3_next", "D"), ("gpt_oss", "E")])
+def test_the_hf_key_map_reads_each_tensor_kinds_own_sections(family, blocks, monkeypatch):
+    """Where the HF key map reads the config (a routed tensor's expert count, both ways; the blocks of a fused
+    tensor: Qwen3-Next's per-key-head qkvz, gpt-oss's interleaved gate/up) it reads the view of the tensor's kind
+    (every row of weight_table round-trips), and that view raises on another kind's section."""
+    import sys
+
+    from remodel.models.config import KindView
+    from remodel.models.hf_adapter import from_hf_name, kind_view, to_hf_part, weight_table
+    cfg = FAMILY_CONFIGS[family]
+    seen = set()
+    for m in ("get", "reads"):
+        orig = getattr(KindView, m)
+
+        def watched(self, *a, _o=orig, _m=m):
+            f = sys._getframe(1)
+            if f.f_globals["__name__"].endswith("hf_adapter"):  # the key map's own reads: (its function, what, view)
+                fn = f.f_back.f_code.co_name if f.f_code.co_name == "_check_expert" else f.f_code.co_name
+                seen.add((fn, _m, frozenset(self.sections)))
+            return _o(self, *a)
+        monkeypatch.setattr(KindView, m, watched)
+    for ours, _, e in weight_table(cfg, family):
+        part = to_hf_part(cfg, family, ours, e)
+        assert from_hf_name(cfg, family, part.name, part.index) == (ours, e)
+    own = {c: frozenset({"scales", *KINDS[c].sections}) for c in cfg.pattern}
+    assert {("to_hf_part", "reads", own["E"]), ("from_hf_name", "reads", own["E"])} <= seen
+    assert blocks is None or ("to_hf_part", "get", own[blocks]) in seen
+    assert {v for *_, v in seen} <= set(own.values())
+    view = kind_view(cfg, f"layers.{cfg.pattern.index('E')}.mixer.x")
+    for other in set(SECTIONS) - set(view.sections):
+        with pytest.raises(AttributeError, match="read"):
+            getattr(view, other)
+
+
+def test_moe_has_its_own_activation():
+    """The MoE kind's experts and shared expert take moe_act and moe_gated, fields of its own section (issue 54
+    Deliver 1: MoE reads no MLP field); a config without them (written before they existed, or read from a
+    family's one activation key) takes the MLP's; a family holding both in one key refuses to export two
+    different ones."""
+    from remodel.models.block import Block
+    from remodel.models.hf import config_to_hf, our_shapes
+    from remodel.models.mlp import ACT
+    from remodel.models.kinds import KINDS as kinds
+    assert "mlp" not in kinds["E"].sections  # its module reads no MLP field
+    cfg = KIND_CONFIGS["moe"].replace(**{"mlp.mlp_act": "silu", "moe.moe_act": "gelu", "mlp.mlp_gated": True,
+                                         "moe.moe_gated": False})
+    moe = Block(cfg, "E").mixer
+    assert moe.experts.act is ACT["gelu"] and moe.shared_experts.act is ACT["gelu"]
+    assert moe.experts.gate_proj is None and moe.shared_experts.gate_proj is None
+    assert not any("gate_proj" in n for n in our_shapes(cfg))  # the layout's flag is the MoE's own
+    old = {**cfg.to_dict(), "mlp": cfg.mlp.to_dict(),
+           "moe": {k: v for k, v in cfg.moe.to_dict().items() if k not in ("moe_act", "moe_gated")}}
+    assert (ModelConfig.from_dict(old).moe.moe_act, ModelConfig.from_dict(old).moe.moe_gated) == ("silu", True)
+    dense = FAMILY_CONFIGS["llama"]  # a config without MoE layers writes no MoE section, unless set apart
+    apart = dense.replace(**{"moe.moe_act": "gelu"})
+    assert "moe" not in dense.to_dict() and ModelConfig.from_dict(apart.to_dict()) == apart != dense
+    nemo = FAMILY_CONFIGS["nemotron_h"]
+    assert config_to_hf(nemo, "nemotron_h")["mlp_hidden_act"] == nemo.moe.moe_act == nemo.mlp.mlp_act
+    with pytest.raises(RemodelError, match="holds mlp.mlp_act and moe.moe_act in one key"):
+        config_to_hf(nemo.replace(**{"moe.moe_act": "silu"}), "nemotron_h")

@@ -6,7 +6,6 @@ ragged-edge dequantization elsewhere), transformers loads the FP8 checkpoint wit
 counts it as transformers does, score / convert / prune on it write exactly what they write for its dequantized
 copy, and every malformed FP8 checkpoint is refused in one line with nothing written."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -16,63 +15,12 @@ from remodel import cli
 from remodel.models.checkpoint import CheckpointReader
 from remodel.models.errors import RemodelError
 from remodel.models.families import FAMILIES
-from remodel.models.fp8 import dequantize, grid
+from remodel.models.fp8 import dequantize
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import cli_pair
+from tests.quantized import dequantized_copy, fp8_copy, quantize, quantized
 
 FAMILY, CASE = "deepseek_v3", "q_lora_grouped"
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale_inv) of w with one scale per block (amax / 448, edges ragged): a quantizer
-    written here, independent of models/fp8.py."""
-    *lead, r, c = w.shape
-    gr, gc = grid(w.shape, block)[-2:]
-    pad = torch.zeros(*lead, gr * block[0], gc * block[1])
-    pad[..., :r, :c] = w.float()
-    blocks = pad.view(*lead, gr, block[0], gc, block[1])
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(pad.shape)[..., :r, :c]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.float()
-
-
-def quantized(name: str, t: torch.Tensor) -> bool:
-    """The tensors a DeepSeek-V3 FP8 release stores quantized: the decoder's projection weights (not the router)."""
-    return t.dim() == 2 and name.endswith("proj.weight") and ".layers." in name
-
-
-def fp8_copy(src, dst, block, **quant) -> None:
-    """`src` with its projections quantized in blocks `block` and config.json's quantization_config."""
-    shutil.copytree(src, dst)
-    out = {}
-    for k, t in load_file(src / "model.safetensors").items():
-        if quantized(k, t):
-            out[k], out[k + "_scale_inv"] = quantize(t, block)
-        else:
-            out[k] = t
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), **quant}
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
-def dequantized_copy(src, dst, block) -> None:
-    """The plain checkpoint of FP8 `src`, dequantized by transformers' own function, in the config's dtype."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-    shutil.copytree(src, dst)
-    cfg = json.loads((src / "config.json").read_text())
-    dtype = getattr(torch, cfg.get("dtype") or "bfloat16")
-    tensors = load_file(src / "model.safetensors")
-    out = {k: _dequantize_fp8_weight(t, tensors[k + "_scale_inv"], list(block), torch.float32).to(dtype)
-           if t.dtype == torch.float8_e4m3fn else t for k, t in tensors.items() if not k.endswith("_scale_inv")}
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    del cfg["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     _, ours, d = cli_pair(FAMILY, CASE, tmp_path_factory.mktemp("fp8"))

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from remodel import cli
 from remodel.models.fp8 import quantize
 from remodel.pipelines.data.data import embedded_corpus
-from tests.test_fp8_checkpoint import dequantized_copy, fp8_copy, source  # noqa: F401 (source: its fixture)
+from tests.conftest import cli_pair
+from tests.quantized import dequantized_copy, fp8_copy
 
 BLOCK = (16, 16)  # ragged on the tiny model: kv_b_proj 44 rows, q_b_proj 10 columns, the experts whole blocks
 WHOLE = (128, 128)  # as released: every tiny weight one block, which transformers' FP8 loader takes
@@ -26,6 +27,13 @@ QUANT = {"modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]}  # ke
 # top-k routing choice (0.10 .. 1.39 requantized, 2.1 .. 4.0 for the source's own rounding). Bound: ~2x the largest
 # measured mean, under FP8's own.
 REQUANT_MEAN_LOGITS = 0.04
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(our model, its transformers-saved checkpoint) of the tiny deepseek_v3 the FP8 copies are made of."""
+    _, ours, d = cli_pair("deepseek_v3", "q_lora_grouped", tmp_path_factory.mktemp("fp8_out"))
+    return ours, d
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from remodel.models.families import FAMILIES
 from remodel.models.load import load_model
 from remodel.models.regions import RegionReader
 from remodel.pipelines.data.data import embedded_corpus
+from tests.quantized import to_mxfp4
 from tests.conftest import cli_flags, cli_inspect_and_score, cli_pair, hf_pair, prune_axes, reloaded_equals_in_memory
 
 FAMILY = "gpt_oss"
@@ -72,26 +73,9 @@ def test_dequantize_equals_transformers_bit_for_bit():
             .flatten(1, 2) / 3).all()  # within half an FP4 step (<= the block's scale <= its amax / 3): a quantizer
 
 
-def _to_mxfp4(d, out):
-    """Checkpoint d rewritten in the released layout: each expert projection as MXFP4 blocks and scales."""
-    out.mkdir()
-    tensors, packed = load_file(d / "model.safetensors"), {}
-    for k, t in tensors.items():
-        if k.rsplit(".", 1)[-1] in EXPERTS:
-            packed[k + "_blocks"], packed[k + "_scales"] = mxfp4.quantize(t)
-        else:
-            packed[k] = t
-    save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                      "model.layers.*.mlp.router"]}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return packed
-
-
 def test_mxfp4_checkpoint_reads_transformers_dequantization(tmp_path):
     hf, _, d = hf_pair(FAMILY, tmp_path, "model", 7, **TINY)
-    packed = _to_mxfp4(d, tmp_path / "mxfp4")
+    packed = to_mxfp4(d, tmp_path / "mxfp4")
     ours = load_model(tmp_path / "mxfp4")
     for j in range(2):
         p = f"model.layers.{j}.mlp.experts."
@@ -120,7 +104,7 @@ def test_mxfp4_checkpoint_reads_transformers_dequantization(tmp_path):
 @pytest.mark.parametrize("bad", ["scale_255", "scale_overflow", "dtype", "shape"])
 def test_bad_mxfp4_refused_in_one_line(bad, tmp_path):
     _, _, d = hf_pair(FAMILY, tmp_path, "model", 7, **TINY)
-    packed = _to_mxfp4(d, tmp_path / "q")
+    packed = to_mxfp4(d, tmp_path / "q")
     k = "model.layers.0.mlp.experts.down_proj_"
     if bad.startswith("scale"):
         packed[k + "scales"][0, 0, 0] = 255 if bad == "scale_255" else mxfp4.MAX_SCALE + 1

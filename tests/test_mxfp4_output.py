@@ -13,7 +13,11 @@ from remodel import cli
 from remodel.models.errors import RemodelError
 from remodel.models.regions import RegionReader
 from tests.conftest import hf_pair
-from tests.test_gpt_oss import FAMILY, TINY, _to_mxfp4
+from remodel.models.families import FAMILIES
+from tests.quantized import to_mxfp4
+
+FAMILY = "gpt_oss"
+TINY = {**FAMILIES[FAMILY].tiny["yarn"], "intermediate_size": 32}  # MXFP4: 32-value blocks
 
 TINY32 = {**TINY, "hidden_size": 64}  # gate_up_proj's blocks run along hidden: two 32-value blocks, cut to one
 # --hidden-size 32 re-quantizes every expert (FP4 e2m1: 1 mantissa bit): the float32 logits (std ~0.83) moved by a
@@ -26,7 +30,7 @@ def mx(tmp_path_factory):
     """(MXFP4 checkpoint, its scores) of a tiny gpt-oss."""
     root = tmp_path_factory.mktemp("mxfp4_out")
     _, _, d = hf_pair(FAMILY, root, "model", 7, **TINY32)
-    _to_mxfp4(d, root / "mxfp4")
+    to_mxfp4(d, root / "mxfp4")
     assert cli.main(["score", str(root / "mxfp4"), "--out", str(root / "s"), "--method", "magnitude"]) == 0
     return root / "mxfp4", root / "s"
 

@@ -54,7 +54,7 @@ def _params(cfg: ModelConfig, family: str) -> dict:
 def _kept_report(cfg: ModelConfig, keep: dict) -> dict:
     full = {"hidden": cfg.hidden_size, "layers": cfg.num_layers,  # and each kind's units (its spec)
             **{unit: cfg.get(field, k.section_name) for k in KINDS.values() for unit, field in k.units.items()},
-            **{a: k.axis_size(cfg, a) for k in used(cfg) for a in k.hidden_units}}  # sized by hidden (Mamba-1, LFM2)
+            **{a: k.axis_size(cfg.view(k), a) for k in used(cfg) for a in k.hidden_units}}  # sized by hidden (Mamba-1, LFM2)
     return {k: {"size": int(v.shape[-1]), "of": full[k.rsplit(".", 1)[-1]], "indices": v.tolist()}
             for k, v in keep.items()}
 

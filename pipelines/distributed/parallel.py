@@ -164,7 +164,7 @@ def check_layout(cfg, tp: int, ep: int, ep_dim, tp_dim, dp_dim, mesh):
              "(expert parallelism is folded over one of them)")
     if tp > 1:
         for k in used(cfg):  # each kind's widths that tp must divide (its spec)
-            k.check_tp(cfg, tp, need)
+            k.check_tp(cfg.view(k), tp, need)
         need(cfg.vocab_size % tp == 0, f"tensor parallelism: vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
     if ep > 1 and routed(cfg):
         need(cfg.moe.n_routed_experts % ep == 0, f"expert parallelism: n_routed_experts={cfg.moe.n_routed_experts} is not "

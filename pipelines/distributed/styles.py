@@ -225,7 +225,7 @@ def layer_plan(cfg, spec, mixer, prefix: str, specs: dict) -> dict:
     """{submodule path: ParallelStyle} of one layer's mixer, from its kind's spec (the tp_plan restricted to
     the submodules the layer has: q_norm, gate_proj, ... are optional) and the layout table."""
     name, tp_plan = spec.name, _present_plan(mixer, spec.tp_plan)
-    splits = _splits_by_module(cfg, spec.char)
+    splits = _splits_by_module(cfg.view(spec), spec.char)  # the kind's splits from its own sections
     uncovered = set(splits) - set(tp_plan)
     if uncovered:
         raise RemodelError(f"tensor parallelism: {name} parameters under {sorted(uncovered)} are split by the "

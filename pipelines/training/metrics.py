@@ -35,7 +35,7 @@ def forward_flops_per_token(model, seq_len: int) -> float:
     """2 * matmul params + attention scores/values (4 * seq * heads * head_dim per attention layer,
     no causal discount); the Mamba scan and elementwise work are not counted."""
     from remodel.models.kinds import layer_kinds
-    return 2.0 * matmul_params(model) + sum(k.mixing_flops(model.cfg, seq_len) for k in layer_kinds(model.cfg))
+    return 2.0 * matmul_params(model) + sum(k.mixing_flops(model.cfg.view(k), seq_len) for k in layer_kinds(model.cfg))
 
 
 _PEAK: dict = {}
