@@ -55,14 +55,16 @@ def conv_kernels(x) -> GpuKernels:
     return gpu_kernels() if x.is_cuda and gdn_kernels.USE_KERNEL else GpuKernels()
 
 
-class _Conv(NamedTuple):
+class DepthwiseConv(NamedTuple):
     """The three convs as one depthwise conv over [q | k | v] (what causal_conv_silu reads of an nn.Conv1d)."""
     weight: torch.Tensor
     bias: torch.Tensor | None
 
 
 class GatedHeadNorm(nn.Module):
-    """RMSNorm over each value head's channels, times silu(gate) (one weight shared by every head)."""
+    """RMSNorm over each value head's channels, times silu(gate) (one weight shared by every head); `rule` is the
+    normalisation (KDA's output norm gates by sigmoid: models.kda)."""
+    rule = staticmethod(gated_rms_norm)
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -75,7 +77,7 @@ class GatedHeadNorm(nn.Module):
     def normed(self, weight, x, gate):
         """The norm with `weight` in place of its own (tensor parallelism: the replicated weight as this rank's
         heads read it, pipelines.distributed.styles.SharedNorm)."""
-        return gated_rms_norm(x, gate, weight, self.eps)
+        return self.rule(x, gate, weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -118,11 +120,11 @@ class GatedDeltaNet(nn.Module):
         out = maybe_checkpoint(self, self._core, mixed, g, beta, z)
         return self.out_proj(out.flatten(2))
 
-    def conv(self) -> _Conv:
+    def conv(self) -> DepthwiseConv:
         """q_conv1d, k_conv1d, v_conv1d concatenated: one depthwise conv over [q | k | v]."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
-        return _Conv(torch.cat([c.weight for c in convs]), bias)
+        return DepthwiseConv(torch.cat([c.weight for c in convs]), bias)
 
     def _core(self, mixed, g, beta, z):
         """[q | k | v] projections, log decay, beta, gate -> the normed, gated output [b, l, Hv, dv]."""

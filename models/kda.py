@@ -14,13 +14,12 @@ low-rank gates (transformers ties them). Pure PyTorch on CPU; fla-core's chunk_k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_deltanet import conv_kernels
+from .gated_deltanet import DepthwiseConv, GatedHeadNorm, conv_kernels
 from .kda_kernels import chunk_kda, sigmoid_gated_rms_norm
 from .mamba import causal_conv_silu
 from .mamba_kernels import compute_dtype
@@ -39,27 +38,9 @@ class KdaConfig(Section):
     kda_norm_eps: float | None = reals(None, gt=0, doc="the gated output norm's eps (None: norm_eps)")
 
 
-class _Conv(NamedTuple):
-    """The three convs as one depthwise conv over [q | k | v] (what causal_conv_silu reads of an nn.Conv1d)."""
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-
-class SigmoidGatedNorm(nn.Module):
+class SigmoidGatedNorm(GatedHeadNorm):
     """RMSNorm over each head's channels times sigmoid(gate) (one weight shared by every head)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x, gate):
-        return self.normed(self.weight, x, gate)
-
-    def normed(self, weight, x, gate):
-        """The norm with `weight` in place of its own (tensor parallelism: the replicated weight as this rank's
-        heads read it, pipelines.distributed.styles.SharedNorm)."""
-        return sigmoid_gated_rms_norm(x, gate, weight, self.eps)
+    rule = staticmethod(sigmoid_gated_rms_norm)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -82,9 +63,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = SigmoidGatedNorm(d, cfg.norm_eps if c.kda_norm_eps is None else c.kda_norm_eps)
         self.o_proj = nn.Linear(n, H, bias=False)
 
-    def conv(self) -> _Conv:
+    def conv(self) -> DepthwiseConv:
         """q_conv1d, k_conv1d, v_conv1d concatenated: one depthwise conv over [q | k | v]."""
-        return _Conv(torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]), None)
+        return DepthwiseConv(torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]), None)
 
     def decay(self, u):
         """The log decay g [b, l, heads, d] <= 0 per channel, in the compute dtype (fp32; float64 stays)."""

@@ -77,8 +77,13 @@ class DeepSeekMoEFamily(LlamaFamily):
         m = cfg.moe
         need(self.holds_pattern(cfg), f"needs dense layers '{self.mixer}-' then MoE layers '{self.mixer}E' "
              f"(first_k_dense_replace), got {cfg.pattern!r}")
+        self.check_ffn(cfg, need)
+
+    def check_ffn(self, cfg, need):
+        """SwiGLU MLPs without bias; MoE layers with DeepSeek's router and n_shared_experts whole shared experts."""
         need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
         if routed(cfg):
+            m = cfg.moe
             need(m.router == "sigmoid" and not m.shared_expert_gate and m.moe_latent_size is None,
                  f"{self.name} MoE uses the sigmoid router, no shared-expert gate and no latent")
             s = m.moe_shared_expert_intermediate_size or 0

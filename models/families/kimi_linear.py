@@ -77,19 +77,11 @@ class KimiLinear(DeepSeekMoEFamily):
         mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
         need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(ffns) <= {"-", "E"},
              f"needs (KDA 'K' or MLA 'L') + (MLP '-' or MoE 'E') layer pairs, got {cfg.pattern!r}")
-        need(cfg.mlp.mlp_gated and cfg.mlp.mlp_act == "silu" and not cfg.mlp.mlp_bias, "needs SwiGLU MLPs without bias")
         if "L" in mixers:
             need(not cfg.mla.mla_rope, f"{self.name}'s latent attention has no RoPE (mla_rope False)")
         if "K" in mixers:
             need(cfg.kda.kda_norm_eps in (None, cfg.norm_eps), "the KDA output norm's eps is rms_norm_eps")
-        if routed(cfg):
-            m = cfg.moe
-            need(m.router == "sigmoid" and not m.shared_expert_gate and m.moe_latent_size is None,
-                 f"{self.name} MoE uses the sigmoid router, no shared-expert gate and no latent")
-            s = m.moe_shared_expert_intermediate_size or 0
-            need(s > 0 and s % m.moe_intermediate_size == 0,
-                 f"the shared experts ({s}) must be n_shared_experts >= 1 times moe_intermediate_size "
-                 f"({m.moe_intermediate_size})")
+        self.check_ffn(cfg, need)
 
     def to_hf(self, cfg):
         m, a, k = cfg.moe, cfg.mla, cfg.kda
