@@ -8,8 +8,10 @@ softplus(f_b_proj(f_a_proj(x)) + dt_bias), one value per channel) -> a sigmoid-g
 g_b_proj(g_a_proj(x)), one weight of head_dim shared by every head) -> o_proj. The forget and output gates are
 low rank: f_a_proj / g_a_proj (hidden -> head_dim, shared by every head), f_b_proj / g_b_proj (-> heads x
 head_dim). Heads prune whole: their q, k, v, f_b, g_b rows, convs, dt_bias, A_log, b_proj row and o_proj columns
-(there are no key-head groups: q, k and v have one head count). head_dim stays: it is also the rank of the
-low-rank gates (transformers ties them). Pure PyTorch on CPU; fla-core's chunk_kda on CUDA when it imports.
+(there are no key-head groups: q, k and v have one head count). head_dim prunes too (--kda-head-dim): one kept
+channel set shared by every head (q, k, v and their convs, f_b / g_b rows, dt_bias, o_norm, o_proj columns) and,
+since transformers ties the gates' rank to linear_head_dim, each gate's rank (f_a / g_a rows, f_b / g_b columns)
+cut to the same size by its own score. Pure PyTorch on CPU; fla-core's chunk_kda on CUDA when it imports.
 """
 from __future__ import annotations
 
@@ -139,22 +141,41 @@ class KdaKind(LayerKind):
         return 2 * h * (4 * d * d + min(seq_len, cfg.kda.kda_chunk_size) * 3 * d)
 
     def sites(self, cfg):
-        return (Site("kda_o", "o_proj", "input", None, "o_proj.weight"),)
+        return (Site("kda_o", "o_proj", "input", None, "o_proj.weight"),
+                Site("kda_f_rank", "f_b_proj", "input", None, "f_b_proj.weight"),
+                Site("kda_g_rank", "g_b_proj", "input", None, "g_b_proj.weight"))
 
     def keep(self, cfg, score, t, p):
-        """The heads whose o_proj inputs score highest (norm over each head's channels)."""
-        if "kda_heads" not in t:
+        """Head channels by their o_proj-input score summed over heads (one set every head keeps), then heads by
+        their kept channels' norm. A head-dim cut also cuts each gate's rank to the same size (transformers ties
+        it to linear_head_dim): the rank components whose contribution through f_b / g_b scores highest (Wanda:
+        the component's activation norm times its f_b / g_b column norm)."""
+        if "kda_heads" not in t and "kda_head_dim" not in t:
             return {}
-        h, d = cfg.kda.kda_num_heads, cfg.kda.kda_head_dim
-        s = score(p + "kda_o", (h, d), "--kda-heads")
-        return {p + "kda_heads": top(s.norm(dim=1), t["kda_heads"])}
+        h, d, keep = cfg.kda.kda_num_heads, cfg.kda.kda_head_dim, {}
+        s = score(p + "kda_o", (h, d), "--kda-heads/--kda-head-dim")
+        ch = torch.arange(d)
+        if "kda_head_dim" in t:
+            n = t["kda_head_dim"]
+            ch = top(s.square().sum(dim=0), n)
+            keep.update({p + "kda_dim": ch,
+                         **{p + f"kda_{x}_rank": top(score(p + f"kda_{x}_rank", (d,), "--kda-head-dim"), n)
+                            for x in "fg"}})
+        if "kda_heads" in t:
+            keep[p + "kda_heads"] = top(s[:, ch].norm(dim=1), t["kda_heads"])
+        return keep
 
     def magnitude(self, cfg, local, t):
-        """q, k, v and the gates' rows, o_proj's columns, per channel."""
-        if local in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "f_b_proj.weight", "g_b_proj.weight"):
+        """q, k, v and the gates' rows, o_proj's columns, per channel; each gate's rank components by their a-rows
+        and b-columns."""
+        if local in ("f_b_proj.weight", "g_b_proj.weight"):
+            return [("kda_o", sq(t, 0)), (f"kda_{local[0]}_rank", sq(t, 1))]
+        if local in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
             return [("kda_o", sq(t, 0))]
         if local == "o_proj.weight":
             return [("kda_o", sq(t, 1))]
+        if local in ("f_a_proj.weight", "g_a_proj.weight"):
+            return [(f"kda_{local[0]}_rank", sq(t, 0))]
         return []
 
     def check_tp(self, cfg, tp, need):
@@ -162,26 +183,29 @@ class KdaKind(LayerKind):
              f"tensor parallelism: kda_num_heads={cfg.kda.kda_num_heads} is not divisible by tp={tp}")
 
 
-_DECLARES = (Width("kda_heads", "kda_num_heads", None, "kda_heads", None, "k.h", "KDA heads (q, k, v together)"),)
+_DECLARES = (Width("kda_heads", "kda_num_heads", None, "kda_heads", None, "k.h", "KDA heads (q, k, v together)"),
+             Width("kda_head_dim", "kda_head_dim", None, "kda_dim", 16, "k.hd",
+                   "KDA head size (every head's same channels; also the gates' low rank, cut alike)"))
+_RANK = lambda cfg, w: w["kda_head_dim"]  # noqa: E731  transformers: the gates' rank is linear_head_dim
 KDA = KdaKind(
     "K", "kda",
     (*(Param(f"{x}_proj.weight", ("kda_inner", "hidden")) for x in "qkv"),
      *(Param(f"{x}_conv1d.weight", ("kda_inner", "one", "kda_conv_kernel")) for x in "qkv"),
-     Param("f_a_proj.weight", ("kda_rank", "hidden")), Param("f_b_proj.weight", ("kda_inner", "kda_rank")),
+     Param("f_a_proj.weight", ("kda_f_rank", "hidden")), Param("f_b_proj.weight", ("kda_inner", "kda_f_rank")),
      Param("dt_bias", ("kda_inner",)), Param("A_log", ("one", "one", "kda_heads", "one")),
      Param("b_proj.weight", ("kda_heads", "hidden")),
-     Param("g_a_proj.weight", ("kda_rank", "hidden")), Param("g_b_proj.weight", ("kda_inner", "kda_rank")),
+     Param("g_a_proj.weight", ("kda_g_rank", "hidden")), Param("g_b_proj.weight", ("kda_inner", "kda_g_rank")),
      Param("o_norm.weight", ("kda_dim",)), Param("o_proj.weight", ("hidden", "kda_inner"))),
-    sizes={"kda_heads": lambda cfg, w: w["kda_heads"], "kda_dim": lambda cfg, w: cfg.kda.kda_head_dim,
-           "kda_rank": lambda cfg, w: cfg.kda.kda_head_dim,
-           "kda_inner": lambda cfg, w: w["kda_heads"] * cfg.kda.kda_head_dim,
+    sizes={"kda_heads": lambda cfg, w: w["kda_heads"], "kda_dim": _RANK, "kda_f_rank": _RANK, "kda_g_rank": _RANK,
+           "kda_inner": lambda cfg, w: w["kda_heads"] * w["kda_head_dim"],
            "kda_conv_kernel": lambda cfg, w: cfg.kda.kda_conv_kernel},
-    units={"kda_heads": "kda_num_heads"},
+    units={"kda_heads": "kda_num_heads", "kda_dim": "kda_head_dim", "kda_f_rank": "kda_head_dim",
+           "kda_g_rank": "kda_head_dim"},
     products={"kda_inner": ("kda_heads", "kda_dim")},
-    scored={"kda_o": ("kda_heads", "kda_dim")},
-    widths=("kda_heads",),
+    scored={"kda_o": ("kda_heads", "kda_dim"), "kda_f_rank": ("kda_f_rank",), "kda_g_rank": ("kda_g_rank",)},
+    widths=tuple(w.name for w in _DECLARES),
     declares=_DECLARES,
-    fixed=("kda_dim", "kda_rank", "kda_conv_kernel"),
+    fixed=("kda_conv_kernel",),
     tp_axes=("kda_inner", "kda_heads"), inputs=("attention_mask",), color="tab:olive",
     tp_plan={**{f"{x}_proj": "colwise" for x in ("q", "k", "v", "f_b", "g_b", "b")},
              **{f"{x}_conv1d": "shard" for x in "qkv"}, "": "shard", "o_norm": "shared_norm", "o_proj": "rowwise"},

@@ -46,8 +46,9 @@ def _in_kind_order() -> None:
 
 _in_kind_order()
 PRUNABLE = tuple(n for n, w in WIDTHS.items() if w.unit)
-UNITS = tuple(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden") + tuple(
-    a for k in KINDS.values() for a in k.hidden_units)  # per-layer keep-dict axes (hidden_units: kept at hidden's count)
+UNITS = tuple(dict.fromkeys((*(w.unit for w in WIDTHS.values() if w.unit and w.unit != "hidden"), *(
+    a for k in KINDS.values() for a in k.hidden_units),  # per-layer keep-dict axes (hidden_units: kept at hidden's count)
+    *(a for k in KINDS.values() for a in k.units))))  # and those a width's keep also sets (KDA's gate ranks)
 
 
 def kind(c: str) -> LayerKind:

@@ -182,6 +182,7 @@ def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, caps
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *cli_flags(targets)]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert hf["model_type"] == FAMILY and hf["linear_num_heads"] == targets["kda_heads"]
+    assert hf["linear_head_dim"] == targets["kda_head_dim"]
     assert hf["hidden_size"] == targets["hidden_size"] and hf["num_attention_heads"] == targets["mla_heads"]
     reloaded_equals_in_memory(out, prune_model(ours, plan_keep(ours.cfg, scores, targets)))
     data = str(embedded_corpus()[1])
@@ -190,6 +191,30 @@ def test_cli_inspect_score_prune_every_width_and_depth_eval(pair, tmp_path, caps
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--drop-layers", "2"]) == 0
     hf = json.loads((out / "config.json").read_text())
     assert hf["layer_types"] == ["linear_attention"] * 3 and hf["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+
+
+def test_cli_prune_kda_head_dim_alone_and_its_refusals(pair, tmp_path, capsys):
+    """`remodel prune --kda-head-dim N`: config linear_head_dim N, the gates' rank N too (f_a / g_a rows, f_b /
+    g_b columns), the checkpoint transformers reloads with the in-memory pruned model's logits (1e-4); N = 0 or
+    above the source's head dim is a one-line refusal naming the flag, nothing written."""
+    ours, d = pair
+    scores = cli_inspect_and_score(d, ours, tmp_path / "s", capsys)
+    n = ours.cfg.kda.kda_head_dim // 2
+    out = tmp_path / "hd"
+    assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), "--kda-head-dim", str(n)]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["linear_head_dim"] == n and hf["linear_num_heads"] == ours.cfg.kda.kda_num_heads
+    pruned = prune_model(ours, plan_keep(ours.cfg, scores, {"kda_head_dim": n}))
+    mixer = next(b.mixer for b in pruned.layers if hasattr(b.mixer, "f_a_proj"))
+    assert mixer.f_a_proj.weight.shape[0] == mixer.g_b_proj.weight.shape[1] == n
+    assert mixer.o_norm.weight.shape == (n,) and mixer.q_proj.weight.shape[0] == ours.cfg.kda.kda_num_heads * n
+    reloaded_equals_in_memory(out, pruned)
+    capsys.readouterr()
+    for bad in ("0", str(ours.cfg.kda.kda_head_dim + 1)):
+        bad_out = tmp_path / f"bad{bad}"
+        assert cli.main(["prune", str(d), str(bad_out), "--scores", str(tmp_path / "s"), "--kda-head-dim", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--kda-head-dim" in err and "\n" not in err and not bad_out.exists(), err
 
 
 def test_released_kimi_linear_48b_counts_and_plan():
