@@ -104,11 +104,11 @@ class KimiLinear(DeepSeekMoEFamily):
                     mlp_layer_types=[next(t for t, c in MLP_TYPES.items() if c == x) for x in cfg.pattern[1::2]],
                     intermediate_size=cfg.mlp.intermediate_size or 1, num_local_experts=m.n_routed_experts or 1,
                     num_experts_per_tok=m.num_experts_per_tok or 1, moe_intermediate_size=m.moe_intermediate_size or 1,
-                    n_shared_experts=shared // (m.moe_intermediate_size or 1), norm_topk_prob=m.norm_topk_prob,
+                    n_shared_experts=shared // (m.moe_intermediate_size or 1) or 1, norm_topk_prob=m.norm_topk_prob,
                     routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group, topk_group=m.topk_group,
                     num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=a.q_lora_rank,
                     kv_lora_rank=a.kv_lora_rank or 1, qk_nope_head_dim=a.qk_nope_head_dim,
-                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim or 1, attention_bias=a.mla_bias,
+                    qk_rope_head_dim=a.qk_rope_head_dim or 1, v_head_dim=a.v_head_dim or 1, attention_bias=a.mla_bias,
                     linear_num_heads=k.kda_num_heads or 1, linear_head_dim=k.kda_head_dim or 1,
                     linear_conv_kernel_dim=k.kda_conv_kernel)
 
