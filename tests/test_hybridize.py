@@ -106,7 +106,7 @@ def test_report_and_config(llama, tmp_path):
                                         (("--keep-attention", "1", "--keep-layers", "0"), "--keep-layers"),
                                         (("--keep-attention", "1", "--to", "nosuch"), "--to"),
                                         (("--keep-attention", "1", "--to", "llama"), "--to"),
-                                        (("--keep-attention", "1", "--mixer", "kda"), "--mixer"),
+                                        (("--keep-attention", "1", "--mixer", "rwkv7"), "--mixer"),
                                         (("--keep-attention", "1", "--data", "train.txt"), "--steps"),
                                         (("--keep-attention", "1", "--steps", "0"), "--steps")])
 def test_bad_input_one_line_naming_the_flag(llama, tmp_path, capsys, flags, flag):

@@ -54,18 +54,25 @@ def _q_scale(cfg, att: dict, name: str, rows: torch.Tensor) -> torch.Tensor:
     return (rows.unflatten(0, (-1, s.numel())) * s[:, None]).flatten(0, 1)
 
 
-def gdn_from_attention(cfg, att: dict, fresh: dict) -> dict:
-    """One Gated DeltaNet layer's tensors from one attention layer's `att` (module docstring); the rest (a / b rows,
-    A_log, dt_bias, the gated norm) as `fresh` (transformers' init) holds them. `cfg`: the hybrid's config (its
-    attention section's head counts are the source's; `att`'s norms already in its norm offset)."""
-    a, out = cfg.attention, dict(fresh)
+def qkv_per_query_head(cfg, att: dict) -> tuple:
+    """(q, k, v) rows [heads * d, hidden] per query head from one attention layer: Q (its query half where the
+    source is gated), K and V repeated per query head (repeat_kv's order), q and k times the source's q/k norm
+    scale where it has one (a linear mixer that L2-normalises q and k keeps its direction)."""
+    a = cfg.attention
     H, KV = a.num_attention_heads, a.num_key_value_heads
     q = att["q_proj.weight"]
     if q.shape[0] == 2 * H * a.head_dim:  # a gated source (Qwen3.5): each head's rows are [query | gate]
         q = q.unflatten(0, (H, 2 * a.head_dim))[:, :a.head_dim].flatten(0, 1)
-    out["in_proj_q.weight"] = _q_scale(cfg, att, "q_norm", q)
-    out["in_proj_k.weight"] = repeat_heads(_q_scale(cfg, att, "k_norm", att["k_proj.weight"]), KV, H)
-    out["in_proj_v.weight"] = repeat_heads(att["v_proj.weight"], KV, H)
+    return (_q_scale(cfg, att, "q_norm", q), repeat_heads(_q_scale(cfg, att, "k_norm", att["k_proj.weight"]), KV, H),
+            repeat_heads(att["v_proj.weight"], KV, H))
+
+
+def gdn_from_attention(cfg, att: dict, fresh: dict) -> dict:
+    """One Gated DeltaNet layer's tensors from one attention layer's `att` (module docstring); the rest (a / b rows,
+    A_log, dt_bias, the gated norm) as `fresh` (transformers' init) holds them. `cfg`: the hybrid's config (its
+    attention section's head counts are the source's; `att`'s norms already in its norm offset)."""
+    out = dict(fresh)
+    out["in_proj_q.weight"], out["in_proj_k.weight"], out["in_proj_v.weight"] = qkv_per_query_head(cfg, att)
     out["out_proj.weight"] = att["o_proj.weight"].clone()
     for x in "qkv":
         out[f"{x}_conv1d.weight"] = identity_conv(fresh[f"{x}_conv1d.weight"])

@@ -28,9 +28,11 @@ from remodel.models.kinds import routed
 from remodel.models.mamba import MAMBA
 from remodel.models.model import HybridLM, init_weights
 from remodel.models.gated_deltanet import GATED_DELTANET
+from remodel.models.kda import KDA
 from remodel.models.norm import scale_of
 
 from .hybrid_gdn import gdn_from_attention, gdn_sizes
+from .hybrid_kda import kda_from_attention, kda_sizes
 from .hybrid_target import family_fit, kept_attention, shift_norms
 
 INITS = ("attention", "random")
@@ -78,7 +80,8 @@ def _mamba_from_attention(cfg, att: dict, fresh: dict) -> dict:
 
 
 MIXERS = {"mamba2": Mixer(ATTENTION, MAMBA, _mamba_sizes, _mamba_from_attention),
-          "gdn": Mixer(ATTENTION, GATED_DELTANET, gdn_sizes, gdn_from_attention)}
+          "gdn": Mixer(ATTENTION, GATED_DELTANET, gdn_sizes, gdn_from_attention),
+          "kda": Mixer(ATTENTION, KDA, kda_sizes, kda_from_attention)}
 
 
 def mixer_of(name: str) -> Mixer:

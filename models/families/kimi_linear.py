@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.kda import KDA
-from remodel.models.kinds import routed
+from remodel.models.kinds import kind, routed
 from remodel.models.mla import MLA
 
 from .deepseek_moe import DeepSeekMoEFamily
@@ -75,6 +75,10 @@ class KimiLinear(DeepSeekMoEFamily):
         need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
         need(not cfg.tie_word_embeddings, f"transformers' {self.arch} never ties lm_head to the embedding")
         mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
+        other = sorted(set(mixers) - set(BLOCK_TYPES.values()) - {"-", "E"})
+        need(not other, "its mixers are KDA and multi-head latent attention only: no place for the "
+             f"{', '.join(kind(c).name for c in other)} layers (a kept grouped-query attention layer is not latent "
+             "attention: replace every one)")
         need(cfg.num_layers % 2 == 0 and set(mixers) <= set(BLOCK_TYPES.values()) and set(ffns) <= {"-", "E"},
              f"needs (KDA 'K' or MLA 'L') + (MLP '-' or MoE 'E') layer pairs, got {cfg.pattern!r}")
         if "L" in mixers:
@@ -91,12 +95,12 @@ class KimiLinear(DeepSeekMoEFamily):
                     layer_types=[next(t for t, c in BLOCK_TYPES.items() if c == x) for x in cfg.pattern[0::2]],
                     mlp_layer_types=[next(t for t, c in MLP_TYPES.items() if c == x) for x in cfg.pattern[1::2]],
                     intermediate_size=cfg.mlp.intermediate_size or 1, num_local_experts=m.n_routed_experts or 1,
-                    num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size or 1,
-                    n_shared_experts=shared // (m.moe_intermediate_size or 1), norm_topk_prob=m.norm_topk_prob,
+                    num_experts_per_tok=m.num_experts_per_tok or 1, moe_intermediate_size=m.moe_intermediate_size or 1,
+                    n_shared_experts=shared // (m.moe_intermediate_size or 1) or 1, norm_topk_prob=m.norm_topk_prob,
                     routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group, topk_group=m.topk_group,
                     num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=a.q_lora_rank,
                     kv_lora_rank=a.kv_lora_rank or 1, qk_nope_head_dim=a.qk_nope_head_dim,
-                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim or 1, attention_bias=a.mla_bias,
+                    qk_rope_head_dim=a.qk_rope_head_dim or 1, v_head_dim=a.v_head_dim or 1, attention_bias=a.mla_bias,
                     linear_num_heads=k.kda_num_heads or 1, linear_head_dim=k.kda_head_dim or 1,
                     linear_conv_kernel_dim=k.kda_conv_kernel)
 

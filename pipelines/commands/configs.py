@@ -216,7 +216,7 @@ class HybridizeOptions:
                         positional=True)
     out: object = opt(None, "new output directory", positional=True)
     mixer: str = opt("mamba2", "the linear mixer put in place of the replaced attention layers (mamba2: Mamba-2; "
-                     "gdn: Gated DeltaNet)", choices=tuple(MIXERS))
+                     "gdn: Gated DeltaNet; kda: Kimi Delta Attention)", choices=tuple(MIXERS))
     keep_attention: int | None = opt(None, "N attention layers kept, evenly spaced (or --keep-layers)",
                                      check=ints(0, 2**16))
     keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
