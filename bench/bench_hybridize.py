@@ -63,7 +63,7 @@ def source(d: Path, a) -> Path:
     for f in embedded_tokenizer_path().iterdir():
         shutil.copy(f, d / "init" / f.name)
     T.train(str(d / "init"), str(d / "src"), data=str(d / "train.txt"), steps=a.src_steps, seq_len=a.seq_len,
-            batch=8, warmup=5, lr=2e-2, log_every=0, checkpoint_every=10**6)
+            batch=8, warmup=5, lr=a.src_lr, log_every=0, checkpoint_every=10**6)
     return d / "src"
 
 
@@ -141,6 +141,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--src-steps", type=int, default=300)
+    ap.add_argument("--src-lr", type=float, default=2e-2)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=5e-3)
