@@ -151,7 +151,11 @@ def main():
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--out", default=str(ROOT / "bench" / "hybridize.json"))
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--from-json", help="record this JSON's results in RESULTS.md without running")
     a = ap.parse_args()
+    if a.from_json:
+        return record("### Hybridize (bench/bench_hybridize.py)", body(json.loads(Path(a.from_json).read_text())),
+                      section="## Hybridize")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -176,7 +180,19 @@ def body(res: dict) -> str:
     return (f"`{res['command']}`; {res['machine']}, shared with other jobs; {res['date']}; wall {res['wall_s']} s. "
             f"Source: 8-layer Llama trained here {res['settings']['src_steps']} steps, held-out loss "
             f"{res['source_loss']:.3f}; every arm {res['settings']['steps']} steps (transfer: a third of them stage "
-            f"one). Task accuracy (remodel_cloze): not measured.\n\n" + table(res))
+            f"one). Task accuracy (remodel_cloze): not measured.\n\n" + table(res) + "\n\n" + verdict(res))
+
+
+def verdict(res: dict) -> str:
+    """The issue's goal: attention-initialised hybrids within 5% of the source's held-out loss at 1/4 attention."""
+    src, lines = res["source_loss"], []
+    for key, r in res["points"].items():
+        if key.endswith(f"/{LAYERS // 4}"):
+            best = min(r[k]["loss"] for k in ("kl", "even", "transfer"))
+            gap = 100 * (best / src - 1)
+            lines.append(f"{key.split('/')[0]}: best attention-initialised arm {best:.3f}, {gap:+.1f}% of the source "
+                         f"({'within' if gap <= 5 else 'outside'} 5%)")
+    return "Goal (issue 57: within 5% of the source at 1/4 attention): " + "; ".join(lines) + "."
 
 
 if __name__ == "__main__":
