@@ -151,10 +151,7 @@ class GatedDeltaNetKind(LayerKind):
 
     def remove_channels(self, mixer, keep, fired):
         """The removed heads' outputs zeroed at out_proj's input (their RMS norm is per head: nothing else moves)."""
-        def hook(module, args):
-            fired()
-            return (args[0] * keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
-        return mixer.out_proj.register_forward_pre_hook(hook)
+        return self.zero_inputs(mixer.out_proj, keep, fired)
 
     def init_param(self, cfg, local, p, g, std):
         """As transformers' qwen3_next / qwen3_5: A = -U(0.01, 16) (A_log its log), dt_bias one; the convs are

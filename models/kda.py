@@ -99,10 +99,7 @@ class KdaKind(LayerKind):
 
     def remove_channels(self, mixer, keep, fired):
         """The removed heads' outputs zeroed at o_proj's input (the gated norm is per head: nothing else moves)."""
-        def hook(module, args):
-            fired()
-            return (args[0] * keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
-        return mixer.o_proj.register_forward_pre_hook(hook)
+        return self.zero_inputs(mixer.o_proj, keep, fired)
 
     def init_param(self, cfg, local, p, g, std):
         """As transformers' kimi_linear (fla's init): A = U(1, 16) (A_log its log), dt_bias the inverse softplus

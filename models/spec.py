@@ -226,6 +226,15 @@ class LayerKind:
         them would; `fired()` is called each time the removal applies (a fused kernel may skip it)."""
         raise NotImplementedError(f"{self.name} has no removable head units")
 
+    @staticmethod
+    def zero_inputs(linear, keep, fired):
+        """remove_channels for a kind whose heads end in per-head work: a pre-hook zeroing `linear`'s input
+        channels not in `keep` (its output projection's)."""
+        def hook(module, args):
+            fired()
+            return (args[0] * keep.to(device=args[0].device, dtype=args[0].dtype),) + tuple(args[1:])
+        return linear.register_forward_pre_hook(hook)
+
     state_row = ""  # the `inspect` row of its inference state ('KV cache'); every cache_bytes name adds to it
 
     def state_rows(self, cfg, w: dict, batch: int, seq_len: int, bytes_: tuple = (2, 4, 2)) -> dict:
