@@ -553,6 +553,38 @@ def hf_pair(model_type, root, name, seed, **hf_config):
     return _HF_BUILT[key]
 
 
+# ---- hybridize: a tiny Llama / Qwen3 saved by transformers, the shapes its tests read -----------------------------
+HYBRID_SOURCE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def hybrid_sources(tmp_path_factory):
+    """{model_type: (transformers model with randomised weights, its checkpoint dir)} for llama and qwen3."""
+    root = tmp_path_factory.mktemp("hybrid_src")
+    return {t: hf_pair(t, root, t, 7, **HYBRID_SOURCE)[::2] for t in ("llama", "qwen3")}
+
+
+def loaded_as(out, arch: str):
+    """transformers' model of checkpoint `out` in fp32 eval mode, checked to be of class `arch`."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert type(m).__name__ == arch
+    return m
+
+
+def attention_skipped(hf, layers, ids):
+    """A transformers model's logits with the attention of `layers` contributing nothing (a silent mixer there)."""
+    hooks = [hf.model.layers[j].self_attn.register_forward_hook(lambda m, a, o: (torch.zeros_like(o[0]),) + o[1:])
+             for j in layers]
+    try:
+        with torch.no_grad():
+            return hf(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def cli_pair(family, case, root):
     """(transformers model, ours, checkpoint dir) of a family's tiny case at the embedded tokenizer's vocabulary,
     the tokenizer copied beside it: a checkpoint the CLI reads as a user's (score, prune, eval)."""

@@ -8,52 +8,24 @@ import torch
 
 from remodel.cli import main
 from remodel.models.families import FAMILIES
-from tests.conftest import hf_pair
+from tests.conftest import attention_skipped, hf_pair, loaded_as
 
-LLAMA = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8)
-IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    """{model_type: (transformers model with randomised weights, its checkpoint dir)} for llama and qwen3."""
-    root = tmp_path_factory.mktemp("hybgdn")
-    return {t: hf_pair(t, root, t, 7, **LLAMA)[::2] for t in ("llama", "qwen3")}
-
-
-def _load(out, arch):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(out).float().eval()
-    assert type(m).__name__ == arch
-    return m
+IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))  # HYBRID_SOURCE's vocabulary
 
 
 def _run(*argv) -> int:
     return main(["hybridize", *map(str, argv)])
 
 
-def _attention_skipped(hf, layers, ids):
-    """The source's logits with the attention of `layers` contributing nothing (a silent mixer in their place)."""
-    hooks = [hf.model.layers[j].self_attn.register_forward_hook(lambda m, a, o: (torch.zeros_like(o[0]),) + o[1:])
-             for j in layers]
-    try:
-        with torch.no_grad():
-            return hf(ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
 @pytest.mark.parametrize("flags,attn", [(("--keep-layers", "0,3"), [0, 3]), (("--keep-attention", "1"), [2]),
                                         (("--keep-attention", "0", "--init", "random"), [])])
-def test_gdn_hybrid_loads_as_qwen3_5_with_the_asked_attention_layers(sources, tmp_path, src, flags, attn):
+def test_gdn_hybrid_loads_as_qwen3_5_with_the_asked_attention_layers(hybrid_sources, tmp_path, src, flags, attn):
     """The registry's family for a dense source (no --to) is qwen3_5_text: transformers loads it with exactly the
     asked attention layers, the rest Gated DeltaNet, the MLPs the source's (zero-centred norms: weight - 1)."""
-    hf, d = sources[src]
+    hf, d = hybrid_sources[src]
     assert _run(d, tmp_path / "out", "--mixer", "gdn", *flags) == 0
-    m = _load(tmp_path / "out", "Qwen3_5ForCausalLM")
+    m = loaded_as(tmp_path / "out", "Qwen3_5ForCausalLM")
     assert [j for j, t in enumerate(m.config.layer_types) if t == "full_attention"] == attn
     assert m.config.linear_num_key_heads == m.config.linear_num_value_heads == 4
     for j, layer in enumerate(m.model.layers):
@@ -65,13 +37,13 @@ def test_gdn_hybrid_loads_as_qwen3_5_with_the_asked_attention_layers(sources, tm
         assert torch.isfinite(m(IDS, use_cache=False).logits).all()
 
 
-def test_gdn_layers_from_attention_start_silent(sources, tmp_path):
+def test_gdn_layers_from_attention_start_silent(hybrid_sources, tmp_path):
     """--init attention read back from the written Qwen3.5: in_proj_qkv = [Q (times the q-norm scale) | K | V
     repeated per query head], identity convs, zero gate rows, out_proj = O; the silent layers make the hybrid's
     logits the Qwen3 source's with those attention layers skipped (the kept layer is exact: gate 1/2, o_proj x 2)."""
-    hf, d = sources["qwen3"]
+    hf, d = hybrid_sources["qwen3"]
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-layers", "1") == 0
-    m = _load(tmp_path / "out", "Qwen3_5ForCausalLM")
+    m = loaded_as(tmp_path / "out", "Qwen3_5ForCausalLM")
     for j in (0, 2, 3):
         g, a = m.model.layers[j].linear_attn, hf.model.layers[j].self_attn
         q = (a.q_proj.weight.unflatten(0, (4, 8)) * a.q_norm.weight[:, None]).flatten(0, 1)
@@ -82,26 +54,26 @@ def test_gdn_layers_from_attention_start_silent(sources, tmp_path):
         assert not g.in_proj_z.weight.any() and torch.equal(g.out_proj.weight, a.o_proj.weight)
     with torch.no_grad():
         got = m(IDS).logits
-    assert (got - _attention_skipped(hf, [0, 2, 3], IDS)).abs().max().item() < 1e-4
+    assert (got - attention_skipped(hf, [0, 2, 3], IDS)).abs().max().item() < 1e-4
 
 
-def test_qwen3_every_layer_kept_in_qwen3_5_is_the_identity(sources, tmp_path):
+def test_qwen3_every_layer_kept_in_qwen3_5_is_the_identity(hybrid_sources, tmp_path):
     """Conversion without replacement: Qwen3's attention in Qwen3.5's gated, zero-centred form gives its logits."""
-    hf, d = sources["qwen3"]
+    hf, d = hybrid_sources["qwen3"]
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-attention", 4, "--to", "qwen3_5_text") == 0
-    m = _load(tmp_path / "out", "Qwen3_5ForCausalLM")
+    m = loaded_as(tmp_path / "out", "Qwen3_5ForCausalLM")
     with torch.no_grad():
         assert (m(IDS).logits - hf(IDS).logits).abs().max().item() < 1e-4
 
 
-def test_llama_kept_attention_q_k_norm_deviation(sources, tmp_path):
+def test_llama_kept_attention_q_k_norm_deviation(hybrid_sources, tmp_path):
     """A Llama's attention gains Qwen3.5's q/k RMS norms, which are not an identity. Their weight (the heads'
     RMS estimated from the weights) keeps the kept layers closer to the source than unit norms do. Measured
     (tiny randomised Llama, every layer kept): max |logit difference| 1.08 (estimate) vs 1.29 (unit weights),
     logits up to 3.29; stage one (attention transfer) is to fit the rest."""
-    hf, d = sources["llama"]
+    hf, d = hybrid_sources["llama"]
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-attention", 4) == 0
-    m = _load(tmp_path / "out", "Qwen3_5ForCausalLM")
+    m = loaded_as(tmp_path / "out", "Qwen3_5ForCausalLM")
     with torch.no_grad():
         want = hf(IDS).logits
         est = (m(IDS).logits - want).abs().max().item()
@@ -121,7 +93,7 @@ def test_moe_source_keeps_its_moe_layers(tmp_path, to, arch):
     tiny = FAMILIES["qwen3_moe"].tiny["plain"]
     hf, _, d = hf_pair("qwen3_moe", tmp_path, "moe", 5, **tiny)
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-layers", "1", "--to", to) == 0
-    m = _load(tmp_path / "out", arch)
+    m = loaded_as(tmp_path / "out", arch)
     assert m.config.layer_types == ["linear_attention", "full_attention"]
     for j in range(2):
         ours, src = m.model.layers[j].mlp, hf.model.layers[j].mlp
@@ -129,18 +101,18 @@ def test_moe_source_keeps_its_moe_layers(tmp_path, to, arch):
         assert torch.equal(ours.experts.down_proj, src.experts.down_proj)
     assert _run(d, tmp_path / "all", "--mixer", "gdn", "--keep-attention", 2, "--to", to) == 0
     with torch.no_grad():
-        assert (_load(tmp_path / "all", arch)(IDS).logits - hf(IDS).logits).abs().max().item() < 1e-4
+        assert (loaded_as(tmp_path / "all", arch)(IDS).logits - hf(IDS).logits).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("flags,words", [(("--to", "bamba"), ("--to bamba",)),
                                          (("--to", "qwen3_next"), ("--to qwen3_next", "MoE")),
                                          (("--to", "llama"), ("--to llama",)),
                                          (("--to", "qwen3_5"), ("--to qwen3_5", "vision tower"))])
-def test_gdn_refused_where_the_family_cannot_hold_it(sources, tmp_path, capsys, flags, words):
+def test_gdn_refused_where_the_family_cannot_hold_it(hybrid_sources, tmp_path, capsys, flags, words):
     """--to a family without Gated DeltaNet (bamba, llama), needing MoE layers (qwen3_next from a dense Llama) or a
     vision tower (qwen3_5, the released multimodal form: the reason left once norms and gate are adapted): one line
     naming --to and why, nothing written."""
-    _, d = sources["llama"]
+    _, d = hybrid_sources["llama"]
     capsys.readouterr()
     assert _run(d, tmp_path / "out", "--mixer", "gdn", "--keep-attention", 1, *flags) == 2
     err = capsys.readouterr().err.strip()

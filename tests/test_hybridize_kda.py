@@ -10,51 +10,23 @@ import torch
 
 from remodel.cli import main
 from remodel.models.load import load_model
-from tests.conftest import hf_pair
+from tests.conftest import attention_skipped, loaded_as
 
-LLAMA = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=40, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8)
-IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    """{model_type: (transformers model with randomised weights, its checkpoint dir)} for llama and qwen3."""
-    root = tmp_path_factory.mktemp("hybkda")
-    return {t: hf_pair(t, root, t, 7, **LLAMA)[::2] for t in ("llama", "qwen3")}
+IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))  # HYBRID_SOURCE's vocabulary
 
 
 def _run(*argv) -> int:
     return main(["hybridize", *map(str, argv)])
 
 
-def _load(out):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
-    assert type(m).__name__ == "KimiLinearForCausalLM"
-    return m
-
-
-def _attention_skipped(hf, ids):
-    """The source's logits with every attention layer contributing nothing (silent mixers in their place)."""
-    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o: (torch.zeros_like(o[0]),) + o[1:])
-             for layer in hf.model.layers]
-    try:
-        with torch.no_grad():
-            return hf(ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
 @pytest.mark.parametrize("init", ["attention", "random"])
-def test_kda_hybrid_loads_as_kimi_linear_every_layer_kda(sources, tmp_path, src, init):
+def test_kda_hybrid_loads_as_kimi_linear_every_layer_kda(hybrid_sources, tmp_path, src, init):
     """--keep-attention 0: transformers loads KimiLinearForCausalLM, every layer KDA (one head per query head,
     the attention's head width), every MLP dense and the source's bit for bit, norms and embeddings too."""
-    hf, d = sources[src]
+    hf, d = hybrid_sources[src]
     assert _run(d, tmp_path / "out", "--mixer", "kda", "--keep-attention", 0, "--init", init) == 0
-    m = _load(tmp_path / "out")
+    m = loaded_as(tmp_path / "out", "KimiLinearForCausalLM")
     c = m.config
     assert c.layer_types == ["linear_attention"] * 4 and c.mlp_layer_types == ["dense"] * 4
     assert (c.linear_num_heads, c.linear_head_dim) == (4, 8)
@@ -72,13 +44,13 @@ def test_kda_hybrid_loads_as_kimi_linear_every_layer_kda(sources, tmp_path, src,
 
 
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
-def test_kda_layers_from_attention_start_silent(sources, tmp_path, src):
+def test_kda_layers_from_attention_start_silent(hybrid_sources, tmp_path, src):
     """--init attention read back from the written Kimi Linear: q = Q (times Qwen3's q-norm scale), k / v = K / V
     repeated per query head, o_proj = O, identity convs, the gated norm's weight zero (sigmoid never silences),
     A and dt as transformers draws them; the silent layers make its logits the source's with attention skipped."""
-    hf, d = sources[src]
+    hf, d = hybrid_sources[src]
     assert _run(d, tmp_path / "out", "--mixer", "kda", "--keep-attention", 0) == 0
-    m = _load(tmp_path / "out")
+    m = loaded_as(tmp_path / "out", "KimiLinearForCausalLM")
     for layer, s in zip(m.model.layers, hf.model.layers):
         k, a = layer.self_attn, s.self_attn
         qs = a.q_norm.weight[:, None] if src == "qwen3" else 1
@@ -97,15 +69,15 @@ def test_kda_layers_from_attention_start_silent(sources, tmp_path, src):
         assert math.exp(-7) < dt.min().item() and dt.max().item() < 0.101
     with torch.no_grad():
         got = m(IDS, use_cache=False).logits
-    assert (got - _attention_skipped(hf, IDS)).abs().max().item() < 1e-4
+    assert (got - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("flags", [("--keep-attention", 1), ("--keep-layers", "0,2"),
                                    ("--keep-attention", 1, "--to", "kimi_linear")])
-def test_kda_refused_with_kept_attention(sources, tmp_path, capsys, flags):
+def test_kda_refused_with_kept_attention(hybrid_sources, tmp_path, capsys, flags):
     """Kimi Linear holds KDA and latent attention only: a kept grouped-query attention layer is refused in one
     line naming kimi_linear and why, nothing written."""
-    _, d = sources["llama"]
+    _, d = hybrid_sources["llama"]
     capsys.readouterr()
     assert _run(d, tmp_path / "out", "--mixer", "kda", *flags) == 2
     err = capsys.readouterr().err.strip()
