@@ -106,9 +106,9 @@ def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
     keep = kept(len(layers), o.keep_attention, o.keep_layers) if keep is None else keep
     replaced = {i for j, i in enumerate(layers) if j not in keep}
     family, new_cfg = target(cfg, o.mixer, replaced, o.to)
+    fit = fitted(cfg, new_cfg, replaced)
     return {"cfg": cfg, "new_cfg": new_cfg, "family": family, "keep": keep, "replaced": replaced, "layers": layers,
-            "training": _stages(o, training, fitted(cfg, new_cfg, replaced)), "fitted": fitted(cfg, new_cfg, replaced),
-            "init_dir": Path(f"{o.out}.init") if training else None}
+            "training": _stages(o, training, fit), "fitted": fit, "init_dir": Path(f"{o.out}.init") if training else None}
 
 
 def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:

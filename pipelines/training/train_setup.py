@@ -121,9 +121,10 @@ def _check_train_only(c: TrainConfig, s_cfg) -> None:
     if c.train_only is None:
         return
     names = list(our_shapes(s_cfg))
-    given = c.train_only if isinstance(c.train_only, (list, tuple)) else [c.train_only]
-    bad = [x for x in given if not (isinstance(x, str) and x and any(n.startswith(x) for n in names))]
-    if bad or not given or given is not c.train_only:
+    listed = isinstance(c.train_only, (list, tuple)) and len(c.train_only) > 0
+    bad = [x for x in c.train_only if not (isinstance(x, str) and x and any(n.startswith(x) for n in names))] \
+        if listed else []
+    if bad or not listed:
         raise RemodelError(f"train_only: {bad or c.train_only!r} names no parameter of the student (a list of name "
                            "prefixes, e.g. ['layers.0.mixer.'])")
 
