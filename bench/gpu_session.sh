@@ -3,7 +3,7 @@
 # Carry: .whl (fla-core 0.6.0, liger-kernel 0.8.5, torchao 0.17.0, transformers 5.24.0: the version the CPU
 # parity tests use; datasets 5.2.0 with dill 0.4.1 and multiprocess 0.70.19: remodel's data module imports it) and .gpusrc (mamba-ssm 2.3.2.post1's Python + Triton sources, its __init__ reduced to
 # the version: no compiled selective_scan_cuda / causal-conv1d there, so the conv is fla-core's Triton one).
-# Stages: the arguments (default: gdn cuda grouped windows loss profile; the others: gdnmix cudagdn cudarest grouped blocks profile13 profile8b mfu moe gap). Each part has its own time limit and writes into
+# Stages: the arguments (default: unrun gdn cuda grouped windows loss profile; the others: gdnmix cudagdn cudarest grouped blocks profile13 profile8b mfu moe gap). Each part has its own time limit and writes into
 # /tmp/o as it goes; after each part /tmp/o is packed into $OUT/run.tgz, so a cut-off call still returns data.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 mkdir -p /tmp/pkg /tmp/o && ln -sfn "$PWD" /tmp/pkg/remodel
@@ -21,8 +21,11 @@ part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; local s=$S
 # test stages: without .gpusrc (mamba-ssm) on the path; each failure printed as it happens (bench/pytest_instafail.py)
 T() { PYTHONPATH=/tmp/pkg:/tmp/site:$PWD/bench "$@"; }
 PT="-p no:cacheprovider -p pytest_instafail --continue-on-collection-errors --timeout 100"
-stages=${*:-gdn cuda grouped windows loss profile}
+stages=${*:-unrun gdn cuda grouped windows loss profile}
 for st in $stages; do case $st in
+  unrun) T part 300 unrun python3 -m pytest -v -s $PT --timeout 240 tests/test_sdpa_paths.py tests/test_kda.py -k "cuda or gpu"  # written on CPU, never run on a GPU (2026-12-06)
+          T part 200 unrun_cuda python3 -m pytest -v $PT tests/test_cuda.py -k "deepseek or glm4_moe_lite or gpt_oss or kimi"
+          part 200 unrun_mamba1 python3 -m pytest -v $PT tests/test_mamba1_kernel.py -k gpu ;;  # needs mamba-ssm's selective scan (.gpusrc)
   gdn) T part 300 gdn python3 -m pytest -v -s $PT --timeout 240 tests/test_gdn_kernels.py -k on_gpu ;;  # fla compiles and autotunes on first use: >100 s (2026-11-28)
   gdnmix) T part 240 gdnmix python3 -m pytest -v -s $PT --timeout 220 tests/test_gated_deltanet.py::test_mixer_with_gpu_kernels_equals_pure_path_on_gpu ;;
   cudagdn) T part 180 cudagdn python3 -m pytest -v $PT tests/test_cuda.py -k "qwen3_next or qwen3_5 or olmo or gdn" ;;  # the families no GPU has passed yet
