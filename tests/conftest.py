@@ -347,6 +347,9 @@ MARKS = {
     "test_expert_prune_quality.py": {
         "test_routed_reconstruction_beats_frequency_and_random_on_the_trained_moe": "quality",
     },
+    "test_hybridize_quality_qwen3.py": {
+        "test_qwen3_gdn_attention_init_beats_random_through_the_cli": "quality",
+    },
     "test_head_criteria_quality.py": {
         "test_activation_beats_magnitude_on_gdn_value_heads": "quality",
     },
