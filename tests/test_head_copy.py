@@ -79,7 +79,6 @@ def test_streamed_prune_writes_the_copy(tmp_path, capsys):
     targets = prune_axes(model.cfg)
     out = tmp_path / "p"
     assert cli.main(["prune", str(d), str(out), "--scores", str(tmp_path / "s"), *cli_flags(targets)]) == 0
-    assert "lm_head.weight" in _tensors(out)
     reloaded_equals_in_memory(out, prune_model(model, plan_keep(model.cfg, scores, targets)))
 
 
