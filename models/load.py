@@ -195,11 +195,23 @@ def extra_hf_tensors(cfg: ModelConfig, family: str) -> dict[str, tuple]:
     return {to_hf_name(cfg, family, ours): shape for ours, shape in FAMILIES[family].extra_tensors(cfg).items()}
 
 
+def head_copy(cfg: ModelConfig, family: str) -> tuple[str, str] | None:
+    """(HF name of the embedding, HF name of lm_head) where tied `cfg` exports to a family whose transformers class
+    never ties (Family.ties_head False): every writer (join_parts) stores lm_head as a copy of the embedding, else
+    transformers builds a random head. config.json keeps tie_word_embeddings true, so remodel reads the model back
+    tied (round trips exact; count_params' total is ours, hf_total counts the copy), a stored head unread, as it
+    always was (transformers' own save of a tied model stores its random head: tests/data/legacy). None: no copy."""
+    if not cfg.tie_word_embeddings or FAMILIES[family].ties_head:
+        return None
+    return to_hf_name(cfg, family, "embeddings.weight"), to_hf_name(cfg, family, "lm_head.weight")
+
+
 def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) of rows (our_name, hf_name, expert or None, our tensor or its expert's) in
     weight_table order: an HF tensor that concatenates several of ours (models.hf_adapter.Part) comes
-    once, joined, when its last part has come; every other row passes as it is."""
-    parts = {}
+    once, joined, when its last part has come; every other row passes as it is, the embedding followed by
+    its copy as lm_head where the family cannot tie (head_copy): the one place every writer passes."""
+    parts, copy = {}, head_copy(cfg, family)
     for ours, hf, e, t in rows:
         part = to_hf_part(cfg, family, ours, e)
         if not part.whole:
@@ -209,6 +221,8 @@ def join_parts(cfg: ModelConfig, family: str, rows) -> Iterator[tuple[str, torch
                 continue
             t = part.join(parts.pop(hf), part.dim - (e is not None))
         yield hf, t
+        if copy and hf == copy[0]:
+            yield copy[1], t.clone()
     if parts:
         raise RemodelError(f"internal: HF tensors left without all their parts: {sorted(parts)[:3]}")
 

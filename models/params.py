@@ -121,14 +121,15 @@ def count_params(cfg: ModelConfig, family: str | None = None, by_axis: bool = Fa
     buffers: e_score_correction_bias elements (fp32 buffers, saved in checkpoints, not parameters);
     hf_total: parameters of the model transformers builds from the `family` export (default
       `default_family(cfg)`): a family that always builds a shared expert adds a size-1 zero one per MoE
-      layer of a model without (its extra_tensors, models.load.extra_hf_tensors), and a family that carries
-      tensors through (a vision tower) adds them;
+      layer of a model without (its extra_tensors, models.load.extra_hf_tensors), a family that never ties
+      builds a tied model's lm_head (models.load.head_copy), and a family that carries tensors through (a vision
+      tower) adds them;
     passthrough: the parameters of those carried-through tensors (Family.passthrough_params);
     by_axis (only when asked: two closed forms per width, two thirds of a call's time, which plan's exact
       checks and search's brute force do not read): see `_axis_table`;
     per_layer: params of one layer of each kind present (norm included).
     """
-    from .load import extra_hf_tensors
+    from .load import extra_hf_tensors, head_copy
 
     shapes = our_shapes(cfg)
     trunk = {n: v for n, v in shapes.items() if not n.startswith("mtp.")}
@@ -137,6 +138,7 @@ def count_params(cfg: ModelConfig, family: str | None = None, by_axis: bool = Fa
     active = _active(cfg, total, routed)
     family = family or default_family(cfg)
     extra = sum(_numel(s) for s in extra_hf_tensors(cfg, family).values())
+    extra += cfg.vocab_size * cfg.hidden_size if head_copy(cfg, family) else 0  # lm_head stored as a copy
     passed = FAMILIES[family].passthrough_params(cfg)
     one = per_layer(cfg)
     out = {

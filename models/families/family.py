@@ -179,6 +179,10 @@ class Family:
     # carried through byte-identical (a vision tower and its merger; models.load.passthrough_tensors)
     nested: str = ""
     passthrough: tuple = ()
+    # its transformers class ties lm_head to the embedding when config.json says so; False (nemotron_h, kimi_linear:
+    # `_tied_weights_keys = {}`): it always builds its own head, so the writers store a tied model's lm_head as a copy
+    # of the embedding (models.load.head_copy), else transformers would load a random head
+    ties_head: bool = True
 
     # ---- HF config ---------------------------------------------------------------------
     def required(self, h) -> list:

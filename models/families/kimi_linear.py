@@ -134,7 +134,7 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_attention_
              num_local_experts=8, num_experts_per_tok=2, linear_num_heads=3, linear_head_dim=8,
              linear_conv_kernel_dim=3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 KIMI_LINEAR = KimiLinear(
-    "kimi_linear", "KimiLinearForCausalLM", padding_idx=True, width_rules=(SHARED_FROM_EXPERT,), block_types=BLOCK_TYPES,
+    "kimi_linear", "KimiLinearForCausalLM", padding_idx=True, ties_head=False, width_rules=(SHARED_FROM_EXPERT,), block_types=BLOCK_TYPES,
     tiny={"kda_mla_moe": dict(_TINY, num_hidden_layers=4, n_shared_experts=2, linear_num_heads=4, q_lora_rank=None, n_group=2,
                               topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                               layer_types=["linear_attention", "linear_attention", "full_attention",

@@ -129,6 +129,7 @@ _TINY = dict(_DENSE, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate
 NEMOTRON_H = NemotronH("nemotron_h", "NemotronHForCausalLM", depth=1, moe=True, mtp=True, routers=("sigmoid", "sigmoid-raw"),
                        block_types=BLOCK_TYPES, upcycle_help="nemotron_h",
                        padding_idx=False,  # transformers' nemotron_h embedding has no padding_idx: every row trains
+                       ties_head=False,  # transformers' NemotronHForCausalLM never ties (its _tied_weights_keys is {})
                        tiny={"hybrid": dict(_TINY, hybrid_override_pattern="M*M-EM"),
                              "latent": dict(_TINY, hybrid_override_pattern="ME*E", moe_latent_size=20, n_group=1),
                              "dense": dict(_DENSE, hybrid_override_pattern="M*-M-")})  # an upcycling source
