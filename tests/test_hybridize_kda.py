@@ -10,7 +10,7 @@ import torch
 
 from remodel.cli import main
 from remodel.models.load import load_model
-from tests.conftest import attention_skipped, loaded_as
+from tests.conftest import HYBRID_SOURCE, attention_skipped, hf_pair, loaded_as
 
 IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))  # HYBRID_SOURCE's vocabulary
 
@@ -84,3 +84,29 @@ def test_kda_refused_with_kept_attention(hybrid_sources, tmp_path, capsys, flags
     assert len(err.splitlines()) == 1, err
     assert "kimi_linear" in err and "no place for the attention layers" in err and "latent attention" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tied_sources(tmp_path_factory):
+    """hybrid_sources' Llama and Qwen3 with lm_head tied to the embedding."""
+    root = tmp_path_factory.mktemp("tied_src")
+    return {t: hf_pair(t, root, t, 7, **HYBRID_SOURCE, tie_word_embeddings=True)[::2] for t in ("llama", "qwen3")}
+
+
+@pytest.mark.parametrize("src", ["llama", "qwen3"])
+@pytest.mark.parametrize("mixer,arch,tied", [("kda", "KimiLinearForCausalLM", False),
+                                             ("gdn", "Qwen3_5ForCausalLM", True), ("mamba2", "BambaForCausalLM", True)])
+def test_tied_source_untied_where_the_family_never_ties(tied_sources, tmp_path, src, mixer, arch, tied):
+    """transformers' Kimi Linear never ties lm_head (its _tied_weights_keys is empty): from a tied source it is
+    written untied, lm_head a copy of the embedding; qwen3_5 and bamba tie as the source does. Every layer's
+    mixer starts silent, so the logits are the source's with attention skipped."""
+    hf, d = tied_sources[src]
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert _run(d, tmp_path / "out", "--mixer", mixer, "--keep-attention", 0) == 0
+    m = loaded_as(tmp_path / "out", arch)
+    assert m.config.tie_word_embeddings is tied and (m.lm_head.weight is m.model.embed_tokens.weight) is tied
+    assert torch.equal(m.lm_head.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(m.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    with torch.no_grad():
+        got = m(IDS, use_cache=False).logits
+    assert (got - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4
