@@ -258,8 +258,9 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
     state.update({k: v for k, v in form_added(src, new_cfg, fresh).items() if k not in state})
     missing = [k for k in fresh if k not in state]
     if missing:
+        more = f" nor {len(missing) - 1} more" if missing[1:] else ""
         raise RemodelError(f"hybridize: nothing gives the hybrid's tensor {missing[0]} (not the source's, the mixer "
-                           f"init's or one the target's form adds){f' nor {len(missing) - 1} more' if missing[1:] else ''}")
+                           f"init's or one the target's form adds){more}")
     model.load_state_dict(state, strict=True)
     return model.eval()
 
