@@ -202,3 +202,30 @@ def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_
     assert rep["kl_per_layer"] == pytest.approx(want, rel=1e-3, abs=1e-7)
     assert rep["attention_kept"] == sorted(sorted(range(4), key=lambda j: -want[j])[:2])
     assert sorted(want)[1] < sorted(want)[2]  # the top two are well defined
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "gdn", "kda"])
+def test_an_init_that_forgets_a_tensor_is_refused_not_zero_filled(llama, monkeypatch, mixer):
+    """Only the tensors the target's form adds (upcycle.hybridize.form_added) are filled in: a mixer init that
+    drops one of its tensors is refused in one line naming it, where a blanket zero fill used to hide it."""
+    from remodel.models.errors import RemodelError
+    from remodel.models.load import load_model
+    from remodel.upcycle import hybridize as H
+    src = load_model(llama[1])
+    replaced = set(H.replaceable(src.cfg, mixer))
+    _, new_cfg = H.target(src.cfg, mixer, replaced, None)
+    m = H.MIXERS[mixer]
+    dropped = []
+
+    def forgetful(cfg, att, fresh):
+        out = m.init(cfg, att, fresh)
+        dropped.append(sorted(out)[-1])
+        return {k: v for k, v in out.items() if k != dropped[-1]}
+
+    assert H.hybridize_model(src, new_cfg, mixer, replaced) is not None  # the real init: every tensor has a value
+    monkeypatch.setitem(H.MIXERS, mixer, m._replace(init=forgetful))
+    with pytest.raises(RemodelError) as e:
+        H.hybridize_model(src, new_cfg, mixer, replaced)
+    first = min(replaced)
+    assert len(str(e.value).splitlines()) == 1 and f"layers.{first}.mixer.{dropped[0]} " in str(e.value), e.value
+    assert f"nor {len(replaced) - 1} more" in str(e.value), e.value

@@ -10,13 +10,22 @@ import torch
 
 from remodel.cli import main
 from remodel.models.load import load_model
-from tests.conftest import attention_skipped, loaded_as
+from tests.conftest import HYBRID_SOURCE, attention_skipped, hf_pair, loaded_as
 
 IDS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))  # HYBRID_SOURCE's vocabulary
 
 
 def _run(*argv) -> int:
     return main(["hybridize", *map(str, argv)])
+
+
+@torch.no_grad()
+def silenced_logits(m):
+    """A written hybrid's logits on IDS with every layer's new mixer silenced (its output projection zeroed)."""
+    for layer in m.model.layers:
+        mixer = next(getattr(layer, a) for a in ("self_attn", "linear_attn", "mamba") if hasattr(layer, a))
+        (mixer.o_proj if hasattr(mixer, "o_proj") else mixer.out_proj).weight.zero_()
+    return m(IDS, use_cache=False).logits
 
 
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
@@ -44,10 +53,11 @@ def test_kda_hybrid_loads_as_kimi_linear_every_layer_kda(hybrid_sources, tmp_pat
 
 
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
-def test_kda_layers_from_attention_start_silent(hybrid_sources, tmp_path, src):
+def test_kda_layers_read_their_attentions_q_k_v_o(hybrid_sources, tmp_path, src):
     """--init attention read back from the written Kimi Linear: q = Q (times Qwen3's q-norm scale), k / v = K / V
-    repeated per query head, o_proj = O, identity convs, the gated norm's weight zero (sigmoid never silences),
-    A and dt as transformers draws them; the silent layers make its logits the source's with attention skipped."""
+    repeated per query head, o_proj = O, identity convs, the gated norm's weight transformers' (ones: no silent
+    start, upcycle.hybrid_kda), A and dt as transformers draws them; with o_proj zeroed (the layers silenced) its
+    logits are the source's with attention skipped."""
     hf, d = hybrid_sources[src]
     assert _run(d, tmp_path / "out", "--mixer", "kda", "--keep-attention", 0) == 0
     m = loaded_as(tmp_path / "out", "KimiLinearForCausalLM")
@@ -62,14 +72,12 @@ def test_kda_layers_from_attention_start_silent(hybrid_sources, tmp_path, src):
         assert (k.k_proj.weight - kk).abs().max().item() < 1e-6 and torch.equal(k.v_proj.weight, v)
         assert torch.equal(k.o_proj.weight, a.o_proj.weight)
         assert torch.equal(k.conv1d.weight[..., -1], torch.ones(96, 1)) and not k.conv1d.weight[..., :-1].any()
-        assert not k.o_norm.weight.any() and k.g_b_proj.weight.abs().sum() > 0
+        assert torch.equal(k.o_norm.weight, torch.ones(8)) and k.g_b_proj.weight.abs().sum() > 0
         A = k.forget_gate.A_log.exp() if hasattr(k, "forget_gate") else k.A_log.exp()
         assert 1 <= A.min().item() and A.max().item() <= 16 and A.std().item() > 0
         dt = torch.nn.functional.softplus(k.forget_gate.dt_bias if hasattr(k, "forget_gate") else k.dt_bias)
         assert math.exp(-7) < dt.min().item() and dt.max().item() < 0.101
-    with torch.no_grad():
-        got = m(IDS, use_cache=False).logits
-    assert (got - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4
+    assert (silenced_logits(m) - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("flags", [("--keep-attention", 1), ("--keep-layers", "0,2"),
@@ -84,3 +92,27 @@ def test_kda_refused_with_kept_attention(hybrid_sources, tmp_path, capsys, flags
     assert len(err.splitlines()) == 1, err
     assert "kimi_linear" in err and "no place for the attention layers" in err and "latent attention" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tied_sources(tmp_path_factory):
+    """hybrid_sources' Llama and Qwen3 with lm_head tied to the embedding."""
+    root = tmp_path_factory.mktemp("tied_src")
+    return {t: hf_pair(t, root, t, 7, **HYBRID_SOURCE, tie_word_embeddings=True)[::2] for t in ("llama", "qwen3")}
+
+
+@pytest.mark.parametrize("src", ["llama", "qwen3"])
+@pytest.mark.parametrize("mixer,arch,tied", [("kda", "KimiLinearForCausalLM", False),
+                                             ("gdn", "Qwen3_5ForCausalLM", True), ("mamba2", "BambaForCausalLM", True)])
+def test_tied_source_untied_where_the_family_never_ties(tied_sources, tmp_path, src, mixer, arch, tied):
+    """transformers' Kimi Linear never ties lm_head (its _tied_weights_keys is empty): from a tied source it is
+    written untied, lm_head a copy of the embedding; qwen3_5 and bamba tie as the source does. With every new
+    mixer's output projection zeroed, the logits are the source's with attention skipped."""
+    hf, d = tied_sources[src]
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert _run(d, tmp_path / "out", "--mixer", mixer, "--keep-attention", 0) == 0
+    m = loaded_as(tmp_path / "out", arch)
+    assert m.config.tie_word_embeddings is tied and (m.lm_head.weight is m.model.embed_tokens.weight) is tied
+    assert torch.equal(m.lm_head.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(m.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert (silenced_logits(m) - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4

@@ -217,11 +217,29 @@ def _mixer_state(state: dict, i: int) -> dict:
     return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
 
 
+def form_added(src: HybridLM, new_cfg, fresh: dict) -> dict:
+    """The tensors the target's form adds to the source's model and their values: the keys of new_cfg's model
+    that the same model with the source's bias flags, shared-expert width and tie lacks. hybrid_config's tied
+    q/k/v / o_proj bias (the side the source lacks) and _variants' width-1 shared expert add nothing: zeros; the
+    lm_head family_fit unties is the embedding's copy."""
+    c, a = src.cfg, src.cfg.attention
+    base = new_cfg.replace(tie_word_embeddings=c.tie_word_embeddings, **{
+        "attention.attention_bias": a.attention_bias, "attention.attention_out_bias": a.attention_out_bias,
+        "moe.moe_shared_expert_intermediate_size": c.moe.moe_shared_expert_intermediate_size})
+    with torch.device("meta"):
+        keys = HybridLM(new_cfg).state_dict().keys() - HybridLM(base).state_dict().keys()
+    out = {k: torch.zeros_like(fresh[k]) for k in keys}
+    if "lm_head.weight" in out:
+        out["lm_head.weight"] = src.embeddings.weight.detach().clone()
+    return out
+
+
 @torch.no_grad()
 def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str = "attention",
                     seed: int = 0) -> HybridLM:
     """The hybrid of `src` under `new_cfg` (hybrid_config): replaced layers' mixers initialised per `init`, every
-    other tensor copied (kept attention widened to new_cfg's head width), the tensors the source lacks zero."""
+    other tensor copied (kept attention widened to new_cfg's head width), those the target's form adds as
+    form_added gives them; any other tensor without a value is refused (an init that forgot it), not zero-filled."""
     if init not in INITS:
         raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
     m, cfg = mixer_of(mixer), src.cfg
@@ -237,8 +255,12 @@ def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str
             mix = kept_attention(widen_attention(att, cfg.attention, new_cfg.attention.head_dim), cfg, new_cfg,
                                  scale_of(old[f"layers.{i}.norm.weight"], new_cfg.norm_offset))
         state.update({pre + k: v for k, v in mix.items()})
-    # what the target's form adds (_variants, hybrid_config: a tied bias, a shared expert) computes nothing: zeros
-    state.update({k: torch.zeros_like(v) for k, v in fresh.items() if k not in state})
+    state.update({k: v for k, v in form_added(src, new_cfg, fresh).items() if k not in state})
+    missing = [k for k in fresh if k not in state]
+    if missing:
+        more = f" nor {len(missing) - 1} more" if missing[1:] else ""
+        raise RemodelError(f"hybridize: nothing gives the hybrid's tensor {missing[0]} (not the source's, the mixer "
+                           f"init's or one the target's form adds){more}")
     model.load_state_dict(state, strict=True)
     return model.eval()
 
