@@ -110,11 +110,11 @@ def test_bad_training_flags_fail_in_one_line_before_any_work(src, tmp_path, caps
     assert not list(tmp_path.iterdir())
 
 
-def _launch(d: Path, argv: list, timeout=400):
+def _launch(d: Path, argv: list, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE), str(d),
            *argv]
     path = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **env}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
@@ -160,3 +160,24 @@ def test_torchrun_dp2_equals_one_process_and_converts_once(src, tmp_path):
         assert moved > 1e-4, suffix  # training moved the weights 20x the tolerance: a sharding bug would show
         for k in want:  # measured <= 1.3e-6 (Adam's m / (sqrt(v) + eps) on tiny gradients, tests/test_train_parallel.py)
             assert torch.allclose(got[k], want[k], rtol=1e-5, atol=5e-6), (suffix, k)
+
+
+@pytest.mark.multiprocess
+def test_torchrun_rank0_conversion_error_is_one_line_on_every_rank(src, tmp_path):
+    """An input only rank 0's conversion meets (--select kl's --data gives no 32-token block): every rank stops
+    with rank 0's error, one `remodel hybridize: error:` line in all, nothing written (the others do not wait)."""
+    (tmp_path / "short.txt").write_text("too short\n")
+    out = tmp_path / "par"
+    p = _launch(tmp_path, ["hybridize", str(src / "src"), str(out), "--select", "kl", "--keep-attention", "1",
+                           "--data", str(tmp_path / "short.txt"), "--steps", "2", "--seq-len", "32", "--batch", "4"],
+                REMODEL_DIST_WAIT_TIMEOUT="90")
+    try:
+        _, stderr = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    lines = [x for x in stderr.splitlines() if x.startswith("remodel hybridize")]
+    assert p.returncode != 0 and len(lines) == 1, stderr[-3000:]
+    assert "error:" in lines[0] and "fewer than one sequence of 32" in lines[0] and "rank 1" not in lines[0], lines
+    assert "Timeout" not in stderr and "timed out" not in stderr, stderr[-3000:]
+    assert not out.exists() and not Path(f"{out}.init").exists()
