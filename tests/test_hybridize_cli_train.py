@@ -53,9 +53,18 @@ from tests.conftest import write_checkpoint  # noqa: E402
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
+    return _source(tmp_path_factory.mktemp("hybcli"))
+
+
+@pytest.fixture(scope="module")
+def src_mp(tmp_path_factory):
+    """The torchrun tests' own copy (a fixture shared with a serial test would make every user serial)."""
+    return _source(tmp_path_factory.mktemp("hybcli_mp"))
+
+
+def _source(d: Path) -> Path:
     """A tiny Llama-like source (4 attention layers) with confident predictions (logits std ~3: the hybrid's KL
     is far above rounding noise), and training / held-out text."""
-    d = tmp_path_factory.mktemp("hybcli")
     with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
         lines = [x for x in f.read().splitlines() if x.strip()]
     (d / "train.txt").write_text("\n".join(lines[:400]) + "\n")
@@ -123,18 +132,18 @@ def _rel(a, b):
 
 
 @pytest.mark.multiprocess
-def test_torchrun_dp2_equals_one_process_and_converts_once(src, tmp_path):
+def test_torchrun_dp2_equals_one_process_and_converts_once(src_mp, tmp_path):
     """--select kl, stage one and stage two under torchrun (2 processes, --tp 1: data parallel 2) against the
     same command in one process: OUT.init written once (by rank 0) and equal bit for bit, every per-step loss
     term within 1e-5, OUT.transfer's and OUT's tensors within 5e-6 while training moved them by over 1e-4."""
     torch.set_num_threads(1)
-    flags = ["--select", "kl", "--keep-attention", "2", "--samples", "4", "--data", str(src / "train.txt"),
+    flags = ["--select", "kl", "--keep-attention", "2", "--samples", "4", "--data", str(src_mp / "train.txt"),
              "--transfer-steps", "2", "--steps", "3", "--seq-len", "32", "--batch", "4", "--lr", "1e-4",
              "--warmup", "1", "--checkpoint-every", "2", "--log-every", "0", "--tp", "1"]
     par, ref = tmp_path / "par", tmp_path / "ref"
-    p = _launch(tmp_path, ["hybridize", str(src / "src"), str(par), *flags])
+    p = _launch(tmp_path, ["hybridize", str(src_mp / "src"), str(par), *flags])
     try:
-        assert main(["hybridize", str(src / "src"), str(ref), *flags]) == 0
+        assert main(["hybridize", str(src_mp / "src"), str(ref), *flags]) == 0
         stdout, stderr = p.communicate(timeout=400)
     finally:
         if p.poll() is None:
@@ -163,12 +172,12 @@ def test_torchrun_dp2_equals_one_process_and_converts_once(src, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_torchrun_rank0_conversion_error_is_one_line_on_every_rank(src, tmp_path):
+def test_torchrun_rank0_conversion_error_is_one_line_on_every_rank(src_mp, tmp_path):
     """An input only rank 0's conversion meets (--select kl's --data gives no 32-token block): every rank stops
     with rank 0's error, one `remodel hybridize: error:` line in all, nothing written (the others do not wait)."""
     (tmp_path / "short.txt").write_text("too short\n")
     out = tmp_path / "par"
-    p = _launch(tmp_path, ["hybridize", str(src / "src"), str(out), "--select", "kl", "--keep-attention", "1",
+    p = _launch(tmp_path, ["hybridize", str(src_mp / "src"), str(out), "--select", "kl", "--keep-attention", "1",
                            "--data", str(tmp_path / "short.txt"), "--steps", "2", "--seq-len", "32", "--batch", "4"],
                 REMODEL_DIST_WAIT_TIMEOUT="90")
     try:
