@@ -190,3 +190,20 @@ def test_torchrun_rank0_conversion_error_is_one_line_on_every_rank(src_mp, tmp_p
     assert "error:" in lines[0] and "fewer than one sequence of 32" in lines[0] and "rank 1" not in lines[0], lines
     assert "Timeout" not in stderr and "timed out" not in stderr, stderr[-3000:]
     assert not out.exists() and not Path(f"{out}.init").exists()
+
+
+def test_resumed_select_kl_goes_on_with_the_measured_layers(src, tmp_path):
+    """A --select kl run stopped after its conversion and resumed keeps the layers it measured (read back from
+    OUT.init), not the evenly spaced ones: the same attention_kept and stage one's parameters."""
+    torch.set_num_threads(1)
+    kw = dict(select="kl", keep_attention=1, samples=4, data=str(src / "train.txt"), transfer_steps=1, seq_len=32,
+              batch=4, train=dict(log_every=0))
+    first = hybridize(src / "src", tmp_path / "out", **kw)
+    even = hybridize(src / "src", tmp_path / "even", **dict(kw, select="even"))
+    assert first["attention_kept"] != even["attention_kept"]  # else this test could not tell them apart
+    for name in ("out", "out.run"):  # as if stopped before stage one ended: OUT.init and no output yet
+        __import__("shutil").rmtree(tmp_path / name)
+    again = hybridize(src / "src", tmp_path / "out", resume=True, **kw)
+    assert again["kl_per_layer"] is None  # not measured again
+    assert again["attention_kept"] == first["attention_kept"]
+    assert again["transfer_trains"] == first["transfer_trains"]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from remodel.models.errors import RemodelError
+from remodel.models.load import load_config
 
 from ..distributed.runtime import init_dist, pick_device, layout, rank, wait, wait_group, world_size
 
@@ -15,6 +16,14 @@ from ..distributed.runtime import init_dist, pick_device, layout, rank, wait, wa
 def lead() -> bool:
     """Whether this process reports: rank 0, or the only process."""
     return rank() == 0
+
+
+def kept_in(init_dir, p: dict) -> list[int]:
+    """The attention layers (indices among p["layers"]) the hybrid written to `init_dir` kept: a resumed
+    --select kl run goes on with the layers it measured, not the evenly spaced ones."""
+    mixers = {s.kind.section_name for s in p["new_cfg"].slots if s.index in p["replaced"]}
+    slots = load_config(init_dir).slots
+    return [j for j, i in enumerate(p["layers"]) if slots[i].kind.section_name not in mixers]
 
 
 def check_processes(tp: int, ep: int, batch: int) -> None:
