@@ -24,7 +24,7 @@ from ..distributed.runtime import load_tokenizer
 from ..training.train import train
 from ..training.train_config import make_config
 from .configs import HybridizeOptions
-from .hybridize_run import check_processes, lead, on_lead
+from .hybridize_run import check_processes, kept_in, lead, on_lead
 from .options import given, make
 
 
@@ -144,6 +144,8 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     costs = on_lead(lambda: _convert(o, p), o.train.get("device", "auto"))  # under torchrun: rank 0 alone
     if costs is not None:
         p = plan(o, costliest(costs, o.keep_attention))
+    elif o.select == "kl" and p["init_dir"]:  # resumed from OUT.init: the layers the first run measured
+        p = plan(o, kept_in(p["init_dir"], p))
     trained = {stage: train(**run) for stage, run in p["training"]}
     if not lead():  # under torchrun rank 0 reports, as train does
         return None
