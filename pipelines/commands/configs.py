@@ -14,7 +14,7 @@ from remodel.upcycle.virtual_groups import ROUTER_MODES
 
 from ..data.shards import SHARD_TOKENS
 from ..training.train_config import DOC_SPLITS, DTYPES, Check, count, ints, positive
-from .options import opt
+from .options import opt, train_opt
 
 SEED = ints(0, 2**32 - 1)
 SEQ_LEN = ints(2, 2**24)
@@ -229,18 +229,21 @@ class HybridizeOptions:
                     "transformers initialises them", choices=INITS)
     to: str | None = opt(None, "target family, a hybrid one of --to's list in `remodel convert --help` (None: the first "
                         "that holds the hybrid)")
-    seed: int = opt(0, "seed of the new mixers' initial weights (and of the training's data order)", check=SEED)
+    seed: int = train_opt("seed", "seed of the new mixers' initial weights (and of the training's data order)")
     data: object = opt(None, "stage two: distil the hybrid from MODEL on this data (distill's --data; with --steps), "
                        "and --select kl's calibration text; None: write the initialised hybrid")
-    steps: int | None = opt(None, "optimizer steps of the distillation", check=ints(1, 2**40))
+    steps: int | None = train_opt("steps", "optimizer steps of the distillation (stage two; or --tokens)")
+    tokens: int | None = train_opt("tokens", "token budget of the distillation (stage two; or --steps), e.g. 2M: "
+                                   "steps = ceil(tokens / (batch * grad_accum * seq_len))")
     transfer_steps: int = opt(0, "stage one, before the distillation (needs --data): optimizer steps of attention "
                               "transfer, the new mixers alone trained (the rest frozen) to match MODEL's residual "
                               "stream after every layer (1 - cos); 0: none", check=ints(0, 2**40))
-    seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
-    batch: int = opt(8, "sequences per micro-batch", check=BATCH)
-    lr: float = opt(1e-4, "peak learning rate (AdamW)", check=positive(10))
+    seq_len: int = train_opt("seq_len")
+    batch: int = train_opt("batch")
+    lr: float = train_opt("lr")
     resume: bool = opt(False, "continue each stage from its newest checkpoint (OUT.transfer.run/, OUT.run/)")
-    train: dict = opt({}, "further distill settings (TrainConfig names: eval_data, warmup, ...)", cli=False)
+    train: dict = opt({}, "distill's further settings for both stages (TrainConfig names: eval_data, warmup, tp, "
+                      "...): on the command line a flag each, distill's", train=True)
     overwrite: bool = opt(False, OVERWRITE)
 
 

@@ -24,6 +24,7 @@ from ..distributed.runtime import load_tokenizer
 from ..training.train import train
 from ..training.train_config import make_config
 from .configs import HybridizeOptions
+from .hybridize_run import check_processes, kept_in, lead, on_lead
 from .options import given, make
 
 
@@ -34,22 +35,29 @@ def _dtype(config: dict):
     return t if isinstance(t, torch.dtype) and t.is_floating_point else None
 
 
-def _training(o: HybridizeOptions, student: Path) -> dict | None:
-    """distill's settings shared by both stages (checked here, before any work), None without --data."""
-    if (o.steps is not None or o.transfer_steps) and o.data is None:
-        raise RemodelError("--steps and --transfer-steps need --data (the training text)")
-    if o.data is not None and o.steps is None and not o.transfer_steps and o.select != "kl":
-        raise RemodelError("--data needs --steps N (stage two), --transfer-steps N (stage one) or --select kl "
-                           "(calibration)")
+def _training(o: HybridizeOptions, student: Path, folders: bool = True) -> dict | None:
+    """distill's settings shared by both stages (checked here, before any work), None without --data; `folders`:
+    refuse non-empty intermediate folders (False once measured: rank 0 may have written OUT.init)."""
+    two = o.steps is not None or o.tokens is not None  # stage two's budget
+    if o.steps is not None and o.tokens is not None:
+        raise RemodelError("give one of --steps or --tokens as the distillation's budget, not both")
+    if (two or o.transfer_steps) and o.data is None:
+        raise RemodelError("--steps, --tokens and --transfer-steps need --data (the training text)")
+    if o.data is not None and not two and not o.transfer_steps and o.select != "kl":
+        raise RemodelError("--data needs --steps N or --tokens N (stage two), --transfer-steps N (stage one) or "
+                           "--select kl (calibration)")
     if o.select == "kl" and (o.data is None or o.keep_attention is None):
         raise RemodelError("--select kl needs --keep-attention N and --data (its calibration text)")
-    if o.steps is None and not o.transfer_steps:
+    if not two and not o.transfer_steps:
         return None
     kw = dict(student_dir=str(student), teacher_dir=str(o.model), out=str(o.out), data=str(o.data),
-              seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite,
-              **o.train)
-    folders = [student] + ([Path(f"{o.out}.transfer")] if o.transfer_steps and o.steps else [])
-    for d in folders:
+              seq_len=o.seq_len, batch=o.batch, lr=o.lr, seed=o.seed, resume=o.resume, overwrite=o.overwrite)
+    clash = sorted(set(o.train) & (set(kw) | {"steps", "tokens"}))
+    if clash:  # the Python API's train dict: these are hybridize's own options (or its paths)
+        raise RemodelError(f"train={{...}} sets {', '.join(clash)}: hybridize's own (give them by name) or its paths")
+    kw.update(o.train)
+    check_processes(kw.get("tp", 1), kw.get("ep", 1), o.batch)
+    for d in [student] + ([Path(f"{o.out}.transfer")] if o.transfer_steps and two else []) if folders else []:
         if not (o.resume or o.overwrite) and d.is_dir() and any(d.iterdir()):
             raise RemodelError(f"{d}: an intermediate stage's folder exists and is not empty (pass --resume to go "
                                "on from it, or --overwrite to replace it)")
@@ -75,8 +83,8 @@ def _stages(o: HybridizeOptions, kw: dict | None, fit: list) -> list[tuple[str, 
     if o.transfer_steps:
         runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
                                       hidden_loss_weight=1.0, topk=None, train_only=fit)))
-    if o.steps is not None:
-        runs.append(("distillation", dict(kw, steps=o.steps)))
+    if o.steps is not None or o.tokens is not None:
+        runs.append(("distillation", dict(kw, steps=o.steps, tokens=o.tokens)))
     for (_, a), (_, b) in zip(runs, runs[1:]):  # stage one writes OUT.transfer, read by stage two
         a["out"] = b["student_dir"] = f"{o.out}.transfer"
     for _, run in runs:
@@ -100,7 +108,7 @@ def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
     the attention layers kept when measured (--select kl), else from the flags."""
     if o.init not in INITS:
         raise RemodelError(f"unknown --init {o.init!r} (supported: {', '.join(INITS)})")
-    training = _training(o, Path(f"{o.out}.init"))
+    training = _training(o, Path(f"{o.out}.init"), folders=keep is None)
     cfg = load_config(o.model)
     layers = replaceable(cfg, o.mixer)
     keep = kept(len(layers), o.keep_attention, o.keep_layers) if keep is None else keep
@@ -111,23 +119,36 @@ def plan(o: HybridizeOptions, keep: list | None = None) -> dict:
             "training": _stages(o, training, fit), "fitted": fit, "init_dir": Path(f"{o.out}.init") if training else None}
 
 
+def _convert(o: HybridizeOptions, p: dict) -> list | None:
+    """Writes the initialised hybrid (OUT.init with training, else OUT); -> --select kl's measured costs."""
+    dest = p["init_dir"] or Path(o.out)
+    if p["init_dir"] and o.resume and (dest / "config.json").is_file():  # a resumed run keeps the hybrid it started from
+        return None
+    src = load_model(o.model)
+    costs = None
+    if o.select == "kl":
+        costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
+        p = plan(o, costliest(costs, o.keep_attention))
+    model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
+    save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite,
+               dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
+    return costs
+
+
 def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **kw) -> dict:
     """Dense checkpoint at `model_dir` -> hybrid checkpoint at `out`; -> the report. The options are
     HybridizeOptions (pipelines/commands/configs.py), given as `opts` or by name."""
     t0 = time.perf_counter()
     o = make(HybridizeOptions, opts, **given(model=model_dir, out=out), **kw)
     p = plan(o)
-    dest = p["init_dir"] or Path(o.out)
-    costs = None
-    if not (p["init_dir"] and o.resume and (dest / "config.json").is_file()):  # a resumed run keeps the hybrid it started from
-        src = load_model(o.model)
-        if o.select == "kl":
-            costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
-            p = plan(o, costliest(costs, o.keep_attention))
-        model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
-        save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite,
-                   dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
+    costs = on_lead(lambda: _convert(o, p), o.train.get("device", "auto"))  # under torchrun: rank 0 alone
+    if costs is not None:
+        p = plan(o, costliest(costs, o.keep_attention))
+    elif o.select == "kl" and p["init_dir"]:  # resumed from OUT.init: the layers the first run measured
+        p = plan(o, kept_in(p["init_dir"], p))
     trained = {stage: train(**run) for stage, run in p["training"]}
+    if not lead():  # under torchrun rank 0 reports, as train does
+        return None
     cfg, new_cfg = p["cfg"], p["new_cfg"]
     return {"command": "hybridize", "input": str(o.model), "output": str(o.out), "to": p["family"],
             **{stage: trained.get(stage) and {k: trained[stage].get(k) for k in ("steps", "tokens", "eval")

@@ -10,6 +10,8 @@ one place. Field metadata (set with `opt`):
   negate    a True-by-default bool whose flag turns it off (--no-loss-increase)
   widths    the one field holding {width name: target}: a flag per prunable width of models.kinds.WIDTHS,
             generated here, so a width declared there is a flag of every command that prunes
+  train     the one dict field holding further TrainConfig settings: a flag per train / distill option
+            (pipelines.training.train_config.add_train_flags) that is not a field of the command itself
   check     the Check (train_config) a given value must pass: cli.check_options applies it after parsing
 The Python API (`prune(model, out, ffn_size=...)`) goes through `make`, which refuses an unknown name in one line.
 """
@@ -20,7 +22,7 @@ import dataclasses
 import math
 
 from remodel.models.errors import RemodelError
-from ..training.train_config import MAX_COUNT, field_type, ints
+from ..training.train_config import CHECKS, FIELDS, MAX_COUNT, add_train_flags, field_type, ints, train_flag_names
 
 WIDTH_RULE = ints(1, 2**24)  # a width target (prune --ffn-size ...)
 
@@ -30,6 +32,21 @@ def opt(default, help: str, **meta):
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=type(default), metadata={"help": help, **meta})
     return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def train_opt(name: str, help: str | None = None, **meta):
+    """A command field that is TrainConfig's `name` (its default, rule and help line unless the command's meaning
+    differs: `help`), so the command and train / distill share one definition."""
+    f = FIELDS[name]
+    md = {k: f.metadata[k] for k in ("check", "count", "choices") if k in f.metadata}
+    return opt(f.default, help or f.metadata["help"], **md, **meta)
+
+
+def _train_field(cls):
+    """-> (the `train` dict field's name, the TrainConfig names it takes from the command line) or (None, ())."""
+    name = next((f.name for f in dataclasses.fields(cls) if f.metadata.get("train")), None)
+    own = {f.name for f in dataclasses.fields(cls)}
+    return (name, tuple(n for n in train_flag_names(True) if n not in own)) if name else (None, ())
 
 
 def parse_names(s: str) -> list[str]:
@@ -84,6 +101,9 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
         md = f.metadata
         if md.get("cli", True) is False:
             continue
+        if md.get("train"):  # here, in the field's place
+            add_train_flags(p, True, count=parse_count, only=_train_field(cls)[1])
+            continue
         where = groups[md["group"]] if "group" in md else p
         if md.get("widths"):
             for name, help in width_flags().items():
@@ -116,7 +136,12 @@ def _argument(f: dataclasses.Field) -> dict:
 def from_args(cls, a: argparse.Namespace, **fixed):
     """`cls` from parsed arguments (the dests add_flags set) plus `fixed` values."""
     kw = {}
+    train, names = _train_field(cls)
+    if train:
+        kw[train] = {n: getattr(a, n) for n in names if hasattr(a, n)}
     for f in dataclasses.fields(cls):
+        if f.metadata.get("train"):
+            continue
         if f.metadata.get("widths"):
             kw[f.name] = {n: getattr(a, n) for n in width_flags() if getattr(a, n, None) is not None}
         elif f.metadata.get("negate") and hasattr(a, f.metadata["negate"]):
@@ -131,6 +156,7 @@ def rules(cls) -> dict:
     its fields' checks, and a positive integer for each width target."""
     widths = any(f.metadata.get("widths") for f in dataclasses.fields(cls))
     return {**({n: WIDTH_RULE for n in width_flags()} if widths else {}),
+            **{n: CHECKS[n] for n in _train_field(cls)[1] if n in CHECKS},
             **{f.name: f.metadata["check"] for f in dataclasses.fields(cls) if "check" in f.metadata}}
 
 

@@ -178,14 +178,18 @@ def flag(name: str) -> str:
     return "--" + FIELDS[name].metadata.get("flag", name).replace("_", "-")
 
 
-def add_train_flags(p: argparse.ArgumentParser, distill: bool, count=int):
-    """Add the TrainConfig options that the command line exposes (see the module doc). `count` parses
-    token counts such as 2M or 4.5e9."""
+def train_flag_names(distill: bool) -> tuple:
+    """The TrainConfig names the command line exposes: train's (common), distill's (common and distill)."""
     kinds = ("common", "distill") if distill else ("common",)
-    for name, f in FIELDS.items():
+    return tuple(n for n, f in FIELDS.items() if f.metadata["cli"] in kinds)
+
+
+def add_train_flags(p: argparse.ArgumentParser, distill: bool, count=int, only=None):
+    """Add the TrainConfig options that the command line exposes (see the module doc); `only`: those of them
+    alone (a command with options of its own, hybridize). `count` parses token counts such as 2M or 4.5e9."""
+    for name in train_flag_names(distill) if only is None else only:
+        f = FIELDS[name]
         md = f.metadata
-        if md["cli"] not in kinds:
-            continue
         kw = {"dest": name, "help": md["help"], "default": f.default}
         if isinstance(f.default, bool):
             kw["action"] = "store_true"
