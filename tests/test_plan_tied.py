@@ -27,7 +27,8 @@ def test_one_key_ties_the_widths_the_model_has():
     plain = config_from_hf(dict(FAMILIES["jamba"].tiny["plain"], model_type="jamba"))
     assert jamba.tied_fields(plain) == [] and build_space(plain).ties == {}
     sp = build_space(mixed, "width")
-    assert sp.ties == {"expert_ffn_size": "ffn_size"} and "expert_ffn_size" not in sp.outer_axes()
+    assert sp.ties == {"expert_ffn_size": "ffn_size"} and "ffn_size" in sp.outer_axes()  # the MoE's knob too
+    assert "expert_ffn_size" not in sp.outer_axes() + [a for t in sp.types for a in sp.type_axes(t)]
     assert sp.values["ffn_size"] == sp.values["expert_ffn_size"] == [40, 32, 24]  # FFN steps of 4, experts of 8
     with pytest.raises(RemodelError, match="holds mlp.intermediate_size and moe.moe_intermediate_size in one key"):
         check_exportable(mixed.replace(**{"moe.moe_intermediate_size": 32}), "jamba")
