@@ -25,7 +25,9 @@ alone in hybrids); name them in `axes` (or use the preset "all") to search them 
 Every metric is additive over layers at fixed *outer* widths, so the search runs per outer point over
 per-type option arrays (numpy outer sums, pruned by the budget as it goes). The outer widths are the
 hidden size and every axis two unit types share (Bamba's 'M-' and '*-' decoder layers share the FFN,
-Granite's 'ME' and '*E' the experts): one value for all layers, never one per type. Exact total and active
+Granite's 'ME' and '*E' the experts): one value for all layers, never one per type. Widths one config.json key
+of the family holds (Family.one_key: Jamba's MLP and expert FFN, both its intermediate_size) are one knob: one
+option list (the values valid for each of them), applied to all of them. Exact total and active
 parameters (models.params' per-layer formulas; pipelines.commands.plan re-checks every candidate it returns
 with count_params) and memory as models.params.memory_bytes counts it (weights at `dtype_bytes`,
 router correction bias fp32, KV cache of `batch` x `seq_len` tokens in bf16, Mamba conv state bf16 +
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -155,10 +157,17 @@ class Space:
     dtype_bytes: int
     train: TrainSetup = TrainSetup()  # the training job of the train_bytes metric
     largest_active: int = 0  # the source's largest layer (active params): replayed under full recomputation
+    ties: dict = field(default_factory=dict)  # {axis: the axis it is tied to}: one knob (tie)
 
     def _axes_of(self, t: str) -> list[str]:
-        return [a for a, w in WIDTHS.items()  # the widths of the kinds in t (their specs)
-                if w.layer is not None and any(a in KINDS[c].widths for c in t) and len(self.values[a]) > 1]
+        """The searched knobs of the kinds in t (their specs): an axis tied to another counts as that one."""
+        return list(dict.fromkeys(self.ties.get(a, a) for a, w in WIDTHS.items()
+                                  if w.layer is not None and any(a in KINDS[c].widths for c in t)
+                                  and len(self.values[a]) > 1))
+
+    def full(self, d: dict) -> dict:
+        """Widths d with every tied axis at the value of the axis it is tied to (where d has that one)."""
+        return {**d, **{a: d[b] for a, b in self.ties.items() if b in d}}
 
     def outer_axes(self) -> list[str]:
         """Axes every layer shares: hidden, and each searched axis that two or more unit types use."""
@@ -208,12 +217,15 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
         if not 0 <= v < 1:
             raise RemodelError(f"{name} must be in [0, 1), got {v}")
     fixed = family_of(family).fixed_fields(cfg)  # e.g. the hidden size a vision tower's merger projects into
-    values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in axes and WIDTHS[a].field not in fixed
+    groups = tied_groups(cfg, family)  # searched as one knob when any of them is named
+    named = set(axes) | {a for g in groups if set(g) & set(axes) for a in g}
+    values = {a: axis_values(cfg, a, max_width_cut, divisors.get(a)) if a in named and WIDTHS[a].field not in fixed
               else [WIDTHS[a].of(cfg)]
               for a in WIDTHS}
     for a, g in _GROUPED.items():  # a width of whole groups whose group count is searched: multiples of any kept count
         if a in axes and WIDTHS[a].field not in fixed and len(values[g]) > 1:
             values[a] = axis_values(cfg, a, max_width_cut, divisors.get(a), groups=values[g])
+    ties = tie(cfg, groups, values)
     by_type: dict = {}
     for j, u in enumerate(depth_units(cfg, family)):
         by_type.setdefault("".join(cfg.pattern[i] for i in u), []).append(j)
@@ -223,9 +235,28 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
     n_units = sum(len(js) for js in by_type.values())
     sp = Space(cfg, family, axes, values, list(by_type), by_type, removable,
                int(max_depth_cut * n_units + 1e-9) if deep else 0, serving.batch, serving.seq_len,
-               serving.dtype_bytes, serving.train.check(), max((a for _, a in layer_figures(cfg)), default=0))
+               serving.dtype_bytes, serving.train.check(), max((a for _, a in layer_figures(cfg)), default=0), ties)
     _check_size(sp)
     return sp
+
+
+def tied_groups(cfg: ModelConfig, family: str) -> list[list[str]]:
+    """The groups of axes one config.json key of the family holds (Family.tied_fields: Jamba's MLP and expert FFN,
+    both its intermediate_size): each group is one knob of the search."""
+    groups = [[a for a in WIDTHS if WIDTHS[a].path in g] for g in family_of(family).tied_fields(cfg)]
+    return [g for g in groups if len(g) > 1]
+
+
+def tie(cfg: ModelConfig, groups: list, values: dict) -> dict:
+    """Every axis of a group gets the one option list valid for all of them (`values`, updated in place; the source
+    alone where one of them is held): -> {axis: the group's first axis, the knob} for the others."""
+    ties = {}
+    for g in groups:
+        both = [v for v in values[g[0]] if all(v in values[a] for a in g)]
+        for a in g:
+            values[a] = both if len(both) > 1 else [WIDTHS[a].of(cfg)]
+        ties.update({a: g[0] for a in g[1:]})
+    return ties
 
 
 def _check_size(sp: Space) -> None:
@@ -269,7 +300,7 @@ def base_metrics(sp: Space, H: int) -> np.ndarray:
 
 def evaluate(sp: Space, widths: dict, removed: dict) -> np.ndarray:
     """[params, active, memory] of one candidate: widths {axis: value} (missing: source), removed {type: n}."""
-    d = {**cfg_widths(sp.cfg), **widths}
+    d = sp.full({**cfg_widths(sp.cfg), **widths})
     out = base_metrics(sp, d["hidden_size"])
     for t in sp.types:
         out += (len(sp.units[t]) - removed.get(t, 0)) * unit_metrics(sp, t, d)
@@ -282,7 +313,7 @@ def _options(sp: Space, t: str, G: dict):
     base = {**cfg_widths(sp.cfg), **G}
     rows, mets = [], []
     for w in itertools.product(*(sp.values[a] for a in axes)):
-        d = {**base, **dict(zip(axes, w))}
+        d = sp.full({**base, **dict(zip(axes, w))})
         one = unit_metrics(sp, t, d) if _joint_ok(sp, d, t) else np.full(NM, INVALID, dtype=np.int64)
         for r in range(sp.removable[t] + 1):
             rows.append((dict(zip(axes, w)), r))
@@ -307,9 +338,9 @@ def extremes(sp: Space) -> dict:
             dp = new
         smallest = np.minimum(smallest, np.min(np.stack(list(dp.values())), axis=0))
     # largest below the source: every metric is monotone in every knob, so a single step attains it
-    steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1]
+    steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1 and a not in sp.ties]
     steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0]
-    steps = [s for s in steps if _joint_ok(sp, {**cfg_widths(sp.cfg), **s[0]})]
+    steps = [s for s in steps if _joint_ok(sp, sp.full({**cfg_widths(sp.cfg), **s[0]}))]
     largest = np.max(np.stack([evaluate(sp, w, r) for w, r in steps]), axis=0) if steps else src
     return {m: (int(smallest[k]), int(largest[k]), int(src[k])) for k, m in enumerate(METRICS)}
 
@@ -441,6 +472,7 @@ def _ranked(sp: Space, opts: list, Gs: list, found: list, top: int, resolution: 
             w, r = opts[k][2][O[j, k]]
             widths.update(w)
             removed[t] = r
+        widths = sp.full(widths)
         rows.append({"widths": {a: widths.get(a, v[0]) for a, v in sp.values.items()}, "removed": removed,
                      "metrics": [int(x) for x in A[j]], "distance": float(D[j])})
     return rows

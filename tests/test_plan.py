@@ -32,8 +32,15 @@ GRANITE = config_from_hf(dict(
     + ["full_attention", "linear_attention"], intermediate_size=64, shared_intermediate_size=64, num_local_experts=16,
     num_experts_per_tok=2, mamba_n_heads=16, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8,
     embedding_multiplier=2.0))
+# Jamba: dense MLPs beside experts, both sized by its one intermediate_size (one knob; depth left out: where its
+# periods place attention and experts depends on which layers go, not on how many)
+JAMBA = config_from_hf(dict(
+    model_type="jamba", vocab_size=96, hidden_size=64, num_hidden_layers=8, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=0,
+    expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4))
 BRUTE = {"nemotron": (TINY, BRUTE_AXES),
-         "granite": (GRANITE, ("hidden_size", "mamba_heads", "experts", "expert_ffn_size", "depth"))}
+         "granite": (GRANITE, ("hidden_size", "mamba_heads", "experts", "expert_ffn_size", "depth")),
+         "jamba": (JAMBA, ("hidden_size", "ffn_size", "experts", "expert_ffn_size", "mamba1_d_state"))}
 
 
 def shipped(name):
@@ -137,11 +144,14 @@ def test_axis_values_follow_the_divisors():
 @pytest.fixture(scope="module", params=sorted(BRUTE))
 def brute(request):
     """Every grid point of a config over its axes, counted by models.params on its own ModelConfig (granite:
-    paired decoder-layer types sharing the expert axes)."""
+    paired decoder-layer types sharing the expert axes; jamba: every pair of MLP and expert FFN widths, the points its
+    config cannot hold left out by its own check)."""
     src, brute_axes = BRUTE[request.param]
     sp = build_space(src, brute_axes, serving=Serving(train=metrics.__defaults__[0]))
     if request.param == "granite":
         assert sp.types == ["ME", "*E"] and {"experts", "expert_ffn_size"} <= set(sp.outer_axes())
+    if request.param == "jamba":
+        assert sp.ties == {"expert_ffn_size": "ffn_size"} and sp.values["ffn_size"] == sp.values["expert_ffn_size"]
     axes = [a for a in WIDTHS if len(sp.values[a]) > 1]
     out = {}
     for w in itertools.product(*(sp.values[a] for a in axes)):
@@ -169,11 +179,11 @@ def test_search_matches_brute_force(brute, budgets):
     def fits(v):
         return all(v[names.index(m)] <= b for m, b in lim.items())
 
-    def grow(w, rem):  # every single-knob step up
+    def grow(w, rem):  # every single-knob step up (widths one config key holds, sp.ties, step as one knob)
         for k, a in enumerate(axes):
             i = sp.values[a].index(w[k])
-            if i:
-                yield w[:k] + (sp.values[a][i - 1],) + w[k + 1:], rem
+            if i and a not in sp.ties:
+                yield tuple(sp.values[b][i - 1] if a in (b, sp.ties.get(b)) else x for b, x in zip(axes, w)), rem
         for k in range(len(rem)):
             if rem[k]:
                 yield w, rem[:k] + (rem[k] - 1,) + rem[k + 1:]
@@ -185,7 +195,7 @@ def test_search_matches_brute_force(brute, budgets):
             want[(w, rem)] = sum(slack) / len(slack)
     rows, stats = search(sp, lim, tol, top=10**6)
     got = {(tuple(r["widths"][a] for a in axes), tuple(r["removed"][t] for t in sp.types)): r for r in rows}
-    assert len(want) > (5 if sp.family != "granitemoehybrid" else 2) and stats["maximal"] == len(rows) == len(got)
+    assert len(want) > {"nemotron_h": 5}.get(sp.family, 2) and stats["maximal"] == len(rows) == len(got)  # small grids
     assert set(got) == set(want)
     for key, r in got.items():
         assert tuple(r["metrics"]) == pts[key]

@@ -174,6 +174,10 @@ class Family:
     tiny: dict = field(default_factory=dict)  # {case name: tiny config.json fields} (the suite's builders)
     raw: dict = field(default_factory=dict)  # {config.json key: (lo, hi)} of its shape keys no config field holds
     variants: tuple = ()  # the variant groups it holds beyond multipliers / projections (family.GROUPS)
+    # {config.json key: (our field paths)}: one key of its config holds several of our fields (Jamba's
+    # intermediate_size sizes both its MLPs and each expert), so a model has one value for those of them its layers
+    # use: from_hf fills them all, to_hf writes it, check refuses two (check_one_key), the search ties their widths
+    one_key: dict = field(default_factory=dict)
     # a checkpoint holding another family's text model: its config.json key of the text model's config
     # ("text_config"; models.hf reads and writes the text model there), and the HF name prefixes of the tensors
     # carried through byte-identical (a vision tower and its merger; models.load.passthrough_tensors)
@@ -208,6 +212,28 @@ class Family:
     def extra_tensors(self, cfg) -> dict:
         """{our name: shape} the family's checkpoint holds but our model lacks (written as zeros)."""
         return {}
+
+    def one_key_fields(self, cfg) -> dict:
+        """{config.json key of `one_key`: {its field: value} for the fields `cfg` has (the trunk's, or of a section
+        its layers use)}."""
+        present = {k.section_name for k in used(cfg)}
+        return {key: {p: cfg.value(p) for p in ps if "." not in p or p.split(".")[0] in present}
+                for key, ps in self.one_key.items()}
+
+    def tied_fields(self, cfg) -> list[tuple]:
+        """The groups of two or more fields `cfg` has that one config.json key holds: they must hold one value."""
+        return [tuple(got) for got in self.one_key_fields(cfg).values() if len(got) > 1]
+
+    def one_key_values(self, cfg) -> dict:
+        """{config.json key of `one_key`: what to_hf writes}: the first of its fields that `cfg` has, else its first."""
+        return {key: next(iter(got.values()), cfg.value(self.one_key[key][0]))
+                for key, got in self.one_key_fields(cfg).items()}
+
+    def check_one_key(self, cfg, need) -> None:
+        """need(...) that the fields one config.json key holds agree."""
+        for key, got in self.one_key_fields(cfg).items():
+            need(len(set(got.values())) <= 1, f"{self.name} holds {' and '.join(got)} in one key, {key} "
+                 f"({', '.join(f'{p}={v}' for p, v in got.items())})")
 
     def fixed_fields(self, cfg) -> tuple:
         """Config fields no pruning may change in this family (its check refuses them; the search holds them)."""

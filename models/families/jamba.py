@@ -20,6 +20,8 @@ from .family import Family, feed_forward_keys
 BLOCK_TYPES = {"mamba": "S", "attention": "*"}  # HF layer type -> our mixer layer
 _FFN = {False: "-", True: "E"}  # whether HF layer j has experts -> our feed-forward layer
 _LEAVES = ("gate_proj", "up_proj", "down_proj")
+# one config.json key sizes both the dense MLPs and each expert (HF's feed_forward of either kind)
+ONE_KEY = {"intermediate_size": ("mlp.intermediate_size", "moe.moe_intermediate_size")}
 _PERIODS = {k: (0, MAX_LAYERS) for k in ("attn_layer_period", "attn_layer_offset", "expert_layer_period",
                                          "expert_layer_offset")}
 
@@ -54,9 +56,9 @@ class Jamba(Family):
             tie_word_embeddings=bool(h.tie_word_embeddings),
             num_attention_heads=heads, num_key_value_heads=h.num_key_value_heads,
             head_dim=getattr(h, "head_dim", None) or H // heads,
-            intermediate_size=h.intermediate_size, mlp_act=h.hidden_act, mlp_gated=True,
+            **{f: getattr(h, key) for key, fs in ONE_KEY.items() for f in fs}, mlp_act=h.hidden_act, mlp_gated=True,
             n_routed_experts=h.num_experts if any(experts) else 0, num_experts_per_tok=h.num_experts_per_tok,
-            moe_intermediate_size=h.intermediate_size, router="softmax", norm_topk_prob=False,
+            router="softmax", norm_topk_prob=False,
             **{"mamba1.d_state": h.mamba_d_state}, d_conv=h.mamba_d_conv, dt_rank=h.mamba_dt_rank, expand=h.mamba_expand,
             conv_bias=bool(h.mamba_conv_bias), proj_bias=bool(h.mamba_proj_bias), dt_bc_norm=True,
             dt_bc_norm_eps=h.rms_norm_eps, extra=extra)
@@ -83,9 +85,7 @@ class Jamba(Family):
                  f"{self.name} routes by the top-k of a softmax, not renormalised")
             need(not m.moe_shared_expert_intermediate_size and m.moe_latent_size is None,
                  f"{self.name} has no shared expert or latent MoE")
-            need("-" not in ffns or m.moe_intermediate_size == cfg.mlp.intermediate_size,
-                 f"{self.name}'s experts are as wide as its MLPs (intermediate_size): expert FFN "
-                 f"{m.moe_intermediate_size} vs MLP {cfg.mlp.intermediate_size}")
+        self.check_one_key(cfg, need)  # its experts are as wide as its MLPs (ONE_KEY)
         if MAMBA1 in used(cfg):
             s = cfg.mamba1
             need(s.dt_bc_norm and s.dt_bc_norm_eps == cfg.norm_eps,
@@ -102,7 +102,7 @@ class Jamba(Family):
             attn_layer_period=ap, attn_layer_offset=ao, expert_layer_period=ep, expert_layer_offset=eo,
             num_attention_heads=a.num_attention_heads or 1, num_key_value_heads=a.num_key_value_heads or 1,
             head_dim=a.head_dim or cfg.hidden_size,
-            intermediate_size=m.moe_intermediate_size if moe and "-" not in ffns else cfg.mlp.intermediate_size,
+            **self.one_key_values(cfg),
             num_experts=m.n_routed_experts if moe else 1, num_experts_per_tok=m.num_experts_per_tok if moe else 1,
             mamba_d_state=s.d_state, mamba_d_conv=s.d_conv, mamba_expand=s.expand, mamba_dt_rank=s.dt_rank,
             mamba_conv_bias=s.conv_bias, mamba_proj_bias=s.proj_bias)
@@ -128,7 +128,7 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_siz
             expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
             mamba_dt_rank=4)
 JAMBA = Jamba("jamba", "JambaForCausalLM", depth=2, block_types=BLOCK_TYPES, padding_idx=True, moe=True,
-              routers=("softmax-topk",), raw=_PERIODS,
+              routers=("softmax-topk",), raw=_PERIODS, one_key=ONE_KEY,
               # the first case (the suite prunes it) has experts in every layer: with dense MLPs beside them an
               # MLP or expert width alone is refused (transformers' Jamba sizes both by intermediate_size). The
               # second is the release's shape (experts every other layer) with attention first, no conv bias,
