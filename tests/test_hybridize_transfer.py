@@ -1,5 +1,7 @@
-"""`remodel hybridize --transfer-steps` (stage one, issue 57): the new mixers alone are fitted to the source's
-residual stream after every layer, everything else frozen bit for bit; stage two then distils the result."""
+"""`remodel hybridize --transfer-steps` (stage one, issue 57): the new mixers alone are fitted, everything else
+frozen bit for bit; by default (--transfer-target layer) each replaced layer is fed the source's own hidden state
+and fitted to its attention layer's output there (teacher forcing), else to the source's residual stream after
+every layer (stream); stage two then distils the result."""
 from __future__ import annotations
 
 import gzip
@@ -10,8 +12,12 @@ from safetensors.torch import load_file
 
 from remodel.cli import main
 from remodel.models.config import ModelConfig
+from remodel.models.errors import RemodelError
+from remodel.models.load import load_model
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.commands.hybridize import hybridize
+from remodel.pipelines.training.losses import forced_layer_losses
+from remodel.pipelines.training.objective import teacher_forced
 from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import write_checkpoint
 
@@ -32,12 +38,14 @@ def _tensors(d):
     return load_file(d / "model.safetensors")
 
 
-def test_stage_one_trains_the_new_mixers_alone_then_stage_two_everything(src, tmp_path):
+@pytest.mark.parametrize("target", ["layer", "stream"])
+def test_stage_one_trains_the_new_mixers_alone_then_stage_two_everything(src, tmp_path, target):
     torch.set_num_threads(1)
     out = tmp_path / "out"
     rep = hybridize(src / "src", out, keep_layers=[1], data=str(src / "train.txt"), transfer_steps=6, steps=2,
-                    seq_len=32, batch=4, lr=1e-2, train=dict(warmup=1, log_every=0, checkpoint_every=100))
-    assert rep["transfer"]["steps"] == 6 and rep["distillation"]["steps"] == 2
+                    transfer_target=target, seq_len=32, batch=4, lr=1e-2,
+                    train=dict(warmup=1, log_every=0, checkpoint_every=100))
+    assert rep["transfer"]["steps"] == 6 and rep["distillation"]["steps"] == 2 and rep["transfer_target"] == target
     init, one, two = (_tensors(p) for p in (tmp_path / "out.init", tmp_path / "out.transfer", out))
     new = {k for k in init if any(f"layers.{i}.mamba." in k for i in (0, 2, 3))}  # bamba's names of our mixers
     assert len(new) >= 3 * 4
@@ -74,8 +82,55 @@ def test_stage_one_fits_the_q_k_norms_a_gated_deltanet_target_adds(src, tmp_path
     rep = hybridize(src / "src", out, mixer="gdn", keep_layers=[1], data=str(src / "train.txt"), transfer_steps=4,
                     seq_len=32, batch=4, lr=1e-2, train=dict(warmup=1, log_every=0, checkpoint_every=100))
     assert rep["to"] == "qwen3_5_text" and "layers.2.mixer.q_norm." in rep["transfer_trains"]
+    assert rep["transfer_target"] == "layer"
     init, one = _tensors(tmp_path / "out.init"), _tensors(out)
     moved = {k for k in init if not torch.equal(init[k], one[k])}
     kept = {k for k in moved if ".layers.1." in k}
     assert kept and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in kept), sorted(kept)
     assert all(".layers.1." in k or "linear_attn" in k for k in moved), sorted(moved)
+
+
+def test_teacher_forcing_fits_each_replaced_layer_alone(src, tmp_path):
+    """Two replaced layers (slots 0 and 4 of the hybrid): under teacher forcing a change to layer 0's mixer leaves
+    layer 4's loss term bit for bit as it was (it reads the source's hidden state, not layer 0's output); run
+    freely (no layer forced) the same change moves layer 4's term."""
+    torch.set_num_threads(1)
+    hybridize(src / "src", tmp_path / "hyb", keep_layers=[1, 3])
+    student, teacher = load_model(tmp_path / "hyb"), load_model(src / "src")
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+
+    def shake(i):  # the mixers start silent (zero gate rows): give them some weights
+        with torch.no_grad():
+            for q in student.layers[i].mixer.parameters():
+                q.add_(0.02 * torch.randn(q.shape, generator=g))
+
+    def terms(forced):
+        with torch.no_grad():
+            return forced_layer_losses(*teacher_forced(student, teacher, ids, forced), [0, 4])
+
+    shake(0), shake(4)
+    before, free = terms([0, 4]), terms([])
+    shake(0)
+    after, free_after = terms([0, 4]), terms([])
+    assert not torch.equal(after[0], before[0])  # layer 0's own term moved
+    assert torch.equal(after[1], before[1])  # layer 4's did not: it is fitted alone
+    assert (free_after[1] - free[1]).abs() > 1e-4  # ... which is the forcing's doing
+    assert torch.isfinite(before).all() and float(before.min()) > 0
+
+
+def test_layer_transfer_with_tensor_parallelism_is_refused(src, tmp_path):
+    with pytest.raises(RemodelError, match="--transfer-target layer") as e:
+        hybridize(src / "src", tmp_path / "out", keep_layers=[1], data=str(src / "train.txt"), transfer_steps=2,
+                  train=dict(tp=2))
+    assert len(str(e.value).splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_resuming_stage_one_under_the_other_target_is_refused(src, tmp_path):
+    """Stage one records its target in its checkpoints (forced_layers): --resume goes on only with the same one."""
+    torch.set_num_threads(1)
+    kw = dict(keep_layers=[1], data=str(src / "train.txt"), transfer_steps=2, seq_len=32, batch=4, lr=1e-2,
+              train=dict(warmup=1, log_every=0, checkpoint_every=1))
+    hybridize(src / "src", tmp_path / "out", **kw)
+    with pytest.raises(RemodelError, match="forced_layers"):
+        hybridize(src / "src", tmp_path / "out", transfer_target="stream", resume=True, overwrite=True, **kw)
