@@ -5,6 +5,10 @@ every layer (stream); stage two then distils the result."""
 from __future__ import annotations
 
 import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +26,8 @@ from remodel.pipelines.data.data import embedded_corpus
 from tests.conftest import write_checkpoint
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hybt")
+def _source(d):
+    """A tiny 4-layer Llama (random weights) and 400 lines of text in folder d."""
     with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
         lines = [x for x in f.read().splitlines() if x.strip()]
     (d / "train.txt").write_text("\n".join(lines[:400]) + "\n")
@@ -32,6 +35,11 @@ def src(tmp_path_factory):
                       head_dim=8, intermediate_size=64, mlp_act="silu", mlp_gated=True, rope_theta=10000.0)
     write_checkpoint(init_weights(HybridLM(cfg), seed=2), d / "src")
     return d
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return _source(tmp_path_factory.mktemp("hybt"))
 
 
 def _tensors(d):
@@ -115,7 +123,7 @@ def test_teacher_forcing_fits_each_replaced_layer_alone(src, tmp_path):
     after, free_after = terms([0, 4]), terms([])
     assert not torch.equal(after[0], before[0])  # layer 0's own term moved
     assert torch.equal(after[1], before[1])  # layer 4's did not: it is fitted alone
-    assert (free_after[1] - free[1]).abs() > 1e-4  # ... which is the forcing's doing
+    assert (free_after[1] - free[1]).abs() > 0.5 * free[1]  # ... which is the forcing's doing
     assert torch.isfinite(before).all() and float(before.min()) > 0
 
 
@@ -134,3 +142,32 @@ def test_resuming_stage_one_under_the_other_target_is_refused(src, tmp_path):
     hybridize(src / "src", tmp_path / "out", **kw)
     with pytest.raises(RemodelError, match="forced_layers"):
         hybridize(src / "src", tmp_path / "out", transfer_target="stream", resume=True, overwrite=True, **kw)
+
+
+FORCED = dict(steps=3, seq_len=32, batch=4, lr=1e-4, warmup=1, log_every=0, checkpoint_every=10, kl_weight=0.0,
+              lm_loss_weight=0.0, hidden_loss_weight=1.0, forced_layers=[0, 2, 4],
+              train_only=["layers.0.mixer.", "layers.2.mixer.", "layers.4.mixer."])
+STAGE_ONE = ("import sys; from remodel.pipelines.training.train import train; from tests.test_hybridize_transfer "
+             "import FORCED; d = sys.argv[1]; train(d + '/hyb', d + '/' + sys.argv[2], teacher_dir=d + '/src', "
+             "data=d + '/train.txt', **FORCED)")
+
+
+@pytest.mark.multiprocess
+def test_teacher_forced_stage_one_data_parallel_matches_one_process(tmp_path):
+    """Stage one's trainer run with teacher forcing under torchrun x2 (FSDP over dp 2) ends where one process
+    does: the loss is a mean over tokens, so the ranks' gradients average to one process's (a norm-relative
+    error measured 3.5e-4 apart, above its own 2.6e-4 update; this loss 1.8e-12 apart, update 1.3e-5)."""
+    d = _source(tmp_path)
+    hybridize(d / "src", d / "hyb", keep_layers=[3])  # slots 0, 2, 4 replaced
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    for n, out in ((1, "one"), (2, "dp2")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "--no-python",
+               sys.executable, "-c", STAGE_ONE, str(d), out]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+    h, one, two = (_tensors(d / x) for x in ("hyb", "one", "dp2"))
+    moved = {k for k in h if not torch.equal(h[k], one[k])}
+    update = max(float((one[k] - h[k]).abs().max()) for k in moved)
+    assert moved and all(".mamba." in k for k in moved) and update > 1e-6
+    assert max(float((one[k] - two[k]).abs().max()) for k in h) < 1e-3 * update

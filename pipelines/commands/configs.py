@@ -237,8 +237,8 @@ class HybridizeOptions:
                               "transfer, the new mixers alone trained (the rest frozen; see --transfer-target); 0: "
                               "none", check=ints(0, 2**40))
     transfer_target: str = opt("layer", "stage one's target: layer: each new mixer fed MODEL's own hidden state and "
-                               "fitted to its attention layer's output there (teacher forcing, as LoLCATs; squared "
-                               "error over the output's norm), so each layer is fitted alone; stream: MODEL's residual "
+                               "fitted to its attention layer's output there (teacher forcing, as LoLCATs; mean "
+                               "squared error), so each layer is fitted alone; stream: MODEL's residual "
                                "stream after every layer (1 - cos), the hybrid run freely", choices=("layer", "stream"))
     seq_len: int = opt(256, "tokens per training sequence", check=SEQ_LEN)
     batch: int = opt(8, "sequences per micro-batch", check=BATCH)

@@ -80,16 +80,16 @@ def hidden_cosine_loss(student_states, teacher_states, layer_map, projections=No
 
 
 def forced_layer_losses(student_states, teacher_states, layers) -> torch.Tensor:
-    """Attention transfer's loss under teacher forcing: per layer i of `layers`, its contribution in the student
-    (output minus the teacher's input to layer i, which the student layer read) against the teacher's (teacher
-    layer i's output minus that input): the squared error over the teacher's squared norm, summed over the hidden
-    dim and averaged over tokens (scale-free; 1 - cos, which leaves the norm free, fitted worse: see
-    tests/test_hybridize_quality.py). -> [len(layers)]"""
+    """Attention transfer's loss under teacher forcing: per layer i of `layers`, the mean squared error between
+    its contribution in the student (output minus the teacher's input to layer i, which the student layer read)
+    and the teacher's (teacher layer i's output minus that input). A mean over tokens, so data-parallel ranks'
+    gradients average to one process's (a norm-relative error does not); 1 - cos, which leaves the norm free,
+    fitted worse (tests/test_hybridize_quality.py). -> [len(layers)]"""
     out = []
     for i in layers:
         x = teacher_states[i].detach().float()
         s, t = student_states[i + 1].float() - x, teacher_states[i + 1].detach().float() - x
-        out.append((s - t).square().sum(-1).mean() / t.square().sum(-1).mean().clamp(min=1e-12))
+        out.append((s - t).square().mean())
     return torch.stack(out)
 
 
