@@ -144,6 +144,18 @@ def test_resuming_stage_one_under_the_other_target_is_refused(src, tmp_path):
         hybridize(src / "src", tmp_path / "out", transfer_target="stream", resume=True, overwrite=True, **kw)
 
 
+@pytest.mark.parametrize("bad", [dict(forced_layers=[8]), dict(forced_layers=[]), dict(kl_weight=1.0)])
+def test_bad_teacher_forcing_is_refused_before_any_work(src, tmp_path, bad):
+    """The trainer's forced_layers: layer indices of a student as deep as its teacher, the hidden loss alone."""
+    from remodel.pipelines.training.train import train
+    hybridize(src / "src", tmp_path / "hyb", keep_layers=[3])
+    kw = dict(FORCED, **bad)
+    with pytest.raises(RemodelError, match="forced_layers") as e:
+        train(str(tmp_path / "hyb"), str(tmp_path / "out"), teacher_dir=str(src / "src"), data=str(src / "train.txt"),
+              **kw)
+    assert len(str(e.value).splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["hyb"]
+
+
 FORCED = dict(steps=3, seq_len=32, batch=4, lr=1e-4, warmup=1, log_every=0, checkpoint_every=10, kl_weight=0.0,
               lm_loss_weight=0.0, hidden_loss_weight=1.0, forced_layers=[0, 2, 4],
               train_only=["layers.0.mixer.", "layers.2.mixer.", "layers.4.mixer."])

@@ -19,7 +19,8 @@ LOSS_FNS = {"kl_div": kl_div, "topk_kl": topk_kl, "lm_loss": lm_loss, "load_bala
 
 def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None, fns=None):
     """-> (total loss tensor, {name: float}) for one batch of token ids [B, L].
-    w: weights {kl, lm, hidden, lb, z, temperature, topk; forced: teacher-forced layers}. The teacher runs under no_grad.
+    w: weights {kl, lm, hidden, lb, z, temperature, topk; forced: the teacher-forced layers or None}. The teacher
+    runs under no_grad.
     fns: replacements for the loss functions {kl_div, topk_kl, lm_loss, load_balancing_loss} (same
     signatures; a parallelized run passes vocab_parallel.parallel_loss_fns)."""
     fns = {**LOSS_FNS, **(fns or {})}
@@ -123,10 +124,11 @@ def _other_losses(student, w, fns, total, parts, states, autocast):
     and the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
     if states is not None:
         with autocast:
-            hid = forced_layer_losses(*states[:2], w["forced"]).mean() if w.get("forced") else hidden_cosine_loss(*states)
+            hid = (forced_layer_losses(*states[:2], w["forced"]).mean() if w.get("forced")
+                   else hidden_cosine_loss(*states))
         total = total + w["hidden"] * hid
         parts["hidden"] = hid.item()
-    moe = student.moe_layers() if not w.get("forced") else []  # forced layers fitted alone: no router loss couples them
+    moe = [] if w.get("forced") else student.moe_layers()  # forced layers fitted alone: no router loss joins them
     if moe and (w["lb"] > 0 or w["z"] > 0):
         cfg = student.cfg
         logits = [m.router_logits for m in moe]

@@ -139,13 +139,14 @@ def _layer_map(c: TrainConfig, s_cfg, t_cfg):
 
 
 def _forced_map(c: TrainConfig, s_cfg, t_cfg):
-    """forced_layers checked against both models (layer i of the student is the teacher's layer i: the same
-    depth); -> the hidden loss's pairs, each forced layer's output state in both streams."""
-    n = s_cfg.num_layers
+    """forced_layers checked against both models (layer i of the student reads the teacher's input to its layer i:
+    the same depth and width); -> the hidden loss's pairs, each forced layer's output state in both streams."""
+    n, same = s_cfg.num_layers, (s_cfg.num_layers, s_cfg.hidden_size) == (t_cfg.num_layers, t_cfg.hidden_size)
     ok = isinstance(c.forced_layers, (list, tuple)) and len(c.forced_layers) > 0
-    if not ok or t_cfg.num_layers != n or any(not isinstance(i, int) or not 0 <= i < n for i in c.forced_layers):
+    if not ok or not same or any(not isinstance(i, int) or not 0 <= i < n for i in c.forced_layers):
         raise RemodelError(f"forced_layers: {c.forced_layers!r} must be a non-empty list of layer indices of a student "
-                           f"as deep as its teacher ({n} and {t_cfg.num_layers} layers)")
+                           f"as deep and wide as its teacher ({n} / {t_cfg.num_layers} layers, hidden "
+                           f"{s_cfg.hidden_size} / {t_cfg.hidden_size})")
     return [(i + 1, i + 1) for i in sorted(set(c.forced_layers))]
 
 
