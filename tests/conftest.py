@@ -343,6 +343,8 @@ MARKS = {
         "test_attention_init_beats_random_after_the_same_distillation": "quality",
         "test_stage_one_moves_the_hybrid_towards_the_source": "quality",
         "test_gdn_attention_init_beats_random_after_the_same_distillation": "quality",
+        "test_kda_attention_init_beats_random_after_the_same_distillation": "quality",
+        "test_layer_transfer_against_stream_transfer": "quality",
     },
     "test_expert_prune_quality.py": {
         "test_routed_reconstruction_beats_frequency_and_random_on_the_trained_moe": "quality",

@@ -236,8 +236,12 @@ class HybridizeOptions:
     tokens: int | None = train_opt("tokens", "token budget of the distillation (stage two; or --steps), e.g. 2M: "
                                    "steps = ceil(tokens / (batch * grad_accum * seq_len))")
     transfer_steps: int = opt(0, "stage one, before the distillation (needs --data): optimizer steps of attention "
-                              "transfer, the new mixers alone trained (the rest frozen) to match MODEL's residual "
-                              "stream after every layer (1 - cos); 0: none", check=ints(0, 2**40))
+                              "transfer, the new mixers alone trained (the rest frozen; see --transfer-target); 0: "
+                              "none", check=ints(0, 2**40))
+    transfer_target: str = opt("layer", "stage one's target: layer: each new mixer fed MODEL's own hidden state and "
+                               "fitted to its attention layer's output there (teacher forcing, as LoLCATs; mean "
+                               "squared error), so each layer is fitted alone; stream: MODEL's residual "
+                               "stream after every layer (1 - cos), the hybrid run freely", choices=("layer", "stream"))
     seq_len: int = train_opt("seq_len")
     batch: int = train_opt("batch")
     lr: float = train_opt("lr")

@@ -3,8 +3,10 @@ not kept become linear-mixer layers initialised from their attention weights (or
 exactly, written as a family transformers loads without remote code. Every input is checked on config.json
 before the weights are read; the model is held whole (two copies) while converting.
 With --data, two training stages by distill's trainer (pipelines.training: checkpoints, --resume, parallelism):
-stage one (--transfer-steps) fits the new mixers alone to MODEL's residual stream after every layer, the rest
-frozen; stage two (--steps) distils the whole hybrid from MODEL. The initialised hybrid is written to OUT.init,
+stage one (--transfer-steps) fits the new mixers alone, the rest frozen: by default (--transfer-target layer,
+LoLCATs' attention transfer) each fed MODEL's own hidden state at its input and fitted to that attention layer's
+output, so each layer is fitted alone; with stream, to MODEL's residual stream after every layer, the hybrid run
+freely. Stage two (--steps) distils the whole hybrid from MODEL. The initialised hybrid is written to OUT.init,
 stage one's result to OUT.transfer when stage two follows, the last stage's to OUT.
 """
 from __future__ import annotations
@@ -76,13 +78,20 @@ def fitted(cfg, new_cfg, replaced: set) -> list[str]:
 
 def _stages(o: HybridizeOptions, kw: dict | None, fit: list) -> list[tuple[str, dict]]:
     """The training runs in order, each reading the previous one's output and checked before any work:
-    stage one (attention transfer: the parameters `fit` alone, hidden loss only), stage two (distill)."""
+    stage one (attention transfer: the parameters `fit` alone, hidden loss only; --transfer-target layer: their
+    layers teacher-forced), stage two (distill)."""
     if kw is None:
         return []
+    if o.transfer_target not in ("layer", "stream"):
+        raise RemodelError(f"unknown --transfer-target {o.transfer_target!r} (supported: layer, stream)")
     runs = []
     if o.transfer_steps:
+        forced = sorted({int(n.split(".")[1]) for n in fit}) if o.transfer_target == "layer" else None
+        if forced and kw.get("tp", 1) > 1:
+            raise RemodelError("--transfer-target layer (teacher forcing) runs data parallel only (tp 1); "
+                               "--transfer-target stream runs tensor parallel too")
         runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
-                                      hidden_loss_weight=1.0, topk=None, train_only=fit)))
+                                      hidden_loss_weight=1.0, topk=None, train_only=fit, forced_layers=forced)))
     if o.steps is not None or o.tokens is not None:
         runs.append(("distillation", dict(kw, steps=o.steps, tokens=o.tokens)))
     for (_, a), (_, b) in zip(runs, runs[1:]):  # stage one writes OUT.transfer, read by stage two
@@ -156,6 +165,7 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
             "mixer": o.mixer, "init": o.init, "seed": o.seed,
             "attention_kept": p["keep"], "attention_layers": len(p["layers"]), "select": o.select,
             "kl_per_layer": costs, "transfer_trains": p["fitted"] if o.transfer_steps else None,
+            "transfer_target": o.transfer_target if o.transfer_steps else None,
             "pattern": {"before": cfg.pattern, "after": new_cfg.pattern},
             "head_dim": {"before": cfg.attention.head_dim, "after": new_cfg.attention.head_dim},
             "params": {"before": count_params(cfg)["total"], "after": count_params(new_cfg)["total"]},

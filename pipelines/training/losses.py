@@ -79,6 +79,20 @@ def hidden_cosine_loss(student_states, teacher_states, layer_map, projections=No
     return torch.stack(losses).mean()
 
 
+def forced_layer_losses(student_states, teacher_states, layers) -> torch.Tensor:
+    """Attention transfer's loss under teacher forcing: per layer i of `layers`, the mean squared error between
+    its contribution in the student (output minus the teacher's input to layer i, which the student layer read)
+    and the teacher's (teacher layer i's output minus that input). A mean over tokens, so data-parallel ranks'
+    gradients average to one process's (a norm-relative error does not); 1 - cos, which leaves the norm free,
+    fitted worse (tests/test_hybridize_quality.py). -> [len(layers)]"""
+    out = []
+    for i in layers:
+        x = teacher_states[i].detach().float()
+        s, t = student_states[i + 1].float() - x, teacher_states[i + 1].detach().float() - x
+        out.append((s - t).square().mean())
+    return torch.stack(out)
+
+
 def load_balancing_loss(router_logits_list, top_k: int, n_experts: int, router_kind: str = "softmax") -> torch.Tensor:
     """Switch-style auxiliary loss without its coefficient: per MoE layer N * sum_i f_i P_i, where f_i is
     the fraction of the T*k routing slots given to expert i (top-k of the logits; not differentiable)

@@ -2,6 +2,9 @@
 
 Loss = kl_weight * KL(teacher||student) + lm_loss_weight * CE + hidden_loss_weight * (1 - cos)
        + lb_coeff * load balancing (student MoE layers) + z_coeff * router z-loss.
+With teacher forcing (w["forced"]: layer indices; attention transfer) the hidden loss alone: each forced student
+layer reads the teacher's residual stream at its input, its contribution compared with the teacher layer's
+(losses.forced_layer_losses); no router loss then (it would couple the layers through the MoE layers after them).
 The vocabulary losses come from the logits, or fused from the final hidden states in token chunks
 (pipelines.training.fused_loss) so that no [tokens, vocab] logits exist.
 """
@@ -9,20 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from .losses import hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
+from .losses import forced_layer_losses, hidden_cosine_loss, kl_div, lm_loss, load_balancing_loss, topk_kl, z_loss
 
 LOSS_FNS = {"kl_div": kl_div, "topk_kl": topk_kl, "lm_loss": lm_loss, "load_balancing_loss": load_balancing_loss}
 
 
 def compute_losses(student, teacher, ids, w: dict, layer_map=None, projections=None, autocast=None, fns=None):
     """-> (total loss tensor, {name: float}) for one batch of token ids [B, L].
-    w: weights {kl, lm, hidden, lb, z, temperature, topk}. The teacher runs under no_grad.
+    w: weights {kl, lm, hidden, lb, z, temperature, topk; forced: the teacher-forced layers or None}. The teacher
+    runs under no_grad.
     fns: replacements for the loss functions {kl_div, topk_kl, lm_loss, load_balancing_loss} (same
     signatures; a parallelized run passes vocab_parallel.parallel_loss_fns)."""
     fns = {**LOSS_FNS, **(fns or {})}
     autocast = autocast or torch.autocast("cpu", enabled=False)
     need_states = teacher is not None and w["hidden"] > 0
-    if w.get("fused"):
+    if w.get("forced"):
+        s_states, t_states = teacher_forced(student, teacher, ids, w["forced"], autocast)
+        total, parts = s_states[-1].new_zeros((), dtype=torch.float32), {}
+    elif w.get("fused"):
         total, parts, s_states, t_states = _fused_losses(student, teacher, ids, w, autocast, need_states)
     else:
         total, parts, s_states, t_states = _logit_losses(student, teacher, ids, w, autocast, fns, need_states)
@@ -81,6 +88,27 @@ def _fused_losses(student, teacher, ids, w, autocast, need_states):
     return total, parts, s_states, t_states
 
 
+def teacher_forced(student, teacher, ids, layers, autocast=None):
+    """-> (the student's residual stream, the teacher's) with each student layer of `layers` fed the teacher's
+    input to that layer instead of the stream before it (forward pre-hooks: the trunk's walk untouched), so that
+    its output depends on its own weights alone and errors do not compound. The teacher runs first, no_grad."""
+    autocast = autocast or torch.autocast("cpu", enabled=False)
+    with autocast, torch.no_grad():
+        _, t_states = _forward(teacher, ids, True, return_hidden=True)
+
+    def feed(i):
+        return lambda module, args: (t_states[i].to(args[0].dtype), *args[1:])
+
+    hooks = [student.layers[i].register_forward_pre_hook(feed(i)) for i in layers]
+    try:
+        with autocast:
+            _, s_states = _forward(student, ids, True, return_hidden=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return s_states, t_states
+
+
 def _forward(model, ids, need_states, return_hidden=False):
     """-> (logits, or the final hidden states with return_hidden; the residual stream or None), always
     through model.__call__, never model.hidden: under FSDP2 only the root's forward hooks unshard the
@@ -96,10 +124,11 @@ def _other_losses(student, w, fns, total, parts, states, autocast):
     and the MoE load-balancing and z losses of the student's last forward; -> (total, parts)."""
     if states is not None:
         with autocast:
-            hid = hidden_cosine_loss(*states)
+            hid = (forced_layer_losses(*states[:2], w["forced"]).mean() if w.get("forced")
+                   else hidden_cosine_loss(*states))
         total = total + w["hidden"] * hid
         parts["hidden"] = hid.item()
-    moe = student.moe_layers()
+    moe = [] if w.get("forced") else student.moe_layers()  # forced layers fitted alone: no router loss joins them
     if moe and (w["lb"] > 0 or w["z"] > 0):
         cfg = student.cfg
         logits = [m.router_logits for m in moe]

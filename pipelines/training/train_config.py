@@ -106,6 +106,11 @@ class TrainConfig:
                                    cli="distill", resume=True, check=nonneg(1e6))
     layer_map: list | None = _f(None, "(student state, teacher state) pairs of the hidden loss", cli=None,
                                 resume=True)
+    forced_layers: list | None = _f(None, "teacher forcing (attention transfer): these student layers read the "
+                                    "teacher's residual stream at their input, and the hidden loss compares each "
+                                    "one's contribution with the teacher's same layer (so each is fitted alone; "
+                                    "hidden loss only, --tp 1); when not given: layer_map's residual streams",
+                                    cli=None, resume=True)
     train_only: list | None = _f(None, "prefixes of the student parameter names trained ('layers.3.mixer.'); every "
                                  "other parameter frozen (when not given: all trained)", cli=None, resume=True)
     topk: int | None = _f(None, "KL over the teacher's top-k tokens only (when not given: the whole vocabulary)",

@@ -138,6 +138,18 @@ def _layer_map(c: TrainConfig, s_cfg, t_cfg):
     return layer_map
 
 
+def _forced_map(c: TrainConfig, s_cfg, t_cfg):
+    """forced_layers checked against both models (layer i of the student reads the teacher's input to its layer i:
+    the same depth and width); -> the hidden loss's pairs, each forced layer's output state in both streams."""
+    n, same = s_cfg.num_layers, (s_cfg.num_layers, s_cfg.hidden_size) == (t_cfg.num_layers, t_cfg.hidden_size)
+    ok = isinstance(c.forced_layers, (list, tuple)) and len(c.forced_layers) > 0
+    if not ok or not same or any(not isinstance(i, int) or not 0 <= i < n for i in c.forced_layers):
+        raise RemodelError(f"forced_layers: {c.forced_layers!r} must be a non-empty list of layer indices of a student "
+                           f"as deep and wide as its teacher ({n} / {t_cfg.num_layers} layers, hidden "
+                           f"{s_cfg.hidden_size} / {t_cfg.hidden_size})")
+    return [(i + 1, i + 1) for i in sorted(set(c.forced_layers))]
+
+
 def _check_teacher(student_dir: Path, teacher_dir: Path, s_cfg):
     t_cfg = load_config(teacher_dir)
     if t_cfg.vocab_size != s_cfg.vocab_size:
@@ -175,7 +187,7 @@ def prepare(c: TrainConfig) -> Plan:
     if c.distill:
         t_cfg = _check_teacher(student_dir, teacher_dir, s_cfg)
         if c.hidden_loss_weight:
-            layer_map = _layer_map(c, s_cfg, t_cfg)
+            layer_map = _forced_map(c, s_cfg, t_cfg) if c.forced_layers is not None else _layer_map(c, s_cfg, t_cfg)
     plan_inputs = [student_dir] + ([teacher_dir] if c.distill else [])
     check_out(out, c.overwrite, plan_inputs)
     run_dir = state.run_dir_for(out)
@@ -229,6 +241,9 @@ def _check_options(c: TrainConfig, min_lr: float, warmup: int, kl_w: float, lm_w
         raise RemodelError("--fused-loss computes the full-vocabulary KL; drop --topk or --fused-loss")
     if not c.distill and (c.hidden_loss_weight or c.topk):
         raise RemodelError("--hidden-loss-weight and --topk need a teacher (distill)")
+    if c.forced_layers is not None and (not c.hidden_loss_weight or kl_w or lm_w or c.tp > 1):
+        raise RemodelError("forced_layers (teacher forcing) trains on the hidden loss alone, with one tensor-parallel "
+                           "rank: needs a teacher, hidden_loss_weight > 0, kl_weight = lm_loss_weight = 0 and --tp 1")
     if kl_w == 0 and lm_w == 0 and not c.hidden_loss_weight:
         raise RemodelError("every loss weight is zero: nothing to train")
     from remodel.models.recompute import RECOMPUTE_MODES
@@ -247,7 +262,7 @@ def _record(p: Plan, moe: bool) -> dict:
             "lr": c.lr, "min_lr": p.min_lr, "warmup": p.warmup, "weight_decay": c.weight_decay,
             "grad_clip": c.grad_clip, "temperature": c.temperature, "kl_weight": p.kl_weight,
             "lm_loss_weight": p.lm_loss_weight, "hidden_loss_weight": c.hidden_loss_weight,
-            "layer_map": [list(x) for x in p.layer_map or []] or None,
+            "layer_map": [list(x) for x in p.layer_map or []] or None, "forced_layers": c.forced_layers,
             "topk": c.topk, "lb_coeff": c.lb_coeff if moe else 0.0, "z_coeff": c.z_coeff,
             "checkpoint_every": p.checkpoint_every, "keep_last": c.keep_last, "seed": c.seed,
             "eval_data": str(c.eval_data) if c.eval_data is not None else None, "eval_tokens": c.eval_tokens,

@@ -289,7 +289,7 @@ class _Training:
         self.autocast = torch.autocast(procs.dev.type, dtype=torch.bfloat16, enabled=p.use_bf16)
         self.w = {"kl": p.kl_weight, "lm": p.lm_loss_weight, "hidden": c.hidden_loss_weight,
                   "lb": p.args["lb_coeff"], "z": c.z_coeff, "temperature": c.temperature, "topk": c.topk,
-                  "fused": c.fused_loss, "vocab_group": self.info.vocab_group}
+                  "fused": c.fused_loss, "vocab_group": self.info.vocab_group, "forced": c.forced_layers}
         self.hf_config = read_config_dict(p.student_dir)  # `remodel convert` exports a checkpoint alone
         self.step_time, self.step_tokens = 0.0, 0
         self.moe_every = max(1, p.steps // 100)
