@@ -58,6 +58,9 @@ def _training(o: HybridizeOptions, student: Path, folders: bool = True) -> dict 
     if clash:  # the Python API's train dict: these are hybridize's own options (or its paths)
         raise RemodelError(f"train={{...}} sets {', '.join(clash)}: hybridize's own (give them by name) or its paths")
     kw.update(o.train)
+    if o.transfer_steps and o.transfer_target == "layer" and kw.get("tp", 1) > 1:
+        raise RemodelError("--transfer-target layer (teacher forcing) runs data parallel only (tp 1); "
+                           "--transfer-target stream runs tensor parallel too")
     check_processes(kw.get("tp", 1), kw.get("ep", 1), o.batch)
     for d in [student] + ([Path(f"{o.out}.transfer")] if o.transfer_steps and two else []) if folders else []:
         if not (o.resume or o.overwrite) and d.is_dir() and any(d.iterdir()):
@@ -87,9 +90,6 @@ def _stages(o: HybridizeOptions, kw: dict | None, fit: list) -> list[tuple[str, 
     runs = []
     if o.transfer_steps:
         forced = sorted({int(n.split(".")[1]) for n in fit}) if o.transfer_target == "layer" else None
-        if forced and kw.get("tp", 1) > 1:
-            raise RemodelError("--transfer-target layer (teacher forcing) runs data parallel only (tp 1); "
-                               "--transfer-target stream runs tensor parallel too")
         runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
                                       hidden_loss_weight=1.0, topk=None, train_only=fit, forced_layers=forced)))
     if o.steps is not None or o.tokens is not None:
