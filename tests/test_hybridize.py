@@ -107,7 +107,7 @@ def test_report_and_config(llama, tmp_path):
                                         (("--keep-attention", "1", "--to", "nosuch"), "--to"),
                                         (("--keep-attention", "1", "--to", "llama"), "--to"),
                                         (("--keep-attention", "1", "--mixer", "rwkv7"), "--mixer"),
-                                        (("--keep-attention", "1", "--data", "train.txt"), "--steps"),
+                                        (("--keep-attention", "1", "--select", "even", "--data", "train.txt"), "--steps"),
                                         (("--keep-attention", "1", "--steps", "0"), "--steps")])
 def test_bad_input_one_line_naming_the_flag(llama, tmp_path, capsys, flags, flag):
     _, src = llama
@@ -172,8 +172,9 @@ def test_qwen3_every_layer_replaced_and_its_qk_norm_refused_when_kept(tmp_path, 
 
 
 def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_path):
-    """--select kl: the report's per-layer KL equals the KL of transformers' bamba with that layer alone replaced
-    (written by --keep-layers) to the Llama on the same calibration blocks, and the kept layers are its top N."""
+    """--select kl, the default with --data and --keep-attention N (no --select given): the report's per-layer KL
+    equals the KL of transformers' bamba with that layer alone replaced (written by --keep-layers) to the Llama on
+    the same calibration blocks, and the kept layers are its top N. Without --data the default is even."""
     import gzip
     import shutil
 
@@ -187,8 +188,8 @@ def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_
         shutil.copy(f, d / f.name)
     with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
         (tmp_path / "calib.txt").write_text("\n".join(x for x in f.read().splitlines()[:200] if x.strip()) + "\n")
-    rep = hybridize(d, tmp_path / "out", keep_attention=2, select="kl", data=str(tmp_path / "calib.txt"),
-                    seq_len=16, samples=4)
+    rep = hybridize(d, tmp_path / "out", keep_attention=2, data=str(tmp_path / "calib.txt"), seq_len=16, samples=4)
+    assert rep["select"] == "kl"
     blocks = pack(load_texts(str(tmp_path / "calib.txt")), AutoTokenizer.from_pretrained(d), 16, max_tokens=64)
     with torch.no_grad():
         ref = F.log_softmax(hf(blocks).logits, -1)
@@ -202,6 +203,8 @@ def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_
     assert rep["kl_per_layer"] == pytest.approx(want, rel=1e-3, abs=1e-7)
     assert rep["attention_kept"] == sorted(sorted(range(4), key=lambda j: -want[j])[:2])
     assert sorted(want)[1] < sorted(want)[2]  # the top two are well defined
+    even = hybridize(d, tmp_path / "even", keep_attention=2)
+    assert even["select"] == "even" and even["attention_kept"] == [1, 3] and even["kl_per_layer"] is None
 
 
 @pytest.mark.parametrize("mixer", ["mamba2", "gdn", "kda"])

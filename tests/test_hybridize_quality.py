@@ -44,7 +44,7 @@ def test_attention_init_beats_random_after_the_same_distillation(trained):
 
     def distilled(init):
         out = d / f"hyb_{init}"
-        rep = hybridize(d / "trained", out, keep_attention=1, init=init, data=str(d / "train.txt"), steps=40,
+        rep = hybridize(d / "trained", out, keep_attention=1, select="even", init=init, data=str(d / "train.txt"), steps=40,
                         seq_len=32, batch=8, lr=5e-3, train=dict(warmup=5, log_every=0, checkpoint_every=1000))
         assert rep["distillation"]["steps"] == 40 and (d / f"hyb_{init}.init" / "config.json").is_file()
         return evaluate(out, d / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
@@ -60,7 +60,7 @@ def test_stage_one_moves_the_hybrid_towards_the_source(trained):
     distillation alone reached 5.501, transfer 20 + distillation 40 5.500 / 5.495 (seeds 0 / 1): about even.
     The assertions ask half of each measured gap."""
     d = trained
-    kw = dict(keep_attention=1, data=str(d / "train.txt"), seq_len=32, batch=8, lr=5e-3, transfer_target="stream",
+    kw = dict(keep_attention=1, select="even", data=str(d / "train.txt"), seq_len=32, batch=8, lr=5e-3, transfer_target="stream",
               train=dict(warmup=5, log_every=0, checkpoint_every=1000))
 
     def loss(p):
@@ -87,7 +87,7 @@ def test_gdn_attention_init_beats_random_after_the_same_distillation(trained):
 
     def distilled(init):
         out = d / f"gdn_{init}"
-        hybridize(d / "trained", out, mixer="gdn", keep_attention=1, init=init, data=str(d / "train.txt"), steps=40,
+        hybridize(d / "trained", out, mixer="gdn", keep_attention=1, select="even", init=init, data=str(d / "train.txt"), steps=40,
                   seq_len=32, batch=8, lr=5e-3, train=dict(warmup=5, log_every=0, checkpoint_every=1000))
         assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5_text"
         return evaluate(out, d / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
@@ -130,7 +130,7 @@ def test_layer_transfer_against_stream_transfer(trained):
     no margin either way is asserted: layer must take the hybrid most of the way (init - layer > 0.3, measured
     0.66) and stay within 0.03 of stream (measured 0.005 / 0.005; 1 - cos misses it by 0.044)."""
     d = trained
-    kw = dict(keep_attention=1, data=str(d / "train.txt"), seq_len=32, batch=8, lr=5e-3, transfer_steps=40,
+    kw = dict(keep_attention=1, select="even", data=str(d / "train.txt"), seq_len=32, batch=8, lr=5e-3, transfer_steps=40,
               train=dict(warmup=5, log_every=0, checkpoint_every=1000))
 
     def loss(p):

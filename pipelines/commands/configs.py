@@ -221,8 +221,9 @@ class HybridizeOptions:
                                      check=ints(0, 2**16))
     keep_layers: list | None = opt(None, "the attention layers kept, by index among them (0,5; or --keep-attention)",
                                    ints=True, check=ints(0, 2**16))
-    select: str = opt("even", "which --keep-attention N layers keep attention: evenly spaced, or kl: the N whose "
-                      "replacement alone moves the output most (KL to MODEL on --data)", choices=("even", "kl"))
+    select: str | None = opt(None, "which --keep-attention N layers keep attention: kl: the N whose replacement "
+                             "alone moves the output most (KL to MODEL on --data), or even: evenly spaced (None: kl "
+                             "when --data and --keep-attention N > 0 are given, else even)", choices=("even", "kl"))
     samples: int = opt(16, "calibration sequences of --select kl (--seq-len tokens each)", check=ints(1, 2**20))
     init: str = opt("attention", "attention: the new mixers from the attention weights (Mamba-2: MambaInLlama; Gated "
                     "DeltaNet: q / k / v / out <- Q / K / V / O); random: as "

@@ -11,6 +11,7 @@ stage one's result to OUT.transfer when stage two follows, the last stage's to O
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -149,6 +150,8 @@ def hybridize(model_dir=None, out=None, opts: HybridizeOptions | None = None, **
     HybridizeOptions (pipelines/commands/configs.py), given as `opts` or by name."""
     t0 = time.perf_counter()
     o = make(HybridizeOptions, opts, **given(model=model_dir, out=out), **kw)
+    if o.select is None:  # measured where it can be (issue 57: kl is the default)
+        o = dataclasses.replace(o, select="kl" if o.data is not None and o.keep_attention else "even")
     p = plan(o)
     costs = on_lead(lambda: _convert(o, p), o.train.get("device", "auto"))  # under torchrun: rank 0 alone
     if costs is not None:
