@@ -4,7 +4,9 @@ criterion's per-layer Spearman rank correlation with the oracle and the pruned m
 tokens themselves (`calib_loss`: the loss the oracle measures; a criterion that wins there but not held out is
 fitted to the calibration set).
 
-Two models: `--model embedded` (data/embedded: its Mamba heads, 25% and 50% removed) and `--model gdn` (a
+Three models: `--model embedded` (data/embedded: its Mamba heads, 25% and 50% removed), `--model nemotron_h` (a
+Nemotron-H-shaped model trained here from scratch: data/embedded's layout with 3 Mamba layers of 16 heads in 4
+groups; heads 16 -> 12 and 16 -> 8) and `--model gdn` (a
 Qwen3.5-shaped model trained here from scratch on the train split: 3 Gated DeltaNet + 1 attention layers, 4 key x
 8 value heads; value heads 8 -> 4 (25% is no valid count: value heads come in whole key-head groups), key-head
 groups 4 -> 3 and 4 -> 2 with their value heads).
@@ -53,26 +55,42 @@ from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noq
 from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
-JSON = {"embedded": ROOT / "bench" / "head_scores.json", "gdn": ROOT / "bench" / "head_scores_gdn.json"}
+JSON = {"embedded": ROOT / "bench" / "head_scores.json", "gdn": ROOT / "bench" / "head_scores_gdn.json",
+        "nemotron_h": ROOT / "bench" / "head_scores_nemotron_h.json"}
 SHORT = {"mamba_heads_loo": "h", "lin_v_heads_loo": "v", "lin_k_heads_loo": "k"}
 GDN_HF = dict(model_type="qwen3_5_text", vocab_size=2048, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
               linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
-def scratch_gdn(root: Path, steps: int, hidden: int, seq_len: int = 128, batch: int = 8) -> Path:
-    """ROOT/scratch-trained: the Qwen3.5-shaped model (GDN_HF at `hidden`; key/value head dim hidden / 8) trained
-    from random weights on the train split."""
+NEMOTRON_HF = dict(mamba_num_heads=16, n_groups=4, ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2,
+                   layers_block_type=["linear_attention", "mlp"] * 2 + ["full_attention", "mlp"]
+                   + ["linear_attention", "mlp"])  # over data/embedded's config: 3 Mamba layers, 16 heads each
+
+
+def scratch_hf(kind: str, hidden: int) -> dict:
+    """The HF config of the model --model `kind` trains: Qwen3.5-shaped GDN (key/value head dim hidden / 8) or
+    Nemotron-H-shaped (data/embedded's config with NEMOTRON_HF: 16 Mamba heads of dim hidden / 8, 4 groups)."""
+    if kind == "gdn":
+        return dict(GDN_HF, hidden_size=hidden, intermediate_size=2 * hidden, linear_key_head_dim=hidden // 8,
+                    linear_value_head_dim=hidden // 8)
+    base = json.loads((MODEL / "config.json").read_text())
+    return dict(base, **NEMOTRON_HF, hidden_size=hidden, intermediate_size=3 * hidden, mamba_head_dim=hidden // 8,
+                head_dim=hidden // 4)
+
+
+def scratch(root: Path, kind: str, steps: int, hidden: int, seq_len: int = 128, batch: int = 8) -> Path:
+    """ROOT/scratch-trained: the model scratch_hf(kind, hidden) describes, trained from random weights on the
+    train split."""
     from remodel.models.hf import config_from_hf
     from remodel.models.load import save_model
     from remodel.models.model import HybridLM, init_weights
     from remodel.pipelines.data.data import embedded_tokenizer_path
     from remodel.pipelines.training.train import train
 
-    cfg = config_from_hf(dict(GDN_HF, hidden_size=hidden, intermediate_size=2 * hidden,
-                              linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 8))
-    init = save_model(init_weights(HybridLM(cfg), std=0.02, seed=0), root / "scratch", family="qwen3_5_text",
-                      aux_from=embedded_tokenizer_path())
+    hf = scratch_hf(kind, hidden)
+    init = save_model(init_weights(HybridLM(config_from_hf(hf)), std=0.02, seed=0), root / "scratch",
+                      family=hf["model_type"], aux_from=embedded_tokenizer_path())
     train(init, root / "scratch-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
           lr=3e-3, seed=0, log_every=0, checkpoint_every=10**9, keep_last=1)
     return root / "scratch-trained"
@@ -241,22 +259,23 @@ def table(res, metric="loss") -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("embedded", "gdn"), default="embedded",
-                    help="data/embedded's Mamba heads, or a Qwen3.5-shaped GDN model trained here first")
+    ap.add_argument("--model", choices=tuple(JSON), default="embedded",
+                    help="data/embedded's Mamba heads, or a Qwen3.5-shaped GDN / Nemotron-H-shaped Mamba model "
+                         "trained here first")
     ap.add_argument("--samples", type=int, default=64, help="calibration sequences (train split)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=128, help="--model gdn: hidden size")
-    ap.add_argument("--train-steps", type=int, default=300, help="--model gdn: training steps (8 x 128 tokens)")
-    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn].json (RESULTS.md by hand)")
+    ap.add_argument("--hidden", type=int, default=128, help="--model gdn / nemotron_h: hidden size")
+    ap.add_argument("--train-steps", type=int, default=300, help="--model gdn / nemotron_h: training steps (8 x 128 tokens)")
+    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h].json (RESULTS.md by hand)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        if a.model == "gdn":
-            model_dir = scratch_gdn(Path(tmp), a.train_steps, a.hidden)
+        if a.model != "embedded":
+            model_dir = scratch(Path(tmp), a.model, a.train_steps, a.hidden)
             train_s = round(time.time() - t0, 1)
         else:
             model_dir, train_s = MODEL, 0.0
