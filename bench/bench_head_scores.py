@@ -21,8 +21,9 @@ increase. Candidates, all on the same calibration tokens (train split):
   greedy        set-level oracle per layer: units removed one at a time, the cheapest given those already removed
                 re-measured each time, groups kept even; a unit's score is how late it goes
 Held-out oracle (a cheating bound, not a criterion): `loo_heldout` and `greedy_heldout`, the same measured on the
-held-out tokens the table reports: the best a per-unit ranking (resp. a greedy set choice) could do there. If it
-is not below magnitude and every seed, no criterion measured on calibration data can be expected to be.
+held-out tokens the table reports: what ranking heads by their own held-out cost (resp. a greedy set choice) gets
+there. Where costs do not add (half a Mamba group removed) it is no bound: bench/bench_head_sets.py enumerates
+the sets.
 `spearman` is with the calibration loo, `spearman_heldout` with the held-out one.
 Each per-unit value ranks the heads through compress.head_loo.loo_scores (the scores file `prune` reads).
 
