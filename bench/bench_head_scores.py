@@ -4,7 +4,9 @@ criterion's per-layer Spearman rank correlation with the oracle and the pruned m
 tokens themselves (`calib_loss`: the loss the oracle measures; a criterion that wins there but not held out is
 fitted to the calibration set).
 
-Two models: `--model embedded` (data/embedded: its Mamba heads, 25% and 50% removed) and `--model gdn` (a
+Three models: `--model embedded` (data/embedded: its Mamba heads, 25% and 50% removed), `--model nemotron_h` (a
+Nemotron-H-shaped model trained here from scratch: data/embedded's layout with 3 Mamba layers of 16 heads in 4
+groups; heads 16 -> 12 and 16 -> 8) and `--model gdn` (a
 Qwen3.5-shaped model trained here from scratch on the train split: 3 Gated DeltaNet + 1 attention layers, 4 key x
 8 value heads; value heads 8 -> 4 (25% is no valid count: value heads come in whole key-head groups), key-head
 groups 4 -> 3 and 4 -> 2 with their value heads).
@@ -14,9 +16,15 @@ increase. Candidates, all on the same calibration tokens (train split):
   activation    the current default (Mamba: the in_proj x segment's mean |x| x the out_proj column norm; GDN: the
                 gated norm's output x the out_proj column norm, which is out_act_w)
   magnitude     the head's weight norms (compress/baselines.py)
-  taylor, taylor_abs, out_act, out_act_w   compress/head_criteria.py (a gate on out_proj's input, one backward)
+  taylor, taylor_abs, out_act, out_act_w, fisher, taylor2, fisher_act   compress/head_criteria.py (a gate per
+                sequence on out_proj's input, one backward per batch)
   greedy        set-level oracle per layer: units removed one at a time, the cheapest given those already removed
                 re-measured each time, groups kept even; a unit's score is how late it goes
+Held-out oracle (a cheating bound, not a criterion): `loo_heldout` and `greedy_heldout`, the same measured on the
+held-out tokens the table reports: what ranking heads by their own held-out cost (resp. a greedy set choice) gets
+there. Where costs do not add (half a Mamba group removed) it is no bound: bench/bench_head_sets.py enumerates
+the sets.
+`spearman` is with the calibration loo, `spearman_heldout` with the held-out one.
 Each per-unit value ranks the heads through compress.head_loo.loo_scores (the scores file `prune` reads).
 
     python bench/bench_head_scores.py [--model embedded|gdn] [--samples 64 --seq-len 256 --eval-tokens 32768] [--write]
@@ -48,26 +56,42 @@ from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noq
 from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
 MODEL = ROOT / "data" / "embedded"
-JSON = {"embedded": ROOT / "bench" / "head_scores.json", "gdn": ROOT / "bench" / "head_scores_gdn.json"}
+JSON = {"embedded": ROOT / "bench" / "head_scores.json", "gdn": ROOT / "bench" / "head_scores_gdn.json",
+        "nemotron_h": ROOT / "bench" / "head_scores_nemotron_h.json"}
 SHORT = {"mamba_heads_loo": "h", "lin_v_heads_loo": "v", "lin_k_heads_loo": "k"}
 GDN_HF = dict(model_type="qwen3_5_text", vocab_size=2048, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
               linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
-def scratch_gdn(root: Path, steps: int, hidden: int, seq_len: int = 128, batch: int = 8) -> Path:
-    """ROOT/scratch-trained: the Qwen3.5-shaped model (GDN_HF at `hidden`; key/value head dim hidden / 8) trained
-    from random weights on the train split."""
+NEMOTRON_HF = dict(mamba_num_heads=16, n_groups=4, ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2,
+                   layers_block_type=["linear_attention", "mlp"] * 2 + ["full_attention", "mlp"]
+                   + ["linear_attention", "mlp"])  # over data/embedded's config: 3 Mamba layers, 16 heads each
+
+
+def scratch_hf(kind: str, hidden: int) -> dict:
+    """The HF config of the model --model `kind` trains: Qwen3.5-shaped GDN (key/value head dim hidden / 8) or
+    Nemotron-H-shaped (data/embedded's config with NEMOTRON_HF: 16 Mamba heads of dim hidden / 8, 4 groups)."""
+    if kind == "gdn":
+        return dict(GDN_HF, hidden_size=hidden, intermediate_size=2 * hidden, linear_key_head_dim=hidden // 8,
+                    linear_value_head_dim=hidden // 8)
+    base = json.loads((MODEL / "config.json").read_text())
+    return dict(base, **NEMOTRON_HF, hidden_size=hidden, intermediate_size=3 * hidden, mamba_head_dim=hidden // 8,
+                head_dim=hidden // 4)
+
+
+def scratch(root: Path, kind: str, steps: int, hidden: int, seq_len: int = 128, batch: int = 8) -> Path:
+    """ROOT/scratch-trained: the model scratch_hf(kind, hidden) describes, trained from random weights on the
+    train split."""
     from remodel.models.hf import config_from_hf
     from remodel.models.load import save_model
     from remodel.models.model import HybridLM, init_weights
     from remodel.pipelines.data.data import embedded_tokenizer_path
     from remodel.pipelines.training.train import train
 
-    cfg = config_from_hf(dict(GDN_HF, hidden_size=hidden, intermediate_size=2 * hidden,
-                              linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 8))
-    init = save_model(init_weights(HybridLM(cfg), std=0.02, seed=0), root / "scratch", family="qwen3_5_text",
-                      aux_from=embedded_tokenizer_path())
+    hf = scratch_hf(kind, hidden)
+    init = save_model(init_weights(HybridLM(config_from_hf(hf)), std=0.02, seed=0), root / "scratch",
+                      family=hf["model_type"], aux_from=embedded_tokenizer_path())
     train(init, root / "scratch-trained", embedded_corpus()[0], steps=steps, seq_len=seq_len, batch=batch,
           lr=3e-3, seed=0, log_every=0, checkpoint_every=10**9, keep_last=1)
     return root / "scratch-trained"
@@ -133,7 +157,7 @@ def greedy(model, batches, loo: dict, steps: dict):
     return out
 
 
-def criteria(model, batches, seeds):
+def criteria(model, batches, seeds, held):
     """{name: (scores file dict, {unit key: per-unit value})}, the LOO costs and the seconds each took."""
     cfg, sec, out = model.cfg, {}, {}
     t = time.time()
@@ -147,12 +171,17 @@ def criteria(model, batches, seeds):
     sec["loo"] = time.time() - t
     t = time.time()
     extra = {"loo": costs, **gate_criteria(model, batches)}
-    sec["taylor (all four: one backward)"] = time.time() - t
+    sec["gate criteria (seven: one backward)"] = time.time() - t
     t = time.time()
     extra["greedy"] = greedy(model, batches, costs, greedy_steps(cfg))
     sec["greedy"] = time.time() - t
+    t = time.time()
+    held_costs, _ = head_costs(model, held)
+    extra["loo_heldout"] = held_costs
+    extra["greedy_heldout"] = greedy(model, held, held_costs, greedy_steps(cfg))
+    sec["held-out oracle (loo + greedy)"] = time.time() - t
     out.update({name: (loo_scores(cfg, act, v), v) for name, v in extra.items()})
-    return out, costs, sec
+    return out, costs, held_costs, sec
 
 
 def run(model_dir, samples, seq_len, eval_tokens, seeds, batch):
@@ -164,24 +193,27 @@ def run(model_dir, samples, seq_len, eval_tokens, seeds, batch):
     blocks = pack(load_texts(valid), tok, seq_len, max_tokens=eval_tokens)
     model = load_model(model_dir).float().eval()
     cfg = model.cfg
-    methods, costs, sec = criteria(model, list(calib.split(batch)), seeds)
+    methods, costs, held_costs, sec = criteria(model, list(calib.split(batch)), seeds, list(blocks.split(batch)))
     base = evaluate(model, blocks, seq_len=seq_len, batch=batch)
     rows = {}
     for name, (sc, value) in methods.items():
-        r = {"loss": {}, "ppl": {}, "calib_loss": {}, "spearman": {}}
+        r = {"loss": {}, "ppl": {}, "calib_loss": {}}
         for cut, t in cuts(cfg).items():
             pruned = prune_model(model, plan_keep(cfg, sc, t))
             ev = evaluate(pruned, blocks, seq_len=seq_len, batch=batch)
             r["loss"][cut], r["ppl"][cut] = ev["loss"], ev["ppl"]
             r["calib_loss"][cut] = evaluate(pruned, calib, seq_len=seq_len, batch=batch)["loss"]  # the scored tokens
         r["spearman"] = {f"{k.split('.')[1]}{SHORT[k.split('.')[2]]}": spearman(value[k], costs[k]) for k in costs}
+        r["spearman_heldout"] = {f"{k.split('.')[1]}{SHORT[k.split('.')[2]]}": spearman(value[k], held_costs[k])
+                                 for k in held_costs}
         rows[name] = r
         print(f"{name:12s} " + " ".join(f"{c} {v:.4f} ({r['calib_loss'][c]:.4f})" for c, v in r["loss"].items())
               + "  rho " + " ".join(f"{v:+.2f}" for v in r["spearman"].values()), flush=True)
     return {"model": str(model_dir), "unpruned_loss": base["loss"], "unpruned_ppl": base["ppl"],
             "cuts": cuts(cfg), "calibration_tokens": int(calib.numel()), "eval_tokens": int(blocks.numel()),
             "seeds": seeds, "seconds": {k: round(v, 1) for k, v in sec.items()},
-            "oracle_costs": {k: c.tolist() for k, c in costs.items()}, "rows": rows}
+            "oracle_costs": {k: c.tolist() for k, c in costs.items()},
+            "oracle_costs_heldout": {k: c.tolist() for k, c in held_costs.items()}, "rows": rows}
 
 
 def mean(xs) -> float:
@@ -195,12 +227,13 @@ def verdict(res) -> dict:
     rows, out = res["rows"], {}
     mag = rows["magnitude"]
     for name, r in rows.items():
-        if name == "magnitude" or name.startswith("random"):
+        if name == "magnitude" or name.startswith("random") or name.endswith("_heldout"):
             continue
         wins = all(r["loss"][c] < mag["loss"][c] and all(r["loss"][c] < rows[f"random{s}"]["loss"][c]
                                                          for s in range(res["seeds"])) for c in res["cuts"])
         ml, mr = mean(r["loss"].values()), mean(r["spearman"].values())
         out[name] = {"wins": wins, "mean_loss": ml, "mean_rho": mr,
+                     "mean_rho_heldout": mean(r["spearman_heldout"].values()),
                      "beats_magnitude": ml < mean(mag["loss"].values()) and mr > mean(mag["spearman"].values())}
     return out
 
@@ -209,39 +242,41 @@ def table(res, metric="loss") -> str:
     cuts_, rows = list(res["cuts"]), res["rows"]
     fmt = (lambda v: f"{v:.4f}") if metric == "loss" else (lambda v: f"{v:.2f}")
     lines = [f"| criterion | " + " | ".join(f"{metric} {c}" for c in cuts_)
-             + " | Spearman with loo (" + " ".join(rows["loo"]["spearman"]) + ") | mean rho |",
-             "|---|" + "---|" * len(cuts_) + "---|---|"]
+             + " | Spearman with loo (" + " ".join(rows["loo"]["spearman"]) + ") | mean rho | rho held-out loo |",
+             "|---|" + "---|" * len(cuts_) + "---|---|---|"]
     rnd = [n for n in rows if n.startswith("random")]
     for n in (n for n in rows if n not in rnd):
         rho = list(rows[n]["spearman"].values())
         lines.append(f"| {n} | " + " | ".join(fmt(rows[n][metric][c]) for c in cuts_) + " | "
-                     + " ".join(f"{v:+.2f}" for v in rho) + f" | {mean(rho):+.2f} |")
+                     + " ".join(f"{v:+.2f}" for v in rho) + f" | {mean(rho):+.2f} | "
+                     + f"{mean(rows[n]['spearman_heldout'].values()):+.2f} |")
     lo = {c: min(rows[n][metric][c] for n in rnd) for c in cuts_}
     hi = {c: max(rows[n][metric][c] for n in rnd) for c in cuts_}
     rho = [mean(rows[n]["spearman"].values()) for n in rnd]
     lines.append(f"| random ({len(rnd)} seeds) | " + " | ".join(f"{fmt(lo[c])}-{fmt(hi[c])}" for c in cuts_)
-                 + f" | | {min(rho):+.2f}..{max(rho):+.2f} |")
+                 + f" | | {min(rho):+.2f}..{max(rho):+.2f} | |")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("embedded", "gdn"), default="embedded",
-                    help="data/embedded's Mamba heads, or a Qwen3.5-shaped GDN model trained here first")
+    ap.add_argument("--model", choices=tuple(JSON), default="embedded",
+                    help="data/embedded's Mamba heads, or a Qwen3.5-shaped GDN / Nemotron-H-shaped Mamba model "
+                         "trained here first")
     ap.add_argument("--samples", type=int, default=64, help="calibration sequences (train split)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=128, help="--model gdn: hidden size")
-    ap.add_argument("--train-steps", type=int, default=300, help="--model gdn: training steps (8 x 128 tokens)")
-    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn].json (RESULTS.md by hand)")
+    ap.add_argument("--hidden", type=int, default=128, help="--model gdn / nemotron_h: hidden size")
+    ap.add_argument("--train-steps", type=int, default=300, help="--model gdn / nemotron_h: training steps (8 x 128 tokens)")
+    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h].json (RESULTS.md by hand)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        if a.model == "gdn":
-            model_dir = scratch_gdn(Path(tmp), a.train_steps, a.hidden)
+        if a.model != "embedded":
+            model_dir = scratch(Path(tmp), a.model, a.train_steps, a.hidden)
             train_s = round(time.time() - t0, 1)
         else:
             model_dir, train_s = MODEL, 0.0

@@ -8,6 +8,12 @@ on each of those channels (a pre-hook on out_proj; a unit's gate is the sum of i
   out_act     mean |y| per channel over the sequence at out_proj's input (the gated norm's output), L2 over
               samples, then over the unit's channels
   out_act_w   out_act per channel x that channel's out_proj column norm (Wanda), L2 over the unit's channels
+  fisher      sum over calibration sequences of (dL_s/dg)^2, L_s a sequence's own mean loss (Kwon et al. 2022: the
+              empirical Fisher of a head mask, a second-order estimate of the loss increase of removing it); the
+              gate has one entry per sequence, so a single backward gives every sequence's gradient
+  taylor2     -mean_s dL_s/dg + mean_s (dL_s/dg)^2 / 2: the first- plus second-order Taylor estimate of removing
+              the unit (gate 1 -> 0), the Fisher standing in for the Hessian: the quantity loo measures
+  fisher_act  sqrt(fisher) x out_act: gradient and activation evidence multiplied (both per unit, both >= 0)
 The values are named as compress/head_loo.py names its measured costs (`layers.i.mamba_heads_loo`,
 `lin_v_heads_loo`, `lin_k_heads_loo`), so `head_loo.loo_scores` ranks a SCORES dict by any of them.
 """
@@ -18,24 +24,31 @@ import torch
 from .head_loo import loo_units
 from .importance import head_weight, lm_loss_sums, seq_mean_abs
 
-CRITERIA = ("taylor", "taylor_abs", "out_act", "out_act_w")
+CRITERIA = ("taylor", "taylor_abs", "out_act", "out_act_w", "fisher", "taylor2", "fisher_act")
 
 
-def _gates(model, layers, acc, mask_of):
-    """A gate of ones per out_proj input channel of each layer, applied by a pre-hook that also accumulates the
-    squared sequence-mean |y| per channel into acc[i] -> ({layer: gate}, hook handles)."""
-    gates, handles = {}, []
+def _gates(model, layers, acc, state):
+    """A gate of ones per sequence and out_proj input channel of each layer (state["gates"][i]: [b, C], made per
+    batch), applied by a pre-hook that also accumulates the squared sequence-mean |y| per channel into acc[i]
+    -> hook handles."""
+    handles = []
     for i in layers:
-        proj = model.layers[i].mixer.out_proj
-        gates[i] = torch.ones(proj.weight.shape[1], requires_grad=True, device=proj.weight.device)
-
         def pre(module, args, i=i):
             y = args[0]
-            a = seq_mean_abs(y.detach().float().flatten(2), mask_of()).square().sum(0)
+            a = seq_mean_abs(y.detach().float().flatten(2), state["mask"]).square().sum(0)
             acc[i] = acc.get(i, 0) + a
-            return (y * gates[i].to(y.dtype).view_as(y[0, 0]),) + tuple(args[1:])
-        handles.append(proj.register_forward_pre_hook(pre))
-    return gates, handles
+            g = state["gates"][i]
+            return (y * g.to(y.dtype).view(y.shape[0], 1, *y.shape[2:]),) + tuple(args[1:])
+        handles.append(model.layers[i].mixer.out_proj.register_forward_pre_hook(pre))
+    return handles
+
+
+def _counts(ids, mask) -> torch.Tensor:
+    """Predicted tokens per sequence, as lm_loss_sums counts them -> [b] float."""
+    if mask is None:
+        return torch.full((ids.shape[0],), float(ids.shape[1] - 1))
+    m = mask.bool().cpu()
+    return (m[:, 1:] & m[:, :-1]).sum(1).float()
 
 
 def gate_criteria(model, batches, masks=None) -> dict:
@@ -44,22 +57,23 @@ def gate_criteria(model, batches, masks=None) -> dict:
     units = loo_units(model.cfg)
     layers = sorted({i for i, _, _ in units})
     W, dev = head_weight(model), head_weight(model).device
-    acc, grads, state = {}, [], {"mask": None}
+    width = {i: model.layers[i].mixer.out_proj.weight.shape[1] for i in layers}
+    acc, grads, state = {}, [], {"mask": None, "gates": {}}
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
-    gates, handles = _gates(model, layers, acc, lambda: state["mask"])
+    handles = _gates(model, layers, acc, state)
     try:
         for b, ids in enumerate(batches):
             mask = None if masks is None or masks[b] is None else masks[b].to(dev)
             state["mask"] = mask
+            state["gates"] = {i: torch.ones(ids.shape[0], width[i], requires_grad=True, device=dev) for i in layers}
             with torch.enable_grad():
                 h, _ = model.hidden(ids.to(dev), mask)
                 s, n = lm_loss_sums(h, W, ids, mask)
-                (s / max(n, 1)).backward()
-            grads.append({i: g.grad.detach().float().cpu().clone() for i, g in gates.items()})
-            for g in gates.values():
-                g.grad = None
+                s.backward()  # gates[i][q]: d(sequence q's loss sum)/dg
+            grads.append(({i: g.grad.detach().float().cpu() for i, g in state["gates"].items()}, n,
+                          _counts(ids, mask)))
     finally:
         for hnd in handles:
             hnd.remove()
@@ -69,16 +83,23 @@ def gate_criteria(model, batches, masks=None) -> dict:
 
 
 def _per_unit(model, units, acc, grads) -> dict:
+    """Every criterion per unit from the accumulated activations and the per-sequence gate gradients `grads`
+    ([({layer: [b, C] gradient of loss sums}, batch token count, [b] tokens per sequence)])."""
     out = {c: {} for c in CRITERIA}
     for i, name, chans in units:
         act = acc[i].sqrt().cpu()
         col = model.layers[i].mixer.out_proj.weight.detach().float().norm(dim=0).cpu()
-        per_batch = torch.stack([torch.stack([g[i][c].sum() for c in chans]) for g in grads])  # [batches, units]
+        seq = [torch.stack([g[i][:, c].sum(1) for c in chans], 1) for g, _, _ in grads]  # [b, units] loss sums
+        per_batch = torch.stack([q.sum(0) / max(n, 1) for q, (_, n, _) in zip(seq, grads)])  # [batches, units]
+        per_seq = torch.cat([q / k.clamp(min=1)[:, None] for q, (_, _, k) in zip(seq, grads)])  # dL_s/dg
         key = f"layers.{i}.{name}"
         out["taylor"][key] = -per_batch.sum(0)
         out["taylor_abs"][key] = per_batch.abs().sum(0)
         out["out_act"][key] = torch.stack([act[c].norm() for c in chans])
         out["out_act_w"][key] = torch.stack([(act[c] * col[c]).norm() for c in chans])
+        out["fisher"][key] = per_seq.square().sum(0)
+        out["taylor2"][key] = -per_seq.mean(0) + per_seq.square().mean(0) / 2
+        out["fisher_act"][key] = out["fisher"][key].sqrt() * out["out_act"][key]
     return out
 
 
