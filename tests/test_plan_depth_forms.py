@@ -71,3 +71,16 @@ def test_plan_depth_on_jamba_proposes_what_prune_writes(tmp_path, share):
         hf = JambaForCausalLM.from_pretrained(out, dtype=torch.float32)
         assert type(hf) is JambaForCausalLM and hf.config.num_hidden_layers == 10 - len(c["drop_layers"])
         assert sum(t.numel() for t in hf.parameters()) == c["params"]
+
+
+def test_prune_replaces_a_plans_layers_within_the_forms():
+    """prune --plan re-places a plan's layers by scores (plan_file.place_by_scores): the least important S- unit, 4,
+    would break the attention period (attention at units 1, 4, 8 left); unit 0 is the only S- unit that may go."""
+    from remodel.pipelines.commands.plan_file import place_by_scores
+    cfg = config_from_hf(dict(TEN, model_type="jamba"))
+    scores = [1.0] * 10
+    scores[4] = 0.0
+    assert not _writable(cfg, [4]) and [j for j in range(0, 10, 2) if _writable(cfg, [j])] == [0]
+    assert place_by_scores(cfg, "jamba", [8], scores) == [0]
+    scores[4], scores[0] = 1.0, 0.5  # one S- and one *E unit: a writable pair
+    assert _writable(cfg, place_by_scores(cfg, "jamba", [8, 1], scores))
