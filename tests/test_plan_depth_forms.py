@@ -84,3 +84,21 @@ def test_prune_replaces_a_plans_layers_within_the_forms():
     assert place_by_scores(cfg, "jamba", [8], scores) == [0]
     scores[4], scores[0] = 1.0, 0.5  # one S- and one *E unit: a writable pair
     assert _writable(cfg, place_by_scores(cfg, "jamba", [8, 1], scores))
+
+
+def test_prune_num_layers_drops_a_writable_set():
+    """prune --num-layers drops the least important units whatever their types; on Jamba, where the least important
+    two (S- units 2 and 4) would break the attention period, the writable pair of least scores instead (brute force
+    over every pair), and the pruned config is one the family holds."""
+    from remodel.compress.prune import new_config, plan_keep
+    cfg = config_from_hf(dict(TEN, model_type="jamba"))
+    units = depth_units(cfg, "jamba")
+    per_unit = [0.9, 0.5, 0.1, 0.7, 0.2, 0.8, 0.6, 0.95, 0.3, 0.4]
+    s = torch.zeros(cfg.num_layers, dtype=torch.float64)
+    for j, u in enumerate(units):
+        s[u[0]] = per_unit[j]
+    best = min((sum(per_unit[j] for j in d), d) for d in itertools.combinations(range(10), 2) if _writable(cfg, d))[1]
+    assert not _writable(cfg, (2, 4)) and best != (2, 4)
+    keep = plan_keep(cfg, {"block_importance": s.float()}, {"num_layers": 8}, "jamba")
+    assert keep["layers"].tolist() == [i for j, u in enumerate(units) if j not in best for i in u]
+    assert FAMILIES["jamba"].holds(new_config(cfg, keep))

@@ -4,6 +4,8 @@ removed per type (a count no placement can write is never proposed) and `choose`
 plan's layers with `choose`. A family without such a rule (depth_forms None) keeps the caller's own choice."""
 from __future__ import annotations
 
+import itertools
+
 from remodel.models.errors import RemodelError
 
 from . import depth_units, family as family_of
@@ -71,3 +73,22 @@ def choose(cfg, family: str, removed: dict, cost: list, first: list) -> list[int
 
 def _counts(removed: dict) -> str:
     return ", ".join(f"{r} {t!r} unit(s)" for t, r in removed.items() if r)
+
+
+def choose_any(cfg, family: str, cost: list, first: list) -> list[int]:
+    """As many units as `first` (the least costly whatever their types): `first` when the family holds what it
+    leaves, else over every count per type it can write the set of least `cost` (prune --num-layers)."""
+    types = unit_types(cfg, family)
+    if _forms(cfg, family, {}) is None or not family_of(family).holds(cfg):  # no rule, or not its model anyway
+        return sorted(first)
+    kinds, k = sorted(set(types)), len(first)
+    found = []
+    for rs in itertools.product(*(range(min(types.count(t), k) + 1) for t in kinds)):
+        removed = dict(zip(kinds, rs))
+        if sum(rs) == k and possible(cfg, family, removed):
+            got = choose(cfg, family, removed, cost, first)
+            found.append((sum(cost[j] for j in got), got))
+    if not found:
+        raise RemodelError(f"--num-layers: {family} cannot drop {k} of its layers from {''.join(types)}: none leave a "
+                           "pattern it holds")
+    return min(found)[1]
