@@ -26,7 +26,9 @@ Depth: how many layers of each type go is part of the candidate. Which ones: wit
 `remodel score` directory), the least important of that type by `loss_increase` when present, else
 `block_importance` (the pruner's own metric, compress.prune.depth_metric); without scores an evenly
 spaced placeholder choice within each type (pattern and drop_layers then only illustrate the counts;
-score the model before pruning to a candidate).
+score the model before pruning to a candidate). Where the family places its layer types by a rule (Family.depth_forms:
+Jamba's attention and experts every period layers from an offset) only counts some placement can write are searched,
+and the layers are the writable set of least score (without scores: nearest the evenly spaced choice).
 """
 from __future__ import annotations
 
@@ -129,7 +131,8 @@ def _drop(sp, removed: dict, unit_scores) -> list[int]:
             out += [js[int((i + 0.5) * len(js) / r)] for i in range(r)]
     # where the family places its layer types by a rule (Jamba's period and offset) and these break it: the set it
     # holds of least scores, or without scores the one sharing the most units with the evenly spaced choice
-    cost = unit_scores if unit_scores is not None else [float(j not in out) for j in range(sum(map(len, sp.units.values())))]
+    n = sum(map(len, sp.units.values()))
+    cost = unit_scores if unit_scores is not None else [float(j not in out) for j in range(n)]
     return choose(sp.cfg, sp.family, removed, cost, out)
 
 
