@@ -31,7 +31,7 @@ def allowed_codes(sp) -> np.ndarray | None:
 
 def removal_ok(sp, removed: dict) -> bool:
     """Whether removing removed[t] units of each type is a count the search may propose."""
-    return sp.depth_ok is None or _code(sp, [removed.get(t, 0) for t in sp.types]) in set(sp.depth_ok.tolist())
+    return sp.depth_ok is None or bool(np.isin(_code(sp, [removed.get(t, 0) for t in sp.types]), sp.depth_ok))
 
 
 def counts_ok(sp, opts: list, o: np.ndarray) -> np.ndarray:

@@ -329,17 +329,20 @@ def extremes(sp: Space) -> dict:
     src = evaluate(sp, {}, {})
     smallest = np.full(NM, INVALID, dtype=np.int64)
     for G in sp.outer_points():  # per type and units removed the smallest option, then a
-        dp = {0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap (per metric)
+        each = sp.depth_ok is not None  # the counts per type, not their total, where the family restricts them
+        dp = {() if each else 0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap
         for t in sp.types:
             mets, rem, _ = _options(sp, t, G)
             best = {r: mets[rem == r].min(axis=0) for r in range(sp.removable[t] + 1)}
             new = {}
             for R, v in dp.items():
                 for r, m in best.items():
-                    if R + r <= sp.max_removed:
-                        new[R + r] = np.minimum(new[R + r], v + m) if R + r in new else v + m
+                    K = R + (r,) if each else R + r
+                    if (sum(K) if each else K) <= sp.max_removed:
+                        new[K] = np.minimum(new[K], v + m) if K in new else v + m
             dp = new
-        smallest = np.minimum(smallest, np.min(np.stack(list(dp.values())), axis=0))
+        ok = [v for K, v in dp.items() if not each or removal_ok(sp, dict(zip(sp.types, K)))]
+        smallest = np.minimum(smallest, np.min(np.stack(ok), axis=0))
     # largest below the source: every metric is monotone in every knob, so a single step attains it
     steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1 and a not in sp.ties]
     steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0 and removal_ok(sp, {t: 1})]

@@ -102,3 +102,18 @@ def test_prune_num_layers_drops_a_writable_set():
     keep = plan_keep(cfg, {"block_importance": s.float()}, {"num_layers": 8}, "jamba")
     assert keep["layers"].tolist() == [i for j, u in enumerate(units) if j not in best for i in u]
     assert FAMILIES["jamba"].holds(new_config(cfg, keep))
+
+
+def test_plan_ranges_count_only_writable_depths():
+    """The reachable range plan reports (extremes: smallest, and largest below the source) is over the writable
+    removals only: brute force over every set of units within the depth caps that jamba's check accepts."""
+    from remodel.compress.search_space import build_space, extremes
+    from remodel.pipelines.commands.plan_file import candidate_config
+    cfg = config_from_hf(dict(TEN, model_type="jamba", num_hidden_layers=12, attn_layer_offset=2))  # S-SE*-SE...
+    sp, types = build_space(cfg, "depth", family="jamba"), unit_types(cfg, "jamba")
+    got = []
+    for k in range(1, sp.max_removed + 1):
+        for drop in itertools.combinations(range(len(types)), k):
+            if all(sum(types[j] == t for j in drop) <= sp.removable[t] for t in sp.types) and _writable(cfg, drop):
+                got.append(count_params(candidate_config(cfg, {"widths": {}, "drop_layers": drop}, "jamba"))["total"])
+    assert extremes(sp)["params"] == (min(got), max(got), count_params(cfg)["total"])
