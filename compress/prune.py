@@ -12,7 +12,8 @@ Nemotron-H, the attention + MLP/MoE pair for the Llama family, dropped together 
 exportable); `drop_layers` uses that numbering too. `num_layers` drops the layers with the lowest
 `loss_increase` when the scores have it (the direct measure: what removing that layer alone costs in
 LM loss, MiniPuzzle), else the lowest `block_importance` (1 - cos(x_in, x_out), Minitron); for a
-decoder-layer pair the two per-character scores are summed.
+decoder-layer pair the two per-character scores are summed. Where the family places its layer types by a rule (Jamba's
+period and offset) and those layers break it: the set it can write of lowest summed score (depth_forms.choose_any).
 
 Each kind's own width rules (LayerKind.target_problem) are asked for every changed width. Experts with
 grouped routing (n_group > 1) are kept group-aware like Mamba heads (the same number in
@@ -33,6 +34,7 @@ import torch
 from remodel.models.config import ModelConfig, path_of
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units as layer_units, family as family_of
+from remodel.models.families.depth_forms import choose_any
 from remodel.models.hf import check_exportable, config_to_hf, default_family
 from remodel.models.kinds import KINDS, PRUNABLE, WIDTHS, layer_kinds, used, widths
 from remodel.models.spec import top
@@ -254,6 +256,7 @@ def plan_keep(cfg: ModelConfig, scores: dict, targets: dict, family: str | None 
         s = _score(scores, m, (cfg.num_layers,), "--num-layers")
         per_unit = torch.stack([s[u].sum() for u in units])
         drop = top(-per_unit, len(units) - t["num_layers"]).tolist()
+        drop = choose_any(cfg, family or default_family(cfg), per_unit.tolist(), drop)  # a set the family can write
     if drop:
         keep["layers"] = torch.tensor([i for j, u in enumerate(units) if j not in drop for i in u])
         gone = {f"layers.{i}." for j in drop for i in units[j]}

@@ -50,6 +50,7 @@ from remodel.models.hf import default_family
 from remodel.models.kinds import PRUNABLE, WIDTHS as ALL_WIDTHS, widths as cfg_widths
 from remodel.models.params import per_layer
 
+from .depth_counts import allowed_codes, counts_ok, removal_ok
 from .prune import group_width
 from .train_memory import TrainSetup, base_bytes, layer_figures, unit_bytes
 
@@ -158,6 +159,7 @@ class Space:
     train: TrainSetup = TrainSetup()  # the training job of the train_bytes metric
     largest_active: int = 0  # the source's largest layer (active params): replayed under full recomputation
     ties: dict = field(default_factory=dict)  # {axis: the axis it is tied to}: one knob (tie)
+    depth_ok: np.ndarray | None = None  # removed counts the family can write (compress.depth_counts); None: all
 
     def _axes_of(self, t: str) -> list[str]:
         """The searched knobs of the kinds in t (their specs): an axis tied to another counts as that one."""
@@ -237,6 +239,7 @@ def build_space(cfg: ModelConfig, axes=None, max_width_cut: float = 0.45, max_de
                int(max_depth_cut * n_units + 1e-9) if deep else 0, serving.batch, serving.seq_len,
                serving.dtype_bytes, serving.train.check(), max((a for _, a in layer_figures(cfg)), default=0), ties)
     _check_size(sp)
+    sp.depth_ok = allowed_codes(sp)
     return sp
 
 
@@ -326,20 +329,23 @@ def extremes(sp: Space) -> dict:
     src = evaluate(sp, {}, {})
     smallest = np.full(NM, INVALID, dtype=np.int64)
     for G in sp.outer_points():  # per type and units removed the smallest option, then a
-        dp = {0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap (per metric)
+        each = sp.depth_ok is not None  # the counts per type, not their total, where the family restricts them
+        dp = {() if each else 0: base_metrics(sp, G["hidden_size"])}  # knapsack over the total-removal cap
         for t in sp.types:
             mets, rem, _ = _options(sp, t, G)
             best = {r: mets[rem == r].min(axis=0) for r in range(sp.removable[t] + 1)}
             new = {}
             for R, v in dp.items():
                 for r, m in best.items():
-                    if R + r <= sp.max_removed:
-                        new[R + r] = np.minimum(new[R + r], v + m) if R + r in new else v + m
+                    K = R + (r,) if each else R + r
+                    if (sum(K) if each else K) <= sp.max_removed:
+                        new[K] = np.minimum(new[K], v + m) if K in new else v + m
             dp = new
-        smallest = np.minimum(smallest, np.min(np.stack(list(dp.values())), axis=0))
+        ok = [v for K, v in dp.items() if not each or removal_ok(sp, dict(zip(sp.types, K)))]
+        smallest = np.minimum(smallest, np.min(np.stack(ok), axis=0))
     # largest below the source: every metric is monotone in every knob, so a single step attains it
     steps = [({a: v[1]}, {}) for a, v in sp.values.items() if len(v) > 1 and a not in sp.ties]
-    steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0]
+    steps += [({}, {t: 1}) for t in sp.types if sp.removable[t] > 0 and removal_ok(sp, {t: 1})]
     steps = [s for s in steps if _joint_ok(sp, sp.full({**cfg_widths(sp.cfg), **s[0]}))]
     largest = np.max(np.stack([evaluate(sp, w, r) for w, r in steps]), axis=0) if steps else src
     return {m: (int(smallest[k]), int(largest[k]), int(src[k])) for k, m in enumerate(METRICS)}
@@ -412,7 +418,7 @@ def search(sp: Space, budgets: dict, tol: float = 0.02, top: int = 20, window_on
         stats["window"] += int(win.sum())
         o = np.stack([idx // math.prod(radix[k + 1:]) % radix[k] for k in range(len(radix))], axis=1) \
             if len(acc) else np.zeros((0, len(radix)), dtype=np.int64)
-        keep = ~_can_grow(sp, grid, gi, acc, o, fits)
+        keep = ~_can_grow(sp, grid, gi, acc, o, fits) & counts_ok(sp, opts[gi], o)
         stats["maximal"] += int((keep & win).sum())
         sel = np.flatnonzero(keep & win) if window_only else np.flatnonzero(keep)[np.argsort(dist[keep], kind="stable")[:top]]
         found.append((gi, acc[sel], rem[sel], o[sel], dist[sel]))
@@ -450,7 +456,9 @@ def _can_grow(sp: Space, grid: _Grid, gi: int, acc, o, fits):
     for k, (mets, _, _) in enumerate(opts[gi]):
         for up in ups[k]:
             u = up[o[:, k]]
-            grow |= (u >= 0) & fits(acc + mets[np.maximum(u, 0)] - mets[o[:, k]])
+            grown = o.copy()
+            grown[:, k] = np.maximum(u, 0)  # a count the family cannot write is no growth
+            grow |= (u >= 0) & fits(acc + mets[grown[:, k]] - mets[o[:, k]]) & counts_ok(sp, opts[gi], grown)
     for a, v in Gs[gi].items():  # an outer width one step larger, every type's option unchanged
         i = sp.values[a].index(v)
         if i:

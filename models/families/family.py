@@ -248,6 +248,11 @@ class Family:
         d = self.depth
         return [list(range(j * d, (j + 1) * d)) for j in range(cfg.num_layers // d)]
 
+    def depth_forms(self, types: list, removed: dict) -> list | None:
+        """The unit-type sequences (one type per kept depth unit) the family holds after dropping removed[t] units of
+        each type t from units of `types`; None: whichever units go (models/families/depth_forms.py asks it)."""
+        return None
+
     def other_spelling(self, hf_name: str) -> str | None:
         """Another name the family's released checkpoints give the HF tensor `hf_name` (read when `hf_name` is
         absent; written names are always `hf_name`, transformers' own); None: no other."""

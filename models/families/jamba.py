@@ -9,6 +9,8 @@ are as wide as the dense MLPs (intermediate_size). The Mamba-1 mixer's dt / B / 
 use rms_norm_eps. On disk each expert is its own gate_proj / up_proj / down_proj."""
 from __future__ import annotations
 
+from collections import Counter
+
 from remodel.models.attention import ATTENTION
 from remodel.models.config import MAX_LAYERS, ModelConfig
 from remodel.models.kinds import used
@@ -40,7 +42,27 @@ def period_of(flags: list) -> tuple[int, int] | None:
     return (p, o) if ok else None
 
 
+def flag_forms(n: int, c: int) -> set:
+    """Every flag tuple of length n with c flags set, j % period == offset (period_of holds them all)."""
+    if c <= 1:
+        return {tuple(j == o for j in range(n)) for o in (range(n) if c else [-1])}
+    return {tuple(j % p == o for j in range(n)) for p in range(1, n) for o in range(p) if len(range(o, n, p)) == c}
+
+
 class Jamba(Family):
+    def depth_forms(self, types, removed):
+        """The patterns left after dropping removed[t] units of each type t: attention and experts each every period
+        units from an offset, with the counts of each type left."""
+        left = Counter(types)
+        left.subtract(removed)
+        if min(left.values(), default=0) < 0:
+            return []
+        n = sum(left.values())
+        attn, moe = (flag_forms(n, sum(c for t, c in left.items() if t[k] == ch)) for k, ch in ((0, "*"), (1, "E")))
+        forms = (tuple(("*" if a else "S") + _FFN[e] for a, e in zip(fa, fe)) for fa in attn for fe in moe)
+        return [f for f in forms if Counter(f) == +left]
+
+
     def required(self, h):
         need = [("num_hidden_layers",), ("intermediate_size",)]
         if "attention" in h.layers_block_type:

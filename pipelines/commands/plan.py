@@ -26,7 +26,9 @@ Depth: how many layers of each type go is part of the candidate. Which ones: wit
 `remodel score` directory), the least important of that type by `loss_increase` when present, else
 `block_importance` (the pruner's own metric, compress.prune.depth_metric); without scores an evenly
 spaced placeholder choice within each type (pattern and drop_layers then only illustrate the counts;
-score the model before pruning to a candidate).
+score the model before pruning to a candidate). Where the family places its layer types by a rule (Family.depth_forms:
+Jamba's attention and experts every period layers from an offset) only counts some placement can write are searched,
+and the layers are the writable set of least score (without scores: nearest the evenly spaced choice).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import time
 
 from remodel.compress.search_space import METRICS, WIDTHS, Serving, build_space, depth_units, extremes, search
 from remodel.models.config import ModelConfig
+from remodel.models.families.depth_forms import choose
 from remodel.models.kinds import KINDS, routed, used
 from remodel.models.errors import RemodelError
 from remodel.compress.train_memory import TrainSetup, train_memory_bytes
@@ -115,7 +118,8 @@ def _used_axes(cfg: ModelConfig) -> set:
 
 
 def _drop(sp, removed: dict, unit_scores) -> list[int]:
-    """Unit indices to drop: per type the least important (ties: lower index), or evenly spaced."""
+    """Unit indices to drop: per type the least important (ties: lower index), or evenly spaced, among the sets
+    the family can write (models.families.depth_forms.choose)."""
     out = []
     for t, r in removed.items():
         js = sp.units[t]
@@ -125,7 +129,11 @@ def _drop(sp, removed: dict, unit_scores) -> list[int]:
             out += sorted(js, key=lambda j: (unit_scores[j], j))[:r]
         else:  # placeholder without scores: r units spread evenly over the type's n
             out += [js[int((i + 0.5) * len(js) / r)] for i in range(r)]
-    return sorted(out)
+    # where the family places its layer types by a rule (Jamba's period and offset) and these break it: the set it
+    # holds of least scores, or without scores the one sharing the most units with the evenly spaced choice
+    n = sum(map(len, sp.units.values()))
+    cost = unit_scores if unit_scores is not None else [float(j not in out) for j in range(n)]
+    return choose(sp.cfg, sp.family, removed, cost, out)
 
 
 def _candidate(sp, row: dict, budgets: dict, unit_scores, metric, rank: int) -> dict:

@@ -18,6 +18,7 @@ from remodel.compress.search_space import WIDTHS
 from remodel.models.config import ModelConfig
 from remodel.models.errors import RemodelError
 from remodel.models.families import depth_units
+from remodel.models.families.depth_forms import choose
 from remodel.models.hf import our_shapes
 from remodel.models.kinds import KINDS
 from remodel.models.params import count_params, memory_bytes
@@ -182,11 +183,12 @@ def plan_rows(path, cfg: ModelConfig, family: str, candidate: int | None = None,
 
 def place_by_scores(cfg: ModelConfig, family: str, drop: list, unit_scores: list) -> list:
     """The same number of layer units of each type as `drop` removes, chosen as the least important of their
-    type by `unit_scores` (one per depth unit; ties: lower index), as plan places them with scores."""
+    type by `unit_scores` (one per depth unit; ties: lower index), as plan places them with scores; where the family
+    cannot write what those leave (Jamba's period and offset), its writable set of least scores."""
     units = depth_units(cfg, family)
     types = ["".join(cfg.pattern[i] for i in u) for u in units]
     out = []
     for t, r in Counter(types[j] for j in drop).items():
         js = [j for j, x in enumerate(types) if x == t]
         out += sorted(js, key=lambda j: (unit_scores[j], j))[:r]
-    return sorted(out)
+    return choose(cfg, family, Counter(types[j] for j in drop), unit_scores, out)  # a set the family can write
