@@ -28,13 +28,17 @@ SOURCES = {"llama": ("llama", HYBRID_SOURCE),
 CASES = [("llama", "mamba2", ["--keep-layers", "1"]),  # bamba: kept heads widened 8 -> 16
          ("llama", "gdn", ["--keep-layers", "1"]),  # qwen3_5_text: zero-centred norms, output gate, q/k norms
          ("llama_tied", "kda", ["--keep-attention", "0"]),  # kimi_linear: the untied head, a copy
-         ("mixtral", "mamba2", ["--keep-layers", "2"])]  # granitemoehybrid: the MoE copied, a zero shared MLP
+         ("mixtral", "mamba2", ["--keep-layers", "2"]),  # granitemoehybrid: the MoE copied, a zero shared MLP
+         ("llama_bf16", "mamba2", ["--keep-layers", "1"])]  # computed in float32 (as loaded), written in bfloat16
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("hyb_stream")
-    return {n: hf_pair(t, root, n, 5, **kw)[2] for n, (t, kw) in SOURCES.items()}
+    out = {n: hf_pair(t, root, n, 5, **kw)[2] for n, (t, kw) in SOURCES.items()}
+    out["llama_bf16"] = save_model(load_model(out["llama"]), root / "llama_bf16", family="llama",
+                                   aux_from=out["llama"], dtype=torch.bfloat16)
+    return out
 
 
 def _in_memory(src: Path, out: Path, mixer: str, flags: list, init: str, seed: int) -> set:
@@ -60,7 +64,8 @@ def test_streamed_is_the_in_memory_conversion(sources, tmp_path, name, mixer, fl
     assert main(["hybridize", str(src), str(tmp_path / "s"), "--mixer", mixer, *flags, "--init", init,
                  "--seed", "4"]) == 0
     replaced = _in_memory(src, tmp_path / "m", mixer, flags, init, 4)
-    assert replaced and (name == "llama_tied" or len(replaced) < 4)  # something replaced, something kept
+    assert replaced and (name == "llama_tied" or len(replaced) < 4)
+    assert read_config_dict(src)["dtype"] == ("bfloat16" if name.endswith("bf16") else "float32")  # something replaced, something kept
     s, m = CheckpointReader(tmp_path / "s"), CheckpointReader(tmp_path / "m")
     assert sorted(s.keys()) == sorted(m.keys())
     differ = [k for k in m.keys() if s.dtype(k) != m.dtype(k) or not torch.equal(s.get(k), m.get(k))]
@@ -144,3 +149,16 @@ def test_hybridize_memory_is_bounded(tmp_path):
     finally:
         for d in (big, tiny, out, Path(f"{out}.tiny")):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_streamed_refuses_a_tensor_nothing_gives(sources, tmp_path, monkeypatch, capsys):
+    """A mixer init that forgets one of its tensors is refused in one line naming it, nothing written: the
+    streamed writer never zero-fills a tensor no conversion step gave."""
+    m = H.MIXERS["gdn"]
+    monkeypatch.setitem(H.MIXERS, "gdn", m._replace(init=lambda cfg, att, fresh: {
+        k: v for k, v in m.init(cfg, att, fresh).items() if k != "A_log"}))
+    assert main(["hybridize", str(sources["llama"]), str(tmp_path / "out"), "--mixer", "gdn",
+                 "--keep-layers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mixer.A_log" in err and "nothing gives" in err, err
+    assert not (tmp_path / "out").exists()
