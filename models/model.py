@@ -125,15 +125,22 @@ def init_weights(model: HybridLM, std: float = 0.02, seed: int | None = None) ->
     blocks += [(f"mtp.layers.{j}.mixer.", b) for j, b in enumerate(model.mtp.layers)] if cfg.mtp_layers else []
     owner = {p + n: (b.spec, n) for p, b in blocks for n, _ in b.mixer.named_parameters()}
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if name in owner and owner[name][0].init_param(cfg, owner[name][1], p, g, std):
-            continue
-        if name.endswith("norm.weight") or name.endswith("_norm.weight"):
-            p.fill_(1.0)
-        elif leaf == "bias" or name.endswith("gate.weight") and p.shape[0] == 1:
-            p.zero_()
-        else:
-            s = std / math.sqrt(2 * cfg.num_layers) if leaf in ("out_proj", "o_proj", "down_proj") or name.endswith(
-                ("out_proj.weight", "o_proj.weight", "down_proj.weight")) else std
-            p.normal_(0.0, s, generator=g)
+        init_tensor(cfg, name, p, g, std, owner.get(name))
     return model
+
+
+@torch.no_grad()
+def init_tensor(cfg, name: str, p, g, std: float, owner=None):
+    """init_weights' rule for one parameter `name` (the model's name for it), drawn from generator g; owner:
+    (its layer's spec, its name in the mixer) for a mixer's own parameter (upcycle.hybridize: one layer alone)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if owner is not None and owner[0].init_param(cfg, owner[1], p, g, std):
+        return
+    if name.endswith("norm.weight") or name.endswith("_norm.weight"):
+        p.fill_(1.0)
+    elif leaf == "bias" or name.endswith("gate.weight") and p.shape[0] == 1:
+        p.zero_()
+    else:
+        s = std / math.sqrt(2 * cfg.num_layers) if leaf in ("out_proj", "o_proj", "down_proj") or name.endswith(
+            ("out_proj.weight", "o_proj.weight", "down_proj.weight")) else std
+        p.normal_(0.0, s, generator=g)

@@ -209,7 +209,7 @@ def test_select_kl_keeps_the_costliest_layers_as_transformers_measures_them(tmp_
 
 @pytest.mark.parametrize("mixer", ["mamba2", "gdn", "kda"])
 def test_an_init_that_forgets_a_tensor_is_refused_not_zero_filled(llama, monkeypatch, mixer):
-    """Only the tensors the target's form adds (upcycle.hybridize.form_added) are filled in: a mixer init that
+    """Only the tensors the target's form adds (upcycle.hybridize.HybridLayers) are filled in: a mixer init that
     drops one of its tensors is refused in one line naming it, where a blanket zero fill used to hide it."""
     from remodel.models.errors import RemodelError
     from remodel.models.load import load_model

@@ -42,15 +42,21 @@ def family_fit(cfg, family: str):
     return best[1]
 
 
+def shifted_norms(src, offset: float) -> set:
+    """The names of src's trunk RMSNorm weights (block, final, q/k) in src's norm offset when that is not
+    `offset` (the hybrid's): those shift_norms re-expresses. `src` may be on the meta device."""
+    return {f"{name}.weight" for name, mod in src.named_modules()
+            if isinstance(mod, RMSNorm) and mod.offset == src.cfg.norm_offset != offset}
+
+
 @torch.no_grad()
-def shift_norms(state: dict, src, offset: float) -> dict:
-    """`state` (src's) with each trunk RMSNorm weight (block, final, q/k: the ones in src's norm offset)
-    re-expressed for `offset` (the hybrid's): the same scale."""
+def shift_norms(state: dict, names: set, src_offset: float, offset: float) -> dict:
+    """`state` (the source's, whole or a part) with each of the RMSNorm weights `names` it holds (shifted_norms)
+    re-expressed from src_offset to `offset`: the same scale."""
     out = dict(state)
-    for name, mod in src.named_modules():
-        if isinstance(mod, RMSNorm) and mod.offset == src.cfg.norm_offset != offset:
-            w = state[f"{name}.weight"]
-            out[f"{name}.weight"] = (scale_of(w, mod.offset).float() - offset).to(w.dtype)
+    for k in names & state.keys():
+        w = state[k]
+        out[k] = (scale_of(w, src_offset).float() - offset).to(w.dtype)
     return out
 
 

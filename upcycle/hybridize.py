@@ -8,7 +8,8 @@ the gate's in_proj rows (z) zero, so the new layer starts silent (silu(0) = 0: t
 without those layers, never worse) and the gradient opens it (silu'(0) = 1/2). Measured on a small trained Llama
 (tests/test_hybridize_quality.py): with transformers' random z and D = 1 the same weights ended 0.03 - 0.05 above
 --init random after 40 distillation steps, silent 0.011 - 0.015 below. dt, conv, A_log and dt_bias as transformers
-initialises them (models.model.init_weights). --init random: the whole mixer so.
+initialises them (models.model.init_weights' rule, each layer from its own generator: layer_seed). --init random:
+the whole mixer so.
 A target family whose attention rotates a fixed share of each head (Family.fixed_rotary) gets wider heads, zero
 in the added channels and the query rescaled, so its kept layers compute what the source's did.
 """
@@ -26,14 +27,14 @@ from remodel.models.families import DEFAULT_ORDER, FAMILIES
 from remodel.models.hf import check_exportable
 from remodel.models.kinds import routed
 from remodel.models.mamba import MAMBA
-from remodel.models.model import HybridLM, init_weights
+from remodel.models.model import Block, HybridLM, init_tensor
 from remodel.models.gated_deltanet import GATED_DELTANET
 from remodel.models.kda import KDA
 from remodel.models.norm import scale_of
 
 from .hybrid_gdn import gdn_from_attention, gdn_sizes
 from .hybrid_kda import kda_from_attention, kda_sizes
-from .hybrid_target import family_fit, kept_attention, shift_norms
+from .hybrid_target import family_fit, kept_attention, shift_norms, shifted_norms
 
 INITS = ("attention", "random")
 
@@ -217,50 +218,105 @@ def _mixer_state(state: dict, i: int) -> dict:
     return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
 
 
-def form_added(src: HybridLM, new_cfg, fresh: dict) -> dict:
-    """The tensors the target's form adds to the source's model and their values: the keys of new_cfg's model
-    that the same model with the source's bias flags, shared-expert width and tie lacks. hybrid_config's tied
-    q/k/v / o_proj bias (the side the source lacks) and _variants' width-1 shared expert add nothing: zeros; the
-    lm_head family_fit unties is the embedding's copy."""
-    c, a = src.cfg, src.cfg.attention
+def layer_of(name: str) -> int | None:
+    """The trunk layer a tensor of our model belongs to (`layers.{i}.`), None for the rest (embeddings, final
+    norm, head, MTP): the groups HybridLayers converts one at a time."""
+    return int(name.split(".", 2)[1]) if name.startswith("layers.") else None
+
+
+def layer_seed(seed: int, i: int) -> int:
+    """The seed of layer i's fresh mixer: each layer draws from its own generator, so a layer's initialisation
+    is the same whether the model is converted whole or streamed a layer at a time."""
+    return seed * 1_000_003 + i
+
+
+def fresh_mixer(new_cfg, i: int, seed: int) -> dict:
+    """Layer i's mixer in new_cfg initialised as init_weights does (models.model.init_tensor), from a generator
+    seeded layer_seed(seed, i): {its name in the mixer: tensor}."""
+    block = Block(new_cfg, new_cfg.pattern[i])
+    g = torch.Generator().manual_seed(layer_seed(seed, i))
+    for n, p in block.mixer.named_parameters():
+        init_tensor(new_cfg, f"layers.{i}.mixer.{n}", p, g, 0.02, (block.spec, n))
+    return {k: v.detach() for k, v in block.mixer.state_dict().items()}
+
+
+def _added(src_cfg, new_cfg) -> dict:
+    """{name: meta tensor} of the tensors the target's form adds to the source's model: the keys of new_cfg's
+    model that the same model with the source's bias flags, shared-expert width and tie lacks. hybrid_config's
+    tied q/k/v / o_proj bias (the side the source lacks) and _variants' width-1 shared expert add nothing: zeros;
+    the lm_head family_fit unties is the embedding's copy (HybridLayers)."""
+    c, a = src_cfg, src_cfg.attention
     base = new_cfg.replace(tie_word_embeddings=c.tie_word_embeddings, **{
         "attention.attention_bias": a.attention_bias, "attention.attention_out_bias": a.attention_out_bias,
         "moe.moe_shared_expert_intermediate_size": c.moe.moe_shared_expert_intermediate_size})
     with torch.device("meta"):
-        keys = HybridLM(new_cfg).state_dict().keys() - HybridLM(base).state_dict().keys()
-    out = {k: torch.zeros_like(fresh[k]) for k in keys}
-    if "lm_head.weight" in out:
-        out["lm_head.weight"] = src.embeddings.weight.detach().clone()
-    return out
+        new = HybridLM(new_cfg).state_dict()
+        keys = new.keys() - HybridLM(base).state_dict().keys()
+    return {k: new[k] for k in keys}
+
+
+class HybridLayers:
+    """The source's tensors -> the hybrid's, one group at a time (a trunk layer, or the rest: layer_of): what
+    hybridize_model does to a model held whole and upcycle.hybridize_stream to a checkpoint read layer by layer,
+    so both give the same tensors. Replaced layers' mixers initialised per `init` (fresh_mixer), kept attention
+    in the target's form (widened, kept_attention), norms re-expressed for the target's offset, every other
+    tensor copied, those the target's form adds as zeros (an untied head: the embedding's copy)."""
+
+    def __init__(self, src_cfg, new_cfg, mixer: str, replaced: set, init: str = "attention", seed: int = 0):
+        if init not in INITS:
+            raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
+        self.src_cfg, self.new_cfg, self.replaced, self.init, self.seed = src_cfg, new_cfg, replaced, init, seed
+        self.mixer, self.attention = mixer_of(mixer), set(replaceable(src_cfg, mixer))
+        with torch.device("meta"):
+            self.norms = shifted_norms(HybridLM(src_cfg), new_cfg.norm_offset)
+            self.target = HybridLM(new_cfg).state_dict()  # meta tensors: the hybrid's names, shapes, dtypes
+        self.added = _added(src_cfg, new_cfg)
+
+    def convert(self, group: int | None, old: dict) -> dict:
+        """Group `group`'s tensors of the hybrid from the source's (`old`: that group's, our names, float32)."""
+        old = shift_norms(old, self.norms, self.src_cfg.norm_offset, self.new_cfg.norm_offset)
+        pre = f"layers.{group}.mixer."
+        swap = group in self.attention
+        state = {k: v for k, v in old.items() if k in self.target and not (swap and k.startswith(pre))}
+        if swap:
+            state.update({pre + k: v for k, v in self._mixer(group, old).items()})
+        for k, t in self.added.items():
+            if layer_of(k) == group and k not in state:
+                state[k] = old["embeddings.weight"].clone() if k == "lm_head.weight" else torch.zeros(t.shape,
+                                                                                                      dtype=t.dtype)
+        return state
+
+    def _mixer(self, i: int, old: dict) -> dict:
+        att, new = _mixer_state(old, i), self.new_cfg
+        if i not in self.replaced:
+            return kept_attention(widen_attention(att, self.src_cfg.attention, new.attention.head_dim),
+                                  self.src_cfg, new, scale_of(old[f"layers.{i}.norm.weight"], new.norm_offset))
+        fresh = fresh_mixer(new, i, self.seed)
+        return fresh if self.init == "random" else self.mixer.init(new, att, fresh)
+
+    def missing(self, name: str) -> RemodelError:
+        """The refusal for a hybrid tensor nothing gives (an init that forgot it): never zero-filled."""
+        return RemodelError(f"hybridize: nothing gives the hybrid's tensor {name} (not the source's, the mixer "
+                            f"init's or one the target's form adds)")
 
 
 @torch.no_grad()
 def hybridize_model(src: HybridLM, new_cfg, mixer: str, replaced: set, init: str = "attention",
                     seed: int = 0) -> HybridLM:
-    """The hybrid of `src` under `new_cfg` (hybrid_config): replaced layers' mixers initialised per `init`, every
-    other tensor copied (kept attention widened to new_cfg's head width), those the target's form adds as
-    form_added gives them; any other tensor without a value is refused (an init that forgot it), not zero-filled."""
-    if init not in INITS:
-        raise RemodelError(f"unknown --init {init!r} (supported: {', '.join(INITS)})")
-    m, cfg = mixer_of(mixer), src.cfg
-    model = init_weights(HybridLM(new_cfg), seed=seed)
-    fresh, old = model.state_dict(), shift_norms(src.state_dict(), src, new_cfg.norm_offset)
-    state = {k: v for k, v in old.items() if k in fresh}
-    for i in replaceable(cfg, mixer):
-        att, pre = _mixer_state(old, i), f"layers.{i}.mixer."
-        state = {k: v for k, v in state.items() if not k.startswith(pre)}
-        if i in replaced:
-            mix = _mixer_state(fresh, i) if init == "random" else m.init(new_cfg, att, _mixer_state(fresh, i))
-        else:
-            mix = kept_attention(widen_attention(att, cfg.attention, new_cfg.attention.head_dim), cfg, new_cfg,
-                                 scale_of(old[f"layers.{i}.norm.weight"], new_cfg.norm_offset))
-        state.update({pre + k: v for k, v in mix.items()})
-    state.update({k: v for k, v in form_added(src, new_cfg, fresh).items() if k not in state})
-    missing = [k for k in fresh if k not in state]
+    """The hybrid of `src` under `new_cfg` (hybrid_config), converted group by group by HybridLayers; any tensor
+    without a value is refused, not zero-filled."""
+    conv = HybridLayers(src.cfg, new_cfg, mixer, replaced, init, seed)
+    groups = {}
+    for k, v in src.state_dict().items():
+        groups.setdefault(layer_of(k), {})[k] = v
+    state = {}
+    for group in [None, *range(len(src.cfg.slots))]:
+        state.update(conv.convert(group, groups.get(group, {})))
+    missing = [k for k in conv.target if k not in state]
     if missing:
         more = f" nor {len(missing) - 1} more" if missing[1:] else ""
-        raise RemodelError(f"hybridize: nothing gives the hybrid's tensor {missing[0]} (not the source's, the mixer "
-                           f"init's or one the target's form adds){more}")
+        raise RemodelError(f"{conv.missing(missing[0])}{more}")
+    model = HybridLM(new_cfg)
     model.load_state_dict(state, strict=True)
     return model.eval()
 

@@ -1,7 +1,8 @@
 """`remodel hybridize`: dense attention checkpoint -> hybrid checkpoint (upcycle.hybridize): the attention layers
 not kept become linear-mixer layers initialised from their attention weights (or at random), the rest copied
 exactly, written as a family transformers loads without remote code. Every input is checked on config.json
-before the weights are read; the model is held whole (two copies) while converting.
+before the weights are read; the conversion streams layer by layer (upcycle.hybridize_stream: peak memory about
+one layer), except that --select kl loads the model whole for its forwards.
 With --data, two training stages by distill's trainer (pipelines.training: checkpoints, --resume, parallelism):
 stage one (--transfer-steps) fits the new mixers alone, the rest frozen: by default (--transfer-target layer,
 LoLCATs' attention transfer) each fed MODEL's own hidden state at its input and fitted to that attention layer's
@@ -18,9 +19,10 @@ from pathlib import Path
 import torch
 
 from remodel.models.errors import RemodelError
-from remodel.models.load import load_config, load_model, read_config_dict, save_model
+from remodel.models.load import load_config, load_model, read_config_dict
 from remodel.models.params import count_params
-from remodel.upcycle.hybridize import INITS, costliest, hybridize_model, kept, kl_costs, replaceable, target
+from remodel.upcycle.hybridize import INITS, HybridLayers, costliest, kept, kl_costs, replaceable, target
+from remodel.upcycle.hybridize_stream import write_hybrid
 
 from ..data.data import load_texts, pack
 from ..distributed.runtime import load_tokenizer
@@ -134,14 +136,12 @@ def _convert(o: HybridizeOptions, p: dict) -> list | None:
     dest = p["init_dir"] or Path(o.out)
     if p["init_dir"] and o.resume and (dest / "config.json").is_file():  # a resumed run keeps the hybrid it started from
         return None
-    src = load_model(o.model)
     costs = None
-    if o.select == "kl":
-        costs = kl_costs(src, o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
+    if o.select == "kl":  # measured on the model held whole (forwards); the conversion itself streams
+        costs = kl_costs(load_model(o.model), o.mixer, _calibration(o, p["cfg"]), o.init, o.seed)
         p = plan(o, costliest(costs, o.keep_attention))
-    model = hybridize_model(src, p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
-    save_model(model, dest, family=p["family"], aux_from=o.model, overwrite=o.overwrite,
-               dtype=_dtype(read_config_dict(o.model)), inputs=[o.model])
+    conv = HybridLayers(p["cfg"], p["new_cfg"], o.mixer, p["replaced"], o.init, o.seed)
+    write_hybrid(o.model, dest, conv, p["family"], dtype=_dtype(read_config_dict(o.model)), overwrite=o.overwrite)
     return costs
 
 
