@@ -2,9 +2,9 @@
 Mamba-2 / Gated DeltaNet hybrids with 1/4 (and 1/8) of its attention layers kept.
 
 1. An 8-layer Llama (hidden --hidden, 4 query / 2 KV heads) trained --src-steps steps of --src-batch x
-   --src-seq-len tokens on the shipped corpus's train split (data/corpus/train.txt.gz) with every other
-   --repeat-words-word chunk written twice, so that copying needs a layer that looks back and more than layer 0
-   matters; held-out loss on the valid split (valid.txt.gz, same transform; the shipped tasks are drawn from it
+   --src-seq-len tokens on the shipped corpus's train split (data/corpus/train.txt.gz) with a
+   --repeat-share of its --repeat-words-word chunks written twice, so that copying needs a layer that looks back
+   and more than layer 0 can matter; held-out loss on the valid split (valid.txt.gz, same transform; the shipped tasks are drawn from it
    and nothing here trains on it). --src-dir: train the source there once and reuse it in later runs.
    Per attention layer: the KL to the source when that layer alone is replaced (--select kl's figure).
 2. At 1/4 attention (2 of 8 kept), for each mixer and each --seeds seed (the new mixers' init and the data
@@ -56,17 +56,17 @@ from remodel.pipelines.training.tasks import run_tasks  # noqa: E402
 TASKS = ["remodel_cloze", "remodel_nextphrase"]
 
 
-def repeated(text: str, words: int, seed: int = 0) -> str:
-    """Each line cut into `words`-word chunks, every other chunk (by seed) written twice in a row: text whose
+def repeated(text: str, words: int, share: float, seed: int = 0) -> str:
+    """Each line cut into `words`-word chunks, a `share` of them (by seed) written twice in a row: text whose
     second copies only a layer that looks back (an induction / copy head) can predict, so that more than the
-    first layer matters to the source and a replaced layer's cost shows (--repeat-words 0: the text as is)."""
+    first layer can matter to the source and a replaced layer's cost shows (--repeat-words 0: the text as is)."""
     if not words:
         return text
     rng, out = random.Random(seed), []
     for line in text.splitlines():
         w = line.split()
         chunks = [" ".join(w[i:i + words]) for i in range(0, len(w), words)]
-        out.append(" ".join(f"{c} {c}" if rng.random() < 0.5 else c for c in chunks))
+        out.append(" ".join(f"{c} {c}" if rng.random() < share else c for c in chunks))
     return "\n".join(out) + "\n"
 
 
@@ -77,7 +77,7 @@ def source(d: Path, a) -> Path:
     train, valid = embedded_corpus()
     for name, f in (("train.txt", train), ("valid.txt", valid)):
         with gzip.open(f, "rt", encoding="utf-8") as g:
-            (d / name).write_text(repeated(g.read(), a.repeat_words))
+            (d / name).write_text(repeated(g.read(), a.repeat_words, a.repeat_share))
     lines = (d / "train.txt").read_text().splitlines(keepends=True)
     (d / "distill.txt").write_text("".join(lines[:a.distill_lines]))  # the arms' data: enough tokens, less to tokenize
     home = Path(a.src_dir) if a.src_dir else d
@@ -195,7 +195,7 @@ def args():
     for flag, typ, default in (("--hidden", int, 128), ("--src-steps", int, 400), ("--src-lr", float, 1e-2),
                                ("--src-seq-len", int, 128), ("--src-batch", int, 16), ("--steps", int, 30),
                                ("--seq-len", int, 128), ("--lr", float, 5e-3), ("--eval-tokens", int, 8192),
-                               ("--task-limit", int, 100), ("--repeat-words", int, 24),
+                               ("--task-limit", int, 100), ("--repeat-words", int, 24), ("--repeat-share", float, 0.5),
                                ("--distill-lines", int, 200), ("--transfer", int, 0)):
         ap.add_argument(flag, type=typ, default=default)
     ap.add_argument("--seeds", default="0,1")

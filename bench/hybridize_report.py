@@ -95,14 +95,14 @@ def verdict(res: dict) -> str:
 def body(res: dict) -> str:
     s = res["settings"]
     lim = s.get("task_limit")
-    reused = " (trained by an earlier run of this script into --src-dir with these settings, reused)" \
+    reused = " (by an earlier run of this script into --src-dir, same settings; reused)" \
         if res.get("source_reused") else ""
     later = ", ".join(x for x, on in (("transfer", s.get("transfer", 1)), ("1/8", "1" in s["keeps"].split(","))) if on)
     head = (f"`{res['command']}`; {res['machine']}, shared with other jobs; {res['date']}; wall {res['wall_s']} s "
             f"(of which the source and its evaluation {res['source_seconds']} s). Source: 8-layer Llama, hidden "
             f"{s['hidden']}, trained here{reused} {s['src_steps']} steps of {s['src_batch']}x{s['src_seq_len']} "
-            f"tokens at lr {s['src_lr']} on data/corpus/train.txt.gz with every other {s.get('repeat_words')}-word "
-            f"chunk written twice (copying needs a look-back layer); held-out loss on valid.txt.gz, same transform "
+            f"tokens at lr {s['src_lr']} on data/corpus/train.txt.gz with {s.get('repeat_share', 0.5):.0%} of its "
+            f"{s.get('repeat_words')}-word chunks written twice (copying needs a look-back layer); held-out loss on valid.txt.gz, same transform "
             f"({s['eval_tokens']:,} tokens, seq {s['seq_len']}). Every arm {s['steps']} distillation steps of "
             f"8x{s['seq_len']} tokens at lr {s['lr']} (first {s.get('distill_lines')} lines of the train text). Seeds "
             f"{s['seeds']} for kl / random / even at 1/4" + (f"; {later} seed {s['seeds'].split(',')[0]} only" if later
