@@ -73,7 +73,7 @@ def repeated(text: str, words: int, share: float, seed: int = 0) -> str:
 def source(d: Path, a) -> Path:
     """Write the train / valid splits (the corpus's own, with --repeat-words chunks repeated; valid.txt.gz, which
     the shipped tasks are drawn from, is never trained on) and train the 8-layer Llama from scratch, or reuse
-    --src-dir's; -> its directory."""
+    --src-dir's (its settings are not checked: pass the ones that trained it); -> its directory."""
     train, valid = embedded_corpus()
     for name, f in (("train.txt", train), ("valid.txt", valid)):
         with gzip.open(f, "rt", encoding="utf-8") as g:
