@@ -1,22 +1,26 @@
 """Hybridize quality and serving cost (issue 57 Deliver 3): a Llama trained here from scratch, turned into
-Mamba-2 / Gated DeltaNet hybrids with 1/4 and 1/8 of its attention layers kept.
+Mamba-2 / Gated DeltaNet hybrids with 1/4 (and 1/8) of its attention layers kept.
 
-1. An 8-layer Llama (hidden --hidden, 4 query / 2 KV heads) trained --src-steps steps on the embedded corpus
-   (first 1500 lines; the last 150 are the held-out split), as tests/test_hybridize_quality.py does.
-2. For each mixer (mamba2, gdn) and kept share (1/4, 1/8), the same distillation budget (--steps optimizer steps,
-   same seed, data order and lr) for four arms:
-   - `kl`: --init attention, --select kl (the kept layers those whose replacement alone moves the output most);
-   - `random`: --init random on the same kept layers;
-   - `even`: --init attention, evenly spaced layers;
-   - `transfer`: --init attention on kl's layers, stage one (--steps // 3 transfer steps) + the rest distillation
-     (equal total step budget; a transfer step is cheaper: the source's stream is its target, no KL).
-   Held-out loss (pipelines.training.evaluate) of each, and of the source.
-3. Inference state bytes (`remodel inspect`'s memory_bytes: KV cache + recurrent state, bf16 KV, fp32 SSM state)
-   at each --contexts length, source vs the `kl` hybrids; eval tokens/s of one forward over one random sequence of
-   that length (no grad, best of 2, CPU, this process's threads).
-Task accuracy (remodel_cloze) is not measured here. Writes bench/hybridize.json and records "## Hybridize" in
-bench/RESULTS.md unless --no-record.
-    nice -n 10 python bench/bench_hybridize.py [--steps 60 --src-steps 300 --contexts 4096,16384]
+1. An 8-layer Llama (hidden --hidden, 4 query / 2 KV heads) trained --src-steps steps of --src-batch x
+   --src-seq-len tokens on the shipped corpus's train split (data/corpus/train.txt.gz) with a
+   --repeat-share of its --repeat-words-word chunks written twice, so that copying needs a layer that looks back
+   and more than layer 0 can matter; held-out loss on the valid split (valid.txt.gz, same transform; the shipped tasks are drawn from it
+   and nothing here trains on it). --src-dir: train the source there once and reuse it in later runs.
+   Per attention layer: the KL to the source when that layer alone is replaced (--select kl's figure).
+2. At 1/4 attention (2 of 8 kept), for each mixer and each --seeds seed (the new mixers' init and the data
+   order), the same distillation budget (--steps optimizer steps, lr, data) for the key arms:
+   `kl` (--init attention, --select kl), `random` (--init random on kl's layers), `even` (--init attention,
+   evenly spaced layers); first seed only: `transfer` (unless --transfer 0: kl's layers, --steps // 3 stage-one
+   transfer steps, then the rest distillation) and the kl arm of the other --keeps points. A loss-vs-tokens
+   row: the kl arm (first seed) after each --curve step count (separate runs, each its own lr schedule).
+3. Held-out loss of each; task accuracy (remodel_cloze, remodel_nextphrase on plain text, through lm-eval and
+   transformers: pipelines.training.tasks.run_tasks; --task-limit items per task, None: all) of the source
+   and of the arms of --task-seeds (lm-eval on CPU is the slow part).
+4. Inference state bytes (`remodel inspect`'s memory_bytes) at each --contexts length, source vs the `kl`
+   hybrids; eval tokens/s of one forward over one random sequence of that length (no grad, best of 2, CPU).
+Writes bench/hybridize.json (after each point, so a stopped run keeps what it measured) and
+bench/results/hybridize.md (tables: bench/hybridize_report.py; --from-json rewrites it from a JSON).
+    nice -n 10 python bench/bench_hybridize.py [--src-steps 400 --steps 30 --seeds 0,1 --curve 10,30,90]
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import gzip
 import json
 import os
 import platform
+import random
 import shutil
 import sys
 import tempfile
@@ -37,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from bench_upcycle import record  # noqa: E402
+from hybridize_report import LAYERS, write_md  # noqa: E402
 from remodel.models.config import ModelConfig  # noqa: E402
 from remodel.models.load import load_model, save_model  # noqa: E402
 from remodel.models.model import HybridLM, init_weights  # noqa: E402
@@ -46,51 +51,116 @@ from remodel.pipelines.commands.inspection import inspect  # noqa: E402
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path  # noqa: E402
 from remodel.pipelines.training import train as T  # noqa: E402
 from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
+from remodel.pipelines.training.tasks import run_tasks  # noqa: E402
 
-LAYERS = 8
+TASKS = ["remodel_cloze", "remodel_nextphrase"]
+
+
+def repeated(text: str, words: int, share: float, seed: int = 0) -> str:
+    """Each line cut into `words`-word chunks, a `share` of them (by seed) written twice in a row: text whose
+    second copies only a layer that looks back (an induction / copy head) can predict, so that more than the
+    first layer can matter to the source and a replaced layer's cost shows (--repeat-words 0: the text as is)."""
+    if not words:
+        return text
+    rng, out = random.Random(seed), []
+    for line in text.splitlines():
+        w = line.split()
+        chunks = [" ".join(w[i:i + words]) for i in range(0, len(w), words)]
+        out.append(" ".join(f"{c} {c}" if rng.random() < share else c for c in chunks))
+    return "\n".join(out) + "\n"
 
 
 def source(d: Path, a) -> Path:
-    """Write train / valid splits and train the 8-layer Llama from scratch; -> its directory."""
-    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
-        lines = [x for x in f.read().splitlines() if x.strip()]
-    (d / "train.txt").write_text("\n".join(lines[:1500]) + "\n")
-    (d / "valid.txt").write_text("\n".join(lines[-150:]) + "\n")
+    """Write the train / valid splits (the corpus's own, with --repeat-words chunks repeated; valid.txt.gz, which
+    the shipped tasks are drawn from, is never trained on) and train the 8-layer Llama from scratch, or reuse
+    --src-dir's (its settings are not checked: pass the ones that trained it); -> its directory."""
+    train, valid = embedded_corpus()
+    for name, f in (("train.txt", train), ("valid.txt", valid)):
+        with gzip.open(f, "rt", encoding="utf-8") as g:
+            (d / name).write_text(repeated(g.read(), a.repeat_words, a.repeat_share))
+    lines = (d / "train.txt").read_text().splitlines(keepends=True)
+    (d / "distill.txt").write_text("".join(lines[:a.distill_lines]))  # the arms' data: enough tokens, less to tokenize
+    home = Path(a.src_dir) if a.src_dir else d
+    if (home / "src" / "config.json").is_file():
+        return home / "src"
     cfg = ModelConfig(vocab_size=2048, hidden_size=a.hidden, pattern="*-" * LAYERS, tie_word_embeddings=True,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=a.hidden // 4,
                       intermediate_size=2 * a.hidden, mlp_act="silu", mlp_gated=True, rope_theta=10000.0)
-    save_model(init_weights(HybridLM(cfg), seed=2), d / "init")
+    save_model(init_weights(HybridLM(cfg), seed=2), home / "init", overwrite=True)
     for f in embedded_tokenizer_path().iterdir():
-        shutil.copy(f, d / "init" / f.name)
-    T.train(str(d / "init"), str(d / "src"), data=str(d / "train.txt"), steps=a.src_steps, seq_len=a.seq_len,
-            batch=8, warmup=5, lr=a.src_lr, log_every=0, checkpoint_every=10**6)
-    return d / "src"
+        shutil.copy(f, home / "init" / f.name)
+    T.train(str(home / "init"), str(home / "src"), data=str(d / "train.txt"), steps=a.src_steps,
+            seq_len=a.src_seq_len, batch=a.src_batch, warmup=a.src_steps // 20, lr=a.src_lr, log_every=0,
+            checkpoint_every=10**6)
+    return home / "src"
 
 
 def loss(path, d: Path, a) -> float:
     return round(evaluate(path, d / "valid.txt", seq_len=a.seq_len, batch=16, max_tokens=a.eval_tokens)["loss"], 4)
 
 
-def arms(d: Path, src: Path, mixer: str, keep: int, a) -> dict:
-    """The four arms at one (mixer, kept) point: {arm: {loss, kept layers, seconds}}."""
-    kw = dict(mixer=mixer, data=str(d / "train.txt"), seq_len=a.seq_len, batch=8, lr=a.lr,
+def tasks(path, a) -> dict:
+    """{task: {acc, stderr, n}} of the shipped tasks on the checkpoint at `path` (lm-eval via transformers);
+    stderr: the binomial sqrt(p (1 - p) / (n - 1)), what lm-eval reports for a mean, also under --task-limit."""
+    if a.task_limit == 0:
+        return {}
+    out = {}
+    for t, r in run_tasks(path, TASKS, limit=a.task_limit or None).items():
+        p, n = r["acc"], r.get("samples") or a.task_limit
+        out[t] = {"acc": round(p, 4), "stderr": round((p * (1 - p) / max(n - 1, 1)) ** 0.5, 4), "n": n}
+    return out
+
+
+def one(d: Path, src: Path, name: str, opts: dict, a, evals: bool = True) -> dict:
+    """One hybridize run (written to d/name): {loss, kept, seconds, tokens, tasks}; the report under 'report'."""
+    kw = dict(mixer=opts.pop("mixer"), data=str(d / "distill.txt"), seq_len=a.seq_len, batch=8, lr=a.lr,
               train=dict(warmup=5, log_every=0, checkpoint_every=10**6))
-    out, t_split = {}, a.steps // 3
-    runs = [("kl", dict(keep_attention=keep, select="kl", init="attention", steps=a.steps)),
-            ("random", dict(init="random", steps=a.steps)),
-            ("even", dict(keep_attention=keep, select="even", init="attention", steps=a.steps)),
-            ("transfer", dict(init="attention", transfer_steps=t_split, steps=a.steps - t_split))]
-    for name, opts in runs:
-        if "keep_attention" not in opts:
-            opts["keep_layers"] = out["kl"]["kept"]
-        t0 = time.perf_counter()
-        rep = hybridize(src, d / f"{mixer}_{keep}_{name}", **opts, **kw)
-        out[name] = {"loss": loss(d / f"{mixer}_{keep}_{name}", d, a), "kept": rep["attention_kept"],
-                     "seconds": round(time.perf_counter() - t0, 1)}
-        if name == "kl":
-            out[name]["kl_per_layer"] = rep["kl_per_layer"]
-            out["init_loss"] = loss(d / f"{mixer}_{keep}_{name}.init", d, a)
-        print(f"{mixer} keep {keep} {name}: {out[name]}", flush=True)
+    t0 = time.perf_counter()
+    rep = hybridize(src, d / name, **opts, **kw)
+    steps = opts["steps"] + opts.get("transfer_steps", 0)
+    r = {"loss": loss(d / name, d, a), "kept": rep["attention_kept"], "seconds": round(time.perf_counter() - t0, 1),
+         "tokens": steps * 8 * a.seq_len, "seed": opts.get("seed", 0)}
+    if evals and r["seed"] in a.task_seeds:
+        r["tasks"] = tasks(d / name, a)
+    print(f"{name}: {r}", flush=True)
+    return r | {"report": rep}
+
+
+def point(d: Path, src: Path, mixer: str, keep: int, seeds: list, a) -> dict:
+    """The arms at one (mixer, kept) point: {arm: [per-seed results], init_loss, kl_per_layer}."""
+    out = {"kl": [], "random": [], "even": [], "transfer": []}
+    for seed in seeds:
+        base = dict(mixer=mixer, seed=seed, steps=a.steps)
+        r = one(d, src, f"{mixer}_{keep}_kl_{seed}", dict(base, keep_attention=keep, select="kl", init="attention"), a)
+        rep = r.pop("report")
+        out["kl"].append(r)
+        if seed == seeds[0]:
+            out["kl_per_layer"] = [round(x, 4) for x in rep["kl_per_layer"]]
+            out["init_loss"] = loss(d / f"{mixer}_{keep}_kl_{seed}.init", d, a)
+        if keep != LAYERS // 4:
+            break  # the 1/8 point: kl, first seed only
+        for arm, opts in (("random", dict(init="random", keep_layers=r["kept"])),
+                          ("even", dict(keep_attention=keep, select="even", init="attention"))):
+            out[arm].append(one(d, src, f"{mixer}_{keep}_{arm}_{seed}", dict(base, **opts), a))
+            out[arm][-1].pop("report")
+        if seed == seeds[0] and a.transfer:
+            t = a.steps // 3
+            out["transfer"].append(one(d, src, f"{mixer}_{keep}_transfer_{seed}", dict(
+                base, init="attention", keep_layers=r["kept"], transfer_steps=t, steps=a.steps - t), a, evals=False))
+            out["transfer"][-1].pop("report")
+    return out
+
+
+def curve(d: Path, src: Path, mixer: str, kept: list, at60: dict, a) -> dict:
+    """{steps: {tokens, loss}} of the kl arm (seed 0, kl's layers) after each --curve step count."""
+    out = {}
+    for n in map(int, a.curve.split(",")):
+        if n == a.steps:
+            out[n] = {"tokens": at60["tokens"], "loss": at60["loss"]}
+            continue
+        r = one(d, src, f"{mixer}_curve_{n}", dict(mixer=mixer, seed=0, steps=n, keep_layers=kept,
+                                                   init="attention"), a, evals=False)
+        out[n] = {"tokens": r["tokens"], "loss": r["loss"]}
     return out
 
 
@@ -120,79 +190,64 @@ def serving(models: dict, contexts: list) -> dict:
     return out
 
 
-def table(res: dict) -> str:
-    src = res["source_loss"]
-    rows = ["| mixer | kept | initialised | kl (attention) | random | even (attention) | transfer + distill | "
-            "kl vs source |", "|---|---|---|---|---|---|---|---|"]
-    for key, r in res["points"].items():
-        mixer, keep = key.split("/")
-        rows.append(f"| {mixer} | {keep}/{LAYERS} {r['kl']['kept']} | {r['init_loss']:.3f} | {r['kl']['loss']:.3f} | "
-                    f"{r['random']['loss']:.3f} | {r['even']['loss']:.3f} ({r['even']['kept']}) | "
-                    f"{r['transfer']['loss']:.3f} | {100 * (r['kl']['loss'] / src - 1):+.1f}% |")
-    rows += ["", "| model | context | cache bytes (KV + state) | KV | state | tokens/s (CPU) |", "|---|---|---|---|---|---|"]
-    for name, per in res["serving"].items():
-        for n, s in per.items():
-            rows.append(f"| {name} | {n} | {s['cache_bytes']:,} | {s['kv_cache']:,} | {s['state']:,} | "
-                        f"{s['tokens_per_s']:,.0f} |")
-    return "\n".join(rows)
-
-
-def main():
+def args():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--src-steps", type=int, default=300)
-    ap.add_argument("--src-lr", type=float, default=2e-2)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--eval-tokens", type=int, default=8192)
+    for flag, typ, default in (("--hidden", int, 128), ("--src-steps", int, 400), ("--src-lr", float, 1e-2),
+                               ("--src-seq-len", int, 128), ("--src-batch", int, 16), ("--steps", int, 30),
+                               ("--seq-len", int, 128), ("--lr", float, 5e-3), ("--eval-tokens", int, 8192),
+                               ("--task-limit", int, 100), ("--repeat-words", int, 24), ("--repeat-share", float, 0.5),
+                               ("--distill-lines", int, 200), ("--transfer", int, 0)):
+        ap.add_argument(flag, type=typ, default=default)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--task-seeds", default="0", help="the seeds whose arms get task accuracy (slow on CPU)")
     ap.add_argument("--mixers", default="mamba2,gdn")
-    ap.add_argument("--keeps", default="2,1")
-    ap.add_argument("--contexts", default="4096,16384")
+    ap.add_argument("--keeps", default="2")
+    ap.add_argument("--curve", default="10,30,90", help="kl arm step counts of the loss-vs-tokens row")
+    ap.add_argument("--contexts", default="4096")
+    ap.add_argument("--src-dir", help="train the source here, or reuse the one already there")
     ap.add_argument("--out", default=str(ROOT / "bench" / "hybridize.json"))
-    ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--from-json", help="record this JSON's results in RESULTS.md without running")
-    a = ap.parse_args()
-    if a.from_json:
-        return record("### Hybridize (bench/bench_hybridize.py)", body(json.loads(Path(a.from_json).read_text())),
-                      section="## Hybridize")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        src = source(d, a)
-        res = {"source_loss": loss(src, d, a), "points": {}, "settings": vars(a)}
-        print(f"source held-out loss {res['source_loss']}", flush=True)
-        for mixer in a.mixers.split(","):
-            for keep in map(int, a.keeps.split(",")):
-                res["points"][f"{mixer}/{keep}"] = arms(d, src, mixer, keep, a)
-        models = {"source": src, **{f"{k} kl": d / f"{k.replace('/', '_')}_kl" for k in res["points"]}}
-        res["serving"] = serving(models, [int(x) for x in a.contexts.split(",")])
+    ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "hybridize.md"))
+    ap.add_argument("--from-json", help="write --md from this JSON without running")
+    return ap.parse_args()
+
+
+def save(res: dict, a, t0: float) -> None:
+    """bench/hybridize.json (atomic), stamped with the wall time so far, machine, date and command."""
     res.update(wall_s=round(time.perf_counter() - t0, 1), machine=f"{platform.machine()} {os.cpu_count()} cores (CPU, "
                f"torch threads {torch.get_num_threads()})", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                command="nice -n 10 python bench/bench_hybridize.py " + " ".join(sys.argv[1:]))
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(table(res))
-    if not a.no_record:
-        record("### Hybridize (bench/bench_hybridize.py)", body(res), section="## Hybridize")
+    tmp = Path(a.out + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(a.out)
 
 
-def body(res: dict) -> str:
-    return (f"`{res['command']}`; {res['machine']}, shared with other jobs; {res['date']}; wall {res['wall_s']} s. "
-            f"Source: 8-layer Llama trained here {res['settings']['src_steps']} steps, held-out loss "
-            f"{res['source_loss']:.3f}; every arm {res['settings']['steps']} steps (transfer: a third of them stage "
-            f"one). Task accuracy (remodel_cloze): not measured.\n\n" + table(res) + "\n\n" + verdict(res))
-
-
-def verdict(res: dict) -> str:
-    """The issue's goal: attention-initialised hybrids within 5% of the source's held-out loss at 1/4 attention."""
-    src, lines = res["source_loss"], []
-    for key, r in res["points"].items():
-        if key.endswith(f"/{LAYERS // 4}"):
-            best = min(r[k]["loss"] for k in ("kl", "even", "transfer"))
-            gap = 100 * (best / src - 1)
-            lines.append(f"{key.split('/')[0]}: best attention-initialised arm {best:.3f}, {gap:+.1f}% of the source "
-                         f"({'within' if gap <= 5 else 'outside'} 5%)")
-    return "Goal (issue 57: within 5% of the source at 1/4 attention): " + "; ".join(lines) + "."
+def main():
+    a = args()
+    a.task_seeds = [int(x) for x in a.task_seeds.split(",")]
+    if a.from_json:
+        return write_md(json.loads(Path(a.from_json).read_text()), a.md)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        reused = bool(a.src_dir) and (Path(a.src_dir) / "src" / "config.json").is_file()
+        src = source(d, a)
+        res = {"source_loss": loss(src, d, a), "source_tasks": tasks(src, a), "points": {}, "curve": {},
+               "settings": vars(a), "source_seconds": round(time.perf_counter() - t0, 1),
+               "source_reused": reused}
+        print(f"source: {res['source_loss']} {res['source_tasks']}", flush=True)
+        seeds = [int(x) for x in a.seeds.split(",")]
+        for mixer in a.mixers.split(","):  # arms, serving, then curves: partial results survive a stop
+            for keep in map(int, a.keeps.split(",")):
+                res["points"][f"{mixer}/{keep}"] = point(d, src, mixer, keep, seeds, a)
+                save(res, a, t0)
+        models = {"source": src, **{f"{k} kl": d / f"{k.replace('/', '_')}_kl_{seeds[0]}" for k in res["points"]}}
+        res["serving"] = serving(models, [int(x) for x in a.contexts.split(",")])
+        save(res, a, t0)
+        for mixer in a.mixers.split(",") if a.curve else ():
+            main_pt = res["points"].get(f"{mixer}/{LAYERS // 4}")
+            res["curve"][mixer] = curve(d, src, mixer, main_pt["kl"][0]["kept"], main_pt["kl"][0], a)
+            save(res, a, t0)
+    write_md(res, a.md)
 
 
 if __name__ == "__main__":
