@@ -285,13 +285,19 @@ def save_model(model: HybridLM, out, family: str | None = None, aux_from=None, o
                dtype=None, max_shard_bytes: int = 2 * 1024**3, inputs=()) -> Path:
     """Write a HF checkpoint atomically (temporary sibling renamed at the end); a family that carries tensors
     through takes them from `aux_from` (the source checkpoint)."""
-    from .checkpoint import CheckpointWriter, atomic_output_dir
-
     cfg = model.cfg
     family = family or default_family(cfg)
-    hf_cfg = config_to_hf(cfg, family)
     state = model.state_dict()
     tensors = iter_hf_tensors(lambda n: state[n].detach().cpu(), cfg, family, dtype, source=aux_from)
+    return write_hf(out, tensors, config_to_hf(cfg, family), dtype, aux_from, overwrite, inputs, max_shard_bytes)
+
+
+def write_hf(out, tensors, hf_cfg: dict, dtype=None, aux_from=None, overwrite=False, inputs=(),
+             max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """The (HF name, tensor) stream `tensors` and config.json `hf_cfg` written atomically to `out` (a temporary
+    sibling renamed at the end), `dtype` named in the config where given; the tokenizer files from `aux_from`."""
+    from .checkpoint import CheckpointWriter, atomic_output_dir
+
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name, t in tensors:

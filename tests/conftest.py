@@ -1,6 +1,7 @@
 """Test-wide settings: keep idle OpenMP threads from spinning (on a 2-core
 machine busy-waiting threads in one process slow every other process ~5x),
 and keep tokenizers single-threaded; and the markers of the long tests (MARKS)."""
+import gzip
 import math
 import os
 from pathlib import Path
@@ -148,6 +149,16 @@ def random_model(cfg, seed=0, bias=0.3, std=0.15, gain=0.3, final_norm=False, d_
     for m in moes if cfg.moe.router == "sigmoid" else []:
         m.gate.e_score_correction_bias.copy_(bias * torch.randn(cfg.moe.n_routed_experts, generator=g))
     return model.eval()
+
+
+def corpus_split(d, held_out: int = 150) -> None:
+    """d/train.txt and d/valid.txt: the embedded corpus's training lines, the last `held_out` of them held out
+    (disjoint: train is every other line)."""
+    from remodel.pipelines.data.data import embedded_corpus
+    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
+        lines = [x for x in f.read().splitlines() if x.strip()]
+    (Path(d) / "train.txt").write_text("\n".join(lines[:-held_out]) + "\n")
+    (Path(d) / "valid.txt").write_text("\n".join(lines[-held_out:]) + "\n")
 
 
 def write_checkpoint(model, path, tokenizer=True, **save_kw):

@@ -1,9 +1,14 @@
 """`remodel hybridize --data --steps` (stage two, issue 57): the hybrid distilled from its source by distill's
 trainer; attention-initialised Mamba layers end at a lower held-out loss than random ones after the same steps;
-stage one (--transfer-steps) alone closes most of the gap, and before stage two it helps."""
+stage one (--transfer-steps) alone closes most of the gap, and before stage two it helps.
+Held-out text: the last 150 lines of the embedded training corpus, left out of training (tests/conftest.py
+corpus_split). Until 2026-12-06 the "valid" lines were also trained on (the corpus has 1130 lines; train took the
+first 1500); the figures in the docstrings below are from then unless marked otherwise. Re-measured on the disjoint
+split (2-core VM, 2026-12-06, the final code): Mamba-2 attention vs random, means of 3 seeds, 5.7716 vs 5.7845
+(0.0129); GDN 5.7717 vs 5.8014 (0.0297); KDA 5.7588 vs 5.8006 (0.0417); stage one 40 steps, layer 5.7791 vs
+stream 5.7955 (initialised 6.2093). Every assertion holds on both."""
 from __future__ import annotations
 
-import gzip
 import json
 
 import pytest
@@ -11,20 +16,16 @@ import pytest
 from remodel.models.config import ModelConfig
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.commands.hybridize import hybridize
-from remodel.pipelines.data.data import embedded_corpus
 from remodel.pipelines.training import train as T
 from remodel.pipelines.training.evaluate import evaluate
-from tests.conftest import write_checkpoint
+from tests.conftest import corpus_split, write_checkpoint
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 4-layer Llama (hidden 32, 4 query / 2 KV heads of 8) trained here for 300 steps on the embedded corpus."""
     d = tmp_path_factory.mktemp("hybq")
-    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
-        lines = [x for x in f.read().splitlines() if x.strip()]
-    (d / "train.txt").write_text("\n".join(lines[:1500]) + "\n")
-    (d / "valid.txt").write_text("\n".join(lines[-150:]) + "\n")
+    corpus_split(d)
     cfg = ModelConfig(vocab_size=2048, hidden_size=32, pattern="*-" * 4, tie_word_embeddings=True,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, mlp_act="silu", mlp_gated=True,
                       rope_theta=10000.0)
@@ -62,7 +63,8 @@ def test_stage_one_moves_the_hybrid_towards_the_source(trained):
     """--transfer-target stream. Measured (2-core VM, 2026-12-06; source 5.491, initialised hybrid 6.178): stage one alone, 40 steps, 5.527;
     40 distillation steps alone 5.532; 20 transfer + 40 distillation 5.500. At an equal budget (60 steps)
     distillation alone reached 5.501, transfer 20 + distillation 40 5.500 / 5.495 (seeds 0 / 1): about even.
-    The assertions ask half of each measured gap."""
+    The assertions ask half of each measured gap: re-measured on the disjoint held-out split (module docstring)
+    initialised 6.209, transfer 40 5.796, distillation 40 5.774, transfer 20 + distillation 40 5.763 (0.011)."""
     d = trained
     kw = dict(keep_attention=1, select="even", data=str(d / "train.txt"), seq_len=32, batch=8, lr=5e-3, transfer_target="stream",
               train=dict(warmup=5, log_every=0, checkpoint_every=1000))
@@ -77,7 +79,16 @@ def test_stage_one_moves_the_hybrid_towards_the_source(trained):
     two, both = loss(d / "d40"), loss(d / "t20d40")
     print(f"held-out loss: initialised {init:.4f}, transfer 40 {one:.4f}, distill 40 {two:.4f}, both {both:.4f}")
     assert init - one > 0.3
-    assert two - both > 0.015
+    assert two - both > 0.005
+
+
+def _distilled(d, model_type: str, **kw) -> float:
+    """Held-out loss of `trained` hybridized with `kw` and distilled 40 steps, checked to be written as model_type."""
+    out = d / "_".join(str(v) for v in kw.values())
+    hybridize(d / "trained", out, data=str(d / "train.txt"), steps=40, seq_len=32, batch=8, lr=5e-3,
+              train=dict(warmup=5, log_every=0, checkpoint_every=1000), **kw)
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    return evaluate(out, d / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
 
 
 def test_gdn_attention_init_beats_random_after_the_same_distillation(trained):
@@ -89,14 +100,8 @@ def test_gdn_attention_init_beats_random_after_the_same_distillation(trained):
     The assertion asks under a third of the smallest margin."""
     d = trained
 
-    def distilled(init):
-        out = d / f"gdn_{init}"
-        hybridize(d / "trained", out, mixer="gdn", keep_attention=1, select="even", init=init, data=str(d / "train.txt"), steps=40,
-                  seq_len=32, batch=8, lr=5e-3, train=dict(warmup=5, log_every=0, checkpoint_every=1000))
-        assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5_text"
-        return evaluate(out, d / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
-
-    att, rnd = distilled("attention"), distilled("random")
+    att, rnd = (_distilled(d, "qwen3_5_text", mixer="gdn", keep_attention=1, select="even", init=i)
+                for i in ("attention", "random"))
     print(f"GDN held-out loss after 40 steps: attention {att:.4f}, random {rnd:.4f}, margin {rnd - att:.4f}")
     assert rnd - att > 0.015
 
@@ -111,14 +116,7 @@ def test_kda_attention_init_beats_random_after_the_same_distillation(trained):
     the smallest margin."""
     d = trained
 
-    def distilled(init):
-        out = d / f"kda_{init}"
-        hybridize(d / "trained", out, mixer="kda", keep_attention=0, init=init, data=str(d / "train.txt"), steps=40,
-                  seq_len=32, batch=8, lr=5e-3, train=dict(warmup=5, log_every=0, checkpoint_every=1000))
-        assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_linear"
-        return evaluate(out, d / "valid.txt", seq_len=32, batch=16, max_tokens=4096)["loss"]
-
-    att, rnd = distilled("attention"), distilled("random")
+    att, rnd = (_distilled(d, "kimi_linear", mixer="kda", keep_attention=0, init=i) for i in ("attention", "random"))
     print(f"KDA held-out loss after 40 steps: attention {att:.4f}, random {rnd:.4f}, margin {rnd - att:.4f}")
     assert rnd - att > 0.01
 

@@ -1,6 +1,5 @@
 """Losses against independent float64 formulas; the trainer's resume exactness (SIGKILL, and a kill while
 a checkpoint is being written), the frozen teacher, and distillation beating LM-only training."""
-import gzip
 import hashlib
 import json
 import math
@@ -24,10 +23,9 @@ from remodel.pipelines.training import losses as L
 from remodel.pipelines.training import train as T
 from remodel.pipelines.training import train_state as S
 from remodel.pipelines.training import trainer as TR
-from remodel.pipelines.data.data import embedded_corpus
 from remodel.pipelines.training.dcp_storage import read_metadata as read_dcp_metadata
 from remodel.pipelines.training.evaluate import evaluate
-from tests.conftest import write_checkpoint
+from tests.conftest import corpus_split, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,10 +170,7 @@ def tiny(path, H, pattern, seed):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
-    with gzip.open(embedded_corpus()[0], "rt", encoding="utf-8") as f:
-        lines = [x for x in f.read().splitlines() if x.strip()]
-    (d / "train.txt").write_text("\n".join(lines[:1500]) + "\n")
-    (d / "valid.txt").write_text("\n".join(lines[-150:]) + "\n")
+    corpus_split(d)
     tiny(d / "student", 16, "M*-E", seed=0)
     tiny(d / "teacher", 24, "M*-E", seed=1)
     return d

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from remodel.models.checkpoint import CheckpointReader, CheckpointWriter, atomic_output_dir
+from remodel.models.checkpoint import CheckpointReader
 from remodel.models.hf import config_to_hf, our_shapes
-from remodel.models.load import iter_hf_tensors, iter_our_tensors, source_plan
+from remodel.models.load import iter_hf_tensors, iter_our_tensors, source_plan, write_hf
 
 from .hybridize import HybridLayers, layer_of
 
@@ -56,13 +56,6 @@ def write_hybrid(model_dir, out, conv: HybridLayers, family: str, dtype: torch.d
     with CheckpointReader(model_dir) as reader:
         source_plan(reader, conv.src_cfg)  # checks every shape against the config, reads nothing
         layers = _Layers(reader, conv)
-        hf_cfg = config_to_hf(conv.new_cfg, family)
         tensors = iter_hf_tensors(layers.get, conv.new_cfg, family, dtype, source=model_dir)
-        with atomic_output_dir(out, overwrite=overwrite, inputs=[model_dir]) as tmp:
-            w = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes)
-            for name, t in tensors:
-                w.add(name, t)
-            if dtype is not None:
-                hf_cfg["dtype"] = str(dtype).replace("torch.", "")
-            w.close(hf_cfg, aux_from=model_dir)
-    return Path(out)
+        return write_hf(out, tensors, config_to_hf(conv.new_cfg, family), dtype, model_dir, overwrite, [model_dir],
+                        max_shard_bytes)
