@@ -13,8 +13,9 @@ groups 4 -> 3 and 4 -> 2 with their value heads).
 
 Oracle (`loo`): every unit removed alone (as pruning removes it: compress/head_loo.py), its calibration loss
 increase. Candidates, all on the same calibration tokens (train split):
-  activation    the current default (Mamba: the in_proj x segment's mean |x| x the out_proj column norm; GDN: the
-                gated norm's output x the out_proj column norm, which is out_act_w)
+  activation    the default (score_model). In the stored JSON, measured before the switch, Mamba heads were read
+                at the in_proj x segment (now `score --method activation_in`); since, at out_proj's input (out_act_w,
+                as GDN already was)
   magnitude     the head's weight norms (compress/baselines.py)
   taylor, taylor_abs, out_act, out_act_w, fisher, taylor2, fisher_act   compress/head_criteria.py (a gate per
                 sequence on out_proj's input, one backward per batch)

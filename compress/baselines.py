@@ -42,7 +42,8 @@ from remodel.models.spec import sq
 
 from .axes import layer_of, tensor_axes
 
-METHODS = ("activation", "magnitude", "random", "loo")  # loo: compress/head_loo.py (needs data)
+# loo: compress/head_loo.py; activation_in: activation with each kind's in_sites() (both need data)
+METHODS = ("activation", "magnitude", "random", "loo", "activation_in")
 WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
 
 

@@ -6,8 +6,10 @@ acc += (a**2).sum(over batch), score = sqrt(acc). Sites (names as in the SCORES 
   hidden           output of every layers[i].norm and of norm_f (gamma applied); per-site scores summed
   layers.i.ffn     input of mixer.down_proj, times ||down_proj[:, j]||        '-'   [F]
   layers.i.attn    input of mixer.o_proj, per head                              '*'   [nq, head_dim]
-  layers.i.mamba_x the x segment of mixer.in_proj's output (the Mamba spec; before conv),
+  layers.i.mamba_x input of mixer.out_proj (the gated norm's output, channels as the x segment),
                    times ||out_proj[:, c]|| of the same inner channel c        'M'   [nh, hd]
+                   (--method activation_in: the x segment of in_proj's output, before conv, as
+                   before issue 55; bench/RESULTS.md "Mamba head criteria" chose out_proj's input)
   layers.i.experts REAP: mean over routed tokens of ||w * expert(x)|| (arXiv 2510.13999)  'E' [E]
                    (w: the router weight the token's output is multiplied by, from the unbiased
                    score: e_score_correction_bias only chooses experts, so it never enters w)
@@ -75,8 +77,9 @@ class Scorer:
     """Accumulates every importance of the contract while attached to a HybridLM (attach()) or to
     single blocks (attach_layer(i, block), attach_final(norm_f)) as the streaming runner does."""
 
-    def __init__(self, model=None, cfg: ModelConfig | None = None):
-        self.model, self.cfg = model, cfg or model.cfg
+    def __init__(self, model=None, cfg: ModelConfig | None = None, in_sites: bool = False):
+        """in_sites: each kind's in_sites() instead of sites() (score --method activation_in)."""
+        self.model, self.cfg, self.in_sites = model, cfg or model.cfg, in_sites
         self.acc: dict[str, torch.Tensor] = {}
         self.wnorm: dict[str, torch.Tensor] = {}  # per-unit norm of the weight column a site feeds
         self.mask, self._samples, self.tokens, self._sites = None, {}, 0, {}  # _sites: {key: score shape}
@@ -107,7 +110,7 @@ class Scorer:
     def _attach_mixer(self, p: str, block: Block):
         """The sites the block's kind names (models.spec.Site); a routed kind records its experts."""
         m, hook = block.mixer, self._handles.append
-        for site in block.spec.sites(self.cfg):
+        for site in (block.spec.in_sites if self.in_sites else block.spec.sites)(self.cfg):
             key, module = p + site.name, m.get_submodule(site.module)
             self._sites[key] = tuple(axis_size(self.cfg, a) for a in block.spec.scored[site.name])
             if site.norm_of:
@@ -347,10 +350,10 @@ def layer_loss_increase(model, batches, masks=None, base: float | None = None, p
 
 
 @torch.no_grad()
-def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, progress=False):
-    """Whole-model scoring -> (scores dict, info {baseline_loss, tokens, loss_batches})."""
+def score_model(model, batches, masks=None, loss_increase=True, loss_batches=4, progress=False, in_sites=False):
+    """Whole-model scoring -> (scores dict, info {baseline_loss, tokens, loss_batches}); in_sites as Scorer's."""
     dev, W = head_weight(model).device, head_weight(model)
-    scorer = Scorer(model).attach()
+    scorer = Scorer(model, in_sites=in_sites).attach()
     sums = []
     try:
         for b, ids in enumerate(tqdm(batches, desc="calibration", disable=not progress)):

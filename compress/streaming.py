@@ -129,8 +129,9 @@ def _mtp_streaming(ps: _Pass, batches):
 
 
 @torch.no_grad()
-def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, run: Streaming = Streaming()):
-    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info).
+def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, run: Streaming = Streaming(),
+                    in_sites=False):
+    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info); in_sites as Scorer's.
     Hidden states of every calibration batch (and of the k loss batches for every skipped-layer
     branch) live in a StateStore of run.max_memory_bytes; the rest is spilled to run.spill_dir."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
@@ -138,7 +139,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
     L, dev, dtype = cfg.num_layers, torch.device(run.device), run.dtype
     k = min(loss_batches, len(batches)) if loss_increase else 0
     mask_of = [None if masks is None or masks[b] is None else masks[b].to(dev) for b in range(len(batches))]
-    store, scorer = StateStore(run.max_memory_bytes, run.spill_dir), Scorer(cfg=cfg)
+    store, scorer = StateStore(run.max_memory_bytes, run.spill_dir), Scorer(cfg=cfg, in_sites=in_sites)
     ps = _Pass(reader, cfg, scorer, store, mask_of, dev, dtype)
     try:
         emb = ps.load(["embeddings.weight"])["embeddings.weight"]

@@ -343,6 +343,13 @@ class MambaKind(LayerKind):
                 "mamba_ssm_state": batch * inner * N * state_bytes}
 
     def sites(self, cfg):
+        """Heads read at out_proj's input (the gated norm's output, [nh * hd] as the x segment), times out_proj's
+        column norm: it met the issue-55 rule on both bench models where in_proj's x segment did not
+        (bench/RESULTS.md "Mamba head criteria")."""
+        return (Site("mamba_x", "out_proj", "input", None, "out_proj.weight"),)
+
+    def in_sites(self, cfg):
+        """The former default (score --method activation_in): the x segment of in_proj's output (before conv)."""
         return (Site("mamba_x", "in_proj", "output", self.segment_span(cfg, "mamba_in_proj", "x"), "out_proj.weight"),)
 
     def keep(self, cfg, score, t, p):

@@ -92,8 +92,10 @@ class ParallelKind(LayerKind):
         return sum(k.mixing_flops(cfg, seq_len) for _, k in _PARTS)
 
     def sites(self, cfg):
-        return tuple(replace(s, module=p + s.module, norm_of=s.norm_of and p + s.norm_of)
-                     for p, k in _PARTS for s in k.sites(cfg))
+        return _prefixed(cfg, "sites")
+
+    def in_sites(self, cfg):
+        return _prefixed(cfg, "in_sites")
 
     def keep(self, cfg, score, t, p):
         return {key: v for _, k in _PARTS for key, v in k.keep(cfg, score, t, p).items()}
@@ -123,3 +125,9 @@ PARALLEL = ParallelKind(
     **{a: _merged(a) for a in ("units", "sizes", "segments", "products", "scored", "widths", "fixed", "tp_axes",
                                "inputs", "tp_plan")},
     color="tab:cyan", config=ParallelConfig, reads=tuple(k.section_name for _, k in _PARTS))
+
+
+def _prefixed(cfg, which: str) -> tuple:
+    """Every part's Sites (its `which` method), module and weight named from the parallel mixer."""
+    return tuple(replace(s, module=p + s.module, norm_of=s.norm_of and p + s.norm_of)
+                 for p, k in _PARTS for s in getattr(k, which)(cfg))

@@ -255,6 +255,11 @@ class LayerKind:
         """The activation-importance Sites of one layer (routed kinds add their own recording)."""
         return ()
 
+    def in_sites(self, cfg) -> tuple:
+        """The Sites of `score --method activation_in`: a kind whose default reads a unit past its input projection
+        names the input projection's reading here (Mamba-2's former default); every other kind reads as sites()."""
+        return self.sites(cfg)
+
     def keep(self, cfg, score, t: dict, p: str) -> dict:
         """Keep entries (prefix p) of one layer from its scores under the width targets t;
         score(site, shape, flag) returns the checked score tensor."""

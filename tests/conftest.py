@@ -369,6 +369,9 @@ MARKS = {
     "test_head_criteria_quality.py": {
         "test_activation_beats_magnitude_on_gdn_value_heads": "quality",
     },
+    "test_mamba_head_quality.py": {
+        "test_default_beats_magnitude_on_mamba_heads": "quality",
+    },
     "test_fused_loss.py": {
         "test_peak_memory_far_below_logits": "slow",
         "test_vocab_parallel_group_matches_single_process": "multiprocess",

@@ -143,6 +143,7 @@ def test_activation_scores_then_prune(root):
     scores, _ = score_model(ours, [ids(50 + s) for s in range(2)], loss_batches=1)
     for i in (0, 2, 4):
         assert scores[f"layers.{i}.attn"].shape == (4, 12) and scores[f"layers.{i}.mamba_x"].shape == (6, 8)
+    _activation_in_reads_mamba_in_proj(ours, scores)
     small = prune_model(ours, plan_keep(ours.cfg, scores, dict(attn_heads=2, mamba_heads=4), family=FAMILY))
     hf = AutoModelForCausalLM.from_pretrained(save_model(small, root / "scored_pruned", family=FAMILY)).float().eval()
     with torch.no_grad():
@@ -273,3 +274,24 @@ def test_upcycle_deviation_check_is_the_forward_with_every_multiplier(root):
     assert want > 1e-3  # a deviation worth comparing (the experts drop the MLP multipliers, the split is not exact)
     got = check.result["max_abs_logit_diff"]
     assert abs(got - want) <= 1e-4 * want + 1e-5, (got, want)
+
+
+def _activation_in_reads_mamba_in_proj(ours, scores):
+    """in_sites (score --method activation_in) through the parallel mixer: mamba_x from a hook on mamba.in_proj's
+    x segment (its raw output, before the SSM multipliers) x out_proj's column norms; attention as the default."""
+    from remodel.compress.importance import score_model
+    from remodel.models.mamba import MAMBA
+
+    x, acc, cfg = MAMBA.segment_span(ours.cfg, "mamba_in_proj", "x"), {}, ours.cfg
+    hooks = [ours.layers[i].mixer.mamba.in_proj.register_forward_hook(
+        lambda m, a, out, i=i: acc.__setitem__(i, acc.get(i, 0) + out[..., x].double().abs().mean(1).square().sum(0)))
+        for i in (0, 2, 4)]
+    old, _ = score_model(ours, [ids(50 + s) for s in range(2)], loss_increase=False, in_sites=True)
+    for h in hooks:
+        h.remove()
+    for i in (0, 2, 4):
+        want = acc[i].sqrt() * ours.layers[i].mixer.mamba.out_proj.weight.double().norm(dim=0)
+        assert torch.equal(old[f"layers.{i}.attn"], scores[f"layers.{i}.attn"])
+        got = old[f"layers.{i}.mamba_x"].double().flatten()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+        assert (got - scores[f"layers.{i}.mamba_x"].double().flatten()).abs().max() > 0.05 * got.abs().max()

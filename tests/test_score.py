@@ -61,6 +61,16 @@ def agg(x):  # contribution of one batch [b, l, D] -> [D]
     return x.double().abs().mean(1).square().sum(0)
 
 
+def out_proj_input(mix, n):
+    """What a Mamba mixer feeds its out_proj (the gated norm's output): the mixer run with out_proj an identity."""
+    w = mix.out_proj
+    mix.out_proj = torch.nn.Identity()
+    try:
+        return mix(n)
+    finally:
+        mix.out_proj = w
+
+
 def ffn_hidden(x, up, gate, act):
     return act(F.linear(x, gate)) * F.linear(x, up) if gate is not None else act(F.linear(x, up))
 
@@ -143,8 +153,7 @@ def direct_scores(model, batches):
             elif layer.kind == "*":
                 add(p + "attn", agg(attention_inputs(mix, cfg, n)))
             elif layer.kind == "M":
-                Im = cfg.mamba_inner
-                add(p + "mamba_x", agg(F.linear(n, mix.in_proj.weight)[..., Im:2 * Im]))
+                add(p + "mamba_x", agg(out_proj_input(mix, n)))
             else:
                 x = n.reshape(b * l, -1)
                 w, idx = route(mix, cfg, x)

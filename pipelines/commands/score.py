@@ -85,7 +85,8 @@ def score(model_dir=None, data=None, out=None, opts: ScoreOptions | None = None,
     expert_method: what ranks routed experts (`layers.i.experts`), compress/expert_scores.py; all their
     tensors are written. method='loo': the activation scores, with the Mamba and Gated DeltaNet heads ranked by
     their leave-one-out loss increase on the calibration data (compress/head_loo.py: one forward per head,
-    whole model in memory)."""
+    whole model in memory). method='activation_in': activation with each kind's in_sites() (Mamba-2 heads at
+    in_proj's x segment, the default before issue 55)."""
     return _score(make(ScoreOptions, opts, **given(model=model_dir, data=data, out=out), **kw))
 
 
@@ -96,7 +97,7 @@ def _score(o: ScoreOptions) -> dict:
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
     expert_method = check_expert_method(o.expert_method)
-    if method not in ("activation", "loo"):
+    if method not in ("activation", "loo", "activation_in"):
         return score_weights(model_dir, out, method, seed, overwrite)
     _check_options(o)
     model_dir = Path(model_dir)
@@ -117,7 +118,7 @@ def _score(o: ScoreOptions) -> dict:
         if mode == "whole":
             model = load_model(model_dir, device=device)
             scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
-                                       progress=o.progress)
+                                       progress=o.progress, in_sites=method == "activation_in")
             if method == "loo":
                 budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
                 costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
@@ -128,7 +129,7 @@ def _score(o: ScoreOptions) -> dict:
             budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
             run = Streaming(max_memory_bytes=budget, spill_dir=tmp, device=device, progress=o.progress)
             scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
-                                           loss_batches=o.loss_batches, run=run)
+                                           loss_batches=o.loss_batches, run=run, in_sites=method == "activation_in")
         scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "method": method, "samples": len(blocks),
                 "seq_len": seq_len, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
