@@ -25,13 +25,13 @@ def worker(d: Path, argv: list) -> int:
     torch.set_num_threads(1)
     from remodel import cli
     from remodel.pipelines.commands import hybridize as H
-    save = H.save_model
+    save = H.write_hybrid
 
     def logged(*a, **kw):
         with open(d / "saves.txt", "a") as f:
             f.write(f"{os.environ.get('RANK')}\n")
         return save(*a, **kw)
-    H.save_model = logged  # in this worker only
+    H.write_hybrid = logged  # in this worker only
     return cli.main(argv)
 
 

@@ -27,12 +27,9 @@ from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from remodel.pipelines.commands.score import choose_mode, score
 from tests.conftest import random_model
 from tests.rss import PEAK_RSS
+from tests.score_helpers import NEMO, agg, hf_dir, make_model, out_proj_input, rand_ids, rel  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-NEMO = ModelConfig(vocab_size=64, hidden_size=32, pattern="M*-EM-", num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=4, n_groups=2,
-                   ssm_state_size=8, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
-                   moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, routed_scaling_factor=2.5)
 GATED = ModelConfig(vocab_size=64, hidden_size=32, pattern="*E*E", num_attention_heads=4, num_key_value_heads=2,
                     head_dim=8, rope_theta=10000.0, tie_word_embeddings=True, mlp_act="silu", mlp_gated=True,
                     n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, router="softmax")
@@ -42,34 +39,7 @@ CFGS = {"nemotron": NEMO, "gated_tied": GATED, "latent_moe": NEMO.replace(patter
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def make_model(cfg, seed=0):
-    """Norm gains far from 1 (gamma must show in the hidden scores), a correction bias."""
-    return random_model(cfg, seed, std=0.2, gain=0.5)
-
-
-def rand_ids(cfg, b, l, seed):
-    return torch.randint(0, cfg.vocab_size, (b, l), generator=torch.Generator().manual_seed(seed))
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
 # ---- an independent computation of every score ----------------------------------------------
-
-def agg(x):  # contribution of one batch [b, l, D] -> [D]
-    return x.double().abs().mean(1).square().sum(0)
-
-
-def out_proj_input(mix, n):
-    """What a Mamba mixer feeds its out_proj (the gated norm's output): the mixer run with out_proj an identity."""
-    w = mix.out_proj
-    mix.out_proj = torch.nn.Identity()
-    try:
-        return mix(n)
-    finally:
-        mix.out_proj = w
-
 
 def ffn_hidden(x, up, gate, act):
     return act(F.linear(x, gate)) * F.linear(x, up) if gate is not None else act(F.linear(x, up))
@@ -335,14 +305,6 @@ def test_depth_scores_are_sensible():
 
 
 # ---- the pipeline -------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    cfg = NEMO.replace(vocab_size=2048, pattern="M*-E")
-    d = tmp_path_factory.mktemp("hf") / "model"
-    save_model(make_model(cfg, seed=4), d, aux_from=embedded_tokenizer_path())
-    return d
-
 
 def test_score_pipeline_writes_scores(hf_dir, tmp_path, monkeypatch):
     data = embedded_corpus()[1]

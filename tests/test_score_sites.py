@@ -8,7 +8,7 @@ from remodel.compress.importance import score_model
 from remodel.compress.scores import load_scores
 from remodel.pipelines.commands.score import score
 from remodel.pipelines.data.data import embedded_corpus
-from tests.test_score import NEMO, agg, hf_dir, make_model, out_proj_input, rand_ids, rel  # noqa: F401 (fixture)
+from tests.score_helpers import NEMO, agg, hf_dir, make_model, out_proj_input, rand_ids, rel  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

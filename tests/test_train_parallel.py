@@ -320,13 +320,16 @@ def moved_keys(d: Path, name: str, ref: str) -> list:
 def _fp32_bytes(model_dir, replicated_by_tp: bool | None = None) -> int:
     """fp32 bytes of a checkpoint's parameters (the routers' correction bias is a buffer); with
     replicated_by_tp, only those tensor parallelism leaves whole: 1-D tensors (counted whole, a bound),
-    the router, and the routed experts when no expert parallelism splits them."""
+    the router, and the routed experts when no expert parallelism splits them. A tied model's stored lm_head copy
+    (families whose transformers class never ties: Family.ties_head) is the embedding, held once: not counted."""
     def whole(k, t):  # nemotron_h's and granitemoehybrid's names of routers and routed experts
         router = k.endswith("gate.weight") or k.endswith("router.layer.weight")
         experts = ".experts." in k or ".block_sparse_moe.input_linear" in k or ".block_sparse_moe.output_linear" in k
         return t.dim() == 1 or router or (replicated_by_tp and experts)
-    return sum(t.numel() * 4 for k, t in load_file(model_dir / "model.safetensors").items()
-               if not k.endswith("e_score_correction_bias") and (replicated_by_tp is None or whole(k, t)))
+    tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings")  # a tied nemotron_h
+    return sum(t.numel() * 4 for k, t in load_file(model_dir / "model.safetensors").items()  # stores lm_head too
+               if not k.endswith("e_score_correction_bias") and not (tied and k == "lm_head.weight")
+               and (replicated_by_tp is None or whole(k, t)))
 
 
 def test_launches_succeed(runs):
