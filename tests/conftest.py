@@ -161,6 +161,21 @@ def corpus_split(d, held_out: int = 150) -> None:
     (Path(d) / "valid.txt").write_text("\n".join(lines[-held_out:]) + "\n")
 
 
+def train_lm(model, blocks, steps: int, batch: int, lr: float = 3e-3):
+    """`model` trained in place from scratch: `steps` AdamW steps of next-token loss on consecutive `batch`-row
+    slices of the token blocks; -> the model in eval mode."""
+    from remodel.compress.importance import head_weight, lm_loss_sums
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for s in range(steps):
+        ids = blocks[s * batch:(s + 1) * batch]
+        h, _ = model.hidden(ids)
+        total, n = lm_loss_sums(h, head_weight(model), ids)
+        (total / n).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
 def write_checkpoint(model, path, tokenizer=True, **save_kw):
     """Save `model` as a HF checkpoint at `path` with the embedded test tokenizer's files beside it."""
     import shutil

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from remodel.compress.baselines import weight_scores
-from remodel.compress.importance import head_weight, lm_loss_sums, score_model
+from remodel.compress.importance import score_model
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from remodel.pipelines.training.evaluate import evaluate
+from tests.conftest import train_lm
 
 HF = dict(model_type="qwen3_5_text", vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
           num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
@@ -37,15 +38,7 @@ def trained():
     train, valid = embedded_corpus()
     blocks = pack(load_texts(train), tok, SEQ, max_tokens=(STEPS * BATCH + 64) * SEQ)
     model = init_weights(HybridLM(config_from_hf(HF)), std=0.02, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for s in range(STEPS):
-        ids = blocks[s * BATCH:(s + 1) * BATCH]
-        h, _ = model.hidden(ids)
-        total, n = lm_loss_sums(h, head_weight(model), ids)
-        (total / n).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.eval(), blocks[STEPS * BATCH:], pack(load_texts(valid), tok, SEQ, max_tokens=16384)
+    return train_lm(model, blocks, STEPS, BATCH), blocks[STEPS * BATCH:], pack(load_texts(valid), tok, SEQ, max_tokens=16384)
 
 
 def test_activation_beats_magnitude_on_gdn_value_heads(trained):

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from remodel.compress.baselines import weight_scores
-from remodel.compress.importance import head_weight, lm_loss_sums, score_model
+from remodel.compress.importance import score_model
 from remodel.compress.prune import plan_keep, prune_model
 from remodel.models.hf import config_from_hf
 from remodel.models.model import HybridLM, init_weights
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path, load_texts, pack
 from remodel.pipelines.training.evaluate import evaluate
+from tests.conftest import train_lm
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 
@@ -47,15 +48,7 @@ def test_default_beats_magnitude_on_mamba_heads():
     model = init_weights(HybridLM(config_from_hf(nemotron_h())), std=0.02, seed=0)
     cfg = model.cfg
     assert (cfg.pattern.count("M"), cfg.mamba.mamba_num_heads, cfg.mamba.n_groups) == (3, 16, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for s in range(STEPS):
-        ids = blocks[s * BATCH:(s + 1) * BATCH]
-        h, _ = model.hidden(ids)
-        total, n = lm_loss_sums(h, head_weight(model), ids)
-        (total / n).backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
+    train_lm(model, blocks, STEPS, BATCH)
     held_out = pack(load_texts(valid), tok, SEQ, max_tokens=16384)
     with torch.no_grad():
         act, _ = score_model(model, list(blocks[STEPS * BATCH:].split(16)), loss_increase=False)
