@@ -292,7 +292,8 @@ def _write_pair(d: Path, family: str):
     from tests.conftest import write_checkpoint
     cfg = tiny_config(family).replace(vocab_size=2048, extra={})
     for who, seed in (("student", 2), ("teacher", 3)):
-        tie = who == "teacher" and FAMILIES[family].holds(cfg.replace(tie_word_embeddings=True))  # kimi_linear never ties
+        # a tied teacher where the family holds one (nemotron_h, kimi_linear: lm_head written as a copy, read tied)
+        tie = who == "teacher" and FAMILIES[family].holds(cfg.replace(tie_word_embeddings=True))
         model = init_weights(HybridLM(cfg.replace(tie_word_embeddings=tie)), seed=seed)
         if who == "teacher":  # confident predictions: logits std ~3 (instead of ~0.003), whatever the multipliers
             with torch.no_grad():

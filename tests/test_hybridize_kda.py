@@ -102,17 +102,20 @@ def tied_sources(tmp_path_factory):
 
 
 @pytest.mark.parametrize("src", ["llama", "qwen3"])
-@pytest.mark.parametrize("mixer,arch,tied", [("kda", "KimiLinearForCausalLM", False),
-                                             ("gdn", "Qwen3_5ForCausalLM", True), ("mamba2", "BambaForCausalLM", True)])
-def test_tied_source_untied_where_the_family_never_ties(tied_sources, tmp_path, src, mixer, arch, tied):
-    """transformers' Kimi Linear never ties lm_head (its _tied_weights_keys is empty): from a tied source it is
-    written untied, lm_head a copy of the embedding; qwen3_5 and bamba tie as the source does. With every new
-    mixer's output projection zeroed, the logits are the source's with attention skipped."""
+@pytest.mark.parametrize("mixer,arch,shared", [("kda", "KimiLinearForCausalLM", False),
+                                              ("gdn", "Qwen3_5ForCausalLM", True), ("mamba2", "BambaForCausalLM", True)])
+def test_tied_source_stays_tied_the_head_a_copy_where_the_family_never_ties(tied_sources, tmp_path, src, mixer, arch,
+                                                                             shared):
+    """The hybrid of a tied source is tied (config.json and remodel's reading). transformers' Kimi Linear never
+    ties lm_head (its _tied_weights_keys is empty): the writers store lm_head as the embedding's copy
+    (Family.ties_head, models.load.head_copy); qwen3_5 and bamba share one tensor. With every new mixer's output
+    projection zeroed, the logits are the source's with attention skipped."""
     hf, d = tied_sources[src]
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     assert _run(d, tmp_path / "out", "--mixer", mixer, "--keep-attention", 0) == 0
+    assert load_model(tmp_path / "out").cfg.tie_word_embeddings
     m = loaded_as(tmp_path / "out", arch)
-    assert m.config.tie_word_embeddings is tied and (m.lm_head.weight is m.model.embed_tokens.weight) is tied
+    assert m.config.tie_word_embeddings and (m.lm_head.weight is m.model.embed_tokens.weight) is shared
     assert torch.equal(m.lm_head.weight, hf.model.embed_tokens.weight)
     assert torch.equal(m.model.embed_tokens.weight, hf.model.embed_tokens.weight)
     assert (silenced_logits(m) - attention_skipped(hf, range(len(hf.model.layers)), IDS)).abs().max().item() < 1e-4

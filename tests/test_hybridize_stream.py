@@ -27,7 +27,7 @@ SOURCES = {"llama": ("llama", HYBRID_SOURCE),
                                        sliding_window=None))}
 CASES = [("llama", "mamba2", ["--keep-layers", "1"]),  # bamba: kept heads widened 8 -> 16
          ("llama", "gdn", ["--keep-layers", "1"]),  # qwen3_5_text: zero-centred norms, output gate, q/k norms
-         ("llama_tied", "kda", ["--keep-attention", "0"]),  # kimi_linear: the untied head, a copy
+         ("llama_tied", "kda", ["--keep-attention", "0"]),  # kimi_linear: tied, lm_head written as a copy
          ("mixtral", "mamba2", ["--keep-layers", "2"]),  # granitemoehybrid: the MoE copied, a zero shared MLP
          ("llama_bf16", "mamba2", ["--keep-layers", "1"])]  # computed in float32 (as loaded), written in bfloat16
 

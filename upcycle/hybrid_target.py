@@ -5,8 +5,6 @@ RMSNorm there is zero-centred. The family's own check decides: the fewest of tho
 - zero-centred norms: every RMSNorm weight w becomes w - 1 (scale 1 + (w - 1)): exact.
 - output gate: each head's gate rows are zero, so sigmoid(0) = 1/2, and o_proj is doubled: exact.
 - an o_proj bias where the family ties it to the q/k/v biases (qwen2's): zero, exact.
-- an untied lm_head where the family never ties it to the embedding (transformers' Kimi Linear): a copy of the
-  embedding (upcycle.hybridize), exact; it then trains apart from the embedding.
 - q/k norm on a source without one: RMSNorm over a head is not an identity (it removes each token's query and key
   length). Its weight is set to the head's expected RMS, estimated from the weights alone: with the layer's input
   RMS-normed (unit mean square, times the input norm's scale s), E q_j^2 ~ sum_i W_ji^2 s_i^2, averaged over the
@@ -23,7 +21,7 @@ from remodel.models.families import FAMILIES
 from remodel.models.norm import RMSNorm, scale_of
 
 CHANGES = ({"norm_offset": 1.0}, {"attention.attn_output_gate": True}, {"attention.qk_norm": True},
-           {"attention.attention_out_bias": True}, {"tie_word_embeddings": False})
+           {"attention.attention_out_bias": True})
 
 
 def family_fit(cfg, family: str):

@@ -242,11 +242,10 @@ def fresh_mixer(new_cfg, i: int, seed: int) -> dict:
 
 def _added(src_cfg, new_cfg) -> dict:
     """{name: meta tensor} of the tensors the target's form adds to the source's model: the keys of new_cfg's
-    model that the same model with the source's bias flags, shared-expert width and tie lacks. hybrid_config's
-    tied q/k/v / o_proj bias (the side the source lacks) and _variants' width-1 shared expert add nothing: zeros;
-    the lm_head family_fit unties is the embedding's copy (HybridLayers)."""
+    model that the same model with the source's bias flags and shared-expert width lacks. hybrid_config's tied
+    q/k/v / o_proj bias (the side the source lacks) and _variants' width-1 shared expert add nothing: zeros."""
     c, a = src_cfg, src_cfg.attention
-    base = new_cfg.replace(tie_word_embeddings=c.tie_word_embeddings, **{
+    base = new_cfg.replace(**{
         "attention.attention_bias": a.attention_bias, "attention.attention_out_bias": a.attention_out_bias,
         "moe.moe_shared_expert_intermediate_size": c.moe.moe_shared_expert_intermediate_size})
     with torch.device("meta"):
@@ -260,7 +259,7 @@ class HybridLayers:
     hybridize_model does to a model held whole and upcycle.hybridize_stream to a checkpoint read layer by layer,
     so both give the same tensors. Replaced layers' mixers initialised per `init` (fresh_mixer), kept attention
     in the target's form (widened, kept_attention), norms re-expressed for the target's offset, every other
-    tensor copied, those the target's form adds as zeros (an untied head: the embedding's copy)."""
+    tensor copied, those the target's form adds as zeros."""
 
     def __init__(self, src_cfg, new_cfg, mixer: str, replaced: set, init: str = "attention", seed: int = 0):
         if init not in INITS:
@@ -282,8 +281,7 @@ class HybridLayers:
             state.update({pre + k: v for k, v in self._mixer(group, old).items()})
         for k, t in self.added.items():
             if layer_of(k) == group and k not in state:
-                state[k] = old["embeddings.weight"].clone() if k == "lm_head.weight" else torch.zeros(t.shape,
-                                                                                                      dtype=t.dtype)
+                state[k] = torch.zeros(t.shape, dtype=t.dtype)
         return state
 
     def _mixer(self, i: int, old: dict) -> dict:

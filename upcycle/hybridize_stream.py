@@ -1,7 +1,7 @@
 """The hybrid written straight from the source checkpoint (issue 57), a layer at a time: each source layer's
 tensors read through the checkpoint reader, converted by the same HybridLayers that hybridize_model uses
 (so the tensors are those of the in-memory conversion), written by the streamed HF writer. Peak memory is
-about one source layer and its hybrid (plus the embedding's copy where the target unties the head), not the model.
+about one source layer and its hybrid, not the model.
 """
 from __future__ import annotations
 

@@ -51,13 +51,10 @@ class KimiLinear(DeepSeekMoEFamily):
         if h.num_key_value_heads != h.num_attention_heads:
             raise RemodelError(f"{self.name}'s latent attention needs num_key_value_heads == num_attention_heads, got "
                                f"{h.num_key_value_heads} and {h.num_attention_heads}")
-        if h.tie_word_embeddings:
-            raise RemodelError(f"{self.name} with tie_word_embeddings=true: transformers' {self.arch} never ties "
-                               "lm_head to the embedding (its _tied_weights_keys is empty)")
         mixers, ffns = _types(h, "layer_types", BLOCK_TYPES), _types(h, "mlp_layer_types", MLP_TYPES)
         return ModelConfig(
             vocab_size=h.vocab_size, hidden_size=h.hidden_size, norm_eps=h.rms_norm_eps,
-            tie_word_embeddings=False, extra=extra,
+            tie_word_embeddings=bool(h.tie_word_embeddings), extra=extra,
             pattern="".join(a + m for a, m in zip(mixers, ffns)),
             mlp=dict(intermediate_size=h.intermediate_size, mlp_act="silu", mlp_gated=True),
             moe=dict(n_routed_experts=h.num_local_experts, num_experts_per_tok=h.num_experts_per_tok,
@@ -73,7 +70,6 @@ class KimiLinear(DeepSeekMoEFamily):
 
     def check(self, cfg, need):
         need(not cfg.mtp_layers, "MTP layers are nemotron_h only")
-        need(not cfg.tie_word_embeddings, f"transformers' {self.arch} never ties lm_head to the embedding")
         mixers, ffns = cfg.pattern[0::2], cfg.pattern[1::2]
         other = sorted(set(mixers) - set(BLOCK_TYPES.values()) - {"-", "E"})
         need(not other, "its mixers are KDA and multi-head latent attention only: no place for the "
@@ -134,7 +130,8 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_attention_
              num_local_experts=8, num_experts_per_tok=2, linear_num_heads=3, linear_head_dim=8,
              linear_conv_kernel_dim=3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 KIMI_LINEAR = KimiLinear(
-    "kimi_linear", "KimiLinearForCausalLM", padding_idx=True, ties_head=False, width_rules=(SHARED_FROM_EXPERT,), block_types=BLOCK_TYPES,
+    "kimi_linear", "KimiLinearForCausalLM", padding_idx=True, width_rules=(SHARED_FROM_EXPERT,), block_types=BLOCK_TYPES,
+    ties_head=False,  # transformers' KimiLinearForCausalLM never ties (its _tied_weights_keys is {})
     tiny={"kda_mla_moe": dict(_TINY, num_hidden_layers=4, n_shared_experts=2, linear_num_heads=4, q_lora_rank=None, n_group=2,
                               topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                               layer_types=["linear_attention", "linear_attention", "full_attention",
