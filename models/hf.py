@@ -201,6 +201,7 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         for f, path in defaults_from(cfg.sections[k.section_name]).items():
             own, theirs = cfg.value(f"{k.section_name}.{f}"), cfg.value(path)
             need(own == theirs, f"{family} holds {path} and {k.section_name}.{f} in one key ({theirs!r} != {own!r})")
+    FAMILIES[family].check_one_key(cfg, need)  # the fields one config.json key holds agree (Family.one_key)
     FAMILIES[family].check(cfg, need)
 
 

@@ -35,6 +35,22 @@ def test_one_key_ties_the_widths_the_model_has():
     assert build_space(mixed, ("hidden_size", "experts")).values["expert_ffn_size"] == [40]  # not named: held
 
 
+def test_any_family_declaring_one_key_is_checked_on_export(monkeypatch):
+    """check_one_key is asked by the generic export check (models.hf.check_exportable) and Family.holds, not by a
+    family's own check: kimi_linear given Jamba's one_key (its tiny case: dense MLPs of 40, experts of 16) refuses
+    the two widths in one line, and holds them once equal."""
+    from dataclasses import replace
+    cfg = config_from_hf(dict(FAMILIES["kimi_linear"].tiny["kda_mla_moe"], model_type="kimi_linear"))
+    check_exportable(cfg, "kimi_linear")  # as declared: no one_key
+    monkeypatch.setitem(FAMILIES, "kimi_linear", replace(FAMILIES["kimi_linear"], one_key=FAMILIES["jamba"].one_key))
+    with pytest.raises(RemodelError, match="kimi_linear holds mlp.intermediate_size and moe.moe_intermediate_size "
+                                           r"in one key, intermediate_size \(mlp.intermediate_size=40, "):
+        check_exportable(cfg, "kimi_linear")
+    equal = cfg.replace(**{"mlp.intermediate_size": 16})
+    assert not FAMILIES["kimi_linear"].holds(cfg) and FAMILIES["kimi_linear"].holds(equal)
+    check_exportable(equal, "kimi_linear")
+
+
 def test_plan_on_jamba_proposes_what_prune_writes(tmp_path):
     """Every candidate keeps the MLP and expert FFN equal and passes prune's checks; the top one (an FFN cut) pruned
     by the CLI from its PLAN file loads in transformers as JambaForCausalLM with the candidate's parameter count."""

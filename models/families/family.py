@@ -176,7 +176,8 @@ class Family:
     variants: tuple = ()  # the variant groups it holds beyond multipliers / projections (family.GROUPS)
     # {config.json key: (our field paths)}: one key of its config holds several of our fields (Jamba's
     # intermediate_size sizes both its MLPs and each expert), so a model has one value for those of them its layers
-    # use: from_hf fills them all, to_hf writes it, check refuses two (check_one_key), the search ties their widths
+    # use: from_hf fills them all, to_hf writes it, models.hf.check_exportable refuses two (check_one_key), the
+    # search ties their widths
     one_key: dict = field(default_factory=dict)
     # a checkpoint holding another family's text model: its config.json key of the text model's config
     # ("text_config"; models.hf reads and writes the text model there), and the HF name prefixes of the tensors
@@ -269,8 +270,10 @@ class Family:
         return False
 
     def holds(self, cfg) -> bool:
-        """Whether `check` finds nothing of `cfg` that this family cannot represent exactly."""
+        """Whether `check` and `check_one_key` (both asked by models.hf.check_exportable) find nothing of `cfg` that
+        this family cannot represent exactly."""
         problems = []
+        self.check_one_key(cfg, lambda ok, why: ok or problems.append(why))
         self.check(cfg, lambda ok, why: ok or problems.append(why))
         return not problems
 

@@ -107,7 +107,6 @@ class Jamba(Family):
                  f"{self.name} routes by the top-k of a softmax, not renormalised")
             need(not m.moe_shared_expert_intermediate_size and m.moe_latent_size is None,
                  f"{self.name} has no shared expert or latent MoE")
-        self.check_one_key(cfg, need)  # its experts are as wide as its MLPs (ONE_KEY)
         if MAMBA1 in used(cfg):
             s = cfg.mamba1
             need(s.dt_bc_norm and s.dt_bc_norm_eps == cfg.norm_eps,
