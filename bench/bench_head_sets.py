@@ -1,10 +1,17 @@
-"""The exhaustive held-out bound for Mamba heads (issue 55): every group-even set of one layer's heads removed,
-the rest of the model pruned as magnitude prunes it, each measured on the held-out tokens. Its minimum is the best
-any criterion could do there given magnitude's choice elsewhere (data/embedded: layer 0 holds all the cost; the
-other layers' heads cost below 0.002 nats each, bench/results/head_criteria_mamba.md); each criterion's own
-layer-0 set is placed in that ranking.
+"""Exhaustive held-out bounds for recurrent-mixer heads (issue 55): every admissible set of heads measured on the
+held-out tokens, ranked, and each criterion's own set placed in that ranking. Its minimum is the best any criterion
+could do.
 
-    python bench/bench_head_sets.py [--layer 0 --samples 32 --seq-len 256 --eval-tokens 16384] [--write]
+`--model embedded` (Mamba heads): every group-even set of one layer's heads removed, the rest of the model pruned as
+magnitude prunes it (data/embedded: layer 0 holds all the cost; the other layers' heads cost below 0.002 nats
+each, bench/results/head_criteria_mamba.md).
+`--model gdn` (Gated DeltaNet key-head groups): the Qwen3.5-shaped model bench_head_scores.py --model gdn trains
+(same seed and steps: its figures line up with bench/head_scores_gdn.json), every whole-model set of key-head
+groups (4 -> 3: 4^3 = 64 sets, 4 -> 2: 6^3 = 216), all layers at once as pruning removes them; each set also
+measured on the calibration tokens (the exhaustive calibration search is itself a criterion, `exhaustive_calib`).
+
+    python bench/bench_head_sets.py [--model embedded|gdn] [--layer 0 --samples 32 --seq-len 256
+        --eval-tokens 16384] [--hidden 128 --train-steps 400 --model-dir DIR] [--write]
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import datetime
 import itertools
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,17 +30,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_head_scores import MODEL, cuts  # noqa: E402
+from bench_head_scores import MODEL, cuts, scratch  # noqa: E402
 from remodel.compress.baselines import weight_scores  # noqa: E402
 from remodel.compress.head_criteria import gate_criteria  # noqa: E402
-from remodel.compress.head_loo import HeadMask, loo_scores, loo_units, loss_from  # noqa: E402
+from remodel.compress.head_loo import HeadMask, head_costs, loo_scores, loo_units, loss_from  # noqa: E402
 from remodel.compress.importance import score_model  # noqa: E402
-from remodel.compress.prune import plan_keep  # noqa: E402
+from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
 from remodel.models.trunk import start  # noqa: E402
 from remodel.pipelines.data.data import embedded_corpus, load_texts, pack  # noqa: E402
+from remodel.pipelines.training.evaluate import evaluate  # noqa: E402
 
-OUT = ROOT / "bench" / "head_sets.json"
+OUT = {"embedded": ROOT / "bench" / "head_sets.json", "gdn": ROOT / "bench" / "head_sets_gdn.json"}
+KEY = "lin_k_heads"  # GDN key-head groups: plan_keep's keep name; their LOO units are KEY + "_loo"
 
 
 def removed(cfg, scores, t) -> dict:
@@ -104,23 +114,168 @@ def run(layer, samples, seq_len, eval_tokens, seeds, batch) -> dict:
     return res
 
 
+# ---- Gated DeltaNet key-head groups: every whole-model set ------------------------------------------------
+
+
+def key_units(cfg) -> list[tuple[int, list[torch.Tensor]]]:
+    """(layer, out_proj input channels of each key-head group) of every GDN layer."""
+    return [(i, ch) for i, name, ch in loo_units(cfg) if name == KEY + "_loo"]
+
+
+def key_removed(cfg, scores, t) -> tuple:
+    """The key-head groups plan_keep drops for targets t: one sorted tuple per GDN layer."""
+    keep = plan_keep(cfg, scores, t)
+    return tuple(tuple(sorted(set(range(len(ch))) - set(keep[f"layers.{i}.{KEY}"].tolist())))
+                 for i, ch in key_units(cfg))
+
+
+@torch.no_grad()
+def all_sets(model, store, batches, units, options, i0=0, prefix=()) -> dict:
+    """{(removed groups per layer): mean loss} for every combination of `options` over `units`. Each layer's mask
+    is attached while that layer runs and the residual stream carried on: the same as all masks at once (a mask
+    changes only its own layer), with each prefix computed once."""
+    if not units:
+        return {prefix: loss_from(model, i0, store, batches, None)}
+    (i, chans), rest = units[0], units[1:]
+    for j in range(i0, i):
+        store = [model.layers[j](x, None) for x in store]
+    out = {}
+    for s in options:
+        m = HeadMask(model.layers[i], torch.cat([chans[g] for g in s]))
+        try:
+            nxt = [model.layers[i](x, None) for x in store]
+        finally:
+            m.remove()
+        out.update(all_sets(model, nxt, batches, rest, options, i + 1, prefix + (s,)))
+    return out
+
+
+def gdn_criteria(model, calib, seeds) -> dict:
+    """{name: scores file}: the default, magnitude, the random seeds, loo (the calibration oracle) and two gate
+    criteria, as bench_head_scores.py builds them."""
+    cfg = model.cfg
+    act, _ = score_model(model, calib, loss_increase=False)
+    out = {"activation": act, "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items())}
+    costs, _ = head_costs(model, calib)
+    out["loo"] = loo_scores(cfg, act, costs)
+    gates = gate_criteria(model, calib)
+    for name in ("out_act", "taylor"):
+        out[name] = loo_scores(cfg, act, gates[name])
+    out.update({f"random{s}": weight_scores(cfg, "random", seed=s) for s in range(seeds)})
+    return out
+
+
+def rank(losses: dict, s) -> int:
+    """1 + how many sets are strictly below set s (ties share a rank)."""
+    return 1 + sum(v < losses[s] for v in losses.values())
+
+
+def check_masking(model, store, held, blocks, s, loss, seq_len, batch) -> dict:
+    """Set s removed three ways: all masks attached at once, and pruned (prune_model); vs all_sets' `loss`."""
+    cfg, units = model.cfg, key_units(model.cfg)
+    masks = [HeadMask(model.layers[i], torch.cat([ch[g] for g in gs])) for (i, ch), gs in zip(units, s)]
+    try:
+        at_once = loss_from(model, 0, store, held, None)
+    finally:
+        for m in masks:
+            m.remove()
+    hk = cfg.gated_deltanet.linear_num_key_heads
+    r = cfg.gated_deltanet.linear_num_value_heads // hk
+    keep = {}
+    for (i, _), gs in zip(units, s):
+        kept = [g for g in range(hk) if g not in gs]
+        keep[f"layers.{i}.{KEY}"] = torch.tensor(kept)
+        keep[f"layers.{i}.lin_v_heads"] = torch.tensor([g * r + j for g in kept for j in range(r)])
+    pruned = evaluate(prune_model(model, keep), blocks, seq_len=seq_len, batch=batch)["loss"]
+    return {"set": [list(g) for g in s], "carried": loss, "masks_at_once": at_once, "pruned": pruned}
+
+
+def set_name(s) -> str:
+    """'0|1,2|3': the groups removed in each GDN layer, layers apart by '|'."""
+    return "|".join(",".join(map(str, g)) for g in s)
+
+
+def summary(losses: dict, cal: dict, chosen: dict) -> dict:
+    """One cut: the ranking of every set held out, and each criterion's set (and the calibration-best set) in it."""
+    order = sorted(losses, key=losses.get)
+    chosen = {**chosen, "exhaustive_calib": min(cal, key=cal.get)}
+    rows = {n: {"set": set_name(s), "loss": losses[s], "rank": rank(losses, s), "calib_loss": cal[s],
+                "calib_rank": rank(cal, s)} for n, s in chosen.items()}
+    return {"sets": len(order), "best": {"set": set_name(order[0]), "loss": losses[order[0]]},
+            "worst": {"set": set_name(order[-1]), "loss": losses[order[-1]]},
+            "median": losses[order[len(order) // 2]], "criteria": rows,
+            "all": {set_name(s): [losses[s], cal[s]] for s in order}}
+
+
+@torch.no_grad()
+def run_gdn(model_dir, samples, seq_len, eval_tokens, seeds, batch) -> dict:
+    from transformers import AutoTokenizer
+
+    train, valid = embedded_corpus()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    calib_t = pack(load_texts(train), tok, seq_len, max_tokens=samples * seq_len)
+    blocks = pack(load_texts(valid), tok, seq_len, max_tokens=eval_tokens)
+    calib, held = list(calib_t.split(batch)), list(blocks.split(batch))
+    model = load_model(model_dir).float().eval()
+    cfg, sec, res, check = model.cfg, {}, {}, None
+    t = time.time()
+    with torch.enable_grad():
+        crit = gdn_criteria(model, calib, seeds)
+    sec["criteria"] = time.time() - t
+    units, hk = key_units(cfg), cfg.gated_deltanet.linear_num_key_heads
+    store = [start(cfg, model.embed(ids)) for ids in held]
+    cstore = [start(cfg, model.embed(ids)) for ids in calib]
+    for cut, tg in ((c, tg) for c, tg in cuts(cfg).items() if "linear_key_heads" in tg):
+        t = time.time()
+        options = list(itertools.combinations(range(hk), hk - tg["linear_key_heads"]))
+        losses = all_sets(model, store, held, units, options)
+        sec[f"{cut} held-out sets"] = time.time() - t
+        cal = all_sets(model, cstore, calib, units, options)
+        sec[f"{cut} calibration sets"] = time.time() - t - sec[f"{cut} held-out sets"]
+        res[cut] = summary(losses, cal, {n: key_removed(cfg, sc, tg) for n, sc in crit.items()})
+        print(cut, json.dumps({k: v for k, v in res[cut].items() if k != "all"}), flush=True)
+        if tg["linear_key_heads"] == hk // 2:
+            s = key_removed(cfg, crit["activation"], tg)
+            check = check_masking(model, store, held, blocks, s, losses[s], seq_len, batch)
+            print("masking check", check, flush=True)
+    return {"cuts": res, "masking_check": check, "unpruned_loss": loss_from(model, 0, store, held, None),
+            "seconds": {k: round(v, 1) for k, v in sec.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layer", type=int, default=0, help="the Mamba layer whose head sets are enumerated")
+    ap.add_argument("--model", choices=tuple(OUT), default="embedded",
+                    help="data/embedded's Mamba heads (one layer's sets), or GDN key-head groups of the "
+                         "Qwen3.5-shaped model bench_head_scores.py --model gdn trains (every whole-model set)")
+    ap.add_argument("--layer", type=int, default=0,
+                    help="--model embedded: the Mamba layer whose head sets are enumerated")
     ap.add_argument("--samples", type=int, default=32, help="calibration sequences (train split) for the criteria")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens (valid split)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--write", action="store_true", help="write bench/head_sets.json")
+    ap.add_argument("--hidden", type=int, default=128, help="--model gdn: hidden size")
+    ap.add_argument("--train-steps", type=int, default=400, help="--model gdn: training steps (8 x 128 tokens)")
+    ap.add_argument("--model-dir", type=Path, help="--model gdn: a model already trained so (skips training)")
+    ap.add_argument("--write", action="store_true", help="write bench/head_sets[_gdn].json")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    res = {"cuts": run(a.layer, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch), "settings": vars(a),
-           "seconds": round(time.time() - t0, 1), "date": str(datetime.date.today())}
+    if a.model == "embedded":
+        res = {"cuts": run(a.layer, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = a.model_dir or scratch(Path(tmp), "gdn", a.train_steps, a.hidden)
+            train_s = 0.0 if a.model_dir else round(time.time() - t0, 1)
+            res = run_gdn(model_dir, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)
+        res["seconds"]["train"] = train_s
+    total = round(time.time() - t0, 1)
+    res.update(settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+               seconds=total if a.model == "embedded" else {**res["seconds"], "total": total},
+               date=str(datetime.date.today()))
     print(f"seconds {res['seconds']}")
     if a.write:
-        OUT.write_text(json.dumps(res, indent=1) + "\n")
+        OUT[a.model].write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
