@@ -105,9 +105,19 @@ def verdict(res: dict) -> str:
     return "Goal (issue 57: within 5% of the source at 1/4 attention): " + "; ".join(lines) + "."
 
 
+def task_line(s: dict) -> str:
+    """The settings sentence on task accuracy (--task-limit 0: none measured)."""
+    lim = s.get("task_limit")
+    if lim == 0:
+        return " No task accuracy (--task-limit 0)."
+    return (f" Task accuracy (plain text, no repeats): lm-eval through transformers, "
+            f"{'all items' if not lim else f'the first {lim} items of each task'} (remodel_cloze 150, "
+            f"remodel_nextphrase 300; 4 choices, chance 0.25), arms of seed {s.get('task_seeds')}"
+            f"{' kept ' + s['task_keeps'] if s.get('task_keeps') else ''}; stderr binomial.")
+
+
 def body(res: dict) -> str:
     s = res["settings"]
-    lim = s.get("task_limit")
     reused = " (by an earlier run of this script into --src-dir, same settings; reused)" \
         if res.get("source_reused") else ""
     later = "transfer" if s.get("transfer", 1) else ""
@@ -121,10 +131,7 @@ def body(res: dict) -> str:
             f"8x{s['seq_len']} tokens at lr {s['lr']} (first {s.get('distill_lines')} lines of the train text). Seeds "
             f"{s['seeds']} for kl / random / even at {keeps} attention" + (f"; {later} seed {s['seeds'].split(',')[0]} only" if later
                                                               else "") +
-            f". Task accuracy (plain text, no repeats): lm-eval through transformers, "
-            f"{'all items' if not lim else f'the first {lim} items of each task'} (remodel_cloze 150, "
-            f"remodel_nextphrase 300; 4 choices, chance 0.25), arms of seed {s.get('task_seeds')}"
-            f"{' kept ' + s['task_keeps'] if s.get('task_keeps') else ''}; stderr binomial.")
+            "." + task_line(s))
     parts = [head, "Per-layer KL when that attention layer alone is replaced by its attention-initialised mixer "
              "(--select kl's figure, nats/token on 16 calibration sequences):", *kl_table(res),
              "Held-out loss and task accuracy per arm and seed:", *arm_table(res),
