@@ -7,12 +7,13 @@ Mamba-2 / Gated DeltaNet hybrids with 1/4 (and 1/8) of its attention layers kept
    and more than layer 0 can matter; held-out loss on the valid split (valid.txt.gz, same transform; the shipped tasks are drawn from it
    and nothing here trains on it). --src-dir: train the source there once and reuse it in later runs.
    Per attention layer: the KL to the source when that layer alone is replaced (--select kl's figure).
-2. At 1/4 attention (2 of 8 kept), for each mixer and each --seeds seed (the new mixers' init and the data
-   order), the same distillation budget (--steps optimizer steps, lr, data) for the key arms:
+2. At each --keeps point (2: 1/4 attention, 1: 1/8), for each mixer and each --seeds seed (the new mixers' init
+   and the data order), the same distillation budget (--steps optimizer steps, lr, data) for the key arms:
    `kl` (--init attention, --select kl), `random` (--init random on kl's layers), `even` (--init attention,
-   evenly spaced layers); first seed only: `transfer` (unless --transfer 0: kl's layers, --steps // 3 stage-one
-   transfer steps, then the rest distillation) and the kl arm of the other --keeps points. A loss-vs-tokens
-   row: the kl arm (first seed) after each --curve step count (separate runs, each its own lr schedule).
+   evenly spaced layers); at 1/4, first seed only: `transfer` (unless --transfer 0: kl's layers, --steps // 3
+   stage-one transfer steps, then the rest distillation). Loss-vs-tokens rows at each --curve-keeps point: the
+   attention-init and the random-init arm (seed 0, kl's layers) after each --curve step count (separate runs,
+   each its own lr schedule; the --steps point is the arm itself).
 3. Held-out loss of each; task accuracy (remodel_cloze, remodel_nextphrase on plain text, through lm-eval and
    transformers: pipelines.training.tasks.run_tasks; --task-limit items per task, None: all) of the source
    and of the arms of --task-seeds (lm-eval on CPU is the slow part).
@@ -20,7 +21,7 @@ Mamba-2 / Gated DeltaNet hybrids with 1/4 (and 1/8) of its attention layers kept
    hybrids; eval tokens/s of one forward over one random sequence of that length (no grad, best of 2, CPU).
 Writes bench/hybridize.json (after each point, so a stopped run keeps what it measured) and
 bench/results/hybridize.md (tables: bench/hybridize_report.py; --from-json rewrites it from a JSON).
-    nice -n 10 python bench/bench_hybridize.py [--src-steps 400 --steps 30 --seeds 0,1 --curve 10,30,90]
+    nice -n 10 python bench/bench_hybridize.py [--src-steps 400 --steps 30 --seeds 0,1 --keeps 2,1 --curve 10,30,90]
 """
 from __future__ import annotations
 
@@ -131,19 +132,19 @@ def point(d: Path, src: Path, mixer: str, keep: int, seeds: list, a) -> dict:
     out = {"kl": [], "random": [], "even": [], "transfer": []}
     for seed in seeds:
         base = dict(mixer=mixer, seed=seed, steps=a.steps)
-        r = one(d, src, f"{mixer}_{keep}_kl_{seed}", dict(base, keep_attention=keep, select="kl", init="attention"), a)
+        ev = str(keep) in a.task_keeps.split(",")
+        r = one(d, src, f"{mixer}_{keep}_kl_{seed}", dict(base, keep_attention=keep, select="kl", init="attention"), a,
+                ev)
         rep = r.pop("report")
         out["kl"].append(r)
         if seed == seeds[0]:
             out["kl_per_layer"] = [round(x, 4) for x in rep["kl_per_layer"]]
             out["init_loss"] = loss(d / f"{mixer}_{keep}_kl_{seed}.init", d, a)
-        if keep != LAYERS // 4:
-            break  # the 1/8 point: kl, first seed only
         for arm, opts in (("random", dict(init="random", keep_layers=r["kept"])),
                           ("even", dict(keep_attention=keep, select="even", init="attention"))):
-            out[arm].append(one(d, src, f"{mixer}_{keep}_{arm}_{seed}", dict(base, **opts), a))
+            out[arm].append(one(d, src, f"{mixer}_{keep}_{arm}_{seed}", dict(base, **opts), a, ev))
             out[arm][-1].pop("report")
-        if seed == seeds[0] and a.transfer:
+        if seed == seeds[0] and a.transfer and keep == LAYERS // 4:
             t = a.steps // 3
             out["transfer"].append(one(d, src, f"{mixer}_{keep}_transfer_{seed}", dict(
                 base, init="attention", keep_layers=r["kept"], transfer_steps=t, steps=a.steps - t), a, evals=False))
@@ -151,16 +152,17 @@ def point(d: Path, src: Path, mixer: str, keep: int, seeds: list, a) -> dict:
     return out
 
 
-def curve(d: Path, src: Path, mixer: str, kept: list, at60: dict, a) -> dict:
-    """{steps: {tokens, loss}} of the kl arm (seed 0, kl's layers) after each --curve step count."""
+def curve(d: Path, src: Path, key: str, pt: dict, a) -> dict:
+    """{init: {steps: {tokens, loss}}} at the point `key` (mixer/kept): the attention-init (kl arm) and the
+    random-init arm (first seed, kl's layers) after each --curve step count; --steps: the arm already run."""
+    mixer, keep = key.split("/")
     out = {}
-    for n in map(int, a.curve.split(",")):
-        if n == a.steps:
-            out[n] = {"tokens": at60["tokens"], "loss": at60["loss"]}
-            continue
-        r = one(d, src, f"{mixer}_curve_{n}", dict(mixer=mixer, seed=0, steps=n, keep_layers=kept,
-                                                   init="attention"), a, evals=False)
-        out[n] = {"tokens": r["tokens"], "loss": r["loss"]}
+    for init, arm in (("attention", "kl"), ("random", "random")):
+        first, out[init] = pt[arm][0], {}
+        for n in map(int, a.curve.split(",")):
+            r = first if n == a.steps else one(d, src, f"{mixer}_{keep}_curve_{init}_{n}", dict(
+                mixer=mixer, seed=first["seed"], steps=n, keep_layers=first["kept"], init=init), a, evals=False)
+            out[init][n] = {"tokens": r["tokens"], "loss": r["loss"]}
     return out
 
 
@@ -200,9 +202,11 @@ def args():
         ap.add_argument(flag, type=typ, default=default)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--task-seeds", default="0", help="the seeds whose arms get task accuracy (slow on CPU)")
+    ap.add_argument("--task-keeps", default="2,1", help="the --keeps points whose arms get task accuracy")
     ap.add_argument("--mixers", default="mamba2,gdn")
-    ap.add_argument("--keeps", default="2")
-    ap.add_argument("--curve", default="10,30,90", help="kl arm step counts of the loss-vs-tokens row")
+    ap.add_argument("--keeps", default="2,1", help="attention layers kept (of 8): 2 is 1/4, 1 is 1/8")
+    ap.add_argument("--curve", default="10,30,90", help="step counts of the loss-vs-tokens rows")
+    ap.add_argument("--curve-keeps", default="2", help="the --keeps points that get loss-vs-tokens rows")
     ap.add_argument("--contexts", default="4096")
     ap.add_argument("--src-dir", help="train the source here, or reuse the one already there")
     ap.add_argument("--out", default=str(ROOT / "bench" / "hybridize.json"))
@@ -243,10 +247,11 @@ def main():
         models = {"source": src, **{f"{k} kl": d / f"{k.replace('/', '_')}_kl_{seeds[0]}" for k in res["points"]}}
         res["serving"] = serving(models, [int(x) for x in a.contexts.split(",")])
         save(res, a, t0)
-        for mixer in a.mixers.split(",") if a.curve else ():
-            main_pt = res["points"].get(f"{mixer}/{LAYERS // 4}")
-            res["curve"][mixer] = curve(d, src, mixer, main_pt["kl"][0]["kept"], main_pt["kl"][0], a)
-            save(res, a, t0)
+        for keep in a.curve_keeps.split(",") if a.curve else ():  # 1/4 first: a stopped run keeps it
+            for mixer in a.mixers.split(","):
+                key = f"{mixer}/{keep}"
+                res["curve"][key] = curve(d, src, key, res["points"][key], a)
+                save(res, a, t0)
     write_md(res, a.md)
 
 

@@ -46,26 +46,40 @@ def arm_table(res: dict) -> list:
 
 
 def paired(res: dict) -> list:
-    """At 1/4 attention: each arm's seed-mean loss, and kl's paired (same seed) differences to random and even."""
-    rows = ["| mixer | kl mean | random mean | even mean | random - kl (per seed) | even - kl (per seed) |",
-            "|---|---|---|---|---|---|"]
+    """At each kept point: each arm's seed-mean loss, and kl's paired (same seed) differences to random and even."""
+    rows = ["| mixer | kept | kl mean | random mean | even mean | random - kl (per seed) | even - kl (per seed) |",
+            "|---|---|---|---|---|---|---|"]
     for key, p in res["points"].items():
-        if not key.endswith(f"/{LAYERS // 4}"):
+        if not all(p.get(arm) for arm in ("kl", "random", "even")):
             continue
         m = {arm: mean([r["loss"] for r in p[arm]]) for arm in ("kl", "random", "even")}
         diff = {arm: ", ".join(f"{o['loss'] - k['loss']:+.3f}" for k, o in zip(p["kl"], p[arm]))
                 for arm in ("random", "even")}
-        rows.append(f"| {key.split('/')[0]} | {m['kl']:.3f} | {m['random']:.3f} | {m['even']:.3f} | "
+        mixer, keep = key.split("/")
+        rows.append(f"| {mixer} | {keep}/{LAYERS} | {m['kl']:.3f} | {m['random']:.3f} | {m['even']:.3f} | "
                     f"{diff['random']} | {diff['even']} |")
     return rows
 
 
+def curves(res: dict) -> dict:
+    """{(mixer/kept, init): {steps: {tokens, loss}}}; older JSONs kept one kl-arm row per mixer at 1/4."""
+    out = {}
+    for key, c in res.get("curve", {}).items():
+        if "tokens" in next(iter(c.values())):
+            c = {"attention": c}
+        for init, row in c.items():
+            out[(key if "/" in key else f"{key}/{LAYERS // 4}", init)] = row
+    return out
+
+
 def curve_table(res: dict) -> list:
-    rows = ["| mixer (kl arm, seed 0, 1/4 attention) | " + " | ".join(
-        f"{n} steps ({c['tokens']:,} tokens)" for n, c in next(iter(res["curve"].values())).items()) + " |",
-        "|---" * (1 + len(next(iter(res["curve"].values())))) + "|"]
-    for mixer, c in res["curve"].items():
-        rows.append(f"| {mixer} | " + " | ".join(f"{x['loss']:.3f}" for x in c.values()) + " |")
+    rows_in = curves(res)
+    head = next(iter(rows_in.values()))
+    rows = ["| mixer, kept, init (first seed, kl's layers) | " + " | ".join(
+        f"{n} steps ({c['tokens']:,} tokens)" for n, c in head.items()) + " |", "|---" * (1 + len(head)) + "|"]
+    for (key, init), c in rows_in.items():
+        mixer, keep = key.split("/")
+        rows.append(f"| {mixer} {keep}/{LAYERS}, {init} | " + " | ".join(f"{x['loss']:.3f}" for x in c.values()) + " |")
     return rows
 
 
@@ -80,24 +94,34 @@ def serving_table(res: dict) -> list:
 
 def verdict(res: dict) -> str:
     """The issue's goal: attention-initialised hybrids within 5% of the source's held-out loss at 1/4 attention
-    (the best attention-initialised arm's seed mean)."""
+    (the best attention-initialised arm's seed mean); the other kept points' figures beside it."""
     src, lines = res["source_loss"], []
     for key, r in res["points"].items():
-        if key.endswith(f"/{LAYERS // 4}"):
-            arm, best = min(((a, mean([x["loss"] for x in r[a]])) for a in ("kl", "even", "transfer") if r.get(a)),
-                            key=lambda t: t[1])
-            gap = 100 * (best / src - 1)
-            lines.append(f"{key.split('/')[0]}: best attention-initialised arm {arm} {best:.3f}, {gap:+.1f}% of the "
-                         f"source ({'within' if gap <= 5 else 'outside'} 5%)")
+        arm, best = min(((a, mean([x["loss"] for x in r[a]])) for a in ("kl", "even", "transfer") if r.get(a)),
+                        key=lambda t: t[1])
+        gap, (mixer, keep) = 100 * (best / src - 1), key.split("/")
+        lines.append(f"{mixer} {keep}/{LAYERS}: best attention-initialised arm {arm} {best:.3f}, {gap:+.1f}% of the "
+                     f"source ({'within' if gap <= 5 else 'outside'} 5%)")
     return "Goal (issue 57: within 5% of the source at 1/4 attention): " + "; ".join(lines) + "."
+
+
+def task_line(s: dict) -> str:
+    """The settings sentence on task accuracy (--task-limit 0: none measured)."""
+    lim = s.get("task_limit")
+    if lim == 0:
+        return " No task accuracy (--task-limit 0)."
+    return (f" Task accuracy (plain text, no repeats): lm-eval through transformers, "
+            f"{'all items' if not lim else f'the first {lim} items of each task'} (remodel_cloze 150, "
+            f"remodel_nextphrase 300; 4 choices, chance 0.25), arms of seed {s.get('task_seeds')}"
+            f"{' kept ' + s['task_keeps'] if s.get('task_keeps') else ''}; stderr binomial.")
 
 
 def body(res: dict) -> str:
     s = res["settings"]
-    lim = s.get("task_limit")
     reused = " (by an earlier run of this script into --src-dir, same settings; reused)" \
         if res.get("source_reused") else ""
-    later = ", ".join(x for x, on in (("transfer", s.get("transfer", 1)), ("1/8", "1" in s["keeps"].split(","))) if on)
+    later = "transfer" if s.get("transfer", 1) else ""
+    keeps = " and ".join(f"{k}/{LAYERS}" for k in s["keeps"].split(","))
     head = (f"`{res['command']}`; {res['machine']}, shared with other jobs; {res['date']}; wall {res['wall_s']} s "
             f"(of which the source and its evaluation {res['source_seconds']} s). Source: 8-layer Llama, hidden "
             f"{s['hidden']}, trained here{reused} {s['src_steps']} steps of {s['src_batch']}x{s['src_seq_len']} "
@@ -105,17 +129,16 @@ def body(res: dict) -> str:
             f"{s.get('repeat_words')}-word chunks written twice (copying needs a look-back layer); held-out loss on valid.txt.gz, same transform "
             f"({s['eval_tokens']:,} tokens, seq {s['seq_len']}). Every arm {s['steps']} distillation steps of "
             f"8x{s['seq_len']} tokens at lr {s['lr']} (first {s.get('distill_lines')} lines of the train text). Seeds "
-            f"{s['seeds']} for kl / random / even at 1/4" + (f"; {later} seed {s['seeds'].split(',')[0]} only" if later
+            f"{s['seeds']} for kl / random / even at {keeps} attention" + (f"; {later} seed {s['seeds'].split(',')[0]} only" if later
                                                               else "") +
-            f". Task accuracy (plain text, no repeats): lm-eval through transformers, "
-            f"{'all items' if not lim else f'the first {lim} items of each task'} (remodel_cloze 150, "
-            f"remodel_nextphrase 300; 4 choices, chance 0.25), arms of seed {s.get('task_seeds')}; stderr binomial.")
+            "." + task_line(s))
     parts = [head, "Per-layer KL when that attention layer alone is replaced by its attention-initialised mixer "
              "(--select kl's figure, nats/token on 16 calibration sequences):", *kl_table(res),
              "Held-out loss and task accuracy per arm and seed:", *arm_table(res),
-             "Seed means and paired differences at 1/4 attention (positive: kl better):", *paired(res)]
+             "Seed means and paired differences (positive: kl better):", *paired(res)]
     if res.get("curve"):
-        parts += ["Held-out loss vs distillation tokens (kl arm; separate runs, each its own lr schedule):",
+        parts += ["Held-out loss vs distillation tokens (attention init: the kl arm; random init on the same layers; separate "
+                  "runs, each its own lr schedule):",
                   *curve_table(res)]
     if res.get("serving"):
         parts += ["Serving cost (seed 0 kl hybrids):", *serving_table(res)]
