@@ -232,8 +232,8 @@ def distill_rows(model_dir, model, methods, rows, blocks, a) -> None:
                 d = save_model(prune_model(model, plan_keep(cfg, sc, t)), Path(tmp) / "pruned", family=family,
                                aux_from=model_dir, dtype=torch.float32)
                 train(d, Path(tmp) / "kd", embedded_corpus()[0], teacher_dir=model_dir, steps=a.distill_steps,
-                      seq_len=a.distill_seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=0, log_every=0,
-                      checkpoint_every=10**9, keep_last=1)
+                      seq_len=a.distill_seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=a.distill_seed,
+                      log_every=0, checkpoint_every=10**9, keep_last=1)
                 kd = load_model(Path(tmp) / "kd").float().eval()
                 rows[name]["distilled"][cut] = evaluate(kd, blocks, seq_len=a.seq_len, batch=a.batch)["loss"]
         print(f"{name:12s} distilled " + " ".join(f"{c} {rows[name]['loss'][c]:.4f} -> {v:.4f}"
@@ -359,6 +359,7 @@ def main():
     ap.add_argument("--distill-batch", type=int, default=4)
     ap.add_argument("--distill-seq-len", type=int, default=256)
     ap.add_argument("--distill-lr", type=float, default=3e-4)
+    ap.add_argument("--distill-seed", type=int, default=0, help="the distillation's seed (data order), 0 in the JSON")
     ap.add_argument("--no-oracle", action="store_true",
                     help="activation, magnitude and random only: no loo, gate criteria, greedy or Spearman")
     ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h][_distill].json "
@@ -390,7 +391,8 @@ def main():
         print(f"{distill_table(res)}\ndistilled: {json.dumps(res['distilled'], indent=None)}")
     print(f"seconds: {res['seconds']}")
     if a.write:
-        out = JSON[a.model].with_name(JSON[a.model].stem + "_distill.json") if a.distill_steps else JSON[a.model]
+        tail = "_distill" + (f"_seed{a.distill_seed}" if a.distill_seed else "") if a.distill_steps else ""
+        out = JSON[a.model].with_name(JSON[a.model].stem + tail + ".json")
         out.write_text(json.dumps(res, indent=1) + "\n")
 
 
