@@ -28,7 +28,15 @@ the sets.
 `spearman` is with the calibration loo, `spearman_heldout` with the held-out one.
 Each per-unit value ranks the heads through compress.head_loo.loo_scores (the scores file `prune` reads).
 
-    python bench/bench_head_scores.py [--model embedded|gdn] [--samples 64 --seq-len 256 --eval-tokens 32768] [--write]
+After distillation (`--distill-steps K`, issue 55's "before and after a short distillation"): each pruned model of
+the criteria in --distill-criteria (default: the default, magnitude and every random seed) is distilled K steps
+from the unpruned model on the train split (pipelines.training.train, as bench_expert_prune_quality.py's
+`criteria` mode; same data, lr and seed for every criterion), then its held-out loss; --no-oracle skips the oracle
+and the gate criteria (their before-distillation figures are in the default run). Written to
+bench/head_scores[_gdn|_nemotron_h]_distill.json.
+
+    python bench/bench_head_scores.py [--model embedded|gdn|nemotron_h] [--samples 64 --seq-len 256
+        --eval-tokens 32768] [--distill-steps 40 --no-oracle] [--write]
 """
 from __future__ import annotations
 
@@ -158,8 +166,9 @@ def greedy(model, batches, loo: dict, steps: dict):
     return out
 
 
-def criteria(model, batches, seeds, held):
-    """{name: (scores file dict, {unit key: per-unit value})}, the LOO costs and the seconds each took."""
+def criteria(model, batches, seeds, held, oracle=True):
+    """{name: (scores file dict, {unit key: per-unit value})}, the LOO costs and the seconds each took (without
+    `oracle`: activation, magnitude and random only, no costs)."""
     cfg, sec, out = model.cfg, {}, {}
     t = time.time()
     act, _ = score_model(model, batches, loss_increase=False)
@@ -167,6 +176,8 @@ def criteria(model, batches, seeds, held):
     plain = {"activation": act, "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items())}
     plain.update({f"random{s}": weight_scores(cfg, "random", seed=s) for s in range(seeds)})
     out = {k: (v, per_unit(cfg, v)) for k, v in plain.items()}
+    if not oracle:
+        return out, {}, {}, sec
     t = time.time()
     costs, _ = head_costs(model, batches)
     sec["loo"] = time.time() - t
@@ -185,34 +196,69 @@ def criteria(model, batches, seeds, held):
     return out, costs, held_costs, sec
 
 
-def run(model_dir, samples, seq_len, eval_tokens, seeds, batch):
-    from transformers import AutoTokenizer
-
-    train, valid = embedded_corpus()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    calib = pack(load_texts(train), tok, seq_len, max_tokens=samples * seq_len)
-    blocks = pack(load_texts(valid), tok, seq_len, max_tokens=eval_tokens)
-    model = load_model(model_dir).float().eval()
-    cfg = model.cfg
-    methods, costs, held_costs, sec = criteria(model, list(calib.split(batch)), seeds, list(blocks.split(batch)))
-    base = evaluate(model, blocks, seq_len=seq_len, batch=batch)
-    rows = {}
+def prune_rows(model, methods, costs, held_costs, calib, blocks, a) -> dict:
+    """{criterion: held-out loss / ppl and calibration loss at every cut, Spearman with the oracles}."""
+    cfg, rows = model.cfg, {}
     for name, (sc, value) in methods.items():
         r = {"loss": {}, "ppl": {}, "calib_loss": {}}
         for cut, t in cuts(cfg).items():
             pruned = prune_model(model, plan_keep(cfg, sc, t))
-            ev = evaluate(pruned, blocks, seq_len=seq_len, batch=batch)
+            ev = evaluate(pruned, blocks, seq_len=a.seq_len, batch=a.batch)
             r["loss"][cut], r["ppl"][cut] = ev["loss"], ev["ppl"]
-            r["calib_loss"][cut] = evaluate(pruned, calib, seq_len=seq_len, batch=batch)["loss"]  # the scored tokens
+            r["calib_loss"][cut] = evaluate(pruned, calib, seq_len=a.seq_len, batch=a.batch)["loss"]  # scored tokens
         r["spearman"] = {f"{k.split('.')[1]}{SHORT[k.split('.')[2]]}": spearman(value[k], costs[k]) for k in costs}
         r["spearman_heldout"] = {f"{k.split('.')[1]}{SHORT[k.split('.')[2]]}": spearman(value[k], held_costs[k])
                                  for k in held_costs}
         rows[name] = r
         print(f"{name:12s} " + " ".join(f"{c} {v:.4f} ({r['calib_loss'][c]:.4f})" for c, v in r["loss"].items())
               + "  rho " + " ".join(f"{v:+.2f}" for v in r["spearman"].values()), flush=True)
+    return rows
+
+
+def distill_rows(model_dir, model, methods, rows, blocks, a) -> None:
+    """rows[name]["distilled"] = {cut: held-out loss after a.distill_steps steps of distillation from model_dir},
+    for the criteria a.distill_criteria names ("random": every seed); the same data, lr and seed for each."""
+    from remodel.models.load import save_model
+    from remodel.pipelines.training.train import train
+
+    cfg, family = model.cfg, json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    wanted = a.distill_criteria.split(",")
+    for name, (sc, _) in methods.items():
+        if name not in wanted and not ("random" in wanted and name.startswith("random")):
+            continue
+        rows[name]["distilled"] = {}
+        for cut, t in cuts(cfg).items():
+            with tempfile.TemporaryDirectory() as tmp:
+                d = save_model(prune_model(model, plan_keep(cfg, sc, t)), Path(tmp) / "pruned", family=family,
+                               aux_from=model_dir, dtype=torch.float32)
+                train(d, Path(tmp) / "kd", embedded_corpus()[0], teacher_dir=model_dir, steps=a.distill_steps,
+                      seq_len=a.distill_seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=a.distill_seed,
+                      log_every=0, checkpoint_every=10**9, keep_last=1)
+                kd = load_model(Path(tmp) / "kd").float().eval()
+                rows[name]["distilled"][cut] = evaluate(kd, blocks, seq_len=a.seq_len, batch=a.batch)["loss"]
+        print(f"{name:12s} distilled " + " ".join(f"{c} {rows[name]['loss'][c]:.4f} -> {v:.4f}"
+                                                  for c, v in rows[name]["distilled"].items()), flush=True)
+
+
+def run(model_dir, a):
+    from transformers import AutoTokenizer
+
+    train, valid = embedded_corpus()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    calib = pack(load_texts(train), tok, a.seq_len, max_tokens=a.samples * a.seq_len)
+    blocks = pack(load_texts(valid), tok, a.seq_len, max_tokens=a.eval_tokens)
+    model = load_model(model_dir).float().eval()
+    methods, costs, held_costs, sec = criteria(model, list(calib.split(a.batch)), a.seeds,
+                                               list(blocks.split(a.batch)), oracle=not a.no_oracle)
+    base = evaluate(model, blocks, seq_len=a.seq_len, batch=a.batch)
+    rows = prune_rows(model, methods, costs, held_costs, calib, blocks, a)
+    if a.distill_steps:
+        t = time.time()
+        distill_rows(model_dir, model, methods, rows, blocks, a)
+        sec["distillation"] = time.time() - t
     return {"model": str(model_dir), "unpruned_loss": base["loss"], "unpruned_ppl": base["ppl"],
-            "cuts": cuts(cfg), "calibration_tokens": int(calib.numel()), "eval_tokens": int(blocks.numel()),
-            "seeds": seeds, "seconds": {k: round(v, 1) for k, v in sec.items()},
+            "cuts": cuts(model.cfg), "calibration_tokens": int(calib.numel()), "eval_tokens": int(blocks.numel()),
+            "seeds": a.seeds, "seconds": {k: round(v, 1) for k, v in sec.items()},
             "oracle_costs": {k: c.tolist() for k, c in costs.items()},
             "oracle_costs_heldout": {k: c.tolist() for k, c in held_costs.items()}, "rows": rows}
 
@@ -259,6 +305,41 @@ def table(res, metric="loss") -> str:
     return "\n".join(lines)
 
 
+def distill_verdict(res, default="activation") -> dict:
+    """{cut: {when: {default, magnitude, random min/max/spread, below_magnitude, below_every_seed}}}, when =
+    before / after the distillation, for the criteria that were distilled; `spread_after/before`: how much of the
+    random seeds' spread is left."""
+    rows, out = res["rows"], {}
+    rnd = [n for n in rows if n.startswith("random")]
+    for c in res["cuts"]:
+        cell = {}
+        for when, key in (("before", "loss"), ("after", "distilled")):
+            seeds = [rows[n][key][c] for n in rnd]
+            d, m = rows[default][key][c], rows["magnitude"][key][c]
+            cell[when] = {"default": d, "magnitude": m, "random_min": min(seeds), "random_max": max(seeds),
+                          "random_mean": mean(seeds), "spread": max(seeds) - min(seeds),
+                          "below_magnitude": d < m, "below_every_seed": d < min(seeds)}
+        cell["spread_after/before"] = cell["after"]["spread"] / cell["before"]["spread"]
+        out[c] = cell
+    return out
+
+
+def distill_table(res) -> str:
+    """Held-out loss before -> after the distillation per cut: every distilled criterion, the seeds' range."""
+    cuts_, rows = list(res["cuts"]), res["rows"]
+    done = [n for n in rows if "distilled" in rows[n]]
+    rnd = [n for n in done if n.startswith("random")]
+    lines = ["| criterion | " + " | ".join(f"loss {c} before -> after" for c in cuts_) + " |",
+             "|---|" + "---|" * len(cuts_)]
+    for n in (n for n in done if n not in rnd):
+        lines.append(f"| {n} | " + " | ".join(f"{rows[n]['loss'][c]:.4f} -> {rows[n]['distilled'][c]:.4f}"
+                                               for c in cuts_) + " |")
+    rng = lambda key, c: f"{min(rows[n][key][c] for n in rnd):.4f}-{max(rows[n][key][c] for n in rnd):.4f}"
+    lines.append(f"| random ({len(rnd)} seeds) | " + " | ".join(f"{rng('loss', c)} -> {rng('distilled', c)}"
+                                                              for c in cuts_) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=tuple(JSON), default="embedded",
@@ -271,8 +352,21 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=128, help="--model gdn / nemotron_h: hidden size")
     ap.add_argument("--train-steps", type=int, default=300, help="--model gdn / nemotron_h: training steps (8 x 128 tokens)")
-    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h].json (RESULTS.md by hand)")
+    ap.add_argument("--distill-steps", type=int, default=0,
+                    help="distil each pruned model this many steps from the unpruned one (0: none)")
+    ap.add_argument("--distill-criteria", default="activation,magnitude,random",
+                    help="comma list of the criteria whose pruned models are distilled (random: every seed)")
+    ap.add_argument("--distill-batch", type=int, default=4)
+    ap.add_argument("--distill-seq-len", type=int, default=256)
+    ap.add_argument("--distill-lr", type=float, default=3e-4)
+    ap.add_argument("--distill-seed", type=int, default=0, help="the distillation's seed (data order), 0 in the JSON")
+    ap.add_argument("--no-oracle", action="store_true",
+                    help="activation, magnitude and random only: no loo, gate criteria, greedy or Spearman")
+    ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h][_distill].json "
+                    "(RESULTS.md by hand)")
     a = ap.parse_args()
+    if a.distill_steps < 0:
+        ap.error(f"--distill-steps must be >= 0, got {a.distill_steps}")
     torch.set_num_threads(1)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,17 +375,25 @@ def main():
             train_s = round(time.time() - t0, 1)
         else:
             model_dir, train_s = MODEL, 0.0
-        res = run(model_dir, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)
+        res = run(model_dir, a)
     res["seconds"].update(train=train_s, total=round(time.time() - t0, 1))
-    res["wins"] = verdict(res)
+    res["wins"] = {} if a.no_oracle else verdict(res)
+    if a.distill_steps:
+        res["distilled"] = distill_verdict(res)
     res["date"] = str(datetime.date.today())
     res["machine"] = f"{platform.machine()}, torch {torch.__version__}, 1 thread"
     res["settings"] = vars(a)
     metric = "ppl" if a.model == "embedded" else "loss"
-    print(f"unpruned loss {res['unpruned_loss']:.4f} ppl {res['unpruned_ppl']:.2f}\n{table(res, metric)}\n"
-          f"verdict: {json.dumps(res['wins'], indent=None)}\nseconds: {res['seconds']}")
+    print(f"unpruned loss {res['unpruned_loss']:.4f} ppl {res['unpruned_ppl']:.2f}")
+    if not a.no_oracle:
+        print(f"{table(res, metric)}\nverdict: {json.dumps(res['wins'], indent=None)}")
+    if a.distill_steps:
+        print(f"{distill_table(res)}\ndistilled: {json.dumps(res['distilled'], indent=None)}")
+    print(f"seconds: {res['seconds']}")
     if a.write:
-        JSON[a.model].write_text(json.dumps(res, indent=1) + "\n")
+        tail = "_distill" + (f"_seed{a.distill_seed}" if a.distill_seed else "") if a.distill_steps else ""
+        out = JSON[a.model].with_name(JSON[a.model].stem + tail + ".json")
+        out.write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
