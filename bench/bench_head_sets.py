@@ -10,8 +10,13 @@ each, bench/results/head_criteria_mamba.md).
 groups (4 -> 3: 4^3 = 64 sets, 4 -> 2: 6^3 = 216), all layers at once as pruning removes them; each set also
 measured on the calibration tokens (the exhaustive calibration search is itself a criterion, `exhaustive_calib`).
 
+`--calib-sizes 16,...,256 --model-dir DIR` (gdn): the calibration side only, at several calibration sizes
+(held-out set losses reused from --held-from, the same model checked by its unpruned loss); `--paired-from` then
+adds each picked set's paired held-out difference to the best random seed's, with standard errors.
+
     python bench/bench_head_sets.py [--model embedded|gdn] [--layer 0 --samples 32 --seq-len 256
         --eval-tokens 16384] [--hidden 128 --train-steps 400 --model-dir DIR] [--write]
+        [--calib-sizes 16,32,64,128,256 --calib-out JSON] [--paired-from JSON]
 """
 from __future__ import annotations
 
@@ -242,6 +247,158 @@ def run_gdn(model_dir, samples, seq_len, eval_tokens, seeds, batch) -> dict:
             "seconds": {k: round(v, 1) for k, v in sec.items()}}
 
 
+# ---- Calibration size (issue 55): the same sets' calibration losses on more tokens --------------------------
+
+
+def spearman(a: list, b: list) -> float:
+    """Rank correlation of two equally long lists (ties broken by position: the losses are floats)."""
+    ra, rb = (torch.tensor(x, dtype=torch.float64).argsort().argsort().double() for x in (a, b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+@torch.no_grad()
+def token_losses(model, held, s) -> torch.Tensor:
+    """Per-token held-out loss [sequences, seq_len - 1] with set s removed (all masks at once)."""
+    masks = [HeadMask(model.layers[i], torch.cat([ch[g] for g in gs])) for (i, ch), gs in zip(key_units(model.cfg), s)]
+    try:
+        out = [torch.nn.functional.cross_entropy(model(ids)[:, :-1].transpose(1, 2).double(), ids[:, 1:],
+                                                  reduction="none") for ids in held]
+    finally:
+        for m in masks:
+            m.remove()
+    return torch.cat(out)
+
+
+def paired_noise(model, held, sets: dict, best) -> dict:
+    """Each named set's held-out loss minus the held-out-best set's, with the paired standard error of that mean
+    difference per token and per sequence (tokens of one sequence are correlated: the per-sequence SE is the
+    honest one)."""
+    base, out = token_losses(model, held, best), {}
+    for name, s in sets.items():
+        d = token_losses(model, held, s) - base
+        seq = d.mean(1)
+        out[name] = {"set": set_name(s), "diff": float(d.mean()), "se_token": float(d.std() / d.numel() ** 0.5),
+                     "se_sequence": float(seq.std() / len(seq) ** 0.5)}
+    return out
+
+
+def parse_set(name: str) -> tuple:
+    return tuple(tuple(int(g) for g in part.split(",")) for part in name.split("|"))
+
+
+def chunk_measure(model, chunk, units, options: dict) -> tuple[dict, dict]:
+    """One calibration chunk: ({cut: {set: loss}}, loo costs) -- both means over the chunk's tokens."""
+    cstore = [start(model.cfg, model.embed(ids)) for ids in chunk]
+    cal = {cut: all_sets(model, cstore, chunk, units, opts) for cut, opts in options.items()}
+    costs, _ = head_costs(model, chunk)
+    return cal, costs
+
+
+def size_summary(model, calib_n, acc, held_cuts, targets) -> dict:
+    """One calibration size: the criteria from its first calib_n batches (activation) and its chunks' weighted
+    loo costs and set losses; each criterion's set ranked among every set held out; Spearman(calib, held)."""
+    cfg, n = model.cfg, acc["n"]
+    act, _ = score_model(model, acc["batches"][:calib_n], loss_increase=False)
+    costs = {k: v / n for k, v in acc["costs"].items()}
+    crit = {"activation": act, "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items()),
+            "loo": loo_scores(cfg, act, costs)}
+    crit.update({f"random{s}": weight_scores(cfg, "random", seed=s) for s in range(acc["seeds"])})
+    out = {}
+    for cut, tg in targets.items():
+        held = {parse_set(k): v[0] for k, v in held_cuts[cut]["all"].items()}
+        cal = {s: v / n for s, v in acc["cal"][cut].items()}
+        row = summary(held, cal, {name: key_removed(cfg, sc, tg) for name, sc in crit.items()})
+        keys = list(held)
+        row["spearman_calib_held"] = spearman([cal[k] for k in keys], [held[k] for k in keys])
+        out[cut] = row
+    return out
+
+
+def noise_sets(held_cut: dict) -> tuple:
+    """(the held-out-best set, {name: set}: the next two held-out sets and every criterion's set at 8k tokens)."""
+    order = list(held_cut["all"])
+    sets = {f"held-out #{k + 1}": parse_set(order[k]) for k in (1, 2)}
+    sets.update({n: parse_set(r["set"]) for n, r in held_cut["criteria"].items() if n not in ("out_act", "taylor")})
+    return parse_set(order[0]), sets
+
+
+@torch.no_grad()
+def run_calib(model_dir, sizes, seq_len, seeds, batch, held_json, out_path) -> dict:
+    """Criteria and every set's calibration loss at each calibration size (a prefix of the train split, measured
+    chunk by chunk and pooled); held-out losses reused from held_json (same model: unpruned loss checked)."""
+    from transformers import AutoTokenizer
+
+    ref = json.loads(Path(held_json).read_text())
+    train, valid = embedded_corpus()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    calib_t = pack(load_texts(train), tok, seq_len, max_tokens=sizes[-1] * seq_len)
+    if len(calib_t) < sizes[-1]:
+        raise SystemExit(f"--calib-sizes: the train split holds {len(calib_t)} sequences of {seq_len}")
+    blocks = pack(load_texts(valid), tok, seq_len, max_tokens=int(ref["settings"]["eval_tokens"]))
+    held, model = list(blocks.split(batch)), load_model(model_dir).float().eval()
+    cfg, units, hk = model.cfg, key_units(model.cfg), model.cfg.gated_deltanet.linear_num_key_heads
+    base = loss_from(model, 0, [start(cfg, model.embed(ids)) for ids in held], held, None)
+    if abs(base - ref["unpruned_loss"]) > 1e-5:
+        raise SystemExit(f"--held-from: unpruned held-out loss {base:.6f} != {ref['unpruned_loss']:.6f} (other model)")
+    targets = {c: tg for c, tg in cuts(cfg).items() if "linear_key_heads" in tg}
+    options = {c: list(itertools.combinations(range(hk), hk - tg["linear_key_heads"])) for c, tg in targets.items()}
+    t0 = time.time()
+    res = {"unpruned_loss": base, "noise": {c: paired_noise(model, held, *noise_sets(ref["cuts"][c])[::-1])
+                                            for c in targets}, "sizes": {}, "seconds": {}}
+    res["seconds"]["noise"] = round(time.time() - t0, 1)
+    res["settings"] = {"calib_sizes": sizes, "seq_len": seq_len, "batch": batch, "seeds": seeds,
+                       "model_dir": str(model_dir), "held_from": str(held_json)}
+    print("noise", json.dumps(res["noise"]), flush=True)
+    batches = list(calib_t[:sizes[-1]].split(batch))
+    acc = {"n": 0, "cal": {c: {} for c in targets}, "costs": {}, "batches": batches, "seeds": seeds}
+    for lo, hi in zip([0] + sizes[:-1], sizes):
+        cal, costs = chunk_measure(model, batches[lo // batch:hi // batch], units, options)
+        w = hi - lo
+        for c in targets:
+            for k, v in cal[c].items():
+                acc["cal"][c][k] = acc["cal"][c].get(k, 0.0) + w * v
+        for k, v in costs.items():
+            acc["costs"][k] = acc["costs"].get(k, 0.0) + w * v
+        acc["n"] += w
+        res["sizes"][str(hi)] = size_summary(model, hi // batch, acc, ref["cuts"], targets)
+        res["seconds"][str(hi)] = round(time.time() - t0, 1)
+        print(hi, json.dumps({c: {k: v for k, v in r.items() if k != "all"} for c, r in res["sizes"][str(hi)].items()}),
+              flush=True)
+        if out_path:
+            tmp = Path(str(out_path) + ".tmp")
+            tmp.write_text(json.dumps(res, indent=1) + "\n")
+            tmp.replace(out_path)
+    return res
+
+
+@torch.no_grad()
+def paired_vs_seed(model_dir, calib_json: Path, seq_len, batch) -> dict:
+    """After --calib-sizes: each set a criterion picked at any calibration size vs the best random seed's set,
+    paired held out (per-token and per-sequence standard errors); added to calib_json as `paired_vs_best_seed`."""
+    from transformers import AutoTokenizer
+
+    res = json.loads(calib_json.read_text())
+    ref = json.loads(Path(res["settings"]["held_from"]).read_text())
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    blocks = pack(load_texts(embedded_corpus()[1]), tok, seq_len, max_tokens=int(ref["settings"]["eval_tokens"]))
+    held, model, out = list(blocks.split(batch)), load_model(model_dir).float().eval(), {}
+    for cut in ref["cuts"]:
+        rows = [r[cut]["criteria"] for r in res["sizes"].values()]
+        seeds = {n: x for n, x in rows[0].items() if n.startswith("random")}
+        best = min(seeds, key=lambda n: seeds[n]["loss"])
+        sets = {f"{n} ({x['set']})": parse_set(x["set"]) for r in rows for n, x in r.items()
+                if n in ("activation", "loo", "exhaustive_calib")}
+        sets[f"held-out best ({ref['cuts'][cut]['best']['set']})"] = parse_set(ref["cuts"][cut]["best"]["set"])
+        out[cut] = {"seed": best, **paired_noise(model, held, sets, parse_set(seeds[best]["set"]))}
+        print(cut, json.dumps(out[cut]), flush=True)
+    res["paired_vs_best_seed"] = out
+    tmp = Path(str(calib_json) + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(calib_json)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=tuple(OUT), default="embedded",
@@ -258,9 +415,25 @@ def main():
     ap.add_argument("--train-steps", type=int, default=400, help="--model gdn: training steps (8 x 128 tokens)")
     ap.add_argument("--model-dir", type=Path, help="--model gdn: a model already trained so (skips training)")
     ap.add_argument("--write", action="store_true", help="write bench/head_sets[_gdn].json")
+    ap.add_argument("--calib-sizes", help="--model gdn: e.g. 32,128,256 calibration sequences: only the calibration "
+                                          "side is measured (held-out losses from --held-from); needs --model-dir")
+    ap.add_argument("--held-from", type=Path, default=OUT["gdn"], help="--calib-sizes: the held-out run's JSON")
+    ap.add_argument("--calib-out", type=Path, help="--calib-sizes: JSON written after each size")
+    ap.add_argument("--paired-from", type=Path, help="a --calib-out JSON: add each picked set vs the best seed's, "
+                                                     "paired held out (needs --model-dir)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
+    if a.paired_from:
+        paired_vs_seed(a.model_dir, a.paired_from, a.seq_len, a.batch)
+        return
+    if a.calib_sizes:
+        sizes = sorted(int(x) for x in a.calib_sizes.split(","))
+        if a.model != "gdn" or not a.model_dir or any(x % a.batch for x in sizes):
+            raise SystemExit("--calib-sizes: needs --model gdn, --model-dir, and sizes that are multiples of --batch")
+        res = run_calib(a.model_dir, sizes, a.seq_len, a.seeds, a.batch, a.held_from, a.calib_out)
+        print(f"seconds {res['seconds']}")
+        return
     if a.model == "embedded":
         res = {"cuts": run(a.layer, a.samples, a.seq_len, a.eval_tokens, a.seeds, a.batch)}
     else:
