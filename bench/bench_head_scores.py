@@ -16,6 +16,7 @@ increase. Candidates, all on the same calibration tokens (train split):
   activation    the default (score_model). In the stored JSON, measured before the switch, Mamba heads were read
                 at the in_proj x segment (now `score --method activation_in`); since, at out_proj's input (out_act_w,
                 as GDN already was)
+  activation_in that former site (score_model(in_sites=True); on GDN the same as activation)
   magnitude     the head's weight norms (compress/baselines.py)
   taylor, taylor_abs, out_act, out_act_w, fisher, taylor2, fisher_act   compress/head_criteria.py (a gate per
                 sequence on out_proj's input, one backward per batch)
@@ -178,6 +179,8 @@ def criteria(model, batches, seeds, held, oracle=True):
     out = {k: (v, per_unit(cfg, v)) for k, v in plain.items()}
     if not oracle:
         return out, {}, {}, sec
+    inn, _ = score_model(model, batches, loss_increase=False, in_sites=True)  # the kinds' former default sites
+    out["activation_in"] = (inn, per_unit(cfg, inn))
     t = time.time()
     costs, _ = head_costs(model, batches)
     sec["loo"] = time.time() - t
