@@ -232,7 +232,7 @@ def distill_rows(model_dir, model, methods, rows, blocks, a) -> None:
         rows[name]["distilled"] = {}
         for cut, t in cuts(cfg).items():
             keep = plan_keep(cfg, sc, t)
-            key = repr(keep)  # criteria keeping the same units give the same pruned model: distilled once
+            key = repr({k: v.tolist() for k, v in keep.items()})  # criteria keeping the same units give the same pruned model: distilled once
             if key in done:
                 rows[name]["distilled"][cut] = done[key]
                 continue
