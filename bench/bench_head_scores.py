@@ -36,8 +36,12 @@ from the unpruned model on the train split (pipelines.training.train, as bench_e
 and the gate criteria (their before-distillation figures are in the default run). Written to
 bench/head_scores[_gdn|_nemotron_h]_distill.json.
 
+`--distill-criteria loo,greedy,fisher,...,greedy_heldout --tag _criteria` distils the other rows too (results for
+every criterion: bench/results/head_criteria_*.md; bench/head_distill_report.py joins the two JSONs); `--trained
+DIR` reuses the scratch model an earlier run trained with the same flags.
+
     python bench/bench_head_scores.py [--model embedded|gdn|nemotron_h] [--samples 64 --seq-len 256
-        --eval-tokens 32768] [--distill-steps 40 --no-oracle] [--write]
+        --eval-tokens 32768] [--distill-steps 40 --no-oracle] [--trained DIR] [--tag SUFFIX] [--write]
 """
 from __future__ import annotations
 
