@@ -16,6 +16,7 @@ increase. Candidates, all on the same calibration tokens (train split):
   activation    the default (score_model). In the stored JSON, measured before the switch, Mamba heads were read
                 at the in_proj x segment (now `score --method activation_in`); since, at out_proj's input (out_act_w,
                 as GDN already was)
+  activation_in that former site (score_model(in_sites=True); on GDN the same as activation)
   magnitude     the head's weight norms (compress/baselines.py)
   taylor, taylor_abs, out_act, out_act_w, fisher, taylor2, fisher_act   compress/head_criteria.py (a gate per
                 sequence on out_proj's input, one backward per batch)
@@ -35,8 +36,12 @@ from the unpruned model on the train split (pipelines.training.train, as bench_e
 and the gate criteria (their before-distillation figures are in the default run). Written to
 bench/head_scores[_gdn|_nemotron_h]_distill.json.
 
+`--distill-criteria loo,greedy,fisher,...,greedy_heldout --tag _criteria` distils the other rows too (results for
+every criterion: bench/results/head_criteria_*.md; bench/head_distill_report.py joins the two JSONs); `--trained
+DIR` reuses the scratch model an earlier run trained with the same flags.
+
     python bench/bench_head_scores.py [--model embedded|gdn|nemotron_h] [--samples 64 --seq-len 256
-        --eval-tokens 32768] [--distill-steps 40 --no-oracle] [--write]
+        --eval-tokens 32768] [--distill-steps 40 --no-oracle] [--trained DIR] [--tag SUFFIX] [--write]
 """
 from __future__ import annotations
 
@@ -178,6 +183,8 @@ def criteria(model, batches, seeds, held, oracle=True):
     out = {k: (v, per_unit(cfg, v)) for k, v in plain.items()}
     if not oracle:
         return out, {}, {}, sec
+    inn, _ = score_model(model, batches, loss_increase=False, in_sites=True)  # the kinds' former default sites
+    out["activation_in"] = (inn, per_unit(cfg, inn))
     t = time.time()
     costs, _ = head_costs(model, batches)
     sec["loo"] = time.time() - t
@@ -222,20 +229,26 @@ def distill_rows(model_dir, model, methods, rows, blocks, a) -> None:
     from remodel.pipelines.training.train import train
 
     cfg, family = model.cfg, json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    wanted = a.distill_criteria.split(",")
+    wanted, done = a.distill_criteria.split(","), {}
     for name, (sc, _) in methods.items():
         if name not in wanted and not ("random" in wanted and name.startswith("random")):
             continue
         rows[name]["distilled"] = {}
         for cut, t in cuts(cfg).items():
+            keep = plan_keep(cfg, sc, t)
+            key = repr({k: v.tolist() for k, v in keep.items()})  # criteria keeping the same units give the same pruned model: distilled once
+            if key in done:
+                rows[name]["distilled"][cut] = done[key]
+                continue
             with tempfile.TemporaryDirectory() as tmp:
-                d = save_model(prune_model(model, plan_keep(cfg, sc, t)), Path(tmp) / "pruned", family=family,
+                d = save_model(prune_model(model, keep), Path(tmp) / "pruned", family=family,
                                aux_from=model_dir, dtype=torch.float32)
                 train(d, Path(tmp) / "kd", embedded_corpus()[0], teacher_dir=model_dir, steps=a.distill_steps,
                       seq_len=a.distill_seq_len, batch=a.distill_batch, lr=a.distill_lr, seed=a.distill_seed,
                       log_every=0, checkpoint_every=10**9, keep_last=1)
                 kd = load_model(Path(tmp) / "kd").float().eval()
                 rows[name]["distilled"][cut] = evaluate(kd, blocks, seq_len=a.seq_len, batch=a.batch)["loss"]
+                done[key] = rows[name]["distilled"][cut]
         print(f"{name:12s} distilled " + " ".join(f"{c} {rows[name]['loss'][c]:.4f} -> {v:.4f}"
                                                   for c, v in rows[name]["distilled"].items()), flush=True)
 
@@ -360,6 +373,9 @@ def main():
     ap.add_argument("--distill-seq-len", type=int, default=256)
     ap.add_argument("--distill-lr", type=float, default=3e-4)
     ap.add_argument("--distill-seed", type=int, default=0, help="the distillation's seed (data order), 0 in the JSON")
+    ap.add_argument("--trained", help="--model gdn / nemotron_h: a model an earlier run trained (same flags), "
+                    "instead of training it again")
+    ap.add_argument("--tag", default="", help="suffix of the JSON name (e.g. _criteria), to keep an earlier one")
     ap.add_argument("--no-oracle", action="store_true",
                     help="activation, magnitude and random only: no loo, gate criteria, greedy or Spearman")
     ap.add_argument("--write", action="store_true", help="write bench/head_scores[_gdn|_nemotron_h][_distill].json "
@@ -367,10 +383,14 @@ def main():
     a = ap.parse_args()
     if a.distill_steps < 0:
         ap.error(f"--distill-steps must be >= 0, got {a.distill_steps}")
+    if a.trained and not (Path(a.trained) / "config.json").is_file():
+        ap.error(f"--trained {a.trained}: no config.json there")
     torch.set_num_threads(1)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        if a.model != "embedded":
+        if a.trained:
+            model_dir, train_s = Path(a.trained), 0.0
+        elif a.model != "embedded":
             model_dir = scratch(Path(tmp), a.model, a.train_steps, a.hidden)
             train_s = round(time.time() - t0, 1)
         else:
@@ -378,7 +398,7 @@ def main():
         res = run(model_dir, a)
     res["seconds"].update(train=train_s, total=round(time.time() - t0, 1))
     res["wins"] = {} if a.no_oracle else verdict(res)
-    if a.distill_steps:
+    if a.distill_steps and "distilled" in res["rows"]["activation"]:
         res["distilled"] = distill_verdict(res)
     res["date"] = str(datetime.date.today())
     res["machine"] = f"{platform.machine()}, torch {torch.__version__}, 1 thread"
@@ -387,13 +407,17 @@ def main():
     print(f"unpruned loss {res['unpruned_loss']:.4f} ppl {res['unpruned_ppl']:.2f}")
     if not a.no_oracle:
         print(f"{table(res, metric)}\nverdict: {json.dumps(res['wins'], indent=None)}")
-    if a.distill_steps:
+    if "distilled" in res:
         print(f"{distill_table(res)}\ndistilled: {json.dumps(res['distilled'], indent=None)}")
     print(f"seconds: {res['seconds']}")
     if a.write:
-        tail = "_distill" + (f"_seed{a.distill_seed}" if a.distill_seed else "") if a.distill_steps else ""
-        out = JSON[a.model].with_name(JSON[a.model].stem + tail + ".json")
-        out.write_text(json.dumps(res, indent=1) + "\n")
+        out_path(a).write_text(json.dumps(res, indent=1) + "\n")
+
+
+def out_path(a) -> Path:
+    """bench/head_scores[_gdn|_nemotron_h][_distill[_seedS]][TAG].json."""
+    tail = "_distill" + (f"_seed{a.distill_seed}" if a.distill_seed else "") if a.distill_steps else ""
+    return JSON[a.model].with_name(JSON[a.model].stem + tail + a.tag + ".json")
 
 
 if __name__ == "__main__":
