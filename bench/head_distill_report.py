@@ -8,8 +8,8 @@ below magnitude and every random seed after, and the Spearman rank correlation o
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def ranks(xs: list) -> list:
@@ -76,8 +76,13 @@ def report(res: dict) -> str:
 
 
 if __name__ == "__main__":
-    res = merged(sys.argv[1], sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("distilled", help="the run that distilled the default, magnitude and the seeds (_distill.json)")
+    ap.add_argument("criteria", help="the --tag _criteria run (every other criterion distilled)")
+    ap.add_argument("out", nargs="?", help="also write the merged JSON here (default: print only)")
+    a = ap.parse_args()
+    res = merged(a.distilled, a.criteria)
     print(report(res))
-    if len(sys.argv) > 3:
-        with open(sys.argv[3], "w") as f:
+    if a.out:
+        with open(a.out, "w") as f:
             f.write(json.dumps(res, indent=1) + "\n")
