@@ -19,6 +19,7 @@ from remodel.models.checkpoint import CheckpointReader
 from remodel.models.load import load_model, read_config_dict, save_model
 from remodel.upcycle import hybridize as H
 from tests.conftest import HYBRID_SOURCE, hf_pair
+from tests.rss import PEAK_RSS
 
 ROOT = str(Path(remodel.models.__file__).parents[2])  # where the child imports this remodel from
 SOURCES = {"llama": ("llama", HYBRID_SOURCE),
@@ -95,18 +96,13 @@ def test_a_layers_fresh_init_is_its_own(sources):
 
 WIDE = dict(vocab_size=2048, hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16,
             num_key_value_heads=4, head_dim=64)
-MEMORY_SCRIPT = """
+MEMORY_SCRIPT = PEAK_RSS + """
 import sys
 from remodel.cli import main
 
-def status(key):
-    for line in open('/proc/self/status'):
-        if line.startswith(key + ':'):
-            return int(line.split()[1]) * 1024
-
 tiny, big, out = sys.argv[1:4]
 assert main(['hybridize', tiny, out + '.tiny', '--keep-layers', '1']) == 0  # every import and lazy init first
-base = status('VmRSS')
+base = reset_peak()  # the warm-up's own peak is not the conversion's
 assert main(['hybridize', big, out, '--keep-layers', '1']) == 0
 print(base, status('VmHWM'))
 """
