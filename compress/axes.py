@@ -29,14 +29,10 @@ from __future__ import annotations
 import torch
 
 from remodel.models.config import ModelConfig
-from remodel.models.layout import FIXED_AXES, axis_size, param_axes, product, segments
+from remodel.models.layout import FIXED_AXES, axis_size, layer_of, param_axes, product, segments
 from remodel.models.kinds import UNITS
 
 PRIMARY, FIXED = UNITS, FIXED_AXES  # models.layout: the keep-dict units, the axes never pruned
-
-
-def layer_of(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def block_of(name: str) -> str | None:

@@ -153,3 +153,9 @@ def tp_split(cfg: ModelConfig, axes: tuple) -> tuple[int, list[int]] | None:
             sizes = list(segment_sizes(cfg, a).values()) if segments(a) else [axis_size(cfg, a)]
             return d, sizes
     return None
+
+
+def layer_of(name: str) -> int | None:
+    """The trunk layer a tensor of our model belongs to (`layers.{i}.`), None for the rest (embeddings, final
+    norm, head, MTP)."""
+    return int(name.split(".", 2)[1]) if name.startswith("layers.") else None

@@ -26,6 +26,7 @@ from remodel.models.errors import RemodelError
 from remodel.models.families import DEFAULT_ORDER, FAMILIES
 from remodel.models.hf import check_exportable
 from remodel.models.kinds import routed
+from remodel.models.layout import layer_of
 from remodel.models.mamba import MAMBA
 from remodel.models.model import Block, HybridLM, init_tensor
 from remodel.models.gated_deltanet import GATED_DELTANET
@@ -216,12 +217,6 @@ def widen_attention(att: dict, a, d2: int) -> dict:
 def _mixer_state(state: dict, i: int) -> dict:
     pre = f"layers.{i}.mixer."
     return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
-
-
-def layer_of(name: str) -> int | None:
-    """The trunk layer a tensor of our model belongs to (`layers.{i}.`), None for the rest (embeddings, final
-    norm, head, MTP): the groups HybridLayers converts one at a time."""
-    return int(name.split(".", 2)[1]) if name.startswith("layers.") else None
 
 
 def layer_seed(seed: int, i: int) -> int:

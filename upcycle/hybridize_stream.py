@@ -11,9 +11,10 @@ import torch
 
 from remodel.models.checkpoint import CheckpointReader
 from remodel.models.hf import config_to_hf, our_shapes
+from remodel.models.layout import layer_of
 from remodel.models.load import iter_hf_tensors, iter_our_tensors, source_plan, write_hf
 
-from .hybridize import HybridLayers, layer_of
+from .hybridize import HybridLayers
 
 
 def _groups(cfg) -> dict:

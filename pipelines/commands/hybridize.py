@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from remodel.models.errors import RemodelError
+from remodel.models.layout import layer_of
 from remodel.models.load import load_config, load_model, read_config_dict
 from remodel.models.params import count_params
 from remodel.upcycle.hybridize import INITS, HybridLayers, costliest, kept, kl_costs, replaceable, target
@@ -92,7 +93,7 @@ def _stages(o: HybridizeOptions, kw: dict | None, fit: list) -> list[tuple[str, 
         raise RemodelError(f"unknown --transfer-target {o.transfer_target!r} (supported: layer, stream)")
     runs = []
     if o.transfer_steps:
-        forced = sorted({int(n.split(".")[1]) for n in fit}) if o.transfer_target == "layer" else None
+        forced = sorted({layer_of(n) for n in fit}) if o.transfer_target == "layer" else None
         runs.append(("transfer", dict(kw, steps=o.transfer_steps, kl_weight=0.0, lm_loss_weight=0.0,
                                       hidden_loss_weight=1.0, topk=None, train_only=fit, forced_layers=forced)))
     if o.steps is not None or o.tokens is not None:
