@@ -295,7 +295,8 @@ def _options(command: str | None = None):
 def check_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One-line RemodelError for the first numeric option outside its rule (OPTIONS), naming the flag."""
     from remodel.models.errors import RemodelError
-    if a.command == "score" and a.method in ("activation", "loo", "activation_in") and not a.data:
+    from remodel.compress.baselines import DATA_METHODS
+    if a.command == "score" and a.method in DATA_METHODS and not a.data:
         raise RemodelError(f"--data is required for --method {a.method}")
     if a.command == "run":  # no numeric option; each step is checked here when the recipe is read
         return

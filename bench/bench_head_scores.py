@@ -13,7 +13,9 @@ groups 4 -> 3 and 4 -> 2 with their value heads).
 
 Oracle (`loo`): every unit removed alone (as pruning removes it: compress/head_loo.py), its calibration loss
 increase. Candidates, all on the same calibration tokens (train split):
-  activation    the default (score_model). In the stored JSON, measured before the switch, Mamba heads were read
+  activation_measured  the default since 2026-12-06 (compress/head_loo.measured_scores): activation, with GDN
+                key-head groups ranked by their loo cost on the first 4 calibration batches (on Mamba: activation)
+  activation    the default before (score_model). In the stored JSON, measured before the switch, Mamba heads were read
                 at the in_proj x segment (now `score --method activation_in`); since, at out_proj's input (out_act_w,
                 as GDN already was)
   activation_in that former site (score_model(in_sites=True); on GDN the same as activation)
@@ -61,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from remodel.compress.baselines import weight_scores  # noqa: E402
 from remodel.compress.head_criteria import gate_criteria, spearman, unit_values as per_unit  # noqa: E402
-from remodel.compress.head_loo import HeadMask, head_costs, loo_scores, loo_units, loss_from  # noqa: E402
+from remodel.compress.head_loo import HeadMask, head_costs, loo_scores, loo_units, loss_from, measured_scores  # noqa: E402
 from remodel.compress.importance import score_model  # noqa: E402
 from remodel.compress.prune import plan_keep, prune_model  # noqa: E402
 from remodel.models.load import load_model  # noqa: E402
@@ -178,7 +180,11 @@ def criteria(model, batches, seeds, held, oracle=True):
     t = time.time()
     act, _ = score_model(model, batches, loss_increase=False)
     sec["activation"] = time.time() - t
-    plain = {"activation": act, "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items())}
+    t = time.time()
+    measured = measured_scores(model, act, batches)  # the default: key-head groups by their cost on the loss batches
+    sec["activation_measured (key groups' loo on the loss batches)"] = time.time() - t
+    plain = {"activation_measured": measured, "activation": act,
+             "magnitude": weight_scores(cfg, "magnitude", model.state_dict().items())}
     plain.update({f"random{s}": weight_scores(cfg, "random", seed=s) for s in range(seeds)})
     out = {k: (v, per_unit(cfg, v)) for k, v in plain.items()}
     if not oracle:
@@ -318,7 +324,7 @@ def table(res, metric="loss") -> str:
     return "\n".join(lines)
 
 
-def distill_verdict(res, default="activation") -> dict:
+def distill_verdict(res, default="activation") -> dict:  # the JSONs on record distilled activation
     """{cut: {when: {default, magnitude, random min/max/spread, below_magnitude, below_every_seed}}}, when =
     before / after the distillation, for the criteria that were distilled; `spread_after/before`: how much of the
     random seeds' spread is left."""

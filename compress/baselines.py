@@ -42,8 +42,11 @@ from remodel.models.spec import sq
 
 from .axes import layer_of, tensor_axes
 
-# loo: compress/head_loo.py; activation_in: activation with each kind's in_sites() (both need data)
-METHODS = ("activation", "magnitude", "random", "loo", "activation_in")
+# activation_measured (the default): activation, each kind's measured_units ranked by their LOO cost over the loss
+# batches (compress/head_loo.measured_scores); loo: compress/head_loo.py; activation_in: activation with each
+# kind's in_sites() -- these need data, magnitude and random do not
+METHODS = ("activation_measured", "activation", "magnitude", "random", "loo", "activation_in")
+DATA_METHODS = ("activation_measured", "activation", "loo", "activation_in")
 WRITERS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj", "fc2_latent_proj.weight")
 
 

@@ -21,6 +21,10 @@ which prune ranks heads by, orders the heads as their costs do (cost - the layer
 positive margin, since a cost may be negative); within a head the activation score's channel profile is kept.
 For GDN the value heads of a key-head group are scaled so that the group's norm follows the group's own cost.
 The raw costs are written beside them as `layers.i.mamba_heads_loo`, `lin_v_heads_loo`, `lin_k_heads_loo`.
+
+The default criterion (`measured_scores`, `--method activation_measured`) measures only the units a kind names
+as few (LayerKind.measured_units: GDN key-head groups) over the loss batches, the rest stays activation; the
+streaming scorer (compress/streaming.py) measures the same units from the same branches, layer by layer.
 """
 from __future__ import annotations
 
@@ -37,10 +41,12 @@ from .state_store import StateStore
 MARGIN = 1e-3  # of a layer's cost range (1e-9 at least): the lowest-cost head still scores above zero
 
 
-def loo_units(cfg) -> list[tuple[int, str, list[torch.Tensor]]]:
+def loo_units(cfg, measured: bool = False) -> list[tuple[int, str, list[torch.Tensor]]]:
     """(layer, score name, one channel index per unit) of every unit LOO scores, in layer order: each kind's own
-    (LayerKind.head_units: Mamba heads; GDN value heads and key-head groups)."""
-    return [(i, name, chans) for i, k in enumerate(layer_kinds(cfg)) for name, chans in k.head_units(cfg)]
+    (LayerKind.head_units: Mamba heads; GDN value heads and key-head groups); measured: only those the default
+    criterion measures (LayerKind.measured_units: GDN key-head groups)."""
+    return [(i, name, chans) for i, k in enumerate(layer_kinds(cfg))
+            for name, chans in (k.measured_units(cfg) if measured else k.head_units(cfg))]
 
 
 class HeadMask:
@@ -76,10 +82,11 @@ def loss_from(model, i: int, store, batches, masks) -> float:
 
 
 @torch.no_grad()
-def head_costs(model, batches, masks=None, max_memory_bytes=None, spill_dir=None, progress=False):
+def head_costs(model, batches, masks=None, max_memory_bytes=None, spill_dir=None, progress=False,
+               measured=False):
     """{`layers.i.<unit>_loo`: the loss increase of every unit removed alone} and the base loss -> (costs, base).
-    See the module docstring for how each unit is removed and what this costs."""
-    units = loo_units(model.cfg)
+    See the module docstring for how each unit is removed and what this costs; measured: the measured_units only."""
+    units = loo_units(model.cfg, measured)
     if not units:
         raise RemodelError("--method loo scores Mamba and Gated DeltaNet heads; the model has no such layers "
                            f"(pattern {model.cfg.pattern})")
@@ -129,6 +136,19 @@ def _profile(a: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, a / n.clamp(min=1e-30), flat)
 
 
+def _regroup(v: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """Value-head scores v [hv, dv] with their key-head groups (hv / len(cost) heads each) reordered by `cost`: the
+    group of the k-th lowest cost takes the k-th lowest activation group norm (a hair above the one below, so the
+    order is strict), each group's heads scaled together (their order inside it kept). The norms' distribution is
+    activation's, so the share of importance a cut removes -- what plan's estimate reads -- is what it was."""
+    rows = v.reshape(len(cost), -1)
+    g = rows.norm(dim=1)
+    rank = torch.empty_like(cost, dtype=torch.long)
+    rank[cost.argsort(stable=True)] = torch.arange(len(cost))
+    target = g.sort().values[rank] + (rank + 1) * 1e-6 * max(float(g.max()), 1e-30)
+    return (_profile(rows) * target[:, None]).reshape(v.shape)  # a group of zeros: spread evenly
+
+
 def loo_scores(cfg, scores: dict, costs: dict) -> dict:
     """`scores` (an activation run's) with the head tensors ranked by the LOO `costs` (module docstring)."""
     out = {**scores, **costs}
@@ -136,6 +156,8 @@ def loo_scores(cfg, scores: dict, costs: dict) -> dict:
         p = f"layers.{i}."
         if p + "mamba_heads_loo" in costs:
             out[p + "mamba_x"] = _profile(scores[p + "mamba_x"].float()) * _order(costs[p + "mamba_heads_loo"])[:, None]
+        elif p + "lin_k_heads_loo" in costs and p + "lin_v_heads_loo" not in costs:  # groups measured alone
+            out[p + "lin_v"] = _regroup(scores[p + "lin_v"].float(), costs[p + "lin_k_heads_loo"])
         elif p + "lin_v_heads_loo" in costs:
             hk = cfg.gated_deltanet.linear_num_key_heads
             v = costs[p + "lin_v_heads_loo"].view(hk, -1)
@@ -143,3 +165,15 @@ def loo_scores(cfg, scores: dict, costs: dict) -> dict:
             w = w / w.norm(dim=1, keepdim=True) * _order(costs[p + "lin_k_heads_loo"])[:, None]  # group norm: its cost
             out[p + "lin_v"] = _profile(scores[p + "lin_v"].float()) * w.reshape(-1)[:, None]
     return out
+
+
+def measured_scores(model, scores: dict, batches, masks=None, loss_batches: int = 4, max_memory_bytes=None,
+                    spill_dir=None, progress=False) -> dict:
+    """The default criterion (`score --method activation_measured`): activation `scores` with each kind's
+    measured_units (GDN key-head groups) ranked by their LOO cost over the first `loss_batches` batches."""
+    if not loo_units(model.cfg, measured=True):
+        return scores
+    k = min(loss_batches, len(batches))
+    costs, _ = head_costs(model, batches[:k], None if masks is None else masks[:k], max_memory_bytes, spill_dir,
+                          progress, measured=True)
+    return loo_scores(model.cfg, scores, costs)

@@ -23,6 +23,7 @@ from remodel.models.mtp import MTPBlock, mtp_block_roles
 from remodel.models.norm import trunk_norm
 from remodel.models.trunk import finish, start, walk, walk_mtp
 
+from .head_loo import HeadMask, loo_scores, loo_units
 from .importance import Scorer, lm_loss_sums, mean_loss, mtp_mask
 from .state_store import StateStore
 
@@ -98,19 +99,39 @@ def _scored(scorer: Scorer, i: int, block, mtp: bool = False):
         scorer.detach()
 
 
-def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool):
+@contextlib.contextmanager
+def _removed(block, channels):
+    """A pass with `channels` of block's mixer removed (compress/head_loo.HeadMask)."""
+    mask = HeadMask(block, channels)
+    try:
+        yield
+    finally:
+        mask.remove()
+
+
+def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool, units=(), km: int = 0):
     """The trunk's layers, one at a time, over store['main', b] (b < n), scored; the k loss batches'
-    skipped-layer branches (store[i, b]: without layer i) go through every later layer too."""
+    skipped-layer branches (store[i, b]: without layer i) go through every later layer too, as do the km loss
+    batches' branches of each measured unit (store['u', i, name, u, b]: layer i run with unit u removed;
+    `units` as head_loo.loo_units(cfg, measured=True))."""
     store, bar = ps.store, tqdm(total=ps.cfg.num_layers, desc="layers", disable=not progress)
+    later = []  # the measured branches made so far: they go through every later layer
 
     def passes(i, block):
         for b in range(k):
             store[i, b] = store["main", b]  # the branch without layer i starts from layer i's input
+        mine = [(name, u, c) for j, name, chans in units if j == i for u, c in enumerate(chans)]
+        for name, u, c in mine:
+            keys = [("u", i, name, u, b) for b in range(km)]
+            for key in keys:
+                store[key] = store["main", key[-1]]
+            yield keys, _removed(block, c)
         yield [("main", b) for b in range(n)], _scored(ps.scorer, i, block)
-        yield [(j, b) for j in range(i) for b in range(k)], contextlib.nullcontext()  # they go through it too
+        yield [(j, b) for j in range(i) for b in range(k)] + later, contextlib.nullcontext()  # through it too
+        later.extend(("u", i, name, u, b) for name, u, _ in mine for b in range(km))
         bar.update()
 
-    walk(ps.cfg.num_layers, ps.block, _OnDevice(store, ps.device), passes, lambda key: (ps.mask_of[key[1]],))
+    walk(ps.cfg.num_layers, ps.block, _OnDevice(store, ps.device), passes, lambda key: (ps.mask_of[key[-1]],))
     bar.close()
 
 
@@ -130,14 +151,18 @@ def _mtp_streaming(ps: _Pass, batches):
 
 @torch.no_grad()
 def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, run: Streaming = Streaming(),
-                    in_sites=False):
-    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info); in_sites as Scorer's.
-    Hidden states of every calibration batch (and of the k loss batches for every skipped-layer
-    branch) live in a StateStore of run.max_memory_bytes; the rest is spilled to run.spill_dir."""
+                    in_sites=False, measured=False):
+    """Scores of a checkpoint with one layer's weights in memory at a time -> (scores, info); in_sites as Scorer's;
+    measured: the default criterion's measured units ranked by their LOO cost over the loss batches, as
+    head_loo.measured_scores does it whole. Hidden states of every calibration batch (and of the loss batches for
+    every skipped-layer and measured-unit branch) live in a StateStore of run.max_memory_bytes; the rest is
+    spilled to run.spill_dir."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     cfg = config_from_hf(reader.config)
     L, dev, dtype = cfg.num_layers, torch.device(run.device), run.dtype
     k = min(loss_batches, len(batches)) if loss_increase else 0
+    units = loo_units(cfg, measured=True) if measured else []
+    km = min(loss_batches, len(batches)) if units else 0
     mask_of = [None if masks is None or masks[b] is None else masks[b].to(dev) for b in range(len(batches))]
     store, scorer = StateStore(run.max_memory_bytes, run.spill_dir), Scorer(cfg=cfg, in_sites=in_sites)
     ps = _Pass(reader, cfg, scorer, store, mask_of, dev, dtype)
@@ -146,7 +171,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         for b, ids in enumerate(batches):
             store["main", b] = start(cfg, F.embedding(ids.to(dev), emb))
         del emb
-        _trunk_streaming(ps, len(batches), k, run.progress)
+        _trunk_streaming(ps, len(batches), k, run.progress, units, km)
         final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         w = ps.load(final)
         norm_f = trunk_norm(cfg).to(dev)
@@ -179,6 +204,14 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
                 [mean_loss([finish(cfg, norm_f, store[j, b].to(dev), head(b, batches[b], keep=False))
                             for b in range(k)]) - base
                  for j in range(L)], dtype=torch.float32)
+        if units:
+            base = mean_loss(sums[:km])
+            costs = {}
+            for i, name, chans in units:
+                costs.setdefault(f"layers.{i}.{name}", []).extend(
+                    mean_loss([finish(cfg, norm_f, store["u", i, name, u, b].to(dev), head(b, batches[b], keep=False))
+                               for b in range(km)]) - base for u in range(len(chans)))
+            scores = loo_scores(cfg, scores, {n: torch.tensor(c, dtype=torch.float32) for n, c in costs.items()})
         info = {"baseline_loss": mean_loss(sums), "tokens": int(scorer.tokens), "loss_batches": k,
                 "spilled_bytes": store.spilled}
     finally:

@@ -149,6 +149,12 @@ class GatedDeltaNetKind(LayerKind):
         return [("lin_v_heads_loo", [torch.arange(j * dv, (j + 1) * dv) for j in range(hv)]),
                 ("lin_k_heads_loo", [torch.arange(g * r * dv, (g + 1) * r * dv) for g in range(hk)])]
 
+    def measured_units(self, cfg):
+        """Key-head groups (Hk per layer: 16 in the released Qwen3-Next / Qwen3.5): activation ranked layer 2's
+        groups no better than chance on the bench's trained Qwen3.5-shaped model, their measured cost picks a set
+        below magnitude and every random seed (bench/results/head_criteria_gdn.md)."""
+        return [u for u in self.head_units(cfg) if u[0] == "lin_k_heads_loo"]
+
     def remove_channels(self, mixer, keep, fired):
         """The removed heads' outputs zeroed at out_proj's input (their RMS norm is per head: nothing else moves)."""
         return self.zero_inputs(mixer.out_proj, keep, fired)

@@ -221,6 +221,12 @@ class LayerKind:
         scorer measures (compress/head_loo.py), as channels of the input remove_channels masks."""
         return []
 
+    def measured_units(self, cfg) -> list:
+        """The head_units the default criterion (`score --method activation_measured`) ranks by their measured
+        leave-one-out cost over the loss batches rather than by activation: units few per layer (a forward each)
+        where the bench found activation blind (issue 55). Default: none."""
+        return []
+
     def remove_channels(self, mixer, keep, fired):
         """Remove, until the returned handle's remove(), the channels not in `keep` (bool) of the mixer as pruning
         them would; `fired()` is called each time the removal applies (a fused kernel may skip it)."""

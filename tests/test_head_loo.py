@@ -122,13 +122,13 @@ def gdn_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["mamba", "gdn"])
 def test_score_loo_reports_the_defaults_rank_correlation_per_layer(which, hf_dir, gdn_dir, tmp_path):
-    """`score --method loo` reports, per layer and unit kind, the Spearman correlation of the default (activation)
-    head ranking with the measured costs: equal to one computed here from an activation run on the same data and
-    the costs the loo run wrote (not the loo-ranked tensors, which would correlate 1)."""
+    """`score --method loo` reports, per layer and unit kind, the Spearman correlation of the default
+    (activation_measured) head ranking with the measured costs: equal to one computed here from a default run on
+    the same data and the costs the loo run wrote (not the loo-ranked tensors, which would correlate 1)."""
     d = hf_dir if which == "mamba" else gdn_dir
     data, how = embedded_corpus()[1], dict(samples=4, seq_len=32, batch=2, progress=False)
     rep = score(d, data, tmp_path / "loo", method="loo", **how)
-    score(d, data, tmp_path / "act", method="activation", loss_increase=False, **how)
+    score(d, data, tmp_path / "act", loss_increase=False, **how)
     loo, meta = load_scores(tmp_path / "loo")
     act, _ = load_scores(tmp_path / "act")
     cfg = ModelConfig.from_dict(meta["config"])

@@ -38,13 +38,17 @@ OVERWRITE = "replace an existing non-empty OUT"
 class ScoreOptions:
     COMMAND = "score"
     model: object = opt(None, "checkpoint directory to score", positional=True)
-    data: object = opt(None, "calibration text (needed for --method activation, activation_in and loo)")
+    data: object = opt(None, "calibration text (needed for --method activation_measured, activation, activation_in and loo)")
     out: object = opt(None, "new SCORES directory (reused by prune, plan and search)", required=True)
-    method: str = opt("activation", "activation importance, a data-free baseline, loo: the Mamba and Gated "
-                      "DeltaNet heads (and key-head groups) ranked by the calibration loss increase of each one removed "
-                      "alone (costs one forward per head over the calibration set; the model held whole), or "
-                      "activation_in: activation with Mamba-2 heads read at in_proj's x segment (the default before "
-                      "issue 55) instead of out_proj's input",
+    method: str = opt("activation_measured", "activation_measured: activation importance, with Gated DeltaNet key-head "
+                      "groups (the units a kind names as few) ranked by the loss increase of each one removed alone over "
+                      "the first 4 calibration batches (one extra forward per key-head group from its layer on, per batch; "
+                      "no other kind has such units: there it equals activation); activation: importance from "
+                      "activations alone; magnitude / random: data-free baselines; loo: every Mamba and Gated DeltaNet "
+                      "head (and key-head group) ranked by the calibration loss increase of each one removed alone "
+                      "(one forward per head over the calibration set; the model held whole); activation_in: activation "
+                      "with Mamba-2 heads read at in_proj's x segment (the default before issue 55) instead of "
+                      "out_proj's input",
                       choices=METHODS)
     seed: int = opt(0, "seed of --method random", check=SEED)
     expert_method: str = opt(

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from remodel.compress.baselines import METHODS, weight_scores
+from remodel.compress.baselines import DATA_METHODS, METHODS, weight_scores
 from remodel.compress.expert_scores import check_expert_method, rank_experts
 from remodel.compress.head_criteria import rank_correlation, unit_values
-from remodel.compress.head_loo import head_costs, loo_scores, loo_units
+from remodel.compress.head_loo import head_costs, loo_scores, loo_units, measured_scores
 from remodel.compress.importance import score_model
 from remodel.compress.streaming import Streaming, score_streaming
 from remodel.compress.scores import write_scores
@@ -80,7 +80,9 @@ def score(model_dir=None, data=None, out=None, opts: ScoreOptions | None = None,
     """Score every prunable unit of MODEL on `samples` sequences of `seq_len` tokens from DATA and
     write SCORES to `out` (+ remodel_report.json, importance.png); the options are ScoreOptions
     (pipelines/commands/configs.py: each one's meaning and default), given as `opts` or by name. Returns the report.
-    method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
+    method='activation_measured' (the default): activation, with the units a kind names as few (Gated DeltaNet
+    key-head groups) ranked by their leave-one-out loss increase over the loss batches, whole or streamed
+    (compress/head_loo.measured_scores). method='activation': activations alone. method='magnitude' | 'random' (seeded by `seed`) writes data-free baseline scores instead
     (compress/baselines.py); DATA and the calibration options are then ignored (DATA may be None).
     expert_method: what ranks routed experts (`layers.i.experts`), compress/expert_scores.py; all their
     tensors are written. method='loo': the activation scores, with the Mamba and Gated DeltaNet heads ranked by
@@ -97,7 +99,7 @@ def _score(o: ScoreOptions) -> dict:
     if method not in METHODS:
         raise RemodelError(f"unknown scoring method {method!r} (allowed: {', '.join(METHODS)})")
     expert_method = check_expert_method(o.expert_method)
-    if method not in ("activation", "loo", "activation_in"):
+    if method not in DATA_METHODS:
         return score_weights(model_dir, out, method, seed, overwrite)
     _check_options(o)
     model_dir = Path(model_dir)
@@ -115,21 +117,26 @@ def _score(o: ScoreOptions) -> dict:
         available = psutil.virtual_memory().available
         weight_bytes = sum(torch.Size(reader.shape(k)).numel() * 4 for k in reader.keys())
         mode = "whole" if method == "loo" else choose_mode(o.mode, weight_bytes, available)
+        budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
         if mode == "whole":
             model = load_model(model_dir, device=device)
             scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
                                        progress=o.progress, in_sites=method == "activation_in")
+            if method == "activation_measured":
+                scores = measured_scores(model, scores, batch_list, loss_batches=o.loss_batches,
+                                         max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
             if method == "loo":
-                budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
                 costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
-                info["head_rank_correlation"] = rank_correlation(unit_values(cfg, scores), costs)  # the default's
+                default = measured_scores(model, scores, batch_list, loss_batches=o.loss_batches,
+                                          max_memory_bytes=budget, spill_dir=tmp)
+                info["head_rank_correlation"] = rank_correlation(unit_values(cfg, default), costs)  # the default's
                 scores = loo_scores(cfg, scores, costs)
             del model
         else:
-            budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
             run = Streaming(max_memory_bytes=budget, spill_dir=tmp, device=device, progress=o.progress)
             scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
-                                           loss_batches=o.loss_batches, run=run, in_sites=method == "activation_in")
+                                           loss_batches=o.loss_batches, run=run, in_sites=method == "activation_in",
+                                           measured=method == "activation_measured")
         scores = rank_experts(scores, cfg, expert_method, seed)
         meta = {"config": cfg.to_dict(), "source": str(model_dir), "method": method, "samples": len(blocks),
                 "seq_len": seq_len, "tokens": info["tokens"], "baseline_loss": info["baseline_loss"], "mode": mode,
@@ -145,7 +152,7 @@ def _score(o: ScoreOptions) -> dict:
                   "seconds": round(seconds, 3), "tokens_per_s": round(info["tokens"] / max(seconds, 1e-9), 1),
                   "layers": _layer_rows(cfg.pattern, scores), "method": method,
                   "files": ["scores.safetensors", "scores.json", "importance.png"]}
-        if "head_rank_correlation" in info:  # --method loo: how the activation ranking tracks the measured costs
+        if "head_rank_correlation" in info:  # --method loo: how the default ranking tracks the measured costs
             report["head_rank_correlation"] = info["head_rank_correlation"]
         write_report(tmp, report)
     return report
