@@ -382,7 +382,7 @@ MARKS = {
         "test_hybridize_memory_is_bounded": "slow serial",
     },
     "test_head_criteria_quality.py": {
-        "test_activation_beats_magnitude_on_gdn_value_heads": "quality",
+        "test_default_beats_magnitude_and_random_on_gdn_heads": "quality",
     },
     "test_mamba_head_quality.py": {
         "test_default_beats_magnitude_on_mamba_heads": "quality",
