@@ -149,6 +149,24 @@ def _mtp_streaming(ps: _Pass, batches):
         store.pop(key)
 
 
+def _final(ps: _Pass):
+    """-> (the final norm on the device, the LM head's weight: the tied embeddings or lm_head)."""
+    cfg = ps.cfg
+    final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    w = ps.load(final)
+    norm_f = trunk_norm(cfg).to(ps.device)
+    norm_f.weight.data = w["norm_f.weight"]
+    return norm_f, w[final[1]]
+
+
+def _unit_costs(units, km: int, branch, base: float) -> dict:
+    """{`layers.i.<unit>_loo`: each measured unit's loss increase}: the mean loss of its km batches' branches
+    (store['u', i, name, u, b]) minus the base's on the same batches."""
+    return {f"layers.{i}.{name}": torch.tensor([mean_loss([branch(("u", i, name, u, b)) for b in range(km)]) - base
+                                                for u in range(len(chans))], dtype=torch.float32)
+            for i, name, chans in units}
+
+
 @torch.no_grad()
 def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=4, run: Streaming = Streaming(),
                     in_sites=False, measured=False):
@@ -172,11 +190,7 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
             store["main", b] = start(cfg, F.embedding(ids.to(dev), emb))
         del emb
         _trunk_streaming(ps, len(batches), k, run.progress, units, km)
-        final = ["norm_f.weight", "embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        w = ps.load(final)
-        norm_f = trunk_norm(cfg).to(dev)
-        norm_f.weight.data = w["norm_f.weight"]
-        W = w[final[1]]
+        norm_f, W = _final(ps)
 
         def head(b, ids, keep=True):
             def loss_sums(h):
@@ -198,20 +212,16 @@ def score_streaming(path, batches, masks=None, loss_increase=True, loss_batches=
         if cfg.mtp_layers:
             _mtp_streaming(ps, batches)
         scores = scorer.result()
+
+        def branch(key):  # a branch's loss sums on its batch (the batch is the key's last part)
+            return finish(cfg, norm_f, store[key].to(dev), head(key[-1], batches[key[-1]], keep=False))
+
         if k:
             base = mean_loss(sums[:k])
-            scores["loss_increase"] = torch.tensor(
-                [mean_loss([finish(cfg, norm_f, store[j, b].to(dev), head(b, batches[b], keep=False))
-                            for b in range(k)]) - base
-                 for j in range(L)], dtype=torch.float32)
+            scores["loss_increase"] = torch.tensor([mean_loss([branch((j, b)) for b in range(k)]) - base
+                                                    for j in range(L)], dtype=torch.float32)
         if units:
-            base = mean_loss(sums[:km])
-            costs = {}
-            for i, name, chans in units:
-                costs.setdefault(f"layers.{i}.{name}", []).extend(
-                    mean_loss([finish(cfg, norm_f, store["u", i, name, u, b].to(dev), head(b, batches[b], keep=False))
-                               for b in range(km)]) - base for u in range(len(chans)))
-            scores = loo_scores(cfg, scores, {n: torch.tensor(c, dtype=torch.float32) for n, c in costs.items()})
+            scores = loo_scores(cfg, scores, _unit_costs(units, km, branch, mean_loss(sums[:km])))
         info = {"baseline_loss": mean_loss(sums), "tokens": int(scorer.tokens), "loss_batches": k,
                 "spilled_bytes": store.spilled}
     finally:

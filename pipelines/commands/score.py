@@ -119,19 +119,7 @@ def _score(o: ScoreOptions) -> dict:
         mode = "whole" if method == "loo" else choose_mode(o.mode, weight_bytes, available)
         budget = o.max_memory_bytes if o.max_memory_bytes is not None else available // 4
         if mode == "whole":
-            model = load_model(model_dir, device=device)
-            scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
-                                       progress=o.progress, in_sites=method == "activation_in")
-            if method == "activation_measured":
-                scores = measured_scores(model, scores, batch_list, loss_batches=o.loss_batches,
-                                         max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
-            if method == "loo":
-                costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
-                default = measured_scores(model, scores, batch_list, loss_batches=o.loss_batches,
-                                          max_memory_bytes=budget, spill_dir=tmp)
-                info["head_rank_correlation"] = rank_correlation(unit_values(cfg, default), costs)  # the default's
-                scores = loo_scores(cfg, scores, costs)
-            del model
+            scores, info = _score_whole(o, load_model(model_dir, device=device), batch_list, budget, tmp)
         else:
             run = Streaming(max_memory_bytes=budget, spill_dir=tmp, device=device, progress=o.progress)
             scores, info = score_streaming(reader, batch_list, loss_increase=o.loss_increase,
@@ -156,6 +144,24 @@ def _score(o: ScoreOptions) -> dict:
             report["head_rank_correlation"] = info["head_rank_correlation"]
         write_report(tmp, report)
     return report
+
+
+def _score_whole(o: ScoreOptions, model, batch_list, budget, tmp) -> tuple[dict, dict]:
+    """The scores with the whole model in memory -> (scores, info): activation (in_proj sites for activation_in),
+    then the measured units (activation_measured) or every head's LOO cost (loo, with the default's rank
+    correlation to those costs in info)."""
+    cfg, method = model.cfg, o.method
+    scores, info = score_model(model, batch_list, loss_increase=o.loss_increase, loss_batches=o.loss_batches,
+                               progress=o.progress, in_sites=method == "activation_in")
+    measured = dict(loss_batches=o.loss_batches, max_memory_bytes=budget, spill_dir=tmp)
+    if method == "activation_measured":
+        scores = measured_scores(model, scores, batch_list, progress=o.progress, **measured)
+    if method == "loo":
+        costs, _ = head_costs(model, batch_list, max_memory_bytes=budget, spill_dir=tmp, progress=o.progress)
+        default = measured_scores(model, scores, batch_list, **measured)
+        info["head_rank_correlation"] = rank_correlation(unit_values(cfg, default), costs)  # the default's
+        scores = loo_scores(cfg, scores, costs)
+    return scores, info
 
 
 def _check_options(o: ScoreOptions):
