@@ -3,6 +3,11 @@ with Gated DeltaNet key-head groups ranked by their measured leave-one-out cost 
 equal the LOO scorer's on those batches, prune drops the cheapest groups and keeps activation's value heads within
 the kept ones, the layer-streaming scorer gives the same numbers, and a model without such units scores as
 activation does."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +24,9 @@ from remodel.pipelines.commands.prune import prune
 from remodel.pipelines.commands.score import score
 from remodel.pipelines.data.data import embedded_corpus, embedded_tokenizer_path
 from tests.conftest import random_model
+from tests.rss import PEAK_RSS
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 KEY = "lin_k_heads_loo"
@@ -120,3 +128,41 @@ def test_score_default_is_measured_and_equals_activation_without_key_groups(tmp_
     a, _ = load_scores(tmp_path / "m_default")
     b, _ = load_scores(tmp_path / "m_act")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+MEMORY_SCRIPT = PEAK_RSS + '''
+import sys, torch
+torch.set_num_threads(1)
+from remodel.compress.streaming import Streaming, score_streaming
+path, spill, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+g = torch.Generator().manual_seed(0)
+data = [torch.randint(0, 2048, (4, 64), generator=g) for _ in range(4)]
+score_streaming(path, data, loss_increase=False)  # warm-up: imports, the allocator, the kernels
+base = reset_peak()
+scores, info = score_streaming(path, data, loss_increase=False, measured=True,
+                               run=Streaming(max_memory_bytes=budget, spill_dir=spill))
+assert all(scores[f"layers.{i}.lin_k_heads_loo"].isfinite().all() for i in (0, 2, 4))
+print(base, status("VmHWM"), info["spilled_bytes"])
+'''
+
+
+def test_streamed_measured_branches_spill_past_the_budget(tmp_path):
+    """Layer streaming carries 3 GDN layers x 16 key groups x 4 loss batches = 192 branch states of 0.5 MiB
+    (96 MiB): with a 4 MiB budget they go to disk and the peak RSS grows by less than half of them."""
+    mb = 1024**2
+    cfg = config_from_hf(dict(FAMILIES["qwen3_5_text"].tiny["plain"], model_type="qwen3_5_text", vocab_size=2048,
+                              hidden_size=512, intermediate_size=512, num_hidden_layers=4, linear_num_key_heads=16,
+                              linear_num_value_heads=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              layer_types=["linear_attention"] * 3 + ["full_attention"]))
+    assert cfg.pattern == "D-D-D-*-"
+    d, spill = tmp_path / "m", tmp_path / "spill"
+    spill.mkdir()
+    save_model(random_model(cfg, 0), d, family="qwen3_5_text")
+    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(d), str(spill), str(4 * mb)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    base, peak, spilled = map(int, res.stdout.split()[-3:])
+    branches = 3 * 16 * 4 * 4 * 64 * 512 * 4
+    print(f"growth {(peak - base) / mb:.1f} MiB, branch states {branches / mb:.0f} MiB, spilled {spilled / mb:.0f} MiB")
+    assert spilled >= 0.9 * branches and peak - base < branches / 2

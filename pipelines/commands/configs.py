@@ -42,8 +42,10 @@ class ScoreOptions:
     out: object = opt(None, "new SCORES directory (reused by prune, plan and search)", required=True)
     method: str = opt("activation_measured", "activation_measured: activation importance, with Gated DeltaNet key-head "
                       "groups (the units a kind names as few) ranked by the loss increase of each one removed alone over "
-                      "the first 4 calibration batches (one extra forward per key-head group from its layer on, per batch; "
-                      "no other kind has such units: there it equals activation); activation: importance from "
+                      "the first 4 calibration batches (one extra forward per key-head group from its layer on, per batch: "
+                      "with the other defaults ~4-6x the activation pass on Qwen3-Next / Qwen3.5 shapes, see "
+                      "bench/RESULTS.md 'Scoring overhead'; no other kind has such units: there it equals activation); "
+                      "activation: importance from "
                       "activations alone; magnitude / random: data-free baselines; loo: every Mamba and Gated DeltaNet "
                       "head (and key-head group) ranked by the calibration loss increase of each one removed alone "
                       "(one forward per head over the calibration set; the model held whole); activation_in: activation "
