@@ -52,7 +52,7 @@ def loo_units(cfg, measured: bool = False) -> list[tuple[int, str, list[torch.Te
 class HeadMask:
     """Removes the channels of one layer (one unit, or several: a set) while attached, as the layer's kind says
     (LayerKind.remove_channels: the Mamba norm over the kept channels, the GDN out_proj's input zeroed);
-    remove() detaches it."""
+    remove() detaches it, as leaving a `with HeadMask(...)` block does."""
 
     def __init__(self, block, channels: torch.Tensor):
         self.fired = 0
@@ -62,6 +62,12 @@ class HeadMask:
 
     def _fire(self):
         self.fired += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
 
     def remove(self):
         self.handle.remove()
@@ -104,11 +110,8 @@ def head_costs(model, batches, masks=None, max_memory_bytes=None, spill_dir=None
             done = i
             out = []
             for c in chans:
-                mask = HeadMask(model.layers[i], c)
-                try:
+                with HeadMask(model.layers[i], c):
                     out.append(loss_from(model, i, store, batches, masks) - base)
-                finally:
-                    mask.remove()
                 bar.update()
             costs[f"layers.{i}.{name}"] = torch.tensor(out, dtype=torch.float32)
         bar.close()

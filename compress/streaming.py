@@ -99,16 +99,6 @@ def _scored(scorer: Scorer, i: int, block, mtp: bool = False):
         scorer.detach()
 
 
-@contextlib.contextmanager
-def _removed(block, channels):
-    """A pass with `channels` of block's mixer removed (compress/head_loo.HeadMask)."""
-    mask = HeadMask(block, channels)
-    try:
-        yield
-    finally:
-        mask.remove()
-
-
 def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool, units=(), km: int = 0):
     """The trunk's layers, one at a time, over store['main', b] (b < n), scored; the k loss batches'
     skipped-layer branches (store[i, b]: without layer i) go through every later layer too, as do the km loss
@@ -125,7 +115,7 @@ def _trunk_streaming(ps: _Pass, n: int, k: int, progress: bool, units=(), km: in
             keys = [("u", i, name, u, b) for b in range(km)]
             for key in keys:
                 store[key] = store["main", key[-1]]
-            yield keys, _removed(block, c)
+            yield keys, HeadMask(block, c)  # attached as the pass starts, removed as it ends
         yield [("main", b) for b in range(n)], _scored(ps.scorer, i, block)
         yield [(j, b) for j in range(i) for b in range(k)] + later, contextlib.nullcontext()  # through it too
         later.extend(("u", i, name, u, b) for name, u, _ in mine for b in range(km))
